@@ -1,0 +1,46 @@
+# Two commands on a fresh machine (Python 3.10+, pip, make):
+#   make book   set-up, execute every chapter on the best device present, render _build/html
+#   make test   set-up with dev tools, then the whole test suite (.ci/run calls this)
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+# torch: on a machine without an NVIDIA driver we ask for the small CPU build;
+# with one, pip's default (CUDA) build. Override: `make book TORCH=torch==2.11.0`,
+# and TORCH_INDEX=<url> to take it from another package index.
+TORCH       ?= $(if $(shell command -v nvidia-smi 2>/dev/null),torch,torch==2.13.0)
+TORCH_INDEX ?=
+PIP_FLAGS   ?= -q
+
+.PHONY: book test setup setup-dev clean clean-all
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install $(PIP_FLAGS) --upgrade pip
+
+$(VENV)/.torch: | $(BIN)/python
+	$(BIN)/python -c "import torch" 2>/dev/null || \
+	  $(BIN)/python -m pip install $(PIP_FLAGS) "$(TORCH)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	touch $@
+
+$(VENV)/.book: pyproject.toml $(VENV)/.torch
+	$(BIN)/python -m pip install $(PIP_FLAGS) -e ".[book]"
+	touch $@
+
+$(VENV)/.dev: pyproject.toml $(VENV)/.book
+	$(BIN)/python -m pip install $(PIP_FLAGS) -e ".[book,dev]"
+	touch $@
+
+setup: $(VENV)/.book
+setup-dev: $(VENV)/.dev
+
+book: $(VENV)/.book
+	$(BIN)/inferbook book $(BOOK_ARGS)
+
+test: $(VENV)/.dev
+	$(BIN)/python -m pytest -n 2 $(TEST_ARGS)
+
+clean:
+	rm -rf _build
+
+clean-all: clean
+	rm -rf $(VENV)

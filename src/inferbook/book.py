@@ -1,0 +1,355 @@
+"""Executing chapters and building the book.
+
+    chapters/<slug>.md  --jupytext-->  notebook  --papermill-->  _build/executed/<slug>.ipynb
+                                                                 _build/results/<slug>.json
+    _config.yml, _toc.yml, intro.md, executed notebooks, status page  -->  _build/stage/
+    _build/stage  --sphinx (jupyter-book config, execution off)-->  _build/html/
+
+A chapter is re-executed only when its inputs change: the chapter source, its parameters
+(device, preset, seed and knobs), any file under `src/inferbook/` or `data/`. The hash of
+those inputs is kept next to the executed notebook, with status, device, duration and date.
+We use papermill (parameters, per-cell timeout, failing cell named) and jupytext (MyST
+markdown sources, no outputs in git) rather than code of our own; the cache is ours
+because jupyter-book's own cache keys on notebook text only and would miss `src/` edits.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import chapters as _chapters
+from .context import repo_root
+from .errors import UserError
+from .record import write_json_atomic
+
+DEFAULT_CELL_TIMEOUT_S = 1800
+
+
+def paths() -> dict[str, Path]:
+    root = repo_root()
+    build = root / "_build"
+    return {"root": root, "chapters": root / "chapters", "build": build, "executed": build / "executed",
+            "results": build / "results", "stage": build / "stage", "html": build / "html",
+            "doctrees": build / "doctrees"}
+
+
+def built_chapters() -> list[_chapters.ChapterInfo]:
+    """Chapters whose source exists, in book order."""
+    src = paths()["chapters"]
+    return [c for c in _chapters.CHAPTERS.values() if (src / f"{c.slug}.md").is_file()]
+
+
+def _hash_tree(h, folder: Path, skip: tuple[str, ...] = ("__pycache__", ".ipynb_checkpoints")) -> None:
+    if not folder.is_dir():
+        return
+    for p in sorted(folder.rglob("*")):
+        if p.is_file() and not any(s in p.parts for s in skip) and not p.name.endswith(".pyc"):
+            h.update(str(p.relative_to(folder)).encode())
+            h.update(p.read_bytes())
+
+
+def input_hash(slug: str, run_params: dict) -> str:
+    """What a cached execution depends on: chapter source, parameters, src/inferbook, data/."""
+    p = paths()
+    h = hashlib.sha256()
+    h.update((p["chapters"] / f"{slug}.md").read_bytes())
+    h.update(json.dumps(run_params, sort_keys=True, default=str).encode())
+    _hash_tree(h, p["root"] / "src" / "inferbook")
+    _hash_tree(h, p["root"] / "data")
+    return h.hexdigest()
+
+
+def meta_path(slug: str, executed: Path | None = None) -> Path:
+    return (executed or paths()["executed"]) / f"{slug}.meta.json"
+
+
+def read_meta(slug: str, executed: Path | None = None) -> dict | None:
+    try:
+        return json.loads(meta_path(slug, executed).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def chapter_status(slug: str, run_params: dict) -> str:
+    """'cached', 'stale', 'failed' or 'not executed'."""
+    meta = read_meta(slug)
+    if meta is None or not (paths()["executed"] / f"{slug}.ipynb").is_file():
+        return "not executed"
+    if meta.get("status") == "failed":
+        return "failed" if meta.get("hash") == input_hash(slug, run_params) else "stale"
+    return "cached" if meta.get("hash") == input_hash(slug, run_params) else "stale"
+
+
+@dataclass
+class ChapterFailed(Exception):
+    slug: str
+    cell: int | None
+    ename: str
+    evalue: str
+
+    def __str__(self):
+        where = f"cell {self.cell}" if self.cell is not None else "setup"
+        return f"chapter {self.slug!r} failed in {where}: {self.ename}: {self.evalue}"
+
+
+def run_parameters(device: str = "auto", preset: str = "auto", seed: int = 0, params: dict | None = None) -> dict:
+    return {"device": device, "preset": preset, "seed": seed, **(params or {})}
+
+
+def validate(slug: str, run_params: dict) -> None:
+    """Every check `setup()` makes, in this process, before a kernel is started."""
+    from .context import setup
+
+    rp = dict(run_params)
+    setup(slug, device=rp.pop("device"), preset=rp.pop("preset"), seed=rp.pop("seed"), **rp)
+
+
+def _typed_for_notebook(slug: str, run_params: dict) -> dict:
+    """CLI values arrive as strings; give papermill the declared types."""
+    info = _chapters.get_chapter(slug)
+    module = _chapters.load_module(info)
+    out = {}
+    for k, v in run_params.items():
+        if k in module.PARAMETERS and v is not None:
+            v = module.PARAMETERS[k].coerce(k, v)
+        out[k] = v
+    return out
+
+
+def execute(slug: str, *, device: str = "auto", preset: str = "auto", seed: int = 0, params: dict | None = None,
+            executed_dir: Path | None = None, results_dir: Path | None = None, save_reference: bool = False,
+            cell_timeout: int = DEFAULT_CELL_TIMEOUT_S, progress: bool = True) -> dict:
+    """Execute one chapter with papermill. Returns its meta (status, device, seconds, date).
+
+    Raises `UserError` for bad input before any kernel starts, `ChapterFailed` naming the
+    cell and error when a cell fails (the executed notebook is kept, error included).
+    """
+    import jupytext
+    import papermill
+
+    info = _chapters.get_chapter(slug)
+    src = paths()["chapters"] / f"{slug}.md"
+    if not src.is_file():
+        raise UserError(f"chapter {slug!r} is planned but has no source yet ({src.relative_to(repo_root())})")
+    run_params = run_parameters(device, preset, seed, params)
+    run_params = _typed_for_notebook(slug, run_params)
+    validate(slug, run_params)
+
+    executed_dir = Path(executed_dir or paths()["executed"])
+    executed_dir.mkdir(parents=True, exist_ok=True)
+    results_dir = Path(results_dir or paths()["results"])
+    out_nb = executed_dir / f"{slug}.ipynb"
+    in_nb = executed_dir / f".{slug}.input.ipynb"
+    nb = jupytext.read(src)
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    jupytext.write(nb, in_nb, fmt="ipynb")
+
+    env_backup = {k: os.environ.get(k) for k in ("INFERBOOK_RESULTS", "INFERBOOK_SAVE_REFERENCE", "PYTHONUNBUFFERED")}
+    os.environ["INFERBOOK_RESULTS"] = str(results_dir)
+    os.environ["INFERBOOK_SAVE_REFERENCE"] = "1" if save_reference else "0"
+    started = time.perf_counter()
+    meta = {"chapter": slug, "title": info.title, "parameters": run_params, "hash": input_hash(slug, run_params),
+            "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
+    try:
+        papermill.execute_notebook(str(in_nb), str(out_nb), parameters=run_params, kernel_name="python3",
+                                   execution_timeout=cell_timeout, progress_bar=progress, cwd=str(repo_root()),
+                                   log_output=False, report_mode=False)
+    except papermill.PapermillExecutionError as e:
+        meta.update(status="failed", seconds=round(time.perf_counter() - started, 2), cell=e.exec_count,
+                    error=f"{e.ename}: {e.evalue}", device=_device_of_run(results_dir, slug))
+        write_json_atomic(meta_path(slug, executed_dir), meta)
+        raise ChapterFailed(slug, e.exec_count, e.ename, _first_line(e.evalue)) from None
+    except Exception as e:  # kernel died, timeout, bad notebook
+        meta.update(status="failed", seconds=round(time.perf_counter() - started, 2), cell=None,
+                    error=f"{type(e).__name__}: {e}", device=None)
+        write_json_atomic(meta_path(slug, executed_dir), meta)
+        raise ChapterFailed(slug, None, type(e).__name__, _first_line(str(e))) from None
+    finally:
+        for k, v in env_backup.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        in_nb.unlink(missing_ok=True)
+    meta.update(status="ok", seconds=round(time.perf_counter() - started, 2),
+                device=_device_of_run(results_dir, slug))
+    write_json_atomic(meta_path(slug, executed_dir), meta)
+    return meta
+
+
+def _first_line(text: str) -> str:
+    text = (text or "").strip()
+    return text.splitlines()[0] if text else ""
+
+
+def _device_of_run(results_dir: Path, slug: str) -> str | None:
+    from .device import hardware_label
+    from .record import load_records
+
+    try:
+        records = load_records(results_dir / f"{slug}.json")
+    except Exception:
+        return None
+    return hardware_label(records[0].hardware) if records else None
+
+
+# ---------------------------------------------------------------------------
+# Staging and building.
+
+def _copy_if_changed(src: Path, dst: Path) -> None:
+    """Copy keeping mtimes, and only when bytes differ: Sphinx then rebuilds only what changed."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    if dst.is_file() and dst.read_bytes() == src.read_bytes():
+        return
+    shutil.copy2(src, dst)
+
+
+def _write_if_changed(dst: Path, text: str) -> None:
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    if dst.is_file() and dst.read_text() == text:
+        return
+    dst.write_text(text)
+
+
+def status_page(metas: dict[str, dict | None]) -> str:
+    """The status page: every chapter, where and when it was executed, and how long it took."""
+    lines = ["# Execution status", "",
+             "Every chapter of this build, the device it was executed on, how long execution took and when. "
+             "Chapters marked *planned* are not written yet; *failed* chapters show the failing cell on their page.", "",
+             "| Part | Chapter | Status | Device | Preset | Time (s) | Executed (UTC) |",
+             "|---|---|---|---|---|---|---|"]
+    for info in _chapters.CHAPTERS.values():
+        meta = metas.get(info.slug)
+        part = _chapters.PARTS[info.part]
+        if info.slug not in metas:
+            lines.append(f"| {part} | {info.title} (`{info.slug}`) | planned | | | | |")
+            continue
+        if meta is None:
+            lines.append(f"| {part} | [{info.title}](chapters/{info.slug}) | not executed | | | | |")
+            continue
+        status = meta.get("status", "?")
+        if status == "failed":
+            status = f"failed (cell {meta.get('cell')}: {meta.get('error', '')[:80]})"
+        lines.append(f"| {part} | [{info.title}](chapters/{info.slug}) | {status} | {meta.get('device') or ''} | "
+                     f"{meta.get('parameters', {}).get('preset', '')} | {meta.get('seconds', '')} | "
+                     f"{meta.get('date', '').replace('T', ' ')} |")
+    lines += ["", f"Built with Python {sys.version.split()[0]}. Chapter records are under `_build/results/`; "
+              "committed reference runs are under `data/results/`.", ""]
+    return "\n".join(lines)
+
+
+def _placeholder_notebook(slug: str, message: str) -> dict:
+    import nbformat
+
+    info = _chapters.CHAPTERS[slug]
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_markdown_cell(f"# {info.title}\n\n:::{{warning}}\n{message}\n:::\n")]
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    return nb
+
+
+def stage(metas: dict[str, dict | None]) -> Path:
+    """Copy config, pages and executed notebooks into `_build/stage` (sources never sit beside
+    their executed copies in the tree Sphinx reads)."""
+    import nbformat
+
+    p = paths()
+    st = p["stage"]
+    st.mkdir(parents=True, exist_ok=True)
+    for name in ("_config.yml", "_toc.yml", "intro.md"):
+        _copy_if_changed(p["root"] / name, st / name)
+    for folder in ("parts", "_static"):
+        for f in sorted((p["root"] / folder).rglob("*")) if (p["root"] / folder).is_dir() else []:
+            if f.is_file():
+                _copy_if_changed(f, st / folder / f.relative_to(p["root"] / folder))
+    _write_if_changed(st / "status.md", status_page(metas))
+    for slug, meta in metas.items():
+        dst = st / "chapters" / f"{slug}.ipynb"
+        executed = p["executed"] / f"{slug}.ipynb"
+        if meta is None or not executed.is_file():
+            nb = _placeholder_notebook(slug, f"This chapter was not executed in this build. Run "
+                                             f"`inferbook run {slug}` (or `make book`) to execute it.")
+            _write_if_changed(dst, nbformat.writes(nb))
+        elif meta.get("status") == "failed":
+            nb = nbformat.read(executed, as_version=4)
+            banner = nbformat.v4.new_markdown_cell(
+                f":::{{error}} This chapter failed to execute\nCell {meta.get('cell')}: `{meta.get('error', '')}`. "
+                "The output below stops at the failing cell.\n:::\n")
+            nb.cells.insert(1 if nb.cells and nb.cells[0].cell_type == "markdown" else 0, banner)
+            _write_if_changed(dst, nbformat.writes(nb))
+        else:
+            _copy_if_changed(executed, dst)
+    # stale pages of chapters no longer in the book
+    for f in (st / "chapters").glob("*.ipynb"):
+        if f.stem not in metas:
+            f.unlink()
+    return st
+
+
+def sphinx_build(stage_dir: Path, html_dir: Path, doctrees: Path) -> None:
+    """jupyter-book turns _config.yml into conf.py; Sphinx builds with warnings as errors,
+    nitpicky, keep-going, incremental (doctrees kept), execution off."""
+    conf = subprocess.run([sys.executable, "-m", "jupyter_book.cli.main", "config", "sphinx", str(stage_dir)],
+                          capture_output=True, text=True)
+    if conf.returncode != 0:
+        raise RuntimeError(f"jupyter-book config sphinx failed:\n{conf.stdout}\n{conf.stderr}")
+    cmd = [sys.executable, "-m", "sphinx", "-b", "html", "-W", "-n", "--keep-going", "-q",
+           "-d", str(doctrees), str(stage_dir), str(html_dir)]
+    res = subprocess.run(cmd, text=True, capture_output=True)
+    if res.returncode != 0:
+        raise RuntimeError(f"sphinx build failed (exit {res.returncode}):\n{res.stdout[-4000:]}\n{res.stderr[-8000:]}")
+
+
+def build_book(*, chapters: list[str] | None = None, force: bool = False, keep_going: bool = False,
+               device: str = "auto", preset: str = "auto", progress: bool = True, log=print) -> dict:
+    """Execute what changed, stage, and build HTML. Returns {slug: meta}.
+
+    `chapters` limits which chapters may be (re)executed; the others keep their cached
+    pages. Raises ChapterFailed on the first failure unless `keep_going`.
+    """
+    built = [c.slug for c in built_chapters()]
+    if chapters:
+        for s in chapters:
+            _chapters.get_chapter(s)
+            if s not in built:
+                raise UserError(f"chapter {s!r} has no source yet; built chapters are {', '.join(built)}")
+    run_params = run_parameters(device, preset)
+    for slug in (chapters or built):  # validate all before executing any
+        validate(slug, run_params)
+    metas: dict[str, dict | None] = {}
+    failures: list[ChapterFailed] = []
+    for i, slug in enumerate(built, 1):
+        st = chapter_status(slug, run_params)
+        selected = chapters is None or slug in chapters
+        if selected and (force or st != "cached"):
+            log(f"[{i}/{len(built)}] {slug}: executing ({st}) ...")
+            try:
+                meta = execute(slug, device=device, preset=preset, progress=progress)
+                log(f"[{i}/{len(built)}] {slug}: ok in {meta['seconds']:.1f} s on {meta.get('device')}")
+            except ChapterFailed as e:
+                log(f"[{i}/{len(built)}] {e}")
+                failures.append(e)
+                if not keep_going:
+                    raise
+                meta = read_meta(slug)
+        else:
+            meta = read_meta(slug)
+            log(f"[{i}/{len(built)}] {slug}: {st}, reused")
+        metas[slug] = meta
+    p = paths()
+    stage_dir = stage(metas)
+    t0 = time.perf_counter()
+    sphinx_build(stage_dir, p["html"], p["doctrees"])
+    log(f"book built in {time.perf_counter() - t0:.1f} s: open {p['html'] / 'index.html'}")
+    if failures:
+        raise ChapterFailed(failures[0].slug, failures[0].cell, failures[0].ename,
+                            failures[0].evalue + (f" (and {len(failures) - 1} more)" if len(failures) > 1 else ""))
+    return metas

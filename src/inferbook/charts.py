@@ -1,0 +1,179 @@
+"""One altair theme and the few chart kinds the book uses, rendered offline.
+
+Charts are rendered by vl-convert (no browser, no network) to SVG for HTML and PNG for
+PDF; `show(chart)` returns an object Jupyter displays as both. We never use altair's
+`mimetype` renderer: it embeds a Vega spec that needs a script from a CDN and, with
+altair 6, breaks notebook validation.
+
+Every chart takes a `hardware` label that goes into its title: a plot that does not
+say which device made it is not shown.
+"""
+from __future__ import annotations
+
+import base64
+from pathlib import Path
+from typing import Iterable, Sequence
+
+FONT = "DejaVu Sans, Helvetica, Arial, sans-serif"
+PALETTE = ["#3b6ea5", "#e07b39", "#5a9e6f", "#b5535b", "#7d6bb0", "#8c7a5b", "#d4a017", "#6b8e9e"]
+WIDTH, HEIGHT = 520, 260
+
+
+def _alt():
+    import altair as alt
+
+    theme = {
+        "config": {
+            "font": FONT,
+            "view": {"continuousWidth": WIDTH, "continuousHeight": HEIGHT, "stroke": None},
+            "range": {"category": PALETTE},
+            "axis": {"labelFontSize": 11, "titleFontSize": 12, "gridColor": "#e8e8e8", "domainColor": "#888"},
+            "legend": {"labelFontSize": 11, "titleFontSize": 12},
+            "title": {"fontSize": 13, "anchor": "start", "subtitleFontSize": 11, "subtitleColor": "#555"},
+            "background": "white",
+        }
+    }
+    # altair >= 5.5 has alt.theme; older ones alt.themes.
+    if hasattr(alt, "theme") and hasattr(alt.theme, "register"):
+        if "inferbook" not in alt.theme.names():
+            alt.theme.register("inferbook", enable=True)(lambda: theme)
+        else:
+            alt.theme.enable("inferbook")
+    else:  # pragma: no cover - older altair
+        alt.themes.register("inferbook", lambda: theme)
+        alt.themes.enable("inferbook")
+    return alt
+
+
+def _title(title: str, hardware: str):
+    if not hardware:
+        raise ValueError("every chart names the hardware that made its numbers (hardware=...)")
+    return {"text": title, "subtitle": [hardware]}
+
+
+def _data(rows):
+    import pandas as pd
+
+    return rows if isinstance(rows, pd.DataFrame) else pd.DataFrame(list(rows))
+
+
+def bar(rows, *, x: str, y: str, color: str | None = None, title: str, hardware: str,
+        x_title: str | None = None, y_title: str | None = None, log_y: bool = False, column: str | None = None):
+    """Grouped bars: one bar per `x` (and `color`), e.g. time per backend."""
+    alt = _alt()
+    df = _data(rows)
+    enc = {
+        "x": alt.X(f"{x}:N", title=x_title or x, sort=None),
+        "y": alt.Y(f"{y}:Q", title=y_title or y, scale=alt.Scale(type="log") if log_y else alt.Undefined),
+        "tooltip": list(df.columns),
+    }
+    if color:
+        enc["color"] = alt.Color(f"{color}:N", title=color)
+        enc["xOffset"] = alt.XOffset(f"{color}:N")
+    chart = alt.Chart(df).mark_bar().encode(**enc)
+    if column:
+        chart = chart.facet(column=alt.Column(f"{column}:N", title=column))
+    return chart.properties(title=_title(title, hardware))
+
+
+def sweep(rows, *, x: str, y: str, color: str | None = None, title: str, hardware: str,
+          x_title: str | None = None, y_title: str | None = None, log_x: bool = False, log_y: bool = False,
+          band: tuple[str, str] | None = None):
+    """Lines with points over a swept parameter; `band=(lo, hi)` draws a p10-p90 area."""
+    alt = _alt()
+    df = _data(rows)
+    xs = alt.X(f"{x}:Q", title=x_title or x, scale=alt.Scale(type="log") if log_x else alt.Undefined)
+    ys = alt.Y(f"{y}:Q", title=y_title or y, scale=alt.Scale(type="log") if log_y else alt.Undefined)
+    col = alt.Color(f"{color}:N", title=color) if color else alt.Undefined
+    line = alt.Chart(df).mark_line(point=True).encode(x=xs, y=ys, color=col, tooltip=list(df.columns))
+    if band:
+        area = alt.Chart(df).mark_area(opacity=0.2).encode(x=xs, y=f"{band[0]}:Q", y2=f"{band[1]}:Q", color=col)
+        line = area + line
+    return line.properties(title=_title(title, hardware))
+
+
+def roofline(points, *, ceil, title: str, hardware: str, label: str = "label"):
+    """Achieved TFLOP/s against arithmetic intensity, under the measured copy and matmul roofs.
+
+    `points`: rows with `intensity_flop_per_byte`, `achieved_tflops` and `label`.
+    `ceil`: a `measure.Ceilings` measured on the same device in the same run.
+    """
+    import numpy as np
+
+    alt = _alt()
+    df = _data(points)
+    lo = float(min(df["intensity_flop_per_byte"].min(), 0.1)) / 2
+    hi = float(max(df["intensity_flop_per_byte"].max(), ceil.matmul_tflops * 1e3 / ceil.copy_gbps)) * 4
+    xs = np.geomspace(lo, hi, 64)
+    roof = [{"intensity_flop_per_byte": float(v), "roof_tflops": float(min(ceil.matmul_tflops, ceil.copy_gbps * v / 1e3))}
+            for v in xs]
+    roof_chart = alt.Chart(_data(roof)).mark_line(color="#999", strokeDash=[4, 3]).encode(
+        x=alt.X("intensity_flop_per_byte:Q", scale=alt.Scale(type="log"), title="arithmetic intensity (flop/byte)"),
+        y=alt.Y("roof_tflops:Q", scale=alt.Scale(type="log"), title="TFLOP/s"))
+    pts = alt.Chart(df).mark_point(filled=True, size=70).encode(
+        x="intensity_flop_per_byte:Q", y="achieved_tflops:Q", color=alt.Color(f"{label}:N", title=label),
+        tooltip=list(df.columns))
+    sub = (f"{hardware} · roofs measured here: copy {ceil.copy_gbps:.0f} GB/s, "
+           f"{ceil.matmul_dtype} matmul {ceil.matmul_tflops:.2f} TFLOP/s")
+    return (roof_chart + pts).properties(title={"text": title, "subtitle": [sub]})
+
+
+def heatmap(rows, *, x: str, y: str, passed: str = "passed", title: str, hardware: str, text: str | None = None):
+    """Pass/fail grid: one cell per (x, y); failing cells are red and can carry a `text` label."""
+    alt = _alt()
+    df = _data(rows).copy()
+    df["result"] = df[passed].map({True: "pass", False: "FAIL"})
+    base = alt.Chart(df).encode(x=alt.X(f"{x}:N", title=x, sort=None), y=alt.Y(f"{y}:N", title=y, sort=None))
+    cells = base.mark_rect(stroke="white").encode(
+        color=alt.Color("result:N", scale=alt.Scale(domain=["pass", "FAIL"], range=["#5a9e6f", "#c0392b"]), title="result"),
+        tooltip=list(df.columns))
+    layers = cells
+    if text:
+        layers = cells + base.mark_text(fontSize=9, color="white").encode(text=f"{text}:N")
+    return layers.properties(title=_title(title, hardware))
+
+
+class Rendered:
+    """A chart rendered to SVG (HTML) and PNG (PDF); Jupyter shows whichever it prefers."""
+
+    def __init__(self, svg: str, png: bytes):
+        self.svg, self.png = svg, png
+
+    def _repr_mimebundle_(self, include=None, exclude=None):
+        return {"image/svg+xml": self.svg, "image/png": base64.b64encode(self.png).decode("ascii")}
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.suffix == ".png":
+            path.write_bytes(self.png)
+        else:
+            path.write_text(self.svg)
+        return path
+
+
+def render(chart, *, png_scale: float = 2.0) -> Rendered:
+    """Render an altair chart offline with vl-convert."""
+    import vl_convert as vlc
+
+    spec = chart.to_dict()
+    return Rendered(vlc.vegalite_to_svg(spec), vlc.vegalite_to_png(spec, scale=png_scale))
+
+
+def show(chart) -> Rendered:
+    """What a chapter calls to display a chart (the last expression of a cell)."""
+    return render(chart)
+
+
+def records_rows(records: Iterable, names: Sequence[str] | None = None) -> list[dict]:
+    """Flatten records' measurements into rows for tables and charts."""
+    from .device import hardware_label
+
+    rows = []
+    for r in records:
+        for m in r.measurements:
+            if names is not None and m["name"] not in names:
+                continue
+            rows.append({"record": r.name, "variant": r.variant, "hardware": hardware_label(r.hardware),
+                         **{k: v for k, v in m.items()}})
+    return rows

@@ -1,0 +1,201 @@
+"""The `inferbook` command.
+
+    inferbook list
+    inferbook run CHAPTER [-p NAME VALUE]... [--device D] [--preset P] [--seed N] [--save-reference]
+    inferbook measure CHAPTER [-p NAME VALUE]... [--device D] [--preset P] [--save-reference]
+    inferbook book [--force] [--keep-going] [--chapters SLUG ...]
+    inferbook results [--chapter C] [--compare A B]
+
+User errors (bad chapter, device, preset, parameter, file) print one line and exit 2;
+a failed chapter prints the chapter, cell and error and exits 1. No tracebacks for either.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def _params(pairs) -> dict:
+    return {name: value for name, value in (pairs or [])}
+
+
+def _add_run_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("chapter")
+    p.add_argument("-p", "--param", nargs=2, action="append", metavar=("NAME", "VALUE"),
+                   help="set a chapter parameter (repeatable)")
+    p.add_argument("--device", default="auto", help="auto (default), cpu, cuda or cuda:N")
+    p.add_argument("--preset", default="auto", help="auto (default), smoke, cpu or gpu")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--save-reference", action="store_true",
+                   help="also write data/results/<hardware>/<chapter>.json (commit it)")
+
+
+def _split_device_param(args) -> dict:
+    """`-p device cuda`, `-p preset gpu` and `-p seed 1` are accepted as the flags they mirror."""
+    from .errors import UserError
+
+    params = _params(args.param)
+    if "device" in params:
+        args.device = params.pop("device")
+    if "preset" in params:
+        args.preset = params.pop("preset")
+    if "seed" in params:
+        seed = params.pop("seed")
+        try:
+            args.seed = int(seed)
+        except ValueError:
+            raise UserError(f"seed must be an int, got {seed!r}") from None
+    return params
+
+
+def cmd_list(args) -> int:
+    from . import book, chapters
+
+    built = {c.slug for c in book.built_chapters()}
+    rp = book.run_parameters()
+    print(f"{'chapter':26} {'part':9} {'status':13} last device")
+    for c in chapters.CHAPTERS.values():
+        if c.slug not in built:
+            print(f"{c.slug:26} {c.part:9} {'planned':13}")
+            continue
+        meta = book.read_meta(c.slug) or {}
+        print(f"{c.slug:26} {c.part:9} {book.chapter_status(c.slug, rp):13} {meta.get('device') or ''}")
+    return 0
+
+
+def cmd_run(args) -> int:
+    from . import book
+
+    params = _split_device_param(args)
+    meta = book.execute(args.chapter, device=args.device, preset=args.preset, seed=args.seed, params=params,
+                        save_reference=args.save_reference)
+    p = book.paths()
+    print(f"{args.chapter}: ok in {meta['seconds']:.1f} s on {meta.get('device')}")
+    print(f"  notebook: {p['executed'] / (args.chapter + '.ipynb')}")
+    print(f"  records:  {p['results'] / (args.chapter + '.json')}")
+    return 0
+
+
+def cmd_measure(args) -> int:
+    import os
+
+    from .context import setup
+
+    params = _split_device_param(args)
+    if args.save_reference:
+        os.environ["INFERBOOK_SAVE_REFERENCE"] = "1"
+    from . import book
+
+    typed = book._typed_for_notebook(args.chapter, params)
+    ctx = setup(args.chapter, device=args.device, preset=args.preset, seed=args.seed, **typed)
+    print(f"{args.chapter}: measuring on {ctx.hardware_label} (preset {ctx.preset})", flush=True)
+    records = ctx.measure()
+    for r in records:
+        print(f"  {r.name}: {len(r.measurements)} measurements, {sum(c['passed'] for c in r.checks)}/{len(r.checks)} checks passed")
+    print(f"  records: {ctx.results_path()}")
+    if args.save_reference:
+        print(f"  reference: data/results/{ctx.hardware_slug}/{args.chapter}.json")
+    return 0
+
+
+def cmd_book(args) -> int:
+    from . import book
+
+    book.build_book(chapters=args.chapters or None, force=args.force, keep_going=args.keep_going,
+                    device=args.device, preset=args.preset)
+    return 0
+
+
+def _resolve_record(spec: str):
+    """FILE[#NAME] or CHAPTER[#NAME] (the latest local run of that chapter)."""
+    from . import book
+    from .errors import UserError
+    from .record import load_records
+
+    target, _, name = spec.partition("#")
+    path = Path(target)
+    if not path.suffix == ".json":
+        path = book.paths()["results"] / f"{target}.json"
+    records = load_records(path)
+    if name:
+        for r in records:
+            if r.name == name:
+                return r
+        raise UserError(f"no record named {name!r} in {path}; names are {', '.join(r.name for r in records)}")
+    if len(records) != 1:
+        raise UserError(f"{path} holds {len(records)} records; pick one with {spec}#NAME "
+                        f"({', '.join(r.name for r in records)})")
+    return records[0]
+
+
+def cmd_results(args) -> int:
+    from . import book
+    from .context import reference_dir
+    from .device import hardware_label
+    from .record import compare, load_records
+
+    if args.compare:
+        a, b = (_resolve_record(s) for s in args.compare)
+        cmp = compare(a, b)
+        for line in cmp.context:
+            print(f"# {line}")
+        print(cmp.table().to_string(index=False) if hasattr(cmp.table(), "to_string") else cmp.rows)
+        return 0
+    files = sorted(book.paths()["results"].glob("*.json")) + sorted(reference_dir().glob("*/*.json"))
+    for f in files:
+        if args.chapter and f.stem != args.chapter:
+            continue
+        for r in load_records(f):
+            print(f"{str(f.relative_to(book.paths()['root'])):52} {r.name:24} {r.variant:12} "
+                  f"{hardware_label(r.hardware):40} {r.created}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="inferbook", description="Execute, measure and render the inferbook chapters.")
+    sub = ap.add_subparsers(dest="command", required=True)
+    sub.add_parser("list", help="chapters and whether their executed copy is cached, stale or failed").set_defaults(fn=cmd_list)
+    p = sub.add_parser("run", help="execute one chapter notebook (papermill) into _build/executed/")
+    _add_run_args(p)
+    p.set_defaults(fn=cmd_run)
+    p = sub.add_parser("measure", help="run one chapter's measurements without Jupyter (for bare GPU images)")
+    _add_run_args(p)
+    p.set_defaults(fn=cmd_measure)
+    p = sub.add_parser("book", help="execute changed chapters and build _build/html")
+    p.add_argument("--force", action="store_true", help="re-execute every chapter")
+    p.add_argument("--keep-going", action="store_true", help="build the other chapters when one fails")
+    p.add_argument("--chapters", nargs="+", metavar="SLUG", help="only (re)execute these chapters")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--preset", default="auto")
+    p.set_defaults(fn=cmd_book)
+    p = sub.add_parser("results", help="list run records, or compare two")
+    p.add_argument("--chapter")
+    p.add_argument("--compare", nargs=2, metavar=("A", "B"), help="FILE.json[#NAME] or CHAPTER[#NAME]")
+    p.set_defaults(fn=cmd_results)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .errors import UserError
+
+    args = build_parser().parse_args(argv)
+    try:
+        from .book import ChapterFailed
+    except ImportError:  # a bare GPU image without the book extras can still `measure`
+        ChapterFailed = ()  # type: ignore[assignment]
+    try:
+        return args.fn(args)
+    except UserError as e:
+        print(f"inferbook: error: {e}", file=sys.stderr)
+        return 2
+    except ChapterFailed as e:  # type: ignore[misc]
+        print(f"inferbook: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("inferbook: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,159 @@
+"""Which device runs, whether Triton runs compiled or interpreted, and what the hardware is.
+
+On a machine without CUDA, Triton kernels can still run in the Triton interpreter
+(TRITON_INTERPRET=1). The interpreter is decided when a kernel is *decorated*, so the
+variable must be set before any module defining a kernel is imported: `inferbook`'s
+`__init__` calls `configure_triton_interpreter()` first thing.
+
+The interpreter is for correctness only. Its times say nothing about kernel speed,
+and `inferbook.measure` refuses to time Triton while it is on.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import platform
+import re
+import subprocess
+
+import torch
+
+from .errors import UserError, choices
+
+DEVICE_CHOICES = ("auto", "cpu", "cuda")
+
+
+def configure_triton_interpreter() -> bool:
+    """Turn the Triton interpreter on when there is no CUDA device (unless the user chose).
+
+    Returns whether the interpreter is on. Must run before `triton.jit` decorates kernels.
+    """
+    if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+    return triton_interpreted()
+
+
+def triton_interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.lru_cache(maxsize=1)
+def triton_version() -> str | None:
+    try:
+        import triton
+    except Exception:  # not installed, or broken install: kernels fall back to torch
+        return None
+    return triton.__version__
+
+
+def resolve_device(name: str | torch.device = "auto") -> torch.device:
+    """'auto' -> cuda when present, else cpu. Raises UserError for a device we cannot use."""
+    if isinstance(name, torch.device):
+        name = str(name)
+    if not isinstance(name, str):
+        raise UserError(f"device must be a string, got {name!r}; choose {choices(DEVICE_CHOICES)}")
+    base, _, index = name.partition(":")
+    if base not in DEVICE_CHOICES or (index and (base != "cuda" or not index.isdigit())):
+        raise UserError(f"unknown device {name!r}; choose {choices(DEVICE_CHOICES)} (or 'cuda:N')")
+    if base == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if base == "cuda":
+        if not torch.cuda.is_available():
+            raise UserError(f"device {name!r} was asked for but this machine has no usable CUDA GPU "
+                            f"(torch {torch.__version__}, cuda build: {torch.version.cuda}); use 'cpu' or 'auto'")
+        n = torch.cuda.device_count()
+        if index and int(index) >= n:
+            raise UserError(f"device {name!r} does not exist: this machine has {n} CUDA device(s)")
+        return torch.device(name)
+    return torch.device("cpu")
+
+
+def triton_backend_for(device: torch.device) -> tuple[bool, str]:
+    """Can a Triton kernel run on tensors of this device? Returns (ok, how-or-why-not)."""
+    if triton_version() is None:
+        return False, "triton is not installed"
+    if device.type == "cuda":
+        return True, f"triton {triton_version()} compiled for {torch.cuda.get_device_name(device)}"
+    if triton_interpreted():
+        return True, f"triton {triton_version()} interpreter (correctness only, never timed)"
+    return False, "CPU tensors while TRITON_INTERPRET is off (a CUDA machine running device='cpu')"
+
+
+def dot_needs_fp32(device: torch.device) -> bool:
+    """Known interpreter pitfall: `tl.dot` on bf16 operands returns garbage in the Triton
+    interpreter (seen with Triton 3.9). Kernels take this as a constexpr and upcast the
+    operands to fp32 only when it is True. The one place this decision is made."""
+    return device.type != "cuda" and triton_interpreted()
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _nvidia_driver() -> str | None:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=10)
+        return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
+    except (OSError, subprocess.SubprocessError, IndexError):
+        return None
+
+
+@functools.lru_cache(maxsize=8)
+def _hardware_info(device_str: str) -> dict:
+    device = torch.device(device_str)
+    info = {
+        "device_type": device.type,
+        "cpu_model": _cpu_model(),
+        "cpu_cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "machine": platform.machine(),
+        "os": platform.platform(),
+    }
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        info.update({
+            "gpu_name": props.name,
+            "gpu_memory_gib": round(props.total_memory / 2**30, 1),
+            "gpu_sms": props.multi_processor_count,
+            "gpu_capability": f"{props.major}.{props.minor}",
+            "cuda_runtime": torch.version.cuda,
+            "driver": _nvidia_driver(),
+        })
+    return info
+
+
+def hardware_info(device: torch.device) -> dict:
+    """What the record says about the machine: GPU name, memory, SMs, driver; CPU model, cores."""
+    return dict(_hardware_info(str(device)))
+
+
+def _slug(text: str) -> str:
+    text = re.sub(r"\((r|tm)\)|cpu @.*|@.*", "", text.lower())
+    return re.sub(r"[^a-z0-9]+", "-", text).strip("-")
+
+
+def hardware_label(info: dict) -> str:
+    """Human label for charts and tables, e.g. 'NVIDIA H200' or 'CPU: AMD EPYC 9B14 (2 cores)'."""
+    if info.get("device_type") == "cuda":
+        return info["gpu_name"]
+    return f"CPU: {info['cpu_model']} ({info['cpu_cores']} cores)"
+
+
+def hardware_slug(info: dict) -> str:
+    """Folder name for reference results: 'nvidia-h200', 'cpu-amd-epyc-9b14-2c'."""
+    if info.get("device_type") == "cuda":
+        return _slug(info["gpu_name"])
+    return f"cpu-{_slug(info['cpu_model'])}-{info['cpu_cores']}c"
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -1,0 +1,157 @@
+"""Chapter `upgrade-record`: the record to keep before upgrading, made on a real small workload.
+
+The seed's last section asks every comparison to keep commit, model revision, quantization
+format, hardware, request lengths and the real backend, and to keep cold start, model load
+and steady state apart, and TTFT, decode and total apart. This module runs a tiny decoder
+(`model.py`) in four configurations and returns one RunRecord each:
+
+- `eager` and `compiled` (torch.compile): comparable — same weights, backend, quantization;
+- `int8`: INT8 weight-only — `compare()` refuses it against `eager` (quantization differs);
+- `math-attention`: explicit-softmax attention — refused too (attention backend differs).
+"""
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+from ..measure import PhaseTimer
+from ..presets import Param
+from ..record import RunRecord
+from .model import (TinyConfig, TinyDecoder, generate, init_weights, load_weights, quantize_int8_,
+                    reference_logits, save_weights)
+
+PARAMETERS = {
+    "d_model": Param(int, help="model width"),
+    "n_layers": Param(int, help="decoder layers"),
+    "n_heads": Param(int, help="query heads"),
+    "n_kv_heads": Param(int, help="key/value heads (grouped-query attention)"),
+    "ffn": Param(int, help="SwiGLU hidden size"),
+    "vocab": Param(int, help="vocabulary size"),
+    "batch": Param(int, help="requests per generate call"),
+    "prompt_len": Param(int, help="prompt tokens per request"),
+    "new_tokens": Param(int, help="generated tokens per request"),
+    "dtype": Param(str, help="weights and activations", choices=("float32", "bfloat16", "float16")),
+    "compile": Param(bool, True, help="also run the torch.compile configuration"),
+    "reps": Param(int, help="steady-state repetitions"),
+}
+
+PRESETS = {
+    "smoke": dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn=176, vocab=256, batch=2,
+                  prompt_len=16, new_tokens=8, dtype="float32", reps=3),
+    "cpu": dict(d_model=256, n_layers=4, n_heads=8, n_kv_heads=2, ffn=688, vocab=4096, batch=4,
+                prompt_len=256, new_tokens=32, dtype="float32", reps=5),
+    "gpu": dict(d_model=1024, n_layers=8, n_heads=16, n_kv_heads=4, ffn=2816, vocab=32000, batch=8,
+                prompt_len=2048, new_tokens=128, dtype="bfloat16", reps=10),
+}
+
+PHASES = ("load", "cold_start", "ttft", "decode", "total")
+
+
+def config_from(params: dict) -> TinyConfig:
+    return TinyConfig(vocab=params["vocab"], d_model=params["d_model"], n_layers=params["n_layers"],
+                      n_heads=params["n_heads"], n_kv_heads=params["n_kv_heads"], ffn=params["ffn"],
+                      max_seq=params["prompt_len"] + params["new_tokens"])
+
+
+def write_model(ctx, cfg: TinyConfig) -> tuple[str, str]:
+    """Random weights from the run's seed, saved as safetensors. Returns (path, sha256)."""
+    from ..context import results_dir
+
+    path = results_dir() / ctx.chapter.slug / "tiny-decoder.safetensors"
+    sha = save_weights(init_weights(TinyDecoder(cfg), ctx.seed), path)
+    return str(path), sha
+
+
+def make_prompt(ctx, cfg: TinyConfig, batch: int, prompt_len: int):
+    g = torch.Generator().manual_seed(ctx.seed + 1)
+    return torch.randint(cfg.vocab, (batch, prompt_len), generator=g).to(ctx.device)
+
+
+def cache_consistency_error(model: TinyDecoder, prompt, new_tokens: int) -> tuple[float, float]:
+    """Incremental decode (KV cache) against one full forward over the same tokens.
+
+    Returns (max abs error of the last position's logits, the logits' max abs value).
+    """
+    tokens, _ = generate(model, model, model, prompt, new_tokens)
+    full = torch.cat([prompt, tokens[:, :-1]], dim=1)
+    ref = reference_logits(model, full)[:, -1]
+    k, v = model.new_cache(prompt.shape[0])
+    model(prompt, torch.arange(prompt.shape[1], device=prompt.device), k, v)
+    last = None
+    for i in range(new_tokens - 1):
+        pos = torch.tensor([prompt.shape[1] + i], device=prompt.device)
+        last = model(tokens[:, i:i + 1], pos, k, v)[:, -1]
+    if last is None:  # one new token: the prefill's last position is the check
+        last = model(prompt, torch.arange(prompt.shape[1], device=prompt.device), *model.new_cache(prompt.shape[0]))[:, -1]
+        ref = reference_logits(model, prompt)[:, -1]
+    return float((last - ref).abs().max()), float(ref.abs().max())
+
+
+def _run_variant(ctx, *, name: str, variant: str, path: str, sha: str, dtype, attention: str, int8: bool,
+                 compiled: bool, prompt, new_tokens: int, reps: int, eager_tokens=None) -> tuple[RunRecord, torch.Tensor]:
+    phases = PhaseTimer(ctx.device)
+    with phases("load"):
+        model = load_weights(path, ctx.device, dtype=dtype, attention=attention)
+        if int8:
+            quantize_int8_(model)
+    step = torch.compile(model, dynamic=False) if compiled else model
+    with phases("cold_start"):  # first request after load: compilation, allocator and cache warm-up
+        tokens, _ = generate(step, step, model, prompt, new_tokens)
+    runs = [generate(step, step, model, prompt, new_tokens)[1] for _ in range(reps)]
+
+    cfg = model.cfg
+    B, S = prompt.shape
+    # eager vs torch.compile is the difference under study, so it is the record's variant,
+    # not a backend: compare() allows the variant to differ and nothing else.
+    rec = ctx.new_record(name, variant=variant, workload={
+        "model": f"tiny-decoder L{cfg.n_layers} d{cfg.d_model} h{cfg.n_heads}/{cfg.n_kv_heads} ({cfg.n_params() / 1e6:.2f}M params)",
+        "model_revision": f"sha256:{sha[:16]} (random init, seed {ctx.seed})",
+        "quantization": model.quantization,
+        "input_len": S, "output_len": new_tokens, "batch": B, "dtype": str(dtype).replace("torch.", ""),
+    }, topology={"ranks": 1, "tp": 1})
+    rec.set_backend("attention", {"sdpa": "torch sdpa", "math": "explicit softmax (math)"}[attention],
+                    reason="chosen by configuration", shapes={"q": [B, cfg.n_heads, S, cfg.head_dim],
+                                                              "kv_cache": [B, cfg.n_kv_heads, cfg.max_seq, cfg.head_dim]},
+                    dtype=str(dtype).replace("torch.", ""))
+    rec.set_backend("linear", "int8 dequantize + F.linear" if int8 else "F.linear",
+                    shapes={"qkv_in": [B * S, cfg.d_model], "ffn": [cfg.d_model, cfg.ffn]})
+    rec.add("load", phases.seconds("load"), "s", phase="load")
+    rec.add("cold_start", phases.seconds("cold_start"), "s", phase="cold_start")
+    for phase in ("ttft", "decode", "total"):
+        xs = [getattr(r, f"{phase}_s") for r in runs]
+        q = statistics.quantiles(xs, n=10, method="inclusive") if len(xs) > 1 else [xs[0]] * 9
+        rec.add(phase, statistics.median(xs), "s", phase=phase, p10_s=q[0], p90_s=q[-1], n=len(xs),
+                timer="perf_counter + device sync")
+    decode_med = rec.value("decode")
+    if new_tokens > 1 and decode_med > 0:
+        rec.add("decode_throughput", B * (new_tokens - 1) / decode_med, "output tok/s", phase="decode")
+    rec.add("throughput", B * new_tokens / rec.value("total"), "output tok/s", phase="total")
+    if eager_tokens is not None:
+        same = bool(torch.equal(tokens, eager_tokens))
+        rec.add_check("greedy tokens equal eager", same, error=float((tokens != eager_tokens).float().mean()),
+                      tolerance=0.0)
+    return rec, tokens
+
+
+def measure(ctx, *, d_model, n_layers, n_heads, n_kv_heads, ffn, vocab, batch, prompt_len, new_tokens, dtype,
+            compile, reps) -> list[RunRecord]:
+    """Four configurations of the same workload, one RunRecord each (see the module docstring)."""
+    cfg = config_from(dict(vocab=vocab, d_model=d_model, n_layers=n_layers, n_heads=n_heads,
+                           n_kv_heads=n_kv_heads, ffn=ffn, prompt_len=prompt_len, new_tokens=new_tokens))
+    torch_dtype = getattr(torch, dtype)
+    path, sha = write_model(ctx, cfg)
+    prompt = make_prompt(ctx, cfg, batch, prompt_len)
+    common = dict(path=path, sha=sha, dtype=torch_dtype, prompt=prompt, new_tokens=new_tokens, reps=reps)
+    eager, eager_tokens = _run_variant(ctx, name="eager", variant="eager", attention="sdpa", int8=False,
+                                       compiled=False, **common)
+    records = [eager]
+    if compile:
+        compiled, _ = _run_variant(ctx, name="compiled", variant="torch.compile", attention="sdpa", int8=False,
+                                   compiled=True, eager_tokens=eager_tokens, **common)
+        records.append(compiled)
+    int8, _ = _run_variant(ctx, name="int8", variant="eager", attention="sdpa", int8=True, compiled=False, **common)
+    math_attn, _ = _run_variant(ctx, name="math-attention", variant="eager", attention="math", int8=False,
+                                compiled=False, **common)
+    records += [int8, math_attn]
+    return records
