@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import chapters as _chapters
-from .context import repo_root
+from .context import build_dir, repo_root, results_dir
 from .errors import UserError
 from .record import write_json_atomic
 
@@ -35,9 +35,9 @@ DEFAULT_CELL_TIMEOUT_S = 1800
 
 def paths() -> dict[str, Path]:
     root = repo_root()
-    build = root / "_build"
+    build = build_dir()
     return {"root": root, "chapters": root / "chapters", "build": build, "executed": build / "executed",
-            "results": build / "results", "stage": build / "stage", "html": build / "html",
+            "results": results_dir(), "stage": build / "stage", "html": build / "html",
             "doctrees": build / "doctrees"}
 
 
@@ -96,7 +96,7 @@ class ChapterFailed(Exception):
     evalue: str
 
     def __str__(self):
-        where = f"cell {self.cell}" if self.cell is not None else "setup"
+        where = f"code cell {self.cell}" if self.cell is not None else "setup"
         return f"chapter {self.slug!r} failed in {where}: {self.ename}: {self.evalue}"
 
 
@@ -163,10 +163,11 @@ def execute(slug: str, *, device: str = "auto", preset: str = "auto", seed: int 
                                    execution_timeout=cell_timeout, progress_bar=progress, cwd=str(repo_root()),
                                    log_output=False, report_mode=False)
     except papermill.PapermillExecutionError as e:
-        meta.update(status="failed", seconds=round(time.perf_counter() - started, 2), cell=e.exec_count,
-                    error=f"{e.ename}: {e.evalue}", device=_device_of_run(results_dir, slug))
+        cell = _source_code_cell(out_nb, e.cell_index)
+        meta.update(status="failed", seconds=round(time.perf_counter() - started, 2), cell=cell,
+                    error=f"{e.ename}: {_first_line(e.evalue)}", device=_device_of_run(results_dir, slug))
         write_json_atomic(meta_path(slug, executed_dir), meta)
-        raise ChapterFailed(slug, e.exec_count, e.ename, _first_line(e.evalue)) from None
+        raise ChapterFailed(slug, cell, e.ename, _first_line(e.evalue)) from None
     except Exception as e:  # kernel died, timeout, bad notebook
         meta.update(status="failed", seconds=round(time.perf_counter() - started, 2), cell=None,
                     error=f"{type(e).__name__}: {e}", device=None)
@@ -183,6 +184,24 @@ def execute(slug: str, *, device: str = "auto", preset: str = "auto", seed: int 
                 device=_device_of_run(results_dir, slug))
     write_json_atomic(meta_path(slug, executed_dir), meta)
     return meta
+
+
+def _source_code_cell(executed_nb: Path, cell_index: int) -> int | None:
+    """Number of the failing code cell as counted in the chapter source (1-based), skipping
+    the parameters cell papermill injects, so a reader finds it in `chapters/<slug>.md`."""
+    import nbformat
+
+    try:
+        cells = nbformat.read(executed_nb, as_version=4).cells
+    except Exception:
+        return None
+    # papermill adds an error banner at the top of the saved notebook; the index predates it
+    cells = [c for c in cells if "papermill-error-cell-tag" not in c.metadata.get("tags", [])]
+    n = 0
+    for i, c in enumerate(cells[:cell_index + 1]):
+        if c.cell_type == "code" and "injected-parameters" not in c.metadata.get("tags", []):
+            n += 1
+    return n
 
 
 def _first_line(text: str) -> str:
@@ -237,7 +256,7 @@ def status_page(metas: dict[str, dict | None]) -> str:
             continue
         status = meta.get("status", "?")
         if status == "failed":
-            status = f"failed (cell {meta.get('cell')}: {meta.get('error', '')[:80]})"
+            status = f"failed (code cell {meta.get('cell')}: {meta.get('error', '')[:80]})"
         lines.append(f"| {part} | [{info.title}](chapters/{info.slug}) | {status} | {meta.get('device') or ''} | "
                      f"{meta.get('parameters', {}).get('preset', '')} | {meta.get('seconds', '')} | "
                      f"{meta.get('date', '').replace('T', ' ')} |")
@@ -281,7 +300,7 @@ def stage(metas: dict[str, dict | None]) -> Path:
         elif meta.get("status") == "failed":
             nb = nbformat.read(executed, as_version=4)
             banner = nbformat.v4.new_markdown_cell(
-                f":::{{error}} This chapter failed to execute\nCell {meta.get('cell')}: `{meta.get('error', '')}`. "
+                f":::{{error}} This chapter failed to execute\nCode cell {meta.get('cell')}: `{meta.get('error', '')}`. "
                 "The output below stops at the failing cell.\n:::\n")
             nb.cells.insert(1 if nb.cells and nb.cells[0].cell_type == "markdown" else 0, banner)
             _write_if_changed(dst, nbformat.writes(nb))
@@ -297,10 +316,16 @@ def stage(metas: dict[str, dict | None]) -> Path:
 def sphinx_build(stage_dir: Path, html_dir: Path, doctrees: Path) -> None:
     """jupyter-book turns _config.yml into conf.py; Sphinx builds with warnings as errors,
     nitpicky, keep-going, incremental (doctrees kept), execution off."""
-    conf = subprocess.run([sys.executable, "-m", "jupyter_book.cli.main", "config", "sphinx", str(stage_dir)],
+    jb = Path(sys.executable).parent / "jupyter-book"
+    conf = subprocess.run([str(jb) if jb.exists() else "jupyter-book", "config", "sphinx", str(stage_dir)],
                           capture_output=True, text=True)
     if conf.returncode != 0:
         raise RuntimeError(f"jupyter-book config sphinx failed:\n{conf.stdout}\n{conf.stderr}")
+    # sphinx_thebe writes a CDN script URL into every page even when thebe is off, and
+    # sphinx_comments can load remote widgets: the book must not name an external host.
+    conf_py = stage_dir / "conf.py"
+    conf_py.write_text(conf_py.read_text() + "\n# inferbook: an offline book\n"
+                       "extensions = [e for e in extensions if e not in ('sphinx_thebe', 'sphinx_comments')]\n")
     cmd = [sys.executable, "-m", "sphinx", "-b", "html", "-W", "-n", "--keep-going", "-q",
            "-d", str(doctrees), str(stage_dir), str(html_dir)]
     res = subprocess.run(cmd, text=True, capture_output=True)

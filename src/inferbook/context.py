@@ -33,10 +33,16 @@ def repo_root() -> Path:
     return Path.cwd()
 
 
+def build_dir() -> Path:
+    """Root of everything generated: $INFERBOOK_BUILD_DIR or `_build` in the checkout."""
+    env = os.environ.get("INFERBOOK_BUILD_DIR")
+    return Path(env) if env else repo_root() / "_build"
+
+
 def results_dir() -> Path:
-    """Where local runs write records: $INFERBOOK_RESULTS or `_build/results`."""
+    """Where local runs write records: $INFERBOOK_RESULTS or `<build>/results`."""
     env = os.environ.get("INFERBOOK_RESULTS")
-    return Path(env) if env else repo_root() / "_build" / "results"
+    return Path(env) if env else build_dir() / "results"
 
 
 def reference_dir() -> Path:

@@ -72,7 +72,7 @@ def hardware_notice(ctx) -> _Markdown:
                 "There is no GPU here: Triton kernels ran in the Triton interpreter, which checks "
                 "correctness only and is never timed. Times on this page are of PyTorch paths on this CPU, "
                 "labelled as such; GPU numbers come from committed reference runs, each with its record.")
-    return _Markdown(f":::{{note}} Hardware\n{body}\n:::\n")
+    return _Markdown(f":::{{admonition}} Hardware\n:class: note\n{body}\n:::\n")
 
 
 def references_table(chapter: str, names: list[str] | None = None):

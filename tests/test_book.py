@@ -1,0 +1,124 @@
+"""The runner and the build: caching, invalidation, failures named by chapter and cell, keep-going."""
+import json
+import shutil
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from inferbook import book, chapters
+from inferbook.chapters import ChapterInfo
+
+ROOT = Path(__file__).resolve().parents[1]
+
+HEADER = textwrap.dedent("""\
+    ---
+    jupytext:
+      text_representation:
+        extension: .md
+        format_name: myst
+    kernelspec:
+      display_name: Python 3
+      language: python
+      name: python3
+    ---
+    """)
+
+
+def chapter_md(title, body):
+    return HEADER + f"\n# {title}\n\n```{{code-cell}} ipython3\n:tags: [parameters]\n\ndevice = \"auto\"\npreset = \"auto\"\nseed = 0\n```\n\n" + \
+        "".join(f"```{{code-cell}} ipython3\n{cell}\n```\n\n" for cell in body)
+
+
+@pytest.fixture
+def fake_book(tmp_path, monkeypatch):
+    """A two-chapter book in a temporary checkout: `good` runs, `bad` raises in its third cell."""
+    root = tmp_path / "repo"
+    (root / "chapters").mkdir(parents=True)
+    (root / "data").mkdir()
+    (root / "data" / "input.txt").write_text("v1")
+    shutil.copy(ROOT / "_config.yml", root / "_config.yml")
+    (root / "intro.md").write_text("# Fake book\n\nIntro.\n")
+    (root / "_toc.yml").write_text("format: jb-book\nroot: intro\nchapters:\n  - file: chapters/good\n"
+                                   "  - file: chapters/bad\n  - file: status\n")
+    (root / "chapters" / "good.md").write_text(chapter_md("Good", ["x = 6 * 7", "print('answer', x)"]))
+    (root / "chapters" / "bad.md").write_text(chapter_md("Bad", ["y = 1", "raise ValueError('boom in cell')"]))
+    mod = tmp_path / "mods"
+    mod.mkdir()
+    (mod / "fakechap.py").write_text("PARAMETERS = {}\nPRESETS = {}\ndef measure(ctx):\n    return []\n")
+    monkeypatch.syspath_prepend(str(mod))
+    monkeypatch.setenv("PYTHONPATH", str(mod))
+    monkeypatch.setattr(chapters, "CHAPTERS", {
+        s: ChapterInfo(s, "upgrade", s.title(), "-", "fakechap") for s in ("good", "bad")})
+    monkeypatch.setattr(book, "repo_root", lambda: root)
+    monkeypatch.setenv("INFERBOOK_BUILD_DIR", str(root / "_build"))
+    monkeypatch.delenv("INFERBOOK_RESULTS", raising=False)
+    return root
+
+
+def test_failure_is_named_then_keep_going_builds_the_rest(fake_book):
+    logs = []
+    with pytest.raises(book.ChapterFailed) as e:
+        book.build_book(device="cpu", preset="smoke", progress=False, log=logs.append)
+    err = e.value
+    assert err.slug == "bad" and err.cell == 3 and err.ename == "ValueError" and "boom in cell" in err.evalue
+    assert "chapter 'bad' failed in code cell 3: ValueError: boom in cell" in str(err)
+    meta = book.read_meta("bad")
+    assert meta["status"] == "failed" and meta["cell"] == 3
+    assert book.read_meta("good")["status"] == "ok"
+    assert not (fake_book / "_build" / "html" / "index.html").exists(), "no book without --keep-going"
+
+    logs.clear()
+    with pytest.raises(book.ChapterFailed):
+        book.build_book(device="cpu", preset="smoke", keep_going=True, progress=False, log=logs.append)
+    assert any("good: cached, reused" in line for line in logs), logs
+    html = fake_book / "_build" / "html"
+    assert "answer 42" in (html / "chapters" / "good.html").read_text()
+    bad_page = (html / "chapters" / "bad.html").read_text()
+    assert "This chapter failed to execute" in bad_page and "boom in cell" in bad_page
+    status = (html / "status.html").read_text()
+    assert "failed (code cell 3" in status and "ok" in status
+
+
+def test_cache_reuse_and_invalidation(fake_book, monkeypatch):
+    (fake_book / "chapters" / "bad.md").unlink()
+    monkeypatch.setattr(chapters, "CHAPTERS", {"good": chapters.CHAPTERS["good"]})
+    (fake_book / "_toc.yml").write_text("format: jb-book\nroot: intro\nchapters:\n  - file: chapters/good\n  - file: status\n")
+    rp = book.run_parameters("cpu", "smoke")
+    assert book.chapter_status("good", rp) == "not executed"
+    book.build_book(device="cpu", preset="smoke", progress=False, log=lambda *_: None)
+    assert book.chapter_status("good", rp) == "cached"
+    logs = []
+    book.build_book(device="cpu", preset="smoke", progress=False, log=logs.append)
+    assert any("cached, reused" in line for line in logs)
+    # a changed data input, parameter or source invalidates the cache
+    (fake_book / "data" / "input.txt").write_text("v2")
+    assert book.chapter_status("good", rp) == "stale"
+    book.build_book(device="cpu", preset="smoke", progress=False, log=lambda *_: None)
+    assert book.chapter_status("good", rp) == "cached"
+    assert book.chapter_status("good", book.run_parameters("cpu", "cpu")) == "stale"
+    src = fake_book / "src" / "inferbook"
+    src.mkdir(parents=True)
+    (src / "kernel.py").write_text("# touched\n")
+    assert book.chapter_status("good", rp) == "stale"
+
+
+def test_hash_covers_src_inferbook_of_the_real_checkout():
+    rp = book.run_parameters("cpu", "smoke")
+    h1 = book.input_hash("upgrade-record", rp)
+    probe = ROOT / "src" / "inferbook" / "_cache_probe_test.py"
+    try:
+        probe.write_text("# probe\n")
+        assert book.input_hash("upgrade-record", rp) != h1
+    finally:
+        probe.unlink()
+    assert book.input_hash("upgrade-record", rp) == h1
+
+
+def test_status_page_lists_every_planned_chapter():
+    page = book.status_page({"upgrade-record": {"status": "ok", "device": "CPU: X (2 cores)", "seconds": 1.5,
+                                                "date": "2026-11-29T10:00:00+00:00", "parameters": {"preset": "cpu"}}})
+    for slug in chapters.CHAPTERS:
+        assert slug in page
+    assert "| ok | CPU: X (2 cores) | cpu | 1.5 | 2026-11-29 10:00:00+00:00 |" in page

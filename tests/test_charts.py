@@ -1,0 +1,33 @@
+import pytest
+
+from inferbook import charts
+from inferbook.measure import Ceilings
+
+
+def test_bar_renders_offline_svg_and_png():
+    rows = [{"phase": "ttft", "value": 0.1, "record": "eager"}, {"phase": "ttft", "value": 0.05, "record": "compiled"}]
+    out = charts.show(charts.bar(rows, x="phase", y="value", color="record", title="t", hardware="CPU: X"))
+    assert out.svg.lstrip().startswith("<svg") and "CPU: X" in out.svg and "<path" in out.svg
+    assert out.png[:8] == b"\x89PNG\r\n\x1a\n"
+    bundle = out._repr_mimebundle_()
+    assert set(bundle) == {"image/svg+xml", "image/png"}
+    assert "http" not in out.svg.replace("http://www.w3.org", ""), "no external references in a chart"
+
+
+def test_every_chart_names_its_hardware():
+    with pytest.raises(ValueError, match="hardware"):
+        charts.bar([{"a": "x", "b": 1}], x="a", y="b", title="t", hardware="")
+
+
+def test_sweep_roofline_heatmap_render():
+    ceil = Ceilings(copy_gbps=50.0, matmul_tflops=1.0, matmul_dtype="float32", copy_bytes=1, matmul_shape=(1, 1, 1),
+                    timer="perf_counter")
+    pts = [{"intensity_flop_per_byte": 0.5, "achieved_tflops": 0.02, "label": "k1"},
+           {"intensity_flop_per_byte": 100.0, "achieved_tflops": 0.8, "label": "k2"}]
+    assert "<svg" in charts.render(charts.roofline(pts, ceil=ceil, title="r", hardware="CPU: X")).svg
+    rows = [{"n": n, "t": 1.0 / n, "lo": 0.9 / n, "hi": 1.1 / n, "k": "a"} for n in (1, 2, 4)]
+    assert "<svg" in charts.render(charts.sweep(rows, x="n", y="t", color="k", band=("lo", "hi"), log_x=True,
+                                                title="s", hardware="CPU: X")).svg
+    cells = [{"hd": 64, "case": "causal", "passed": True}, {"hd": 96, "case": "causal", "passed": False}]
+    svg = charts.render(charts.heatmap(cells, x="hd", y="case", title="m", hardware="CPU: X")).svg
+    assert "FAIL" in svg and "pass" in svg

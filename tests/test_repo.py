@@ -1,0 +1,97 @@
+"""The tree's own contracts: sources without outputs, a TOC that matches the chapters,
+environment.yml mirroring pyproject.toml, README's first commands."""
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from inferbook import chapters
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCES = sorted((ROOT / "chapters").glob("*.md"))
+
+
+def test_no_ipynb_beside_sources():
+    assert not list((ROOT / "chapters").glob("*.ipynb"))
+
+
+@pytest.mark.parametrize("src", SOURCES, ids=lambda p: p.stem)
+def test_chapter_source_is_text_without_outputs(src):
+    import jupytext
+
+    nb = jupytext.read(src)
+    assert nb.metadata["kernelspec"]["name"] == "python3"
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert all(not c.get("outputs") for c in code), "chapter sources hold no outputs"
+    params = [c for c in code if "parameters" in c.metadata.get("tags", [])]
+    assert len(params) == 1, "exactly one cell tagged parameters"
+    # nothing above the parameters cell computes
+    assert code.index(params[0]) == 0
+    text = params[0].source
+    for name in ("device", "preset", "seed"):
+        assert re.search(rf"^{name} = ", text, re.M), f"parameters cell lacks {name}"
+    info = chapters.get_chapter(src.stem)
+    module = chapters.load_module(info)
+    declared = set(re.findall(r"^(\w+) = ", text, re.M)) - {"device", "preset", "seed"}
+    assert declared == set(module.PARAMETERS), "parameters cell and PARAMETERS differ"
+    assert f'setup("{src.stem}"' in src.read_text()
+
+
+@pytest.mark.parametrize("src", SOURCES, ids=lambda p: p.stem)
+def test_no_typed_speedups_or_cdn_math(src):
+    text = src.read_text()
+    prose = "\n".join(line for line in text.splitlines() if not line.startswith(("    ", "```")))
+    assert not re.search(r"\b\d+(\.\d+)?[x×] (faster|slower|speedup)", prose), "glue numbers from the run"
+    assert not re.search(r"(?<!\\)\$[^$\n]+\$", prose), "no LaTeX math: the book has no MathJax offline"
+
+
+def test_toc_lists_exactly_the_written_chapters_in_book_order():
+    import yaml
+
+    toc = yaml.safe_load((ROOT / "_toc.yml").read_text())
+    files = [c["file"] for part in toc["parts"] for c in part["chapters"]]
+    listed = [f.split("/", 1)[1] for f in files if f.startswith("chapters/")]
+    written = [c.slug for c in chapters.CHAPTERS.values() if (ROOT / "chapters" / f"{c.slug}.md").exists()]
+    assert listed == written
+    assert "status" in files
+    captions = [part["caption"] for part in toc["parts"]]
+    for slug in listed:
+        assert chapters.PARTS[chapters.CHAPTERS[slug].part] in captions
+
+
+def test_sixteen_chapters_in_six_parts():
+    assert len(chapters.CHAPTERS) == 16 and len(chapters.PARTS) == 6
+    assert {c.part for c in chapters.CHAPTERS.values()} == set(chapters.PARTS)
+    intro = (ROOT / "intro.md").read_text()
+    for slug in chapters.CHAPTERS:
+        assert f"`{slug}`" in intro
+
+
+def _pyproject_deps():
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover
+        import tomli as tomllib
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    deps = list(data["project"]["dependencies"])
+    for extra in data["project"]["optional-dependencies"].values():
+        deps += extra
+    return sorted(deps)
+
+
+def test_environment_yml_mirrors_pyproject():
+    import yaml
+
+    env = yaml.safe_load((ROOT / "environment.yml").read_text())
+    pip = next(d["pip"] for d in env["dependencies"] if isinstance(d, dict))
+    assert sorted(d for d in pip if d != "-e .") == _pyproject_deps()
+
+
+def test_readme_opens_with_the_two_commands():
+    head = (ROOT / "README.md").read_text().splitlines()[:12]
+    assert any(line.startswith("make book") for line in head) and any(line.startswith("make test") for line in head)
+
+
+def test_ci_runs_make_test():
+    assert "make test" in (ROOT / ".ci" / "run").read_text()
