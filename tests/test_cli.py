@@ -64,3 +64,26 @@ def test_list_shows_every_chapter(capsys):
     from inferbook.chapters import CHAPTERS
 
     assert all(slug in out for slug in CHAPTERS)
+
+
+def test_measure_without_jupyter_saves_reference_with_every_field(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("INFERBOOK_RESULTS", str(tmp_path / "results"))
+    monkeypatch.setenv("INFERBOOK_REFERENCE_DIR", str(tmp_path / "ref"))
+    monkeypatch.delenv("INFERBOOK_SAVE_REFERENCE", raising=False)
+    code = cli.main(["measure", "upgrade-record", "--preset", "smoke", "--device", "cpu", "-p", "compile", "false",
+                     "--save-reference"])
+    assert code == 0, capsys.readouterr().err
+    refs = list((tmp_path / "ref").glob("*/upgrade-record.json"))
+    assert len(refs) == 1
+    records = rec.load_records(refs[0])
+    assert {r.name for r in records} == {"eager", "int8", "math-attention"}
+    for r in records:
+        assert r.git["commit"] and "dirty" in r.git
+        assert r.packages["torch"] and "triton" in r.packages
+        assert r.hardware["cpu_model"] and r.hardware["cpu_cores"]
+        assert r.parameters["compile"] is False and r.parameters["seed"] == 0 and r.preset == "smoke"
+        assert {"model", "model_revision", "quantization", "input_len", "output_len"} <= set(r.workload)
+        assert r.backends["attention"]["backend"] and r.backends["attention"]["shapes"]["q"]
+        phases = {m["phase"] for m in r.measurements}
+        assert {"load", "cold_start", "ttft", "decode", "total"} <= phases
+        assert all(m["unit"] for m in r.measurements)

@@ -5,6 +5,7 @@
     inferbook measure CHAPTER [-p NAME VALUE]... [--device D] [--preset P] [--save-reference]
     inferbook book [--force] [--keep-going] [--chapters SLUG ...]
     inferbook results [--chapter C] [--compare A B]
+    inferbook ceilings [--device D] [--save-reference]
 
 User errors (bad chapter, device, preset, parameter, file) print one line and exit 2;
 a failed chapter prints the chapter, cell and error and exits 1. No tracebacks for either.
@@ -99,6 +100,28 @@ def cmd_measure(args) -> int:
     return 0
 
 
+def cmd_ceilings(args) -> int:
+    """Measure this device's copy bandwidth and matmul rate; with --save-reference keep them
+    as data/results/<hardware>/device-ceilings.json beside the chapters' reference runs."""
+    from .context import git_state, package_versions, reference_dir, results_dir
+    from .device import hardware_info, hardware_label, hardware_slug, resolve_device
+    from .measure import ceilings
+    from .record import RunRecord, save_records
+
+    device = resolve_device(args.device)
+    c = ceilings(device)
+    info = hardware_info(device)
+    r = RunRecord(chapter="device-ceilings", name="ceilings", git=git_state(), packages=package_versions(),
+                  hardware=info, device=str(device), workload={"dtype": c.matmul_dtype})
+    r.add("copy_bandwidth", c.copy_gbps, "GB/s (read+write)", bytes=c.copy_bytes)
+    r.add("matmul_rate", c.matmul_tflops, f"TFLOP/s ({c.matmul_dtype})", shape=list(c.matmul_shape))
+    print(f"{hardware_label(info)}: copy {c.copy_gbps:.1f} GB/s, {c.matmul_dtype} matmul {c.matmul_tflops:.2f} TFLOP/s")
+    print(f"  record: {save_records(results_dir() / 'device-ceilings.json', [r])}")
+    if args.save_reference:
+        print(f"  reference: {save_records(reference_dir() / hardware_slug(info) / 'device-ceilings.json', [r])}")
+    return 0
+
+
 def cmd_book(args) -> int:
     from . import book
 
@@ -162,6 +185,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("measure", help="run one chapter's measurements without Jupyter (for bare GPU images)")
     _add_run_args(p)
     p.set_defaults(fn=cmd_measure)
+    p = sub.add_parser("ceilings", help="measure this device's copy bandwidth and matmul rate")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--save-reference", action="store_true")
+    p.set_defaults(fn=cmd_ceilings)
     p = sub.add_parser("book", help="execute changed chapters and build _build/html")
     p.add_argument("--force", action="store_true", help="re-execute every chapter")
     p.add_argument("--keep-going", action="store_true", help="build the other chapters when one fails")

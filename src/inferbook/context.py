@@ -46,7 +46,9 @@ def results_dir() -> Path:
 
 
 def reference_dir() -> Path:
-    return repo_root() / "data" / "results"
+    """Committed reference runs: `data/results` ($INFERBOOK_REFERENCE_DIR overrides, for tests)."""
+    env = os.environ.get("INFERBOOK_REFERENCE_DIR")
+    return Path(env) if env else repo_root() / "data" / "results"
 
 
 @functools.lru_cache(maxsize=1)

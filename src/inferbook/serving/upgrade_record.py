@@ -39,8 +39,8 @@ PARAMETERS = {
 PRESETS = {
     "smoke": dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn=176, vocab=256, batch=2,
                   prompt_len=16, new_tokens=8, dtype="float32", reps=3),
-    "cpu": dict(d_model=256, n_layers=4, n_heads=8, n_kv_heads=2, ffn=688, vocab=4096, batch=4,
-                prompt_len=256, new_tokens=32, dtype="float32", reps=5),
+    "cpu": dict(d_model=256, n_layers=4, n_heads=8, n_kv_heads=2, ffn=688, vocab=2048, batch=4,
+                prompt_len=128, new_tokens=32, dtype="float32", reps=5),
     "gpu": dict(d_model=1024, n_layers=8, n_heads=16, n_kv_heads=4, ffn=2816, vocab=32000, batch=8,
                 prompt_len=2048, new_tokens=128, dtype="bfloat16", reps=10),
 }
