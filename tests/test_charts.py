@@ -7,7 +7,8 @@ from inferbook.measure import Ceilings
 def test_bar_renders_offline_svg_and_png():
     rows = [{"phase": "ttft", "value": 0.1, "record": "eager"}, {"phase": "ttft", "value": 0.05, "record": "compiled"}]
     out = charts.show(charts.bar(rows, x="phase", y="value", color="record", title="t", hardware="CPU: X"))
-    assert out.svg.lstrip().startswith("<svg") and "CPU: X" in out.svg and "<path" in out.svg
+    assert out.svg.lstrip().startswith("<svg") and "CPU: X" in out.svg
+    assert out.svg.count('aria-roledescription="bar"') == 2, "both bars drawn"
     assert out.png[:8] == b"\x89PNG\r\n\x1a\n"
     bundle = out._repr_mimebundle_()
     assert set(bundle) == {"image/svg+xml", "image/png"}
@@ -31,3 +32,10 @@ def test_sweep_roofline_heatmap_render():
     cells = [{"hd": 64, "case": "causal", "passed": True}, {"hd": 96, "case": "causal", "passed": False}]
     svg = charts.render(charts.heatmap(cells, x="hd", y="case", title="m", hardware="CPU: X")).svg
     assert "FAIL" in svg and "pass" in svg
+
+
+def test_log_bars_are_drawn():
+    rows = [{"phase": p, "value": v, "record": r} for p, v in (("load", 0.002), ("total", 3.0)) for r in ("a", "b")]
+    svg = charts.render(charts.bar(rows, x="phase", y="value", color="record", log_y=True, title="t",
+                                   hardware="CPU: X")).svg
+    assert svg.count('aria-roledescription="bar"') == 4

@@ -41,10 +41,26 @@ def paths() -> dict[str, Path]:
             "doctrees": build / "doctrees"}
 
 
+def toc_files() -> list[str]:
+    """Every `file:` entry of _toc.yml, in order (e.g. 'chapters/upgrade-record')."""
+    import re
+
+    toc = paths()["root"] / "_toc.yml"
+    if not toc.is_file():
+        return []
+    return re.findall(r"^\s*-?\s*file:\s*['\"]?([^'\"\s#]+)", toc.read_text(), re.M)
+
+
 def built_chapters() -> list[_chapters.ChapterInfo]:
-    """Chapters whose source exists, in book order."""
+    """Chapters of the book: listed in _toc.yml and with a source, in book order.
+
+    A source not yet in the table of contents is work in progress: it can be run with
+    `inferbook run`, but the book neither executes nor links it (a test keeps the two in step).
+    """
     src = paths()["chapters"]
-    return [c for c in _chapters.CHAPTERS.values() if (src / f"{c.slug}.md").is_file()]
+    listed = set(toc_files())
+    return [c for c in _chapters.CHAPTERS.values()
+            if (src / f"{c.slug}.md").is_file() and f"chapters/{c.slug}" in listed]
 
 
 def _hash_tree(h, folder: Path, skip: tuple[str, ...] = ("__pycache__", ".ipynb_checkpoints")) -> None:

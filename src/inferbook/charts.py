@@ -70,6 +70,11 @@ def bar(rows, *, x: str, y: str, color: str | None = None, title: str, hardware:
     if color:
         enc["color"] = alt.Color(f"{color}:N", title=color)
         enc["xOffset"] = alt.XOffset(f"{color}:N")
+    if log_y:
+        # Bars need a baseline; on a log axis zero is at -inf and Vega drops them. Start them
+        # half a decade below the smallest value instead.
+        positive = df[y][df[y] > 0]
+        enc["y2"] = alt.Y2Datum(float(positive.min()) / 3.0 if len(positive) else 1e-9)
     chart = alt.Chart(df).mark_bar().encode(**enc)
     if column:
         chart = chart.facet(column=alt.Column(f"{column}:N", title=column))

@@ -34,18 +34,18 @@ def show_source(obj: Any, *, note: str = "") -> _Markdown:
     return _Markdown(head + "\n\n```python\n" + textwrap.dedent("".join(lines)).rstrip() + "\n```\n")
 
 
-def glue(name: str, value: Any, fmt: str | None = None, *, display: bool = False) -> Any:
-    """Glue a number for prose (`{glue:text}` in MyST). Outside a notebook, just returns it.
+def glue(name: str, value: Any, fmt: str | None = None, *, display: bool = False) -> None:
+    """Glue a number for prose (`{glue:text}` in MyST); outside a notebook, does nothing.
 
     `fmt` formats the value first (e.g. '.2f'), so prose shows exactly what the run measured.
+    Returns None so a cell ending in a glue call shows no stray output.
     """
     shown = format(value, fmt) if fmt else value
     try:
         from myst_nb import glue as _glue
     except ImportError:
-        return shown
+        return None
     _glue(name, shown, display=display)
-    return shown
 
 
 def table(rows: Iterable[dict] | Iterable[RunRecord], columns: list[str] | None = None):
