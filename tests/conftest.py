@@ -1,6 +1,11 @@
 import os
 
-import pytest
+# Tests run two at a time (pytest -n 2 on 2 cores), and chapter kernels inherit this
+# environment: one math thread each avoids oversubscription, which made loops of small
+# ops tens of times slower. Set before torch is imported.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
 
 # No test may reach the network, and chapters execute on CPU.
 os.environ.setdefault("TRITON_INTERPRET", "1")

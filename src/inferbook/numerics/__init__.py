@@ -1,0 +1,29 @@
+"""Low-precision recipes and correctness harnesses (seed section 七, Transformer Engine 2.19).
+
+- `mx`: OCP microscaling (MXFP8 / MXFP4) quantize and dequantize, PyTorch reference and
+  Triton kernel, recipes per tensor role and direction, an emulated linear layer.
+- `gdn`: Gated DeltaNet, recurrent and chunked, and the NaN/accuracy harness for backends.
+- `grouped`: a grouped GEMM and a checker against per-group references.
+- `graphs`: a CUDA Graph replay check that retained gradients are not overwritten.
+"""
+
+import contextlib
+
+import torch
+
+
+@contextlib.contextmanager
+def small_op_threads(device):
+    """One intra-op thread on CPU while running many tiny ops (a toy MLP's steps, a Python-loop
+    recurrence): splitting a 64x64 matmul across threads only adds synchronisation, and on a
+    loaded machine OpenMP's barrier waits made such loops ~50x slower. Restored on exit; never
+    used around a timed region."""
+    if torch.device(device).type != "cpu":
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

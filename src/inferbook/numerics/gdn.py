@@ -1,0 +1,413 @@
+"""Gated DeltaNet: the recurrence, its chunked (WY) form, and a NaN/accuracy harness for backends.
+
+Shapes: q, k [B, T, H, K]; v [B, T, H, V]; g, beta [B, T, H]; state S [B, H, K, V].
+Per step t (one head):
+
+    S   <- exp(g_t) * S                       # gate (g_t <= 0: decay)
+    u_t  = beta_t * (v_t - S^T k_t)           # delta rule: what S predicts for k_t is replaced
+    S   <- S + k_t u_t^T
+    o_t  = scale * S^T q_t                    # scale defaults to K ** -0.5
+
+`recurrent` runs that loop. `chunked` computes the same thing chunk by chunk: with
+G the in-chunk cumulative sum of g, the in-chunk updates solve one unit lower-triangular
+system (I + diag(beta) A) U = diag(beta) (V - diag(exp G) K S0), A[t, j] = exp(G_t - G_j) k_t.k_j
+for j < t, and the state is carried between chunks. Gate differences exp(G_t - G_j) are masked
+*before* the exp (j > t would overflow: exp of a large positive number, then inf * 0 = NaN).
+A length that is not a multiple of the chunk is padded with zeros (k = v = q = beta = g = 0),
+which leaves the state unchanged.
+
+Both return (o in v's dtype, final state in the compute dtype: fp32, or fp64 for fp64 inputs).
+Backward is autograd's. `check_backend(fn)` is the harness the seed's known issue asks for
+(Transformer Engine 2.19: GDN backward may return NaN at head_dim=32 until a cuDNN frontend
+release ships the fix).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+
+def _check(q, k, v, g, beta, initial_state, chunk_size=None):
+    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise ValueError(f"{name} must be floating point, got {t.dtype}")
+    if q.dim() != 4 or k.shape != q.shape:
+        raise ValueError(f"q and k must both be [B, T, H, K], got {tuple(q.shape)} and {tuple(k.shape)}")
+    B, T, H, K = q.shape
+    if v.dim() != 4 or v.shape[:3] != (B, T, H):
+        raise ValueError(f"v must be [B, T, H, V] = [{B}, {T}, {H}, V], got {tuple(v.shape)}")
+    if g.shape != (B, T, H) or beta.shape != (B, T, H):
+        raise ValueError(f"g and beta must be [B, T, H] = [{B}, {T}, {H}], got {tuple(g.shape)} and {tuple(beta.shape)}")
+    if initial_state is not None and tuple(initial_state.shape) != (B, H, K, v.shape[-1]):
+        raise ValueError(f"initial_state must be [B, H, K, V] = [{B}, {H}, {K}, {v.shape[-1]}], "
+                         f"got {tuple(initial_state.shape)}")
+    if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1):
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def recurrent(q, k, v, g, beta, scale=None, initial_state=None, compute_dtype=None):
+    """Step-by-step Gated DeltaNet. Returns (o [B, T, H, V] in v.dtype, S [B, H, K, V]).
+
+    `compute_dtype` (default fp32, fp64 for fp64 inputs) is the dtype of the state and of every
+    operation; the harness runs it at the inputs' own low precision as the "same-precision"
+    baseline whose error sets the tolerance.
+    """
+    _check(q, k, v, g, beta, initial_state)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    cd = compute_dtype or _compute_dtype(v)
+    out_dtype = v.dtype
+    scale = K ** -0.5 if scale is None else scale
+    S = (torch.zeros(B, H, K, V, dtype=cd, device=q.device) if initial_state is None
+         else initial_state.to(cd))
+    q, k, v, g, beta = (t.to(cd) for t in (q, k, v, g, beta))
+    outs = []
+    for t in range(T):
+        S = S * g[:, t].exp()[..., None, None]
+        kt = k[:, t]                                                   # [B, H, K]
+        u = beta[:, t, :, None] * (v[:, t] - torch.einsum("bhkv,bhk->bhv", S, kt))
+        S = S + kt[..., :, None] * u[..., None, :]
+        outs.append(torch.einsum("bhkv,bhk->bhv", S, q[:, t]) * scale)
+    o = torch.stack(outs, dim=1) if outs else torch.zeros(B, 0, H, V, dtype=cd, device=q.device)
+    return o.to(out_dtype), S
+
+
+def chunked(q, k, v, g, beta, chunk_size=64, scale=None, initial_state=None, *, _exp_before_mask=False):
+    """Chunked (WY-form) Gated DeltaNet, same results as `recurrent` up to rounding.
+
+    `_exp_before_mask=True` reproduces a classic bug for the harness to catch: exponentiate the gate
+    differences, then zero the masked ones. The forward stays finite (the mask selects 0), but the
+    backward of exp multiplies a zero gradient by exp(+large) = inf: NaN.
+    """
+    _check(q, k, v, g, beta, initial_state, chunk_size)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    cd = _compute_dtype(v)
+    scale = K ** -0.5 if scale is None else scale
+    C = chunk_size
+    NT = -(-T // C)
+    S = (torch.zeros(B, H, K, V, dtype=cd, device=q.device) if initial_state is None
+         else initial_state.to(cd))
+    if T == 0:
+        return torch.zeros(B, 0, H, V, dtype=v.dtype, device=q.device), S
+    pad = NT * C - T
+
+    def heads_first(x, last):  # [B, T, H, (D)] -> [B, H, NT, C, (D)], zero padded
+        x = x.to(cd)
+        if last:
+            x = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad))
+            return x.permute(0, 2, 1, 3).reshape(B, H, NT, C, x.shape[-1])
+        x = torch.nn.functional.pad(x, (0, 0, 0, pad))
+        return x.permute(0, 2, 1).reshape(B, H, NT, C)
+
+    qc, kc, vc = heads_first(q, True), heads_first(k, True), heads_first(v, True)
+    gc, bc = heads_first(g, False), heads_first(beta, False)
+    G = gc.cumsum(-1)                                                   # [B, H, NT, C]
+    idx = torch.arange(C, device=q.device)
+    strict = idx[:, None] > idx[None, :]
+    incl = idx[:, None] >= idx[None, :]
+    diff = G[..., :, None] - G[..., None, :]                            # G_t - G_j
+    neg_inf = torch.full_like(diff, -math.inf)
+    if _exp_before_mask:  # the bug, kept for the harness's demonstration
+        decay_strict = torch.where(strict, diff.exp(), torch.zeros_like(diff))
+        decay_incl = torch.where(incl, diff.exp(), torch.zeros_like(diff))
+    else:
+        decay_strict = torch.where(strict, diff, neg_inf).exp()         # masked before exp
+        decay_incl = torch.where(incl, diff, neg_inf).exp()
+    A = decay_strict * (kc @ kc.transpose(-1, -2))                     # [.., C, C]
+    L = torch.eye(C, dtype=cd, device=q.device) + bc[..., :, None] * A
+    rhs = torch.cat([bc[..., None] * vc, (bc * G.exp())[..., None] * kc], dim=-1)
+    sol = torch.linalg.solve_triangular(L, rhs, upper=False, unitriangular=True)
+    U0, W = sol[..., :V], sol[..., V:]                                  # U = U0 - W S0
+    P = decay_incl * (qc @ kc.transpose(-1, -2))                        # [.., C, C]
+    qg = qc * G.exp()[..., None]
+    k_to_end = kc * (G[..., -1:] - G).exp()[..., None]                  # exp(G_C - G_j) <= 1
+    g_end = G[..., -1].exp()                                            # [B, H, NT]
+    outs = []
+    for n in range(NT):
+        U = U0[:, :, n] - W[:, :, n] @ S
+        outs.append((qg[:, :, n] @ S + P[:, :, n] @ U) * scale)
+        S = g_end[:, :, n, None, None] * S + k_to_end[:, :, n].transpose(-1, -2) @ U
+    o = torch.stack(outs, dim=2).reshape(B, H, NT * C, V)[:, :, :T].permute(0, 2, 1, 3)
+    return o.to(v.dtype), S
+
+
+# ---------------------------------------------------------------------------
+# A Triton kernel for the forward recurrence (inference): one program per (batch*head, block of V
+# columns). Columns of S are independent under the delta rule (each column's prediction and update
+# use only that column), so V splits across programs and the K x BV state block lives in registers
+# for all T steps: S is read from and written to memory once, not once per token.
+
+try:
+    import triton
+    import triton.language as tl
+except Exception:  # pragma: no cover
+    triton = None
+    tl = None
+
+if triton is not None:
+    @triton.jit
+    def gdn_recurrent_fwd_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, h0_ptr, o_ptr, hT_ptr, T, H, K, V, scale,
+                                 BK: tl.constexpr, BV: tl.constexpr, HAS_H0: tl.constexpr):
+        i_v = tl.program_id(0)
+        i_bh = tl.program_id(1)
+        i_b = i_bh // H
+        i_h = i_bh % H
+        ok = tl.arange(0, BK)
+        ov = i_v * BV + tl.arange(0, BV)
+        mk = ok < K
+        mv = ov < V
+        m_s = mk[:, None] & mv[None, :]
+        s_off = i_bh.to(tl.int64) * K * V + ok[:, None] * V + ov[None, :]
+        if HAS_H0:
+            S = tl.load(h0_ptr + s_off, mask=m_s, other=0.0).to(tl.float32)
+        else:
+            S = tl.zeros((BK, BV), dtype=tl.float32)
+        for t in range(T):
+            row = (i_b.to(tl.int64) * T + t) * H + i_h          # (b, t, h) in [B, T, H, *] layouts
+            kt = tl.load(k_ptr + row * K + ok, mask=mk, other=0.0).to(tl.float32)
+            qt = tl.load(q_ptr + row * K + ok, mask=mk, other=0.0).to(tl.float32)
+            vt = tl.load(v_ptr + row * V + ov, mask=mv, other=0.0).to(tl.float32)
+            gt = tl.load(g_ptr + row).to(tl.float32)
+            bt = tl.load(b_ptr + row).to(tl.float32)
+            S = S * tl.exp(gt)
+            u = bt * (vt - tl.sum(S * kt[:, None], axis=0))         # beta (v - S^T k)
+            S = S + kt[:, None] * u[None, :]
+            ot = tl.sum(S * qt[:, None], axis=0) * scale
+            tl.store(o_ptr + row * V + ov, ot, mask=mv)
+        tl.store(hT_ptr + s_off, S, mask=m_s)
+
+
+def recurrent_triton(q, k, v, g, beta, scale=None, initial_state=None):
+    """Forward-only Gated DeltaNet in one Triton kernel (no autograd). Returns (o in v.dtype, S fp32).
+
+    Computes in fp32 like `recurrent`; the kernel writes fp32 and torch rounds to v's dtype (the
+    Triton 3.9 interpreter truncates fp32 -> bf16 instead of rounding to nearest even).
+    """
+    _check(q, k, v, g, beta, initial_state)
+    if triton is None:
+        raise RuntimeError("triton is not installed")
+    if any(t.requires_grad for t in (q, k, v, g, beta)) and torch.is_grad_enabled():
+        raise ValueError("recurrent_triton is forward-only: call it under torch.no_grad() or use `chunked`")
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    if K > 256 or V > 4096:
+        raise ValueError(f"recurrent_triton supports head dims K <= 256 (got K={K}) and V <= 4096 (got V={V})")
+    scale = K ** -0.5 if scale is None else float(scale)
+    q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
+    o = torch.empty(B, T, H, V, dtype=torch.float32, device=q.device)
+    hT = torch.empty(B, H, K, V, dtype=torch.float32, device=q.device)
+    h0 = initial_state.float().contiguous() if initial_state is not None else hT
+    BK = triton.next_power_of_2(K)
+    if q.device.type == "cuda":
+        BV = min(triton.next_power_of_2(V), max(16, 4096 // BK))  # state block <= 4K fp32 in registers
+    else:  # the interpreter runs one program at a time with numpy: one block of all V columns is cheapest
+        BV = triton.next_power_of_2(V)
+    if T > 0 or initial_state is not None:
+        grid = (triton.cdiv(V, BV), B * H)
+        gdn_recurrent_fwd_kernel[grid](q, k, v, g, beta, h0, o, hT, T, H, K, V, scale, BK=BK, BV=BV,
+                                       HAS_H0=initial_state is not None)
+    else:
+        hT.zero_()
+    return o.to(v.dtype), hT
+
+
+def gdn_flops(B: int, T: int, H: int, K: int, V: int) -> int:
+    """Multiply-adds x2 of the recurrence: decay, S^T k, rank-1 update, S^T q (per step, per head)."""
+    return 2 * B * T * H * K * V * 4
+
+
+# ---------------------------------------------------------------------------
+# Fault injection: a backend whose backward returns NaN at one head dim (like the known TE issue).
+
+class _NaNGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return torch.full_like(grad, math.nan)
+
+
+def inject_backward_nan(fn: Callable, head_dim: int = 32) -> Callable:
+    """Wrap a backend so dq is NaN whenever K == head_dim; forward is untouched.
+    The harness must flag it: that is how we know the harness can fail."""
+    def wrapped(q, k, v, g, beta, scale=None, initial_state=None):
+        if q.shape[-1] == head_dim:
+            q = _NaNGrad.apply(q)
+        return fn(q, k, v, g, beta, scale=scale, initial_state=initial_state)
+
+    wrapped.__name__ = f"{getattr(fn, '__name__', 'backend')}+nan@K={head_dim}"
+    return wrapped
+
+
+# ---------------------------------------------------------------------------
+# The harness
+
+GATES = ("random", "zero", "very_negative")
+GRADS = ("q", "k", "v", "g", "beta", "h0")
+
+
+def make_inputs(B, T, H, K, V, gate: str, *, seed: int = 0, device="cpu", initial_state: bool = True):
+    """fp64 inputs: k L2-normalised (the delta rule's stable regime), beta in (0, 1),
+    g by `gate`: 'random' (log-sigmoid of N(0,1)+2, mild decay), 'zero' (exactly 0: no decay)
+    or 'very_negative' (-1e3: exp underflows to 0, the state resets every step)."""
+    if gate not in GATES:
+        raise ValueError(f"unknown gate {gate!r}; choose one of {GATES}")
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
+    q, k, v = r(B, T, H, K), r(B, T, H, K), r(B, T, H, V)
+    k = k / k.norm(dim=-1, keepdim=True)
+    beta = torch.sigmoid(r(B, T, H))
+    if gate == "random":
+        g = torch.nn.functional.logsigmoid(r(B, T, H) + 2.0)
+    elif gate == "zero":
+        g = torch.zeros(B, T, H, dtype=torch.float64)
+    else:
+        g = torch.full((B, T, H), -1e3, dtype=torch.float64)
+    h0 = r(B, H, K, V) * 0.1 if initial_state else None
+    out = dict(q=q, k=k, v=v, g=g, beta=beta, h0=h0)
+    return {n: (t.to(device) if t is not None else None) for n, t in out.items()}
+
+
+def rel_rms(a: torch.Tensor, ref: torch.Tensor) -> float:
+    """||a - ref|| / ||ref|| in fp64 (NaN when a is not finite)."""
+    a, ref = a.double(), ref.double()
+    if not torch.isfinite(a).all():
+        return math.nan
+    den = ref.norm().item()
+    num = (a - ref).norm().item()
+    return num / den if den > 0 else num
+
+
+def _run(fn, inputs: dict, dtype, do: torch.Tensor, dS: torch.Tensor, backward: bool = True, **kw):
+    if not backward:
+        with torch.no_grad():
+            args = {n: (t.to(dtype) if t is not None else None) for n, t in inputs.items()}
+            o, S = fn(args["q"], args["k"], args["v"], args["g"], args["beta"], initial_state=args["h0"], **kw)
+        return {"o": o.detach(), "S": S.detach()}
+    leaves = {n: (t.to(dtype).detach().requires_grad_(True) if t is not None else None) for n, t in inputs.items()}
+    o, S = fn(leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"],
+              initial_state=leaves["h0"], **kw)
+    loss = (o.double() * do).sum() + (S.double() * dS).sum()
+    names = [n for n in GRADS if leaves.get(n) is not None]
+    grads = torch.autograd.grad(loss, [leaves[n] for n in names], allow_unused=True)
+    out = {"o": o.detach(), "S": S.detach()}
+    for n, gr in zip(names, grads):
+        out["d" + n] = gr.detach() if gr is not None else torch.zeros_like(leaves[n])
+    return out
+
+
+@dataclass
+class HarnessReport:
+    backend: str
+    rows: list[dict] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.rows) and all(r["passed"] for r in self.rows)
+
+    def failures(self) -> list[dict]:
+        return [r for r in self.rows if not r["passed"]]
+
+
+# Floors under the same-precision tolerance: fp32 chunked and recurrent round differently
+# (a triangular solve against a running sum), so 2x "the recurrence's own fp32 error" could
+# be below what fp32 resolves over a sum of T terms; the floor is 2e-6 relative RMS for fp32.
+FLOOR = {torch.float32: 2e-6, torch.bfloat16: 1e-3, torch.float16: 1e-4, torch.float64: 1e-10}
+
+
+def check_backend(fn: Callable, *, name: str | None = None, forward_only: bool = False, **kw) -> HarnessReport:
+    """Sweep one GDN backend `fn(q, k, v, g, beta, scale=None, initial_state=None) -> (o, S)`;
+    see `check_backends` for the sweep and the pass rule."""
+    name = name or getattr(fn, "__name__", "backend")
+    return check_backends({name: fn}, forward_only=(name,) if forward_only else (), **kw)[name]
+
+
+def check_backends(fns: dict, *, head_dims=(32, 64, 128, 256), lengths=(17, 45), gates=GATES,
+                   dtypes=(torch.bfloat16, torch.float32), batch: int = 1, heads: int = 2,
+                   value_dim: int | None = None, device="cpu", seed: int = 0,
+                   out_factor: float = 2.0, grad_factor: float = 3.0,
+                   forward_only: tuple = ()) -> dict[str, HarnessReport]:
+    """Sweep GDN backends {name: fn} over (head_dim, length, gate, dtype); one report per backend.
+
+    Each case: inputs made in fp64 and rounded to `dtype`; the reference is `recurrent` in fp64 on
+    those same rounded inputs; the baseline is `recurrent` computing entirely in `dtype` (the
+    "same precision" error, FlashAttention's rule). A case passes when o, S and every gradient
+    (q, k, v, g, beta, initial state) are finite and each relative RMS error against the
+    reference is at most `out_factor` (o, S) or `grad_factor` (gradients) times the baseline's,
+    or the dtype's floor (`FLOOR`). NaN never passes; a backend that raises fails the case.
+    Backends named in `forward_only` are run without autograd and judged on o and S only.
+    """
+    if not isinstance(fns, dict) or not fns or not all(callable(f) for f in fns.values()):
+        raise ValueError("fns must be a non-empty dict {name: callable}")
+    for hd in head_dims:
+        if not isinstance(hd, int) or isinstance(hd, bool) or hd < 1:
+            raise ValueError(f"head_dims must be positive ints, got {hd!r}")
+    for T in lengths:
+        if not isinstance(T, int) or isinstance(T, bool) or T < 1:
+            raise ValueError(f"lengths must be positive ints, got {T!r}")
+    for dt in dtypes:
+        if dt not in FLOOR:
+            raise ValueError(f"dtype {dt} is not supported; use one of {list(FLOOR)}")
+    for gate in gates:
+        if gate not in GATES:
+            raise ValueError(f"unknown gate {gate!r}; choose from {GATES}")
+    reports = {n: HarnessReport(n) for n in fns}
+    case = 0
+    for K in head_dims:
+        V = value_dim or K
+        for T in lengths:
+            for gate in gates:
+                inputs = make_inputs(batch, T, heads, K, V, gate, seed=seed + case, device=device)
+                gen = torch.Generator(device="cpu").manual_seed(seed + 10_000 + case)
+                do = torch.randn(batch, T, heads, V, generator=gen, dtype=torch.float64).to(device)
+                dS = torch.randn(batch, heads, K, V, generator=gen, dtype=torch.float64).to(device)
+                case += 1
+                for dt in dtypes:
+                    rounded = {n: (t.to(dt).double() if t is not None else None) for n, t in inputs.items()}
+                    ref = _run(recurrent, rounded, torch.float64, do, dS)
+                    base = _run(lambda *a, **kw: recurrent(*a, compute_dtype=dt, **kw), rounded, dt, do, dS)
+                    for name, fn in fns.items():
+                        fwd_only = name in forward_only
+                        reports[name].rows.append(_judge(name, fn, rounded, dt, do, dS,
+                                                         {k_: ref[k_] for k_ in (("o", "S") if fwd_only else ref)},
+                                                         base, K, T, gate, out_factor, grad_factor,
+                                                         backward=not fwd_only))
+    return reports
+
+
+def _judge(name, fn, rounded, dt, do, dS, ref, base, K, T, gate, out_factor, grad_factor, backward=True) -> dict:
+    row = {"backend": name, "head_dim": K, "T": T, "gate": gate, "dtype": str(dt).replace("torch.", "")}
+    try:
+        got = _run(fn, rounded, dt, do, dS, backward=backward)
+    except Exception as e:  # a backend that raises fails its case; the sweep goes on
+        row.update(passed=False, nonfinite="", reason=f"raised {type(e).__name__}: {str(e)[:120]}")
+        return row
+    floor = FLOOR[dt]
+    nonfinite, reasons = [], []
+    for key in ref:
+        if not torch.isfinite(got[key]).all():
+            nonfinite.append(key)
+        factor = out_factor if key in ("o", "S") else grad_factor
+        err = rel_rms(got[key], ref[key])
+        base_err = rel_rms(base[key], ref[key])
+        tol = max(factor * base_err, floor) if math.isfinite(base_err) else floor
+        row[f"err_{key}"] = err
+        row[f"tol_{key}"] = tol
+        if not (err <= tol):  # NaN never passes
+            reasons.append(f"{key}: {err:.2e} > {tol:.2e}")
+    row["nonfinite"] = ",".join(nonfinite)
+    row["passed"] = not nonfinite and not reasons
+    row["reason"] = ("non-finite " + ",".join(nonfinite) + "; " if nonfinite else "") + "; ".join(reasons)
+    return row

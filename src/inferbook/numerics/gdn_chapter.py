@@ -1,0 +1,224 @@
+"""Chapter `gdn-backward-check`: a NaN/accuracy harness for Gated DeltaNet backward.
+
+Records:
+- `harness:<backend>` for our `recurrent` and `chunked` implementations, and for `chunked` with a
+  NaN injected into dq at head_dim 32 (the harness must flag it: proof that it can fail). Each
+  case of the sweep is one check; measurements count passing cases and the worst errors.
+- `speed:recurrent` and `speed:chunked`: forward + backward time of the PyTorch paths (on a CPU,
+  labelled CPU). Same workload and backend, so `compare()` accepts the pair.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..device import triton_backend_for
+from ..measure import benchmark, ceilings
+from ..presets import Param
+from ..record import RunRecord
+from . import gdn, small_op_threads
+
+PARAMETERS = {
+    "head_dims": Param(str, help="comma-separated head dims swept by the harness"),
+    "lengths": Param(str, help="comma-separated sequence lengths (odd on purpose)"),
+    "gates": Param(str, "random,zero,very_negative", help="gate regimes: random, zero, very_negative"),
+    "dtypes": Param(str, "bfloat16,float32", help="input dtypes swept"),
+    "batch": Param(int, 1, help="batch in the harness"),
+    "heads": Param(int, 2, help="heads in the harness"),
+    "chunk_size": Param(int, help="chunk size of the chunked backend"),
+    "bench_batch": Param(int, help="batch of the timed problem"),
+    "bench_len": Param(int, help="sequence length of the timed problem"),
+    "bench_heads": Param(int, help="heads of the timed problem"),
+    "bench_head_dim": Param(int, help="head dim (K = V) of the timed problem"),
+}
+
+PRESETS = {
+    "smoke": dict(head_dims="32,64", lengths="9", chunk_size=8, bench_batch=1, bench_len=32, bench_heads=2,
+                  bench_head_dim=32),
+    "cpu": dict(head_dims="32,64,128,256", lengths="17,45", chunk_size=16, bench_batch=1, bench_len=128,
+                bench_heads=4, bench_head_dim=64),
+    "gpu": dict(head_dims="32,64,128,256", lengths="17,45,129", chunk_size=64, bench_batch=4, bench_len=1024,
+                bench_heads=8, bench_head_dim=128),
+}
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+def parse_ints(name: str, text: str) -> tuple[int, ...]:
+    try:
+        vals = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise ValueError(f"{name} must be comma-separated positive ints, got {text!r}") from None
+    if not vals or any(v < 1 for v in vals):
+        raise ValueError(f"{name} must be comma-separated positive ints, got {text!r}")
+    return vals
+
+
+def parse_choices(name: str, text: str, allowed) -> tuple[str, ...]:
+    vals = tuple(v.strip() for v in text.split(",") if v.strip())
+    bad = [v for v in vals if v not in allowed]
+    if bad or not vals:
+        raise ValueError(f"{name} {text!r}: {bad or 'empty'} not allowed; choose from {list(allowed)}")
+    return vals
+
+
+TRITON_FWD = "triton fused recurrent (forward only)"
+
+
+def backends(chunk_size: int, device=None) -> dict:
+    def chunked(q, k, v, g, beta, scale=None, initial_state=None):
+        return gdn.chunked(q, k, v, g, beta, chunk_size=chunk_size, scale=scale, initial_state=initial_state)
+
+    def exp_before_mask(q, k, v, g, beta, scale=None, initial_state=None):
+        return gdn.chunked(q, k, v, g, beta, chunk_size=chunk_size, scale=scale, initial_state=initial_state,
+                           _exp_before_mask=True)
+
+    out = {"recurrent": gdn.recurrent, f"chunked (C={chunk_size})": chunked,
+           "chunked + NaN in dq at K=32 (injected)": gdn.inject_backward_nan(chunked, 32),
+           "chunked, exp before mask (bug)": exp_before_mask}
+    if device is not None and triton_backend_for(device)[0]:
+        out[TRITON_FWD] = gdn.recurrent_triton
+    return out
+
+
+def is_demo(name: str) -> bool:
+    """Backends that are *meant* to fail: the harness must flag them."""
+    return "injected" in name or "(bug)" in name
+
+
+def harness_records(ctx, reports: dict, sweep: dict) -> list[RunRecord]:
+    out = []
+    for name, rep in reports.items():
+        injected = is_demo(name)
+        rec = ctx.new_record(f"harness:{name}", variant=name, workload={
+            "model": "Gated DeltaNet (one layer's recurrence)", "shapes": sweep, "dtype": ",".join(sweep["dtypes"])})
+        if name == TRITON_FWD:
+            rec.set_backend("gdn", "triton", reason=triton_backend_for(ctx.device)[1] + "; forward only: o and S "
+                            "checked, no gradients", shapes={"q": ["B", "T", "H", "K"], "state": ["B", "H", "K", "V"]})
+        else:
+            rec.set_backend("gdn", "torch autograd", reason=f"{name}: PyTorch implementation, backward by autograd",
+                            shapes={"q": ["B", "T", "H", "K"], "state": ["B", "H", "K", "V"]})
+        for r in ([] if injected else rep.rows):  # the injected backend's cases are meant to fail
+            rec.add_check(f"K={r['head_dim']} T={r['T']} {r['gate']} {r['dtype']}", r["passed"],
+                          error=r.get("err_dq"), tolerance=r.get("tol_dq"), reason=r["reason"],
+                          nonfinite=r.get("nonfinite", ""))
+        n_pass = sum(r["passed"] for r in rep.rows)
+        rec.add("cases passed", n_pass, "cases", cases=len(rep.rows),
+                rows=[{k: r.get(k) for k in ("head_dim", "T", "gate", "dtype", "passed", "nonfinite", "reason")}
+                      for r in rep.rows])
+        for dt in sweep["dtypes"]:
+            rows = [r for r in rep.rows if r["dtype"] == dt and r["passed"]]
+            for key in ("o", "dq", "dk", "dv", "dg", "dbeta"):
+                errs = [r[f"err_{key}"] for r in rows if math.isfinite(r.get(f"err_{key}", math.nan))]
+                if errs:
+                    rec.add(f"max rel-RMS err {key} ({dt})", max(errs), "relative", phase="check")
+        if injected:
+            flagged = {r["head_dim"] for r in rep.rows if not r["passed"]}
+            gates_flagged = {r["gate"] for r in rep.rows if not r["passed"]}
+            rec.notes = "a demonstration backend, meant to fail: the harness's own test"
+            rec.add("head dims flagged", len(flagged), "head dims", flagged=sorted(flagged))
+            rec.add("gate regimes flagged", len(gates_flagged), "gate regimes", flagged=sorted(gates_flagged))
+        out.append(rec)
+    return out
+
+
+def speed_record(ctx, name: str, fn, *, B, T, H, K) -> RunRecord:
+    dtype = torch.bfloat16 if ctx.device.type == "cuda" else torch.float32
+    g = ctx.generator(5)
+    q = torch.randn(B, T, H, K, generator=g, device=ctx.device)
+    k = torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=g, device=ctx.device), dim=-1)
+    v = torch.randn(B, T, H, K, generator=g, device=ctx.device)
+    gate = torch.nn.functional.logsigmoid(torch.randn(B, T, H, generator=g, device=ctx.device) + 2)
+    beta = torch.sigmoid(torch.randn(B, T, H, generator=g, device=ctx.device))
+    leaves = [t.to(dtype).requires_grad_(True) for t in (q, k, v, gate, beta)]
+
+    def step():
+        o, S = fn(*leaves)
+        torch.autograd.grad(o.float().sum() + S.sum(), leaves)
+
+    is_gpu = ctx.device.type == "cuda"
+    t = benchmark(step, ctx.device, label=name, warmup=1 if not is_gpu else 2, min_reps=3 if not is_gpu else 5,
+                  max_reps=20, min_time_s=0.1 if not is_gpu else 0.5)
+    algo = name.split(" ")[0]
+    rec = ctx.new_record(f"speed:{algo}", variant=algo, workload={
+        "model": "Gated DeltaNet (one layer's recurrence)", "batch": B, "input_len": T,
+        "shapes": {"B": B, "T": T, "H": H, "K": K, "V": K}, "dtype": str(dtype).replace("torch.", "")})
+    rec.set_backend("gdn", "torch autograd" + (" (CPU)" if not is_gpu else ""),
+                    reason="PyTorch implementation; no Triton GDN kernel in this chapter",
+                    shapes={"q": [B, T, H, K], "state": [B, H, K, K]}, dtype=str(dtype).replace("torch.", ""))
+    rec.add_timing("forward+backward", t)
+    rec.add("tokens/s (fwd+bwd)", B * T / t.median_s, "tok/s")
+    return rec
+
+
+def measure(ctx, *, head_dims, lengths, gates, dtypes, batch, heads, chunk_size, bench_batch, bench_len,
+            bench_heads, bench_head_dim) -> list[RunRecord]:
+    hd = parse_ints("head_dims", head_dims)
+    ls = parse_ints("lengths", lengths)
+    gs = parse_choices("gates", gates, gdn.GATES)
+    dts = parse_choices("dtypes", dtypes, DTYPES)
+    fns = backends(chunk_size, ctx.device)
+    sweep = {"head_dims": list(hd), "lengths": list(ls), "gates": list(gs), "dtypes": list(dts), "batch": batch,
+             "heads": heads, "chunk_size": chunk_size}
+    with small_op_threads(ctx.device):
+        reports = gdn.check_backends(fns, head_dims=hd, lengths=ls, gates=gs, dtypes=tuple(DTYPES[d] for d in dts),
+                                     batch=batch, heads=heads, device=ctx.device, seed=ctx.seed,
+                                     forward_only=(TRITON_FWD,))
+    records = harness_records(ctx, reports, sweep)
+    # The harness's own check: ours pass, the injected backend fails exactly at K = 32.
+    for rec, (name, rep) in zip(records, reports.items()):
+        if "injected" in name:
+            if 32 in hd:
+                bad = {r["head_dim"] for r in rep.failures()}
+                rec.add_check("harness flags the injected NaN at K=32, and only there", bad == {32},
+                              error=float(len(bad)))
+        elif "(bug)" in name:
+            if "very_negative" in gs:
+                bad = {r["gate"] for r in rep.failures()}
+                rec.add_check("harness flags exp-before-mask with very negative gates", "very_negative" in bad,
+                              error=float(len(rep.failures())))
+        else:
+            rec.add_check("all harness cases pass", rep.passed, error=float(len(rep.failures())))
+    for name, fn in list(fns.items())[:2]:
+        records.append(speed_record(ctx, name, fn, B=bench_batch, T=bench_len, H=bench_heads, K=bench_head_dim))
+    records.append(forward_speed_record(ctx, fns, chunk_size, B=bench_batch, T=bench_len, H=bench_heads,
+                                        K=bench_head_dim))
+    return records
+
+
+def forward_speed_record(ctx, fns: dict, chunk_size: int, *, B, T, H, K) -> RunRecord:
+    """Forward only (inference), no autograd: the PyTorch paths, and on a GPU the Triton kernel, with
+    achieved bandwidth: each step reads q, k, v (and g, beta) once and writes o once; S stays on chip."""
+    is_gpu = ctx.device.type == "cuda"
+    dtype = torch.bfloat16 if is_gpu else torch.float32
+    g = ctx.generator(6)
+    q = torch.randn(B, T, H, K, generator=g, device=ctx.device).to(dtype)
+    k = torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=g, device=ctx.device), dim=-1).to(dtype)
+    v = torch.randn(B, T, H, K, generator=g, device=ctx.device).to(dtype)
+    gate = torch.nn.functional.logsigmoid(torch.randn(B, T, H, generator=g, device=ctx.device) + 2).to(dtype)
+    beta = torch.sigmoid(torch.randn(B, T, H, generator=g, device=ctx.device)).to(dtype)
+    rec = ctx.new_record("speed-forward", variant="forward only", workload={
+        "model": "Gated DeltaNet (one layer's recurrence)", "batch": B, "input_len": T,
+        "shapes": {"B": B, "T": T, "H": H, "K": K, "V": K}, "dtype": str(dtype).replace("torch.", "")})
+    paths = {"recurrent (torch)": gdn.recurrent,
+             f"chunked C={chunk_size} (torch)": lambda *a: gdn.chunked(*a, chunk_size=chunk_size)}
+    if is_gpu and TRITON_FWD in fns:
+        paths["fused recurrent (triton)"] = gdn.recurrent_triton
+    rec.set_backend("gdn_forward", ", ".join(paths), reason="triton timed only on a GPU; on CPU it runs in the "
+                    "interpreter (correctness only)" if not is_gpu else "all paths on this GPU",
+                    shapes={"q": [B, T, H, K]}, dtype=str(dtype).replace("torch.", ""))
+    nbytes = B * T * H * (3 * K + 2) * q.element_size() + B * T * H * K * q.element_size()
+    ceil = ceilings(ctx.device) if is_gpu else None
+    with torch.no_grad():
+        for name, fn in paths.items():
+            t = benchmark(lambda: fn(q, k, v, gate, beta), ctx.device, label=name, uses_triton="triton" in name,
+                          warmup=1 if not is_gpu else 3, min_reps=3 if not is_gpu else 10, max_reps=50,
+                          min_time_s=0.1 if not is_gpu else 0.5)
+            rec.add_timing(f"forward {name}", t, bytes=nbytes)
+            gbps = nbytes / t.median_s / 1e9
+            rec.add(f"effective GB/s {name}", gbps, "GB/s",
+                    frac_of_copy=(gbps / ceil.copy_gbps) if ceil else None,
+                    note="minimal traffic (q, k, v, g, beta read once, o written once) / time; only a kernel that "
+                         "keeps the state on chip comes near moving just that")
+    return rec

@@ -1,0 +1,640 @@
+"""OCP microscaling (MX v1.0): MXFP8 (E4M3, E5M2) and MXFP4 (E2M1) with E8M0 block scales.
+
+A block of `block` consecutive elements (along `axis`), or a 2-D tile of `block=(r, c)`
+elements, shares one scale 2**s stored as an E8M0 byte (biased exponent s + 127; 0xFF is
+NaN). Each element is stored as the element format's bit pattern (one uint8 per element,
+FP4 codes unpacked: 0..15).
+
+Scale exponent, from the block's largest magnitude `amax = m * 2**E` (1 <= m < 2):
+
+- `"floor"` (OCP MX v1.0, section 6.3): s = floor(log2(amax)) - emax = E - emax, where emax
+  is the exponent of the element format's largest normal. The block's largest element then
+  lands in [2**emax, 2**(emax+1)), above the format's max normal when m > its mantissa:
+  those elements saturate (e.g. E4M3: 460 -> 448).
+- `"up"`: the smallest s with amax <= max_normal * 2**s, i.e. s = E - emax, plus one when m
+  exceeds the max normal's mantissa (1.75 for E4M3/E5M2, 1.5 for E2M1). Nothing saturates;
+  one binade of resolution is given up for those blocks. This is the round-up policy of
+  Transformer Engine's MXFP8 path (`float_to_e8m0(amax * max_norm_rcp)`, rounding the exponent
+  up) and of torchao's RCEIL mode, computed here in integers; the tests check that the two forms
+  agree for every fp32 amax in [max_normal/2, 4 max_normal), hence for every normal amax.
+
+Both rules clamp s to E8M0's range [-127, 127]; an all-zero block gets s = -127 (byte 0).
+A block holding NaN or +-Inf gets the NaN scale 0xFF, so the whole block dequantizes to NaN
+(as torchao's FLOOR implementation does); its elements are stored as the format's NaN code
+(0x7F) for FP8 and 0 for FP4, which has no NaN encoding.
+
+Elements: x * 2**-s (exact: a power-of-two scaling) rounded to nearest, ties to even, and
+saturated to +-max_normal; subnormals of the element format are kept; the sign of zero is
+kept. Inputs may be float32, bfloat16 or float16; they are widened to float32 (exactly).
+
+`quantize_reference` (PyTorch) and `quantize_triton` (one Triton kernel for row-wise,
+column-wise and 2-D blocks) implement the same arithmetic and agree bit for bit; the tests
+also check both against an independent float64 + `torch.float8` implementation.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+try:  # Triton is optional: without it the PyTorch reference runs
+    import triton
+    import triton.language as tl
+except Exception:  # pragma: no cover - no triton
+    triton = None
+    tl = None
+
+
+# ---------------------------------------------------------------------------
+# Element formats
+
+@dataclass(frozen=True)
+class ElementFormat:
+    name: str
+    ebits: int
+    mbits: int
+    bias: int
+    max_normal: float
+    emax: int          # exponent of the largest normal
+    max_mant: int      # mantissa field of the largest normal, in fp32's 23-bit units
+    nan_code: int      # code stored for elements of a NaN-scale block
+    has_inf: bool
+    has_nan: bool
+
+    @property
+    def emin(self) -> int:
+        """Exponent of the smallest normal."""
+        return 1 - self.bias
+
+    @property
+    def sign_shift(self) -> int:
+        return self.ebits + self.mbits
+
+    @property
+    def n_codes(self) -> int:
+        return 1 << (self.ebits + self.mbits + 1)
+
+    @property
+    def min_subnormal(self) -> float:
+        return 2.0 ** (self.emin - self.mbits)
+
+
+FORMATS: dict[str, ElementFormat] = {
+    "e4m3": ElementFormat("e4m3", 4, 3, 7, 448.0, 8, 0x600000, 0x7F, has_inf=False, has_nan=True),
+    "e5m2": ElementFormat("e5m2", 5, 2, 15, 57344.0, 15, 0x600000, 0x7F, has_inf=True, has_nan=True),
+    "e2m1": ElementFormat("e2m1", 2, 1, 1, 6.0, 2, 0x400000, 0x0, has_inf=False, has_nan=False),
+}
+SCALE_ROUNDING = ("floor", "up")
+BACKENDS = ("auto", "torch", "triton")
+E8M0_NAN = 255
+
+
+def decode_table(fmt: str) -> torch.Tensor:
+    """fp32 value of every code of `fmt` (256 for FP8, 16 for FP4), from the bit layout."""
+    f = FORMATS[fmt]
+    vals = []
+    for code in range(f.n_codes):
+        sign = -1.0 if code >> f.sign_shift else 1.0
+        mag = code & ((1 << f.sign_shift) - 1)
+        e, m = mag >> f.mbits, mag & ((1 << f.mbits) - 1)
+        if f.name == "e4m3" and e == 15 and m == 7:
+            v = math.nan
+        elif f.name == "e5m2" and e == 31:
+            v = math.inf if m == 0 else math.nan
+        elif e == 0:
+            v = m * 2.0 ** (f.emin - f.mbits)
+        else:
+            v = (1 + m / (1 << f.mbits)) * 2.0 ** (e - f.bias)
+        vals.append(sign * v)
+    return torch.tensor(vals, dtype=torch.float32)
+
+
+# ---------------------------------------------------------------------------
+# The quantized tensor
+
+@dataclass
+class MXTensor:
+    """Elements (uint8 codes, the input's shape), E8M0 scales (uint8 biased exponents).
+
+    1-D blocks along `axis`: `scales.shape` is the input shape with `shape[axis]` replaced by
+    ceil(n / block). 2-D tiles (`block=(r, c)`, 2-D input): `scales.shape == (ceil(M/r), ceil(N/c))`
+    and `axis` is None. A partial trailing block shares one scale over its valid elements.
+    """
+
+    elements: torch.Tensor
+    scales: torch.Tensor
+    fmt: str
+    axis: int | None
+    block: int | tuple[int, int]
+    scale_rounding: str
+    dtype: torch.dtype = torch.float32  # the high-precision input's dtype
+    backend: str = field(default="torch")
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.elements.shape
+
+    def nbytes(self) -> int:
+        """Storage as a kernel would hold it: FP4 packs two codes per byte."""
+        per = 0.5 if self.fmt == "e2m1" else 1.0
+        return int(math.ceil(self.elements.numel() * per)) + self.scales.numel()
+
+
+def _check_args(x, fmt, axis, block, scale_rounding, backend="torch"):
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"x dtype {x.dtype} is not supported; use torch.float32, torch.bfloat16 or torch.float16")
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown element format {fmt!r}; choose one of {sorted(FORMATS)}")
+    if scale_rounding not in SCALE_ROUNDING:
+        raise ValueError(f"unknown scale_rounding {scale_rounding!r}; choose 'floor' (OCP MX v1.0) or 'up'")
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
+
+    def pow2(b):
+        return isinstance(b, int) and not isinstance(b, bool) and 2 <= b <= 128 and b & (b - 1) == 0
+
+    if isinstance(block, (tuple, list)):
+        if len(block) != 2 or not all(pow2(b) for b in block):
+            raise ValueError(f"2-D block {block!r} must be two powers of two in [2, 128], e.g. (32, 32)")
+        if x.dim() != 2:
+            raise ValueError(f"2-D block scaling needs a 2-D tensor, got shape {tuple(x.shape)}")
+        return None, (int(block[0]), int(block[1]))
+    if not pow2(block):
+        raise ValueError(f"block {block!r} must be a power of two in [2, 128] (OCP MX uses 32) or a 2-D tuple")
+    if x.dim() == 0:
+        raise ValueError("x must have at least one dimension")
+    if not isinstance(axis, int) or isinstance(axis, bool) or not -x.dim() <= axis < x.dim():
+        raise ValueError(f"axis {axis!r} is out of range for a tensor of shape {tuple(x.shape)}")
+    return axis % x.dim(), int(block)
+
+
+def _as_2d(x: torch.Tensor, axis: int | None, block):
+    """The 2-D problem a kernel solves: (x2d, SR, SC, restore) where restore(e2d) gives elements
+    in x's shape and the scale shape is computed by the caller."""
+    if axis is None:  # 2-D tiles
+        return x, block[0], block[1], (lambda e: e)
+    if x.dim() == 2 and axis == 0:  # column-wise: the kernel reads with strides, no copy
+        return x, block, 1, (lambda e: e)
+    moved = x.movedim(axis, -1)
+    shape = moved.shape
+    x2d = moved.reshape(-1, shape[-1])
+    return x2d, 1, block, (lambda e: e.reshape(shape).movedim(-1, axis).contiguous())
+
+
+def _scale_shape(x: torch.Tensor, axis, block) -> tuple[int, ...]:
+    if axis is None:
+        return (-(-x.shape[0] // block[0]), -(-x.shape[1] // block[1]))
+    s = list(x.shape)
+    s[axis] = -(-s[axis] // block)
+    return tuple(s)
+
+
+def _restore_scales(s2d: torch.Tensor, x: torch.Tensor, axis, block) -> torch.Tensor:
+    if axis is None or (x.dim() == 2 and axis == 0):
+        return s2d.contiguous()
+    moved = list(x.movedim(axis, -1).shape)
+    moved[-1] = s2d.shape[-1]
+    return s2d.reshape(moved).movedim(-1, axis).contiguous()
+
+
+# ---------------------------------------------------------------------------
+# PyTorch reference
+
+def _scale_exponent_torch(amax: torch.Tensor, f: ElementFormat, up: bool) -> torch.Tensor:
+    """int32 s from a finite, non-negative fp32 amax (see the module docstring)."""
+    bits = amax.view(torch.int32)
+    s = ((bits >> 23) & 0xFF) - 127 - f.emax
+    if up:
+        s = s + ((bits & 0x7FFFFF) > f.max_mant).to(torch.int32)
+    return s.clamp(-127, 127)
+
+
+def _pow2_torch(p: torch.Tensor) -> torch.Tensor:
+    """2**p as fp32 for int32 p in [-126, 127], built from its bits (exact)."""
+    return ((p + 127) << 23).to(torch.int32).view(torch.float32)
+
+
+def _encode_torch(y: torch.Tensor, f: ElementFormat) -> torch.Tensor:
+    """Codes (int32) of fp32 values y: round to nearest even, saturate, keep subnormals and -0."""
+    sign = (y.view(torch.int32) >> 31) & 1
+    a = y.abs().clamp(max=f.max_normal)
+    e = (((a.view(torch.int32) >> 23) & 0xFF) - 127).clamp(min=f.emin)
+    v = a * _pow2_torch(f.mbits - e)                     # exact; < 2**(mbits+1)
+    k = ((v + 8388608.0) - 8388608.0).to(torch.int32)    # RNE to an integer (fp32 add rounds to even)
+    return (((e - f.emin) << f.mbits) + k) | (sign << f.sign_shift)
+
+
+def _quantize_2d_torch(x2d: torch.Tensor, sr: int, sc: int, f: ElementFormat, up: bool):
+    M, N = x2d.shape
+    Mb, Nb = -(-M // sr), -(-N // sc)
+    x = x2d.float()
+    xp = torch.zeros(Mb * sr, Nb * sc, dtype=torch.float32, device=x.device)
+    xp[:M, :N] = x
+    blocks = xp.reshape(Mb, sr, Nb, sc)
+    a = blocks.abs()
+    bad = ~torch.isfinite(a)
+    amax = torch.where(bad, torch.zeros_like(a), a).amax(dim=(1, 3))
+    nbad = bad.any(dim=3).any(dim=1)
+    s = _scale_exponent_torch(amax, f, up)
+    scales = torch.where(nbad, torch.full_like(s, E8M0_NAN), s + 127).to(torch.uint8)
+    y = blocks * _pow2_torch(-s)[:, None, :, None]
+    codes = _encode_torch(y, f)
+    codes = torch.where(nbad[:, None, :, None], torch.full_like(codes, f.nan_code), codes)
+    codes = codes.reshape(Mb * sr, Nb * sc)[:M, :N].to(torch.uint8)
+    return codes, scales
+
+
+def quantize_reference(x: torch.Tensor, fmt: str = "e4m3", axis: int = -1, block=32,
+                       scale_rounding: str = "floor") -> MXTensor:
+    """PyTorch reference: `x` [any shape] -> MXTensor (see the module docstring)."""
+    axis, block = _check_args(x, fmt, axis, block, scale_rounding)
+    f = FORMATS[fmt]
+    if x.numel() == 0:
+        return MXTensor(torch.empty(x.shape, dtype=torch.uint8, device=x.device),
+                        torch.empty(_scale_shape(x, axis, block), dtype=torch.uint8, device=x.device),
+                        fmt, axis, block, scale_rounding, x.dtype, "torch")
+    x2d, sr, sc, restore = _as_2d(x, axis, block)
+    codes, scales = _quantize_2d_torch(x2d, sr, sc, f, scale_rounding == "up")
+    return MXTensor(restore(codes), _restore_scales(scales, x, axis, block), fmt, axis, block, scale_rounding,
+                    x.dtype, "torch")
+
+
+# ---------------------------------------------------------------------------
+# Triton kernel: one program quantizes an (NBR*SR) x (NBC*SC) tile holding NBR x NBC scale blocks.
+# Row-wise blocks are (1, 32), column-wise (32, 1), 2-D weight tiles (32, 32) or (128, 128).
+
+if triton is not None:
+    @triton.jit
+    def mx_quantize_kernel(x_ptr, e_ptr, s_ptr, M, N, MB, NB, sxm, sxn, sem, sen, ssm, ssn,
+                           SR: tl.constexpr, SC: tl.constexpr, NBR: tl.constexpr, NBC: tl.constexpr,
+                           EMAX: tl.constexpr, EMIN: tl.constexpr, MBITS: tl.constexpr,
+                           SIGN_SHIFT: tl.constexpr, MAX_NORMAL: tl.constexpr, MAX_MANT: tl.constexpr,
+                           NAN_CODE: tl.constexpr, ROUND_UP: tl.constexpr):
+        TR: tl.constexpr = NBR * SR
+        TC: tl.constexpr = NBC * SC
+        pid_r = tl.program_id(0)
+        pid_c = tl.program_id(1)
+        rows = pid_r * TR + tl.arange(0, TR)
+        cols = pid_c * TC + tl.arange(0, TC)
+        mask = (rows[:, None] < M) & (cols[None, :] < N)
+        # Padding reads 0: it cannot raise a block's amax, so partial blocks scale by their valid elements.
+        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * sxm + cols[None, :].to(tl.int64) * sxn,
+                    mask=mask, other=0.0).to(tl.float32)
+        a = tl.abs(x)
+        # NaN/Inf are tracked apart: max() need not propagate NaN, and Inf must not become a scale.
+        bad = ((a != a) | (a == float("inf"))).to(tl.int32)
+        a = tl.where(bad != 0, 0.0, a)
+        amax = tl.max(tl.max(tl.reshape(a, (NBR, SR, NBC, SC)), axis=3), axis=1)        # [NBR, NBC]
+        nbad = tl.max(tl.max(tl.reshape(bad, (NBR, SR, NBC, SC)), axis=3), axis=1)
+        abits = amax.to(tl.int32, bitcast=True)
+        s = ((abits >> 23) & 0xFF) - 127 - EMAX                      # floor(log2(amax)) - emax
+        if ROUND_UP:
+            s = s + ((abits & 0x7FFFFF) > MAX_MANT).to(tl.int32)     # amax > max_normal * 2**s: one up
+        s = tl.minimum(tl.maximum(s, -127), 127)
+        biased = tl.where(nbad != 0, 255, s + 127)
+        srows = pid_r * NBR + tl.arange(0, NBR)
+        scols = pid_c * NBC + tl.arange(0, NBC)
+        smask = (srows[:, None] < MB) & (scols[None, :] < NB)
+        tl.store(s_ptr + srows[:, None] * ssm + scols[None, :] * ssn, biased.to(tl.uint8), mask=smask)
+
+        # Broadcast each block's 2**-s (a normal fp32, built from bits) back over its elements.
+        inv = ((127 - s) << 23).to(tl.float32, bitcast=True)
+        inv = tl.reshape(tl.broadcast_to(tl.reshape(inv, (NBR, 1, NBC, 1)), (NBR, SR, NBC, SC)), (TR, TC))
+        nbad = tl.reshape(tl.broadcast_to(tl.reshape(nbad, (NBR, 1, NBC, 1)), (NBR, SR, NBC, SC)), (TR, TC))
+        y = x * inv                                                  # exact: a power-of-two scaling
+        sign = (y.to(tl.int32, bitcast=True) >> 31) & 1
+        av = tl.minimum(tl.abs(y), MAX_NORMAL)                       # saturate
+        e = tl.maximum(((av.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, EMIN)
+        v = av * ((127 + MBITS - e) << 23).to(tl.float32, bitcast=True)   # units of the last mantissa bit
+        k = ((v + 8388608.0) - 8388608.0).to(tl.int32)               # round half to even via fp32 add
+        code = ((e - EMIN) << MBITS) + k                             # carry into the exponent is free
+        code = code | (sign << SIGN_SHIFT)
+        code = tl.where(nbad != 0, NAN_CODE, code)
+        tl.store(e_ptr + rows[:, None].to(tl.int64) * sem + cols[None, :].to(tl.int64) * sen,
+                 code.to(tl.uint8), mask=mask)
+
+
+def _tile(sr: int, sc: int) -> tuple[int, int]:
+    """Scale blocks per program (NBR, NBC): about 2-4K elements per tile, rows of >= 64 columns."""
+    if sr == 1:
+        return 16, max(1, 128 // sc)
+    if sc == 1:
+        return max(1, 32 // sr) if sr < 32 else 1, 64
+    return max(1, 64 // sr), max(1, 64 // sc)
+
+
+def quantize_triton(x: torch.Tensor, fmt: str = "e4m3", axis: int = -1, block=32,
+                    scale_rounding: str = "floor") -> MXTensor:
+    """The Triton kernel; bit-exact with `quantize_reference`. Needs `device.triton_backend_for` ok."""
+    axis, block = _check_args(x, fmt, axis, block, scale_rounding)
+    if triton is None:
+        raise RuntimeError("triton is not installed; use quantize_reference or backend='torch'")
+    f = FORMATS[fmt]
+    elements = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
+    if x.numel() == 0:
+        return MXTensor(elements, torch.empty(_scale_shape(x, axis, block), dtype=torch.uint8, device=x.device),
+                        fmt, axis, block, scale_rounding, x.dtype, "triton")
+    x2d, sr, sc, restore = _as_2d(x, axis, block)
+    M, N = x2d.shape
+    MB, NB = -(-M // sr), -(-N // sc)
+    e2d = torch.empty((M, N), dtype=torch.uint8, device=x.device)
+    s2d = torch.empty((MB, NB), dtype=torch.uint8, device=x.device)
+    nbr, nbc = _tile(sr, sc)
+    grid = (triton.cdiv(MB, nbr), triton.cdiv(NB, nbc))
+    mx_quantize_kernel[grid](x2d, e2d, s2d, M, N, MB, NB, x2d.stride(0), x2d.stride(1), e2d.stride(0),
+                             e2d.stride(1), s2d.stride(0), s2d.stride(1), SR=sr, SC=sc, NBR=nbr, NBC=nbc,
+                             EMAX=f.emax, EMIN=f.emin, MBITS=f.mbits, SIGN_SHIFT=f.sign_shift,
+                             MAX_NORMAL=f.max_normal, MAX_MANT=f.max_mant, NAN_CODE=f.nan_code,
+                             ROUND_UP=scale_rounding == "up")
+    return MXTensor(restore(e2d), _restore_scales(s2d, x, axis, block), fmt, axis, block, scale_rounding,
+                    x.dtype, "triton")
+
+
+def pick_backend(device: torch.device, backend: str = "auto") -> tuple[str, str]:
+    """('torch' | 'triton', reason). auto: Triton on CUDA, the PyTorch reference elsewhere
+    (the interpreter is for correctness checks, which call `quantize_triton` explicitly)."""
+    from ..device import triton_backend_for
+
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
+    ok, why = triton_backend_for(device)
+    if backend == "torch":
+        return "torch", "asked for"
+    if backend == "triton":
+        if not ok:
+            raise ValueError(f"backend 'triton' cannot run on {device}: {why}")
+        return "triton", why
+    if device.type == "cuda" and ok:
+        return "triton", why
+    return "torch", ("no CUDA device: PyTorch reference (Triton runs only in correctness checks)"
+                     if device.type != "cuda" else f"Triton unavailable: {why}")
+
+
+def quantize(x: torch.Tensor, fmt: str = "e4m3", axis: int = -1, block=32, scale_rounding: str = "floor",
+             backend: str = "auto") -> MXTensor:
+    """Quantize `x` to MX: see the module docstring. `backend`: 'auto', 'torch' or 'triton'."""
+    _check_args(x, fmt, axis, block, scale_rounding, backend)
+    chosen, _ = pick_backend(x.device, backend)
+    fn = quantize_triton if chosen == "triton" else quantize_reference
+    return fn(x, fmt, axis, block, scale_rounding)
+
+
+def _scale_values(scales: torch.Tensor) -> torch.Tensor:
+    """E8M0 bytes -> fp32 2**(b - 127); byte 0 is 2**-127 (an fp32 subnormal), 0xFF is NaN."""
+    b = scales.to(torch.int32)
+    vals = _pow2_torch((b - 127).clamp(-126, 127))
+    vals = torch.where(b == 0, torch.full_like(vals, 2.0 ** -127), vals)
+    return torch.where(b == E8M0_NAN, torch.full_like(vals, math.nan), vals)
+
+
+_TABLES: dict = {}
+
+
+def _table_on(fmt: str, device: torch.device) -> torch.Tensor:
+    key = (fmt, str(device))
+    if key not in _TABLES:
+        _TABLES[key] = decode_table(fmt).to(device)
+    return _TABLES[key]
+
+
+def dequantize(mx: MXTensor) -> torch.Tensor:
+    """fp32 values: decoded element * 2**(scale - 127); a 0xFF scale gives NaN for its block."""
+    if not isinstance(mx, MXTensor):
+        raise ValueError(f"dequantize expects an MXTensor, got {type(mx).__name__}")
+    vals = torch.take(_table_on(mx.fmt, mx.elements.device), mx.elements.long())  # (indexing is ~1000x slower on CPU)
+    scale = _scale_values(mx.scales)
+    if mx.axis is None:
+        r, c = mx.block
+        full = scale.repeat_interleave(r, 0).repeat_interleave(c, 1)
+    else:
+        full = scale.repeat_interleave(mx.block, mx.axis)
+    full = full[tuple(slice(0, n) for n in vals.shape)]
+    return vals * full
+
+
+def qdq(x: torch.Tensor, fmt: str = "e4m3", axis: int = -1, block=32, scale_rounding: str = "floor",
+        backend: str = "auto") -> torch.Tensor:
+    """Quantize then dequantize: what a low-precision GEMM sees of `x` (fp32)."""
+    return dequantize(quantize(x, fmt, axis, block, scale_rounding, backend))
+
+
+def sqnr_db(x: torch.Tensor, approx: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio in dB (fp64): 10 log10(sum x^2 / sum (x - approx)^2)."""
+    x, approx = x.double(), approx.double()
+    noise = (x - approx).pow(2).sum().item()
+    sig = x.pow(2).sum().item()
+    if not math.isfinite(noise):
+        return math.nan
+    return math.inf if noise == 0 else 10 * math.log10(sig / noise)
+
+
+# ---------------------------------------------------------------------------
+# Recipes: a quantizer per tensor role and direction, in the spirit of TE's CustomRecipe.
+
+@dataclass(frozen=True)
+class Quantizer:
+    """How one operand is rounded before a GEMM. fmt None: `hp` ('bf16' or 'fp32') rounding only."""
+
+    fmt: str | None = "e4m3"
+    block: int | tuple[int, int] = 32
+    scale_rounding: str = "floor"
+    hp: str = "bf16"
+
+    def __post_init__(self):
+        if self.fmt is not None and self.fmt not in FORMATS:
+            raise ValueError(f"unknown element format {self.fmt!r}; choose one of {sorted(FORMATS)} or None")
+        if self.hp not in ("bf16", "fp32"):
+            raise ValueError(f"hp must be 'bf16' or 'fp32', got {self.hp!r}")
+        if self.scale_rounding not in SCALE_ROUNDING:
+            raise ValueError(f"unknown scale_rounding {self.scale_rounding!r}; choose 'floor' or 'up'")
+
+    @property
+    def is_2d(self) -> bool:
+        return isinstance(self.block, tuple)
+
+    @property
+    def label(self) -> str:
+        if self.fmt is None:
+            return self.hp
+        b = f"{self.block[0]}x{self.block[1]}" if self.is_2d else f"1x{self.block}"
+        return f"MX{self.fmt.upper()} {b}" + (" up" if self.scale_rounding == "up" else "")
+
+    def __call__(self, x: torch.Tensor, axis: int, backend: str = "auto") -> torch.Tensor:
+        """x (2-D, high precision) as the GEMM sees it, fp32. `axis`: the GEMM's reduction axis."""
+        if self.fmt is None:
+            return x.to(torch.bfloat16).float() if self.hp == "bf16" else x.float()
+        xb = x.to(torch.bfloat16) if self.hp == "bf16" else x.float()  # the tensor TE would quantize
+        return qdq(xb, self.fmt, axis=axis, block=self.block, scale_rounding=self.scale_rounding,
+                   backend=backend)
+
+
+ROLES = ("input", "weight", "grad")
+DIRECTIONS = ("row", "col")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A quantizer for each (role, direction). For y = x @ W.T with x [M, K], W [N, K], dy [M, N]:
+
+    - forward  y  = x  @ W.T : x row-wise (blocks along K), W row-wise (along K)
+    - dgrad    dx = dy @ W   : dy row-wise (along N),        W column-wise (along N)
+    - wgrad    dW = dy.T @ x : dy column-wise (along M),     x column-wise (along M)
+    """
+
+    name: str
+    quantizers: dict  # (role, direction) -> Quantizer
+    description: str = ""
+
+    def __post_init__(self):
+        missing = [(r, d) for r in ROLES for d in DIRECTIONS if (r, d) not in self.quantizers]
+        if missing:
+            raise ValueError(f"recipe {self.name!r} has no quantizer for {missing}")
+
+    def q(self, role: str, direction: str) -> Quantizer:
+        return self.quantizers[(role, direction)]
+
+    def shares_weight(self) -> bool:
+        """True when one 2-D quantization of W serves both directions (W and W.T)."""
+        r, c = self.q("weight", "row"), self.q("weight", "col")
+        return r == c and r.is_2d
+
+
+def make_recipe(name: str, *, input=None, weight=None, grad=None, description: str = "", **overrides) -> Recipe:
+    """Build a recipe from one quantizer per role (both directions), then per-direction overrides
+    such as `weight_col=Quantizer(...)`."""
+    q = {}
+    for role, qz in (("input", input), ("weight", weight), ("grad", grad)):
+        for d in DIRECTIONS:
+            q[(role, d)] = overrides.pop(f"{role}_{d}", None) or qz or Quantizer(None)
+    if overrides:
+        raise ValueError(f"unknown recipe overrides {sorted(overrides)}; use <role>_<row|col>")
+    return Recipe(name, q, description)
+
+
+def recipes() -> dict[str, Recipe]:
+    """The recipes the chapter compares."""
+    e4 = Quantizer("e4m3")
+    e5 = Quantizer("e5m2")
+    w2d = Quantizer("e4m3", block=(32, 32))
+    out = [
+        make_recipe("bf16", description="BF16 operands everywhere (the baseline)"),
+        make_recipe("mxfp8", input=e4, weight=e4, grad=e4,
+                    description="MXFP8 E4M3, 1x32 blocks, row- and column-wise quantized separately"),
+        make_recipe("mxfp8-2d-weight", input=e4, weight=w2d, grad=e4,
+                    description="as mxfp8, but W in 32x32 tiles: W and W.T share one quantization"),
+        make_recipe("mxfp8-e5m2-grad", input=e4, weight=e4, grad=e5,
+                    description="E4M3 forward, E5M2 for the output gradient (a different backward format)"),
+        make_recipe("mxfp8-up", input=Quantizer("e4m3", scale_rounding="up"),
+                    weight=Quantizer("e4m3", scale_rounding="up"), grad=Quantizer("e4m3", scale_rounding="up"),
+                    description="as mxfp8, with round-up scales (no saturation)"),
+        make_recipe("mxfp4-fwd", input=Quantizer("e2m1"), weight=Quantizer("e2m1"), grad=e4,
+                    description="MXFP4 E2M1 for x and W (both directions), MXFP8 E4M3 for the output gradient"),
+    ]
+    return {r.name: r for r in out}
+
+
+class _EmulatedLinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, recipe, backend):
+        ctx.save_for_backward(x, w)
+        ctx.recipe, ctx.backend = recipe, backend
+        xq = recipe.q("input", "row")(x, axis=1, backend=backend)
+        wq = recipe.q("weight", "row")(w, axis=1, backend=backend)
+        return (xq @ wq.T).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w = ctx.saved_tensors
+        r, be = ctx.recipe, ctx.backend
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dx = r.q("grad", "row")(dy, axis=1, backend=be) @ r.q("weight", "col")(w, axis=0, backend=be)
+        if ctx.needs_input_grad[1]:
+            dw = r.q("grad", "col")(dy, axis=0, backend=be).T @ r.q("input", "col")(x, axis=0, backend=be)
+        return (dx.to(x.dtype) if dx is not None else None, dw.to(w.dtype) if dw is not None else None, None, None)
+
+
+def emulated_linear(x: torch.Tensor, w: torch.Tensor, recipe: Recipe, backend: str = "auto") -> torch.Tensor:
+    """y = x @ w.T with every GEMM operand rounded as `recipe` says (quantize -> dequantize ->
+    fp32 matmul). x: [M, K], w: [N, K] (fp32 master weights); returns [M, N] in x's dtype."""
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"emulated_linear needs x [M, K] and w [N, K], got {tuple(x.shape)} and {tuple(w.shape)}")
+    if not isinstance(recipe, Recipe):
+        raise ValueError(f"recipe must be a Recipe, got {type(recipe).__name__}")
+    return _EmulatedLinearFn.apply(x, w, recipe, backend)
+
+
+def gemm_errors(recipe: Recipe, x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor,
+                backend: str = "auto") -> list[dict]:
+    """SQNR (dB) of each operand per direction, and of each GEMM's output against fp64."""
+    rows = []
+    ops = {("input", "row"): (x, 1), ("input", "col"): (x, 0), ("weight", "row"): (w, 1),
+           ("weight", "col"): (w, 0), ("grad", "row"): (dy, 1), ("grad", "col"): (dy, 0)}
+    q = {}
+    for (role, d), (t, axis) in ops.items():
+        q[(role, d)] = recipe.q(role, d)(t, axis=axis, backend=backend)
+        rows.append({"recipe": recipe.name, "kind": "operand", "tensor": f"{role} ({d}-wise)",
+                     "quantizer": recipe.q(role, d).label, "sqnr_db": sqnr_db(t, q[(role, d)])})
+    xd, wd, dyd = x.double(), w.double(), dy.double()
+    gemms = {
+        "forward y = x W^T": (q[("input", "row")] @ q[("weight", "row")].T, xd @ wd.T),
+        "dgrad dx = dy W": (q[("grad", "row")] @ q[("weight", "col")], dyd @ wd),
+        "wgrad dW = dy^T x": (q[("grad", "col")].T @ q[("input", "col")], dyd.T @ xd),
+    }
+    for name, (got, ref) in gemms.items():
+        rows.append({"recipe": recipe.name, "kind": "gemm output", "tensor": name, "quantizer": "",
+                     "sqnr_db": sqnr_db(ref, got)})
+    return rows
+
+
+# ---------------------------------------------------------------------------
+# Cost model: quantize passes and transposes per training step, per GEMM.
+
+def step_costs(recipe: Recipe, M: int, K: int, N: int, hp_bytes: int = 2) -> list[dict]:
+    """Which quantized copies each GEMM of one linear layer's training step needs, and what they cost.
+
+    Model (ours, stated so it can be argued with): a quantize pass reads the high-precision tensor
+    (`hp_bytes` per element) and writes 1 byte per element plus one scale byte per block. Row-wise
+    and column-wise 1-D copies are two passes over the high-precision tensor: a column-wise MX copy
+    cannot be made from the row-wise one (other blocks, other scales), so the high-precision tensor
+    must still be there. A 2-D weight is quantized once; W.T for dgrad is a transpose of 1-byte data
+    (read 1 + write 1 byte per element). x's column-wise copy is made in the forward (x is at hand
+    there) and kept until wgrad; dy's two copies are made in the backward.
+    """
+    sizes = {"input": M * K, "weight": N * K, "grad": M * N}
+    gemm_of = {("input", "row"): "forward", ("weight", "row"): "forward", ("grad", "row"): "dgrad",
+               ("weight", "col"): "dgrad", ("grad", "col"): "wgrad", ("input", "col"): "wgrad"}
+    made_in = {("input", "row"): "forward", ("input", "col"): "forward", ("weight", "row"): "forward",
+               ("weight", "col"): "forward", ("grad", "row"): "backward", ("grad", "col"): "backward"}
+    rows = []
+    for (role, d), gemm in gemm_of.items():
+        qz = recipe.q(role, d)
+        n = sizes[role]
+        if qz.fmt is None:
+            kind, read, write = "cast to bf16 (or none)", n * hp_bytes, 0
+            if qz.hp == "bf16":
+                kind, read, write = "none (bf16 operand)", 0, 0
+        elif role == "weight" and d == "col" and recipe.shares_weight():
+            kind, read, write = "transpose of the 2-D quantized W", n, n
+        else:
+            blocks = n // (qz.block[0] * qz.block[1] if qz.is_2d else qz.block)
+            per = 0.5 if qz.fmt == "e2m1" else 1
+            kind, read, write = "quantize pass over the hp tensor", n * hp_bytes, int(n * per) + blocks
+        rows.append({"recipe": recipe.name, "gemm": gemm, "operand": f"{role} ({d}-wise)", "direction": d,
+                     "quantizer": qz.label,
+                     "work": kind, "made_in": made_in[(role, d)], "bytes": read + write,
+                     "quantize_pass": kind.startswith("quantize"), "transpose": kind.startswith("transpose")})
+    return rows
+
+
+def direction_disagreement(x: torch.Tensor, fmt: str, scale_rounding: str = "floor") -> float:
+    """Fraction of elements of 2-D `x` whose value differs between the row-wise and the
+    column-wise quantization. With power-of-two scales an element's relative rounding does not
+    depend on its scale unless it saturates or falls below the format's smallest normal; this
+    counts how often the direction matters."""
+    a = qdq(x, fmt, axis=1, scale_rounding=scale_rounding, backend="torch")
+    b = qdq(x, fmt, axis=0, scale_rounding=scale_rounding, backend="torch")
+    return float((a != b).float().mean())

@@ -1,0 +1,267 @@
+"""Chapter `te-mxfp8-recipes`: microscaling recipes per tensor role and direction.
+
+Records (one each):
+- `quantize-bit-exact`: the Triton MX kernel against the PyTorch reference, every format x
+  scale rule x layout, on fresh random inputs with edge values planted (checks only);
+- `recipe:<name>`: SQNR of every GEMM operand per direction and of each GEMM's output, and a
+  short training run of a small MLP (loss curve in the `final_loss` measurement);
+- `quantize-speed`: time per quantize pass (row-wise, column-wise, 2-D) — the Triton kernel on
+  a GPU, with achieved GB/s against the measured copy ceiling; the PyTorch reference on a CPU
+  (labelled CPU, never the interpreter);
+- `grouped-gemm-check`: the grouped GEMM checker on our Triton kernel and on a kernel with an
+  injected fault (which must fail);
+- `cuda-graph-retained-grads`: GPU only (CUDA Graphs do not exist on CPU).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..measure import benchmark, ceilings, roofline
+from ..presets import Param
+from ..record import RunRecord
+from . import graphs, grouped, mx, small_op_threads
+
+PARAMETERS = {
+    "m": Param(int, help="tokens (rows of x) in the SQNR GEMMs"),
+    "k": Param(int, help="input features of the SQNR linear layer"),
+    "n": Param(int, help="output features of the SQNR linear layer"),
+    "outlier_scale": Param(float, 20.0, help="scale of the few outlier channels of x (activations)"),
+    "recipes": Param(str, "all", help="comma-separated recipe names, or 'all'"),
+    "d_in": Param(int, help="MLP input width"),
+    "d_hidden": Param(int, help="MLP hidden width"),
+    "train_batch": Param(int, help="training batch"),
+    "train_steps": Param(int, help="optimizer steps per recipe"),
+    "lr": Param(float, 3e-3, help="Adam learning rate"),
+    "check_m": Param(int, help="rows of the bit-exactness check tensor"),
+    "check_n": Param(int, help="columns of the bit-exactness check tensor"),
+    "quant_m": Param(int, help="rows of the timed quantize input"),
+    "quant_k": Param(int, help="columns of the timed quantize input"),
+    "n_groups": Param(int, help="groups in the grouped-GEMM check"),
+    "max_rows": Param(int, help="largest group in the grouped-GEMM check"),
+}
+
+PRESETS = {
+    "smoke": dict(m=64, k=128, n=96, d_in=32, d_hidden=64, train_batch=64, train_steps=12, check_m=37,
+                  check_n=70, quant_m=128, quant_k=256, n_groups=3, max_rows=24),
+    "cpu": dict(m=512, k=1024, n=768, d_in=64, d_hidden=256, train_batch=256, train_steps=150, check_m=67,
+                check_n=133, quant_m=1024, quant_k=2048, n_groups=6, max_rows=48),
+    "gpu": dict(m=4096, k=4096, n=4096, d_in=256, d_hidden=1024, train_batch=1024, train_steps=300, check_m=1031,
+                check_n=2053, quant_m=8192, quant_k=8192, n_groups=16, max_rows=300),
+}
+
+LAYOUTS = {"row-wise 1x32": dict(axis=-1, block=32), "column-wise 32x1": dict(axis=0, block=32),
+           "2-D 32x32": dict(block=(32, 32)), "2-D 128x128": dict(block=(128, 128))}
+
+
+def selected_recipes(names: str) -> dict[str, mx.Recipe]:
+    allr = mx.recipes()
+    if names == "all":
+        return allr
+    chosen = [s.strip() for s in names.split(",") if s.strip()]
+    unknown = [c for c in chosen if c not in allr]
+    if unknown or not chosen:
+        raise ValueError(f"unknown recipe(s) {unknown or names!r}; choose from {sorted(allr)} or 'all'")
+    return {c: allr[c] for c in chosen}
+
+
+def edge_input(m: int, n: int, generator: torch.Generator, device) -> torch.Tensor:
+    """Fresh N(0,1) values over six decades, with the edge values the format rules care about planted."""
+    x = torch.randn(m, n, generator=generator, device=device) * torch.logspace(-3, 3, n, device=device)[None, :]
+    flat = x.view(-1)
+    picks = torch.randint(0, flat.numel(), (8,), generator=generator, device=device)
+    specials = torch.tensor([460.0, -0.0, float("nan"), float("inf"), 2.0 ** -140, 57344.0 * 3, 6.5, 0.0],
+                            device=device)
+    flat[picks] = specials
+    return x
+
+
+def outlier_activations(m: int, k: int, outlier_scale: float, generator: torch.Generator, device) -> torch.Tensor:
+    """Activations with a few large channels (as LLM activations have): what makes block scaling matter."""
+    x = torch.randn(m, k, generator=generator, device=device)
+    chans = torch.randperm(k, generator=generator, device=device)[: max(1, k // 64)]
+    x[:, chans] *= outlier_scale
+    return x
+
+
+def check_bit_exact(ctx, check_m: int, check_n: int) -> RunRecord:
+    from ..device import triton_backend_for
+
+    ok, why = triton_backend_for(ctx.device)
+    rec = ctx.new_record("quantize-bit-exact", variant="triton vs torch reference",
+                         workload={"shapes": [check_m, check_n], "dtype": "float32"})
+    rec.set_backend("mx_quantize", "triton" if ok else "torch reference only", reason=why,
+                    shapes={"x": [check_m, check_n]}, dtype="float32")
+    g = ctx.generator(1)
+    x = edge_input(check_m, check_n, g, ctx.device)
+    for fmt in mx.FORMATS:
+        for rule in mx.SCALE_ROUNDING:
+            for layout, kw in LAYOUTS.items():
+                ref = mx.quantize_reference(x, fmt, scale_rounding=rule, **kw)
+                if not ok:
+                    continue
+                got = mx.quantize_triton(x, fmt, scale_rounding=rule, **kw)
+                mism = int((ref.elements != got.elements).sum()) + int((ref.scales != got.scales).sum())
+                rec.add_check(f"{fmt} {rule} {layout}", mism == 0, error=float(mism), tolerance=0.0,
+                              elements=ref.elements.numel(), scales=ref.scales.numel())
+    return rec
+
+
+def train_mlp(recipe: mx.Recipe, *, d_in: int, d_hidden: int, batch: int, steps: int, lr: float,
+              outlier_scale: float, seed: int, device, backend: str = "auto") -> list[float]:
+    """A 2-layer MLP student (emulated linears) fits a fixed random teacher; returns loss per step.
+
+    Same initial weights, same batches and same teacher for every recipe (seeded), so the curves
+    differ only by the recipe's rounding.
+    """
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    teacher1 = torch.randn(d_hidden, d_in, generator=g) / math.sqrt(d_in)
+    teacher2 = torch.randn(8, d_hidden, generator=g) / math.sqrt(d_hidden)
+    w1 = (torch.randn(d_hidden, d_in, generator=g) / math.sqrt(d_in)).to(device).requires_grad_(True)
+    w2 = (torch.randn(8, d_hidden, generator=g) / math.sqrt(d_hidden)).to(device).requires_grad_(True)
+    teacher1, teacher2 = teacher1.to(device), teacher2.to(device)
+    chans = torch.randperm(d_in, generator=g)[: max(1, d_in // 16)].to(device)
+    params = [w1, w2]
+    moments = [(torch.zeros_like(p), torch.zeros_like(p)) for p in params]
+    losses = []
+    for step in range(steps):
+        gs = torch.Generator(device="cpu").manual_seed(seed * 100_003 + step)
+        x = torch.randn(batch, d_in, generator=gs).to(device)
+        x[:, chans] *= outlier_scale
+        with torch.no_grad():
+            target = torch.tanh(x @ teacher1.T) @ teacher2.T
+        h = torch.nn.functional.gelu(mx.emulated_linear(x, w1, recipe, backend))
+        y = mx.emulated_linear(h, w2, recipe, backend)
+        loss = torch.nn.functional.mse_loss(y, target)
+        grads = torch.autograd.grad(loss, params)
+        with torch.no_grad():  # Adam, written out (torch.optim's first step imports the compiler stack)
+            for p, gr, (m1, m2) in zip(params, grads, moments):
+                m1.mul_(0.9).add_(gr, alpha=0.1)
+                m2.mul_(0.999).addcmul_(gr, gr, value=0.001)
+                m1h, m2h = m1 / (1 - 0.9 ** (step + 1)), m2 / (1 - 0.999 ** (step + 1))
+                p.sub_(lr * m1h / (m2h.sqrt() + 1e-8))
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def recipe_record(ctx, recipe: mx.Recipe, *, m, k, n, outlier_scale, d_in, d_hidden, train_batch, train_steps,
+                  lr, backend: str, reason: str) -> RunRecord:
+    rec = ctx.new_record(f"recipe:{recipe.name}", variant=recipe.name, workload={
+        "model": f"linear {k}->{n} (SQNR) and MLP {d_in}-{d_hidden}-8 (training)",
+        "quantization": recipe.description,
+        "batch": train_batch, "shapes": {"sqnr_gemm": [m, k, n]}, "dtype": "bf16 operands / fp32 master weights",
+    })
+    rec.set_backend("mx_quantize", backend, reason=reason, shapes={"x": [m, k], "w": [n, k], "dy": [m, n]})
+    rec.set_backend("gemm", "torch fp32 matmul of dequantized operands (emulation)",
+                    reason="no MXFP8 tensor cores are used: this chapter measures numerics, not GEMM speed")
+    g = ctx.generator(2)
+    x = outlier_activations(m, k, outlier_scale, g, ctx.device)
+    w = torch.randn(n, k, generator=g, device=ctx.device) / math.sqrt(k)
+    dy = torch.randn(m, n, generator=g, device=ctx.device) / math.sqrt(m)
+    with small_op_threads(ctx.device):
+        err_rows = mx.gemm_errors(recipe, x, w, dy, backend=backend)
+    for row in err_rows:
+        if math.isfinite(row["sqnr_db"]):
+            rec.add(f"sqnr {row['tensor']}", row["sqnr_db"], "dB", kind=row["kind"], quantizer=row["quantizer"])
+        else:
+            rec.notes += f"sqnr {row['tensor']} = {row['sqnr_db']}; "
+    with small_op_threads(ctx.device):
+        losses = train_mlp(recipe, d_in=d_in, d_hidden=d_hidden, batch=train_batch, steps=train_steps, lr=lr,
+                           outlier_scale=outlier_scale, seed=ctx.seed, device=ctx.device, backend=backend)
+    tail = losses[-max(1, len(losses) // 10):]
+    rec.add("final_loss", sum(tail) / len(tail), "mse", phase="train", curve=losses,
+            note="mean over the last 10% of steps")
+    rec.add_check("training loss finite", all(math.isfinite(v) for v in losses))
+    rec.add_check("training loss decreased", tail[-1] < losses[0], error=tail[-1], tolerance=losses[0])
+    return rec
+
+
+def quantize_speed(ctx, quant_m: int, quant_k: int) -> RunRecord:
+    chosen, reason = mx.pick_backend(ctx.device, "auto")
+    is_gpu = ctx.device.type == "cuda"
+    rec = ctx.new_record("quantize-speed", variant=chosen, workload={
+        "shapes": [quant_m, quant_k], "dtype": "bfloat16", "quantization": "MXFP8 E4M3 (floor)"})
+    rec.set_backend("mx_quantize", "triton kernel" if chosen == "triton" else "torch reference (CPU)",
+                    reason=reason, shapes={"x": [quant_m, quant_k]}, dtype="bfloat16")
+    g = ctx.generator(3)
+    x = torch.randn(quant_m, quant_k, generator=g, device=ctx.device).to(torch.bfloat16)
+    ceil = ceilings(ctx.device) if is_gpu else None
+    fn = mx.quantize_triton if chosen == "triton" else mx.quantize_reference
+    for layout, kw in list(LAYOUTS.items())[:3]:
+        t = benchmark(lambda: fn(x, "e4m3", **kw), ctx.device, label=layout, uses_triton=chosen == "triton",
+                      warmup=2 if is_gpu else 1, min_reps=5 if is_gpu else 3, max_reps=100 if is_gpu else 8,
+                      min_time_s=0.2 if is_gpu else 0.05)
+        blocks = x.numel() // (kw["block"][0] * kw["block"][1] if isinstance(kw["block"], tuple) else kw["block"])
+        nbytes = x.numel() * 2 + x.numel() + blocks  # read bf16, write 1-byte codes, write scales
+        rec.add_timing(f"quantize {layout}", t, bytes=nbytes)
+        if ceil is not None:
+            rf = roofline(bytes_moved=nbytes, flops=0, seconds=t.median_s, ceil=ceil)
+            rec.add(f"GB/s {layout}", rf["achieved_gbps"], "GB/s", frac_of_copy=rf["frac_copy"],
+                    copy_ceiling_gbps=ceil.copy_gbps)
+    if is_gpu:  # the PyTorch reference on the same GPU, for scale
+        t = benchmark(lambda: mx.quantize_reference(x, "e4m3"), ctx.device, label="torch reference row-wise")
+        rec.add_timing("torch reference row-wise 1x32", t)
+    return rec
+
+
+def grouped_record(ctx, n_groups: int, max_rows: int) -> RunRecord:
+    from ..device import triton_backend_for
+
+    ok, why = triton_backend_for(ctx.device)
+    dtype = torch.bfloat16 if ctx.device.type == "cuda" else torch.float32
+    rec = ctx.new_record("grouped-gemm-check", variant="checker", workload={
+        "shapes": {"n_groups": n_groups, "max_rows": max_rows}, "dtype": str(dtype).replace("torch.", "")})
+    # (K, N): odd sizes on purpose; on a CPU the Triton kernels run in the interpreter, so one shape.
+    shapes = ((64, 48), (33, 70), (256, 200)) if ctx.device.type == "cuda" else ((33, 70),)
+    candidates = {"torch per-group loop": lambda x, w, s, out=None: grouped.grouped_gemm_reference(x, w, s)}
+    if ok:
+        candidates["triton grouped GEMM"] = grouped.grouped_gemm_triton
+        candidates["triton, fault injected (must fail)"] = grouped.broken_grouped_gemm
+    rec.set_backend("grouped_gemm", "triton" if ok else "torch only", reason=why)
+    rows_all = []
+    for name, fn in candidates.items():
+        rows = grouped.check_grouped_gemm(fn, n_groups=n_groups, max_rows=max_rows, shapes=shapes, dtype=dtype,
+                                          device=ctx.device, seed=ctx.seed)
+        for r in rows:
+            r["candidate"] = name
+        rows_all += rows
+        n_pass = sum(r["passed"] for r in rows)
+        expect_fail = "must fail" in name
+        rec.add(f"cases passed: {name}", n_pass, "cases", cases=len(rows))
+        rec.add_check(f"{name}: " + ("checker flags every case" if expect_fail else "all cases pass"),
+                      (n_pass == 0) if expect_fail else (n_pass == len(rows)), error=float(len(rows) - n_pass))
+    rec.notes = "rows: " + repr([{k: r[k] for k in ("candidate", "K", "N", "group_sizes", "max_rel_err", "passed")}
+                                 for r in rows_all])[:4000]
+    return rec
+
+
+def graph_record(ctx) -> RunRecord | None:
+    if ctx.device.type != "cuda":
+        return None
+    rec = ctx.new_record("cuda-graph-retained-grads", variant="torch.cuda.CUDAGraph",
+                         workload={"model": "MLP 256-256-8", "batch": 64})
+    rec.set_backend("graph", "torch.cuda.CUDAGraph", reason="capture of forward + backward")
+    out = graphs.retained_gradient_check(ctx.device)
+    rec.add_check("gradients retained as copies survive the next replay", out["retained_copies_equal_eager_A"])
+    rec.add_check("replay B equals eager B", out["replay_B_equals_eager_B"])
+    rec.add("reference to A's gradient overwritten by replay B", float(out["reference_to_A_overwritten_by_B"]), "bool",
+            note="the hazard: a reference (no copy) to a static gradient buffer changes on replay")
+    return rec
+
+
+def measure(ctx, *, m, k, n, outlier_scale, recipes, d_in, d_hidden, train_batch, train_steps, lr, check_m, check_n,
+            quant_m, quant_k, n_groups, max_rows) -> list[RunRecord]:
+    chosen = selected_recipes(recipes)
+    backend, reason = mx.pick_backend(ctx.device, "auto")
+    records = [check_bit_exact(ctx, check_m, check_n)]
+    for recipe in chosen.values():
+        records.append(recipe_record(ctx, recipe, m=m, k=k, n=n, outlier_scale=outlier_scale, d_in=d_in,
+                                     d_hidden=d_hidden, train_batch=train_batch, train_steps=train_steps, lr=lr,
+                                     backend=backend, reason=reason))
+    records.append(quantize_speed(ctx, quant_m, quant_k))
+    records.append(grouped_record(ctx, n_groups, max_rows))
+    g = graph_record(ctx)
+    if g is not None:
+        records.append(g)
+    return records

@@ -1,0 +1,187 @@
+"""Gated DeltaNet: chunked vs recurrent, gradients in fp64, and the harness that must flag NaN."""
+import math
+
+import pytest
+import torch
+
+import inferbook  # noqa: F401
+from inferbook.numerics import gdn, small_op_threads
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny tensors: one intra-op thread (on a loaded 2-core machine OpenMP waits made these tests ~10x slower)."""
+    with small_op_threads("cpu"):
+        yield
+
+
+NAMES = ("q", "k", "v", "g", "beta")
+
+
+def _inputs(B, T, H, K, V, gate="random", seed=0, dtype=torch.float32, h0=True):
+    inp = gdn.make_inputs(B, T, H, K, V, gate, seed=seed, initial_state=h0)
+    return {n: (t.to(dtype).requires_grad_(True) if t is not None else None) for n, t in inp.items()}
+
+
+def _grads(fn, inp, seed=0, **kw):
+    o, S = fn(*(inp[n] for n in NAMES), initial_state=inp["h0"], **kw)
+    g = torch.Generator().manual_seed(seed + 99)
+    do = torch.randn(o.shape, generator=g, dtype=torch.float64)
+    dS = torch.randn(S.shape, generator=g, dtype=torch.float64)
+    loss = (o.double() * do).sum() + (S.double() * dS).sum()
+    leaves = [inp[n] for n in NAMES] + ([inp["h0"]] if inp["h0"] is not None else [])
+    return o, S, torch.autograd.grad(loss, leaves)
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.mark.parametrize("T,chunk", [(1, 16), (7, 4), (33, 16), (70, 64), (45, 64)], ids=lambda v: str(v))
+@pytest.mark.parametrize("gate", gdn.GATES)
+def test_chunked_matches_recurrent_fp32(T, chunk, gate):
+    inp = _inputs(2, T, 2, 32, 16, gate, seed=T)
+    o_r, S_r, g_r = _grads(gdn.recurrent, inp)
+    o_c, S_c, g_c = _grads(gdn.chunked, inp, chunk_size=chunk)
+    assert o_c.dtype == torch.float32 and S_c.shape == (2, 2, 32, 16)
+    assert _rel(o_c, o_r) <= 5e-3 and _rel(S_c, S_r) <= 5e-3
+    for name, a, b in zip(NAMES + ("h0",), g_c, g_r):
+        assert torch.isfinite(a).all(), name
+        if b.abs().max() > 0:
+            assert _rel(a, b) <= 8e-3, name
+
+
+def test_chunked_matches_recurrent_bf16_no_initial_state():
+    inp = _inputs(1, 50, 3, 64, 64, "random", seed=4, dtype=torch.bfloat16, h0=False)
+    ref = {n: (t.detach().double().requires_grad_(True) if t is not None else None) for n, t in inp.items()}
+    o_ref, _, g_ref = _grads(gdn.recurrent, ref)
+    o_c, _, g_c = _grads(gdn.chunked, inp, chunk_size=16)
+    assert o_c.dtype == torch.bfloat16
+    assert gdn.recurrent(*(inp[n] for n in NAMES))[0].dtype == torch.bfloat16
+    assert _rel(o_c, o_ref) <= 5e-3
+    for name, a, b in zip(NAMES, g_c, g_ref):
+        assert _rel(a, b) <= 8e-3, name
+
+
+@pytest.mark.parametrize("fn", [gdn.recurrent, lambda *a, **k: gdn.chunked(*a, chunk_size=2, **k)],
+                         ids=["recurrent", "chunked"])
+def test_gradcheck_fp64(fn):
+    inp = _inputs(1, 5, 1, 3, 2, "random", seed=1, dtype=torch.float64)
+
+    def f(q, k, v, g, beta, h0):
+        o, S = fn(q, k, v, g, beta, scale=0.7, initial_state=h0)
+        return o, S
+
+    assert torch.autograd.gradcheck(f, tuple(inp[n] for n in NAMES + ("h0",)), eps=1e-6, atol=1e-7)
+
+
+def test_recurrent_matches_a_hand_computed_step():
+    """One step, one head, K = V = 1: S = e^g * s0; u = b (v - S k); S += k u; o = S q / 1."""
+    q, k, v = (torch.tensor([[[[x]]]]) for x in (2.0, 0.5, 3.0))
+    g, beta = torch.tensor([[[math.log(0.5)]]]), torch.tensor([[[0.8]]])
+    s0 = torch.tensor([[[[4.0]]]])
+    o, S = gdn.recurrent(q, k, v, g, beta, scale=1.0, initial_state=s0)
+    s = 0.5 * 4.0
+    u = 0.8 * (3.0 - s * 0.5)
+    s = s + 0.5 * u
+    assert torch.allclose(S.flatten(), torch.tensor([s])) and torch.allclose(o.flatten(), torch.tensor([s * 2.0]))
+    o_c, S_c = gdn.chunked(q, k, v, g, beta, scale=1.0, initial_state=s0)
+    assert torch.allclose(o_c, o) and torch.allclose(S_c, S)
+
+
+def test_empty_sequence_and_very_negative_gates_stay_finite():
+    inp = _inputs(1, 0, 2, 8, 8, h0=True)
+    o, S = gdn.chunked(*(inp[n] for n in NAMES), initial_state=inp["h0"])
+    assert o.shape == (1, 0, 2, 8) and torch.equal(S, inp["h0"].detach())
+    # exp of an unmasked gate difference would overflow (G_t - G_j = +1e4 * (j - t)): mask first.
+    inp = _inputs(1, 40, 2, 16, 16, "very_negative", seed=3)
+    with torch.no_grad():
+        inp["g"].fill_(-1e4)
+    _, _, grads = _grads(gdn.chunked, inp, chunk_size=32)
+    assert all(torch.isfinite(g).all() for g in grads)
+
+
+def test_bad_input_is_a_clear_error():
+    inp = _inputs(1, 4, 2, 8, 8, h0=False)
+    args = [inp[n] for n in NAMES]
+    with pytest.raises(ValueError, match="g and beta must be"):
+        gdn.chunked(*args[:3], args[3][..., :1], args[4])
+    with pytest.raises(ValueError, match="chunk_size must be a positive int"):
+        gdn.chunked(*args, chunk_size=0)
+    with pytest.raises(ValueError, match="initial_state must be"):
+        gdn.recurrent(*args, initial_state=torch.zeros(1, 2, 8, 4))
+    with pytest.raises(ValueError, match="unknown gate"):
+        gdn.make_inputs(1, 4, 1, 4, 4, "positive")
+    with pytest.raises(ValueError, match="head_dims must be positive"):
+        gdn.check_backend(gdn.chunked, head_dims=(0,))
+
+
+SMALL = dict(head_dims=(32, 48), lengths=(13,), gates=("random", "very_negative"))
+
+
+def test_harness_passes_ours_and_flags_injected_nan():
+    reports = gdn.check_backends({"chunked": gdn.chunked, "nan@32": gdn.inject_backward_nan(gdn.chunked, 32)},
+                                 **SMALL)
+    assert reports["chunked"].passed, reports["chunked"].failures()
+    bad = reports["nan@32"]
+    assert not bad.passed
+    assert {r["head_dim"] for r in bad.failures()} == {32}
+    assert all("dq" in r["nonfinite"] for r in bad.failures())
+    assert len(bad.rows) == 2 * 2 * 2  # head dims x gates x dtypes
+
+
+def test_harness_flags_a_finite_but_wrong_backend_and_one_that_raises():
+    def wrong_scale(q, k, v, g, beta, scale=None, initial_state=None):
+        return gdn.chunked(q, k, v, g, beta, scale=1.01 * q.shape[-1] ** -0.5, initial_state=initial_state)
+
+    def raises(q, k, v, g, beta, scale=None, initial_state=None):
+        raise RuntimeError("no kernel for this shape")
+
+    reports = gdn.check_backends({"wrong": wrong_scale, "raises": raises}, head_dims=(32,), lengths=(9,),
+                                 gates=("random",), dtypes=(torch.float32,))
+    (w,), (r,) = reports["wrong"].rows, reports["raises"].rows
+    assert not w["passed"] and w["nonfinite"] == "" and "o:" in w["reason"]
+    assert not r["passed"] and "no kernel" in r["reason"]
+
+
+def test_harness_catches_exp_before_mask_only_with_extreme_gates():
+    def buggy(q, k, v, g, beta, scale=None, initial_state=None):
+        return gdn.chunked(q, k, v, g, beta, chunk_size=8, scale=scale, initial_state=initial_state,
+                           _exp_before_mask=True)
+
+    rep = gdn.check_backend(buggy, head_dims=(16,), lengths=(19,), gates=gdn.GATES, dtypes=(torch.float32,))
+    failed = rep.failures()
+    assert {r["gate"] for r in failed} == {"very_negative"}
+    assert all(r["nonfinite"] == "dg" for r in failed)  # the forward is finite: only the gate's gradient breaks
+
+
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.mark.parametrize("B,T,H,K,V,h0", [(2, 13, 3, 32, 16, True), (1, 9, 2, 48, 40, False), (1, 4, 1, 256, 64, True),
+                                         (1, 0, 2, 8, 8, True)], ids=lambda v: str(v))
+def test_triton_forward_matches_recurrent(B, T, H, K, V, h0):
+    inp = gdn.make_inputs(B, T, H, K, V, "random", seed=K + T, initial_state=h0)
+    args = [inp[n].float() for n in NAMES]
+    h = inp["h0"].float() if h0 else None
+    o_r, S_r = gdn.recurrent(*args, initial_state=h)
+    o_t, S_t = gdn.recurrent_triton(*(a.to(DEV) for a in args), initial_state=h.to(DEV) if h0 else None)
+    assert o_t.shape == o_r.shape and S_t.shape == S_r.shape
+    if T:
+        assert _rel(o_t.cpu(), o_r) <= 1e-5
+    assert _rel(S_t.cpu(), S_r) <= 1e-5 if (h0 or T) else torch.equal(S_t.cpu(), S_r)
+    # bf16 inputs: output in bf16, rounded to nearest (not truncated) from the fp32 result
+    o_b, _ = gdn.recurrent_triton(*(a.bfloat16().to(DEV) for a in args), initial_state=h.to(DEV) if h0 else None)
+    o_f, _ = gdn.recurrent_triton(*(a.bfloat16().float().to(DEV) for a in args), initial_state=h.to(DEV) if h0 else None)
+    assert o_b.dtype == torch.bfloat16 and torch.equal(o_b, o_f.bfloat16())
+    o_ref, _ = gdn.recurrent(*(a.bfloat16() for a in args), initial_state=h)
+    assert T == 0 or _rel(o_b.cpu(), o_ref) <= 8e-3
+
+
+def test_triton_forward_in_the_harness_and_refuses_autograd():
+    rep = gdn.check_backend(gdn.recurrent_triton, forward_only=True, head_dims=(32,), lengths=(7,),
+                            gates=("random", "very_negative"), device=DEV)
+    assert rep.passed and all("err_dq" not in r for r in rep.rows)
+    inp = _inputs(1, 4, 1, 8, 8, h0=False)
+    with pytest.raises(ValueError, match="forward-only"):
+        gdn.recurrent_triton(*(inp[n] for n in NAMES))
