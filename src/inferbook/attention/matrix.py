@@ -1,0 +1,367 @@
+"""The acceptance matrix: every path a FlashAttention upgrade must pass, checked the way
+FlashAttention's own tests check it.
+
+Tolerance rule (FlashAttention's `tests/test_flash_attn.py`): the kernel's error against a
+float32 reference must be at most 2x (gradients: 3x) the error of PyTorch computing the same
+attention in the same low precision, plus a rounding floor — 2x the rounding error of the
+reference's own values near 0.3 in that dtype (for the sink gradient, which every such backward
+derives from the rounded output, the floor is the spread that rounding O causes: `_dsinks_floor`;
+for the float32 lse, 4 float32 ulps of its magnitude).
+NaN never passes; a query that sees no key must
+give exactly lse = -inf, and an empty tensor must come back empty.
+
+Axes: head dim x causal x layout (fixed / varlen) x KV (contiguous / paged with page size) x
+heads (MHA / GQA / MQA) x PackGQA x direction (fwd / bwd) x dtype x shape x sinks. The full
+product is tens of thousands of cases; `run_matrix(..., mode="pairwise")` runs a covering
+array in which every pair of axis values meets in at least one case (a few dozen cases), and
+`mode="product"` the full product of whatever axes it is given.
+"""
+from __future__ import annotations
+
+import itertools
+import random
+from dataclasses import asdict, dataclass
+
+import torch
+
+from . import flash
+
+AXES: dict[str, tuple] = {
+    "head_dim": flash.HEAD_DIMS,
+    "causal": (False, True),
+    "layout": ("fixed", "varlen"),
+    "kv": ("contiguous", "paged-1", "paged-16", "paged-128"),
+    "heads": ("MHA", "GQA", "MQA"),
+    "pack_gqa": (False, True),
+    "direction": ("fwd", "bwd"),
+    "dtype": ("bfloat16", "float16"),
+    "shape": ("base", "113x203", "1023x1024", "q>k", "empty-q", "empty-k"),
+    "sinks": (False, True),
+}
+
+# (seqlen_q, seqlen_k) of the named shapes; "base" and "q>k" scale with the preset
+FIXED_SHAPES = {"113x203": (113, 203), "1023x1024": (1023, 1024)}
+
+MATRIX_PRESETS = {
+    # Triton interpreter on CPU: small sequences, few heads; every axis value still present
+    "smoke": dict(batch=2, n_heads=4, base=(40, 56), mode="pairwise",
+                  axes={"head_dim": (64, 96), "kv": ("contiguous", "paged-16"),
+                        "shape": ("base", "q>k", "empty-q", "empty-k")}),
+    "cpu": dict(batch=2, n_heads=4, base=(64, 96), mode="pairwise",
+                axes={"shape": ("base", "113x203", "q>k", "empty-q", "empty-k")}),
+    "gpu": dict(batch=2, n_heads=8, base=(512, 512), mode="pairwise", axes={}),
+}
+
+FACTOR = {"out": 2.0, "lse": 2.0, "dq": 3.0, "dk": 3.0, "dv": 3.0, "dsinks": 3.0}
+
+
+@dataclass(frozen=True)
+class Case:
+    head_dim: int
+    causal: bool
+    layout: str
+    kv: str
+    heads: str
+    pack_gqa: bool
+    direction: str
+    dtype: str
+    shape: str
+    sinks: bool
+
+    @property
+    def label(self) -> str:
+        heads = self.heads + ("+pack" if self.pack_gqa and self.heads != "MHA" else "")
+        return " · ".join([self.direction, self.dtype.replace("bfloat16", "bf16").replace("float16", "fp16"),
+                           f"d{self.head_dim}", "causal" if self.causal else "full", self.layout, self.kv,
+                           heads, self.shape] + (["sinks"] if self.sinks else []))
+
+
+def valid(assign: dict) -> bool:
+    """Combinations that do not exist: paged KV is a forward-only (serving) path here."""
+    return not (assign.get("direction") == "bwd" and str(assign.get("kv", "")).startswith("paged"))
+
+
+def check_axes(axes: dict) -> dict[str, tuple]:
+    """Full axes with `axes` overriding some; a ValueError names an unknown axis or value."""
+    out = dict(AXES)
+    for name, values in (axes or {}).items():
+        if name not in AXES:
+            raise ValueError(f"unknown matrix axis {name!r}; axes are {sorted(AXES)}")
+        values = tuple(values)
+        bad = [v for v in values if v not in AXES[name]]
+        if not values or bad:
+            raise ValueError(f"axis {name!r} got {bad or 'no values'}; allowed: {AXES[name]}")
+        out[name] = values
+    return out
+
+
+def pairwise_cases(axes: dict[str, tuple], seed: int = 0, candidates: int = 30) -> list[Case]:
+    """A covering array of strength 2: every valid pair of values of two axes appears in at
+    least one case. Greedy (AETG-style): each new case starts from an uncovered pair and fills
+    the other axes with the value covering most still-uncovered pairs; best of `candidates`."""
+    names = list(axes)
+    rng = random.Random(seed)
+    uncovered = set()
+    for (i, a), (j, b) in itertools.combinations(enumerate(names), 2):
+        for va in axes[a]:
+            for vb in axes[b]:
+                if valid({a: va, b: vb}):
+                    uncovered.add((i, va, j, vb))
+
+    def gain(assign: dict, i: int, v) -> int:
+        n = 0
+        for j, name in enumerate(names):
+            if name in assign and j != i:
+                key = (i, v, j, assign[name]) if i < j else (j, assign[name], i, v)
+                n += key in uncovered
+        return n
+
+    cases = []
+    while uncovered:
+        best, best_gain = None, -1
+        pool = sorted(uncovered, key=repr)
+        for _ in range(candidates):
+            i, va, j, vb = rng.choice(pool)
+            assign = {names[i]: va, names[j]: vb}
+            order = [k for k in range(len(names)) if k not in (i, j)]
+            rng.shuffle(order)
+            for k in order:
+                opts = [v for v in axes[names[k]] if valid({**assign, names[k]: v})]
+                scores = [(gain(assign, k, v), rng.random(), v) for v in opts]
+                assign[names[k]] = max(scores, key=lambda t: (t[0], t[1]))[2]
+            g = sum(1 for (a, x, b, y) in uncovered if assign[names[a]] == x and assign[names[b]] == y)
+            if g > best_gain:
+                best, best_gain = assign, g
+        uncovered = {(a, x, b, y) for (a, x, b, y) in uncovered if not (best[names[a]] == x and best[names[b]] == y)}
+        cases.append(Case(**best))
+    return cases
+
+
+def product_cases(axes: dict[str, tuple]) -> list[Case]:
+    names = list(axes)
+    out = []
+    for values in itertools.product(*(axes[n] for n in names)):
+        assign = dict(zip(names, values))
+        if valid(assign):
+            out.append(Case(**assign))
+    return out
+
+
+def shape_lengths(case: Case, base: tuple[int, int]) -> tuple[int, int]:
+    sq, sk = base
+    return {"base": (sq, sk), "q>k": (sk, max(sq // 2, 1)), "empty-q": (0, sk), "empty-k": (sq, 0),
+            **FIXED_SHAPES}[case.shape]
+
+
+# ---------------------------------------------------------------------------
+# One case
+
+def _heads(case: Case, n_heads: int) -> tuple[int, int]:
+    return n_heads, {"MHA": n_heads, "GQA": max(n_heads // 2, 1), "MQA": 1}[case.heads]
+
+
+def make_inputs(case: Case, *, batch: int, n_heads: int, base: tuple[int, int], device, generator) -> dict:
+    """Fresh random q, k, v (and dO, sinks) for one case. Fixed-layout inputs are head-slices of a
+    fused QKV buffer (non-contiguous, as a model's projection leaves them); varlen inputs are
+    packed sequences of different lengths."""
+    dt = getattr(torch, case.dtype)
+    H, Hk = _heads(case, n_heads)
+    D = case.head_dim
+    sq, sk = shape_lengths(case, base)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=generator, device=device, dtype=torch.float32).to(dt)
+
+    out = {"H": H, "Hk": Hk}
+    if case.layout == "fixed":
+        s = max(sq, sk)
+        qkv = randn(batch, s, H + 2 * Hk, D)
+        out["q"] = qkv[:, :sq, :H]
+        out["k"] = qkv[:, :sk, H:H + Hk]
+        out["v"] = qkv[:, :sk, H + Hk:]
+        out["cu_q"] = torch.arange(batch + 1, dtype=torch.int32, device=device) * sq
+        out["cu_k"] = torch.arange(batch + 1, dtype=torch.int32, device=device) * sk
+    else:
+        # three sequences of different lengths; the middle one is the shape itself, so an odd or
+        # empty shape sits between non-empty neighbours (whose offsets it must not disturb)
+        bq, bk = base
+        lq = [bq // 2 + 1, sq, max(bq // 3, 1)]
+        lk = [max(bk - 7, 1), sk, bk // 2 + 1]
+        cq = torch.tensor([0] + list(itertools.accumulate(lq)), dtype=torch.int32, device=device)
+        ck = torch.tensor([0] + list(itertools.accumulate(lk)), dtype=torch.int32, device=device)
+        out["q"] = randn(sum(lq), H, D)
+        out["k"] = randn(sum(lk), Hk, D)
+        out["v"] = randn(sum(lk), Hk, D)
+        out["cu_q"], out["cu_k"] = cq, ck
+    out["do"] = randn(*out["q"].shape)
+    out["sinks"] = (torch.randn(H, generator=generator, device=device) * 2).float() if case.sinks else None
+    if case.kv.startswith("paged"):
+        page = int(case.kv.split("-")[1])
+        k, v = out["k"], out["v"]
+        if case.layout == "fixed":
+            k, v = k.reshape(-1, Hk, D), v.reshape(-1, Hk, D)
+        cpu_gen = torch.Generator().manual_seed(int(torch.randint(1 << 30, (1,), generator=generator, device=device)))
+        out["paged"] = flash.paged_from_contiguous(k, v, out["cu_k"], page, generator=cpu_gen)
+    return out
+
+
+def _max_err(x: torch.Tensor | None, ref: torch.Tensor | None) -> float:
+    """max |x - ref| over finite reference entries; inf for any NaN/inf in x where ref is finite,
+    or a non-(-inf) where the reference is -inf (a query with no key); 0 for empty tensors."""
+    if x is None or ref is None:
+        return 0.0
+    if x.shape != ref.shape:
+        return float("inf")
+    if x.numel() == 0:
+        return 0.0
+    x, ref = x.float(), ref.float()
+    fin = torch.isfinite(ref)
+    if not torch.equal(x[~fin], ref[~fin]) or not torch.isfinite(x[fin]).all():
+        return float("inf")
+    return float((x[fin] - ref[fin]).abs().max()) if fin.any() else 0.0
+
+
+def _floor(ref: torch.Tensor, dtype) -> float:
+    """FlashAttention's rounding floor: 2 * max |(r + 0.3) - 0.3 - r| with r the reference in the
+    dtype the kernel stores (float32 for lse)."""
+    if ref is None or ref.numel() == 0:
+        return 0.0
+    r = ref.detach().to(dtype)
+    r = r[torch.isfinite(r)]
+    if r.numel() == 0:
+        return 0.0
+    return 2.0 * float(((r + 0.3) - 0.3 - r).abs().max())
+
+
+def _dsinks_floor(inp: dict, ref: dict, dtype) -> float:
+    """Rounding floor of the sink gradient. A FlashAttention-style backward computes it as
+    dsink_h = -sum_i exp(sink_h - lse_i) * delta_i with delta_i = rowsum(dO_i * O_i) taken from the
+    *stored* output O, rounded to the input dtype; PyTorch's low-precision reference keeps its
+    softmax in float32 and may land much closer by luck, so 3x its error is no yardstick here.
+    Rounding O by a relative u = eps/2 (independent per element) moves dsink_h by a standard
+    deviation of u * sqrt(sum_i p_i^2 * sum_d (dO_id * O_id)^2), p_i = exp(sink_h - lse_i);
+    the floor is 4 such deviations."""
+    out, do, lse, sinks = ref["out"].float(), inp["do"].float(), ref["lse"], inp["sinks"]
+    H, D = out.shape[-2], out.shape[-1]
+    if out.numel() == 0:
+        return 0.0
+    rows_lse = lse if lse.dim() == 2 else lse.permute(1, 0, 2).reshape(H, -1)
+    s2 = ((do.reshape(-1, H, D) * out.reshape(-1, H, D)) ** 2).sum(-1).t()
+    p = torch.exp(sinks.float()[:, None] - rows_lse)
+    u = torch.finfo(dtype).eps / 2
+    return float(4 * u * torch.sqrt((p ** 2 * s2).sum(1)).max())
+
+
+def _run(case: Case, inp: dict, impl: str):
+    """Returns {check: tensor} for impl in 'kernel', 'ref32', 'ref_lowp'."""
+    causal, sinks = case.causal, inp["sinks"]
+    varlen = case.layout == "varlen"
+    q, k, v = inp["q"], inp["k"], inp["v"]
+    kw = dict(cu_seqlens_q=inp["cu_q"], cu_seqlens_k=inp["cu_k"]) if varlen else {}
+    bwd = case.direction == "bwd"
+    if impl != "kernel":
+        upcast = impl == "ref32"
+        if not varlen:  # the references loop over sequences; give them contiguous copies
+            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    leaves = [t.detach().clone().requires_grad_(bwd) for t in (q, k, v)]
+    s_leaf = sinks.detach().clone().requires_grad_(bwd) if sinks is not None else None
+    with torch.set_grad_enabled(bwd):
+        if impl == "kernel" and case.kv.startswith("paged"):
+            pk = inp["paged"]
+            with torch.no_grad():
+                out, lse = flash.paged_attention(q, pk.k_cache, pk.v_cache, pk.kv_indptr, pk.kv_indices,
+                                                 pk.kv_last_page_len, causal=causal, return_lse=True,
+                                                 sinks=sinks, pack_gqa=case.pack_gqa,
+                                                 cu_seqlens_q=inp["cu_q"] if varlen else None)
+        elif impl == "kernel":
+            out, lse = flash.attention(*leaves, causal=causal, return_lse=True, sinks=s_leaf,
+                                       pack_gqa=case.pack_gqa, backend="auto", **kw)
+        else:
+            out, lse = flash.attention_reference(*leaves, causal=causal, sinks=s_leaf, upcast=upcast, **kw)
+        res = {"out": out.detach(), "lse": lse.detach()}
+        if bwd:
+            out.backward(inp["do"].to(out.dtype))
+            res.update(dq=leaves[0].grad, dk=leaves[1].grad, dv=leaves[2].grad)
+            if s_leaf is not None:
+                res["dsinks"] = s_leaf.grad
+    return res
+
+
+def run_case(case: Case, *, batch: int, n_heads: int, base: tuple[int, int], device, generator) -> list[dict]:
+    """Kernel vs float32 reference vs low-precision PyTorch for one case: one row per checked tensor."""
+    inp = make_inputs(case, batch=batch, n_heads=n_heads, base=base, device=device, generator=generator)
+    kern = _run(case, inp, "kernel")
+    ref = _run(case, inp, "ref32")
+    low = _run(case, inp, "ref_lowp")
+    dt = getattr(torch, case.dtype)
+    sq, sk = shape_lengths(case, base)
+    rows = []
+    backend = flash.select_backend(inp["q"].device)[0]  # 'torch' only where Triton cannot run at all
+    for name in ("out", "lse", "dq", "dk", "dv", "dsinks"):
+        if name not in ref:
+            continue
+        store_dt = torch.float32 if name in ("lse", "dsinks") else dt
+        err = _max_err(kern.get(name), ref[name])
+        ref_err = _max_err(low.get(name), ref[name])
+        if ref_err == float("inf"):  # PyTorch's own low-precision path broke: the rule needs it finite
+            ref_err = float("nan")
+        if name == "dsinks":
+            floor = _dsinks_floor(inp, ref, dt)
+        elif name == "lse":
+            # lse is float32 and not O(1) like the output: the kernel keeps it in base 2 and
+            # converts (x ln 2), two roundings of |lse|; the "+0.3" trick would ignore its size
+            fin = ref[name][torch.isfinite(ref[name])]
+            floor = max(_floor(ref[name], store_dt),
+                        4 * torch.finfo(torch.float32).eps * (float(fin.abs().max()) if fin.numel() else 0.0))
+        else:
+            floor = _floor(ref[name], store_dt)
+        tol = FACTOR[name] * (ref_err if ref_err == ref_err else 0.0) + floor
+        passed = err == err and err <= tol
+        rows.append({**asdict(case), "label": case.label, "check": name, "seqlen_q": sq, "seqlen_k": sk,
+                     "error": err, "ref_error": ref_err, "tolerance": tol, "passed": bool(passed),
+                     "backend": backend})
+    return rows
+
+
+def run_matrix(axes: dict | None = None, preset: str = "smoke", *, device=None, seed: int = 0,
+               mode: str | None = None, batch: int | None = None, n_heads: int | None = None,
+               base: tuple[int, int] | None = None, progress=None) -> list[dict]:
+    """Run the matrix; returns one row per (case, checked tensor) with error, the low-precision
+    reference's error, the tolerance and pass/fail.
+
+    `axes`: {axis: values} overriding the preset's (which override `AXES`); `preset`: smoke, cpu
+    or gpu (sizes and default axes, `MATRIX_PRESETS`); `mode`: pairwise or product.
+    """
+    if preset not in MATRIX_PRESETS:
+        raise ValueError(f"unknown matrix preset {preset!r}; choose {sorted(MATRIX_PRESETS)}")
+    p = MATRIX_PRESETS[preset]
+    mode = mode or p["mode"]
+    if mode not in ("pairwise", "product"):
+        raise ValueError(f"matrix mode must be 'pairwise' or 'product', got {mode!r}")
+    full = check_axes({**p["axes"], **(axes or {})})
+    device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cases = pairwise_cases(full, seed) if mode == "pairwise" else product_cases(full)
+    g = torch.Generator(device=device).manual_seed(seed)
+    rows = []
+    for i, case in enumerate(cases):
+        rows += run_case(case, batch=batch or p["batch"], n_heads=n_heads or p["n_heads"],
+                         base=tuple(base or p["base"]), device=device, generator=g)
+        if progress:
+            progress(i + 1, len(cases), case)
+    return rows
+
+
+def failures(rows: list[dict]) -> list[dict]:
+    return [r for r in rows if not r["passed"]]
+
+
+def coverage(rows: list[dict], axes: dict[str, tuple] | None = None) -> dict[str, dict]:
+    """For each axis value: how many cases carried it and how many of those failed a check."""
+    axes = axes or AXES
+    cases = {r["label"]: r for r in rows}
+    failed = {r["label"] for r in rows if not r["passed"]}
+    out = {}
+    for name, values in axes.items():
+        out[name] = {v: (sum(1 for c in cases.values() if c[name] == v),
+                         sum(1 for lbl, c in cases.items() if c[name] == v and lbl in failed)) for v in values}
+    return out

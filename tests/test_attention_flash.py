@@ -1,0 +1,216 @@
+"""FlashAttention kernel (Triton; the interpreter on CPU) against its PyTorch references.
+
+Tolerances follow FlashAttention's rule (matrix.run_case): our error vs a float32 reference at
+most 2x (gradients 3x) PyTorch's own error in the same low precision, plus a rounding floor.
+Shapes are small because the interpreter's tl.dot runs at ~1e8 flop/s; the edge cases stay.
+"""
+import itertools
+import math
+import zlib
+
+import pytest
+import torch
+
+import inferbook  # noqa: F401  (turns the Triton interpreter on where there is no GPU)
+from inferbook.attention import flash, matrix
+
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def gen(seed=0):
+    return torch.Generator(device=DEV).manual_seed(seed)
+
+
+def rnd(g, *shape, dtype=torch.bfloat16, scale=1.0):
+    return (torch.randn(*shape, generator=g, device=DEV) * scale).to(dtype)
+
+
+def cu(lengths):
+    return torch.tensor([0] + list(itertools.accumulate(lengths)), dtype=torch.int32, device=DEV)
+
+
+def assert_case_passes(case, **sizes):
+    rows = matrix.run_case(case, device=DEV, generator=gen(zlib.crc32(case.label.encode()) % 1000), **sizes)
+    bad = [(r["check"], r["error"], r["tolerance"]) for r in rows if not r["passed"]]
+    assert not bad, f"{case.label}: {bad}"
+    return rows
+
+
+def case(**kw):
+    base = dict(head_dim=64, causal=False, layout="fixed", kv="contiguous", heads="MHA", pack_gqa=False,
+                direction="fwd", dtype="bfloat16", shape="base", sinks=False)
+    return matrix.Case(**{**base, **kw})
+
+
+# --- forward/backward against the references -------------------------------------------------
+
+@pytest.mark.parametrize("head_dim", flash.HEAD_DIMS)
+def test_forward_every_head_dim(head_dim):
+    # 96 and 192 run padded to 128/256 with the tail lanes predicated off
+    assert_case_passes(case(head_dim=head_dim, causal=True, heads="GQA", pack_gqa=True,
+                            dtype="float16" if head_dim % 64 else "bfloat16"),
+                       batch=1, n_heads=4, base=(19, 37))
+
+
+def test_odd_shape_113x203_fwd_bwd_varlen_causal():
+    assert_case_passes(case(shape="113x203", layout="varlen", causal=True, direction="bwd"),
+                       batch=1, n_heads=2, base=(8, 12))
+
+
+def test_backward_gqa_sinks_fixed_noncontiguous():
+    # fixed-layout inputs are head slices of a fused QKV buffer: strided, not contiguous
+    rows = assert_case_passes(case(direction="bwd", heads="GQA", sinks=True, causal=True, shape="q>k",
+                                   dtype="float16", head_dim=96), batch=2, n_heads=4, base=(24, 40))
+    assert {r["check"] for r in rows} == {"out", "lse", "dq", "dk", "dv", "dsinks"}
+
+
+def test_transposed_inputs_and_extreme_values():
+    g = gen(3)
+    # [B, H, S, D] storage viewed as [B, S, H, D]; logits of a few hundred: the online softmax's
+    # running max must keep exp2 in range
+    q = rnd(g, 1, 2, 45, 64, scale=6.0).transpose(1, 2)
+    k = rnd(g, 1, 2, 70, 64, scale=6.0).transpose(1, 2)
+    v = rnd(g, 1, 2, 70, 64).transpose(1, 2)
+    assert not q.is_contiguous()
+    out, lse = flash.attention(q, k, v, causal=True, return_lse=True)
+    ref, ref_lse = flash.attention_reference(q, k, v, causal=True)
+    low, _ = flash.attention_reference(q, k, v, causal=True, upcast=False)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    assert lse.max() > 100  # really extreme
+    err = (out.float() - ref).abs().max().item()
+    ref_err = (low.float() - ref).abs().max().item()
+    assert err <= 2 * ref_err + 2 * 2.0 ** -8, (err, ref_err)
+    assert torch.allclose(lse, ref_lse, rtol=1e-3, atol=1e-2)
+
+
+# --- the empty-sequence contract ----------------------------------------------------------------
+
+def test_empty_k_gives_zero_and_minus_inf():
+    g = gen(4)
+    q, k, v = rnd(g, 2, 9, 4, 64), rnd(g, 2, 0, 2, 64), rnd(g, 2, 0, 2, 64)
+    out, lse = flash.attention(q, k, v, return_lse=True)
+    assert torch.equal(out, torch.zeros_like(out))
+    assert lse.shape == (2, 4, 9) and torch.all(lse == -math.inf)
+    # with sinks: out 0, lse = the sink logit
+    sinks = torch.randn(4, generator=g, device=DEV)
+    out, lse = flash.attention(q, k, v, return_lse=True, sinks=sinks)
+    assert torch.equal(out, torch.zeros_like(out))
+    assert torch.allclose(lse, sinks[None, :, None].expand_as(lse))
+
+
+def test_causal_queries_without_keys_and_their_gradients():
+    g = gen(5)
+    # Sq > Sk, causal, bottom-right aligned: the first Sq - Sk queries see no key
+    q, k, v = (rnd(g, *s).requires_grad_() for s in ((1, 40, 2, 64), (1, 15, 2, 64), (1, 15, 2, 64)))
+    out, lse = flash.attention(q, k, v, causal=True, return_lse=True)
+    assert torch.all(out[:, :25] == 0) and torch.all(lse[:, :, :25] == -math.inf)
+    assert torch.isfinite(lse[:, :, 25:]).all()
+    out.backward(rnd(g, *out.shape))
+    assert torch.all(q.grad[:, :25] == 0)
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
+def test_empty_q_returns_and_unattended_keys_get_zero_grad():
+    g = gen(6)
+    lq, lk = [6, 0, 9], [11, 13, 8]
+    q = rnd(g, sum(lq), 4, 64).requires_grad_()
+    k = rnd(g, sum(lk), 2, 64).requires_grad_()
+    v = rnd(g, sum(lk), 2, 64).requires_grad_()
+    out = flash.attention(q, k, v, cu_seqlens_q=cu(lq), cu_seqlens_k=cu(lk), causal=True)
+    out.backward(rnd(g, *out.shape))
+    assert torch.all(k.grad[11:24] == 0) and torch.all(v.grad[11:24] == 0)
+    assert k.grad[:11].abs().sum() > 0 and v.grad[24:].abs().sum() > 0
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+    # a batch with no query at all
+    q0 = rnd(g, 2, 0, 4, 64).requires_grad_()
+    k0, v0 = rnd(g, 2, 7, 4, 64).requires_grad_(), rnd(g, 2, 7, 4, 64).requires_grad_()
+    out, lse = flash.attention(q0, k0, v0, return_lse=True)
+    assert out.shape == (2, 0, 4, 64) and lse.shape == (2, 4, 0)
+    out.sum().backward()
+    assert torch.equal(k0.grad, torch.zeros_like(k0)) and torch.equal(v0.grad, torch.zeros_like(v0))
+
+
+# --- paths that must agree bit for bit ------------------------------------------------------------
+
+@pytest.mark.parametrize("page_size", [1, 16, 128])
+def test_paged_equals_contiguous_bitwise(page_size):
+    g = gen(7)
+    lq, lk = [5, 0, 31], [17, 9, 0 if page_size == 1 else 70]
+    q, k, v = rnd(g, sum(lq), 4, 96), rnd(g, sum(lk), 2, 96), rnd(g, sum(lk), 2, 96)
+    sinks = torch.randn(4, generator=g, device=DEV)
+    want, want_lse = flash.attention(q, k, v, cu_seqlens_q=cu(lq), cu_seqlens_k=cu(lk), causal=True, sinks=sinks,
+                                     return_lse=True)
+    pk = flash.paged_from_contiguous(k, v, cu(lk), page_size, generator=torch.Generator().manual_seed(page_size))
+    assert torch.isnan(pk.k_cache).any()  # unused slots are NaN: reading one would show
+    got, got_lse = flash.paged_attention(q, pk.k_cache, pk.v_cache, pk.kv_indptr, pk.kv_indices, pk.kv_last_page_len,
+                                         causal=True, cu_seqlens_q=cu(lq), sinks=sinks, return_lse=True)
+    assert torch.equal(got, want) and torch.equal(got_lse, want_lse)
+    back_k, back_v, back_cu = flash.gather_paged_kv(pk.k_cache, pk.v_cache, pk.kv_indptr, pk.kv_indices,
+                                                    pk.kv_last_page_len)
+    assert torch.equal(back_k, k) and torch.equal(back_v, v) and torch.equal(back_cu, cu(lk))
+
+
+def test_paged_batched_q_matches_reference():
+    g = gen(8)
+    q = rnd(g, 2, 12, 4, 64)
+    k, v = rnd(g, 2 * 30, 1, 64), rnd(g, 2 * 30, 1, 64)
+    pk = flash.paged_from_contiguous(k, v, cu([30, 30]), 16, generator=torch.Generator().manual_seed(0))
+    out = flash.paged_attention(q, pk.k_cache, pk.v_cache, pk.kv_indptr, pk.kv_indices, pk.kv_last_page_len,
+                                causal=True)
+    ref, _ = flash.attention_reference(q, k.view(2, 30, 1, 64), v.view(2, 30, 1, 64), causal=True)
+    low, _ = flash.attention_reference(q, k.view(2, 30, 1, 64), v.view(2, 30, 1, 64), causal=True, upcast=False)
+    err, ref_err = (out.float() - ref).abs().max().item(), (low.float() - ref).abs().max().item()
+    assert err <= 2 * ref_err + 2 * 2.0 ** -8
+
+
+@pytest.mark.parametrize("hk", [2, 1], ids=["GQA", "MQA"])
+def test_pack_gqa_on_off_bitwise(hk):
+    g = gen(9)
+    q, k, v = rnd(g, 2, 23, 4, 64), rnd(g, 2, 50, hk, 64), rnd(g, 2, 50, hk, 64)
+    on = flash.attention(q, k, v, causal=True, pack_gqa=True, return_lse=True)
+    off = flash.attention(q, k, v, causal=True, pack_gqa=False, return_lse=True)
+    assert torch.equal(on[0], off[0]) and torch.equal(on[1], off[1])
+
+
+# --- bad input is refused before any work -------------------------------------------------------
+
+@pytest.mark.parametrize("make, match", [
+    (lambda g: dict(q=rnd(g, 1, 4, 2, 64, dtype=torch.float32)), "dtype"),
+    (lambda g: dict(q=rnd(g, 1, 4, 3, 64)), "multiple of the KV heads"),
+    (lambda g: dict(q=rnd(g, 1, 4, 2, 320), k=rnd(g, 1, 5, 2, 320), v=rnd(g, 1, 5, 2, 320)), "head dim 320"),
+    (lambda g: dict(softmax_scale=-1.0), "softmax_scale"),
+    (lambda g: dict(causal=1), "causal"),
+    (lambda g: dict(sinks=torch.zeros(3, device=DEV)), "sinks"),
+    (lambda g: dict(q=rnd(g, 4, 2, 64), k=rnd(g, 5, 2, 64), v=rnd(g, 5, 2, 64),
+                    cu_seqlens_q=torch.tensor([0, 4], device=DEV), cu_seqlens_k=cu([5])), "int32"),
+    (lambda g: dict(q=rnd(g, 4, 2, 64), k=rnd(g, 5, 2, 64), v=rnd(g, 5, 2, 64),
+                    cu_seqlens_q=cu([3]), cu_seqlens_k=cu([5])), "packed length 4"),
+    (lambda g: dict(backend="cuda"), "backend"),
+])
+def test_bad_input_is_a_clear_value_error(make, match):
+    g = gen(10)
+    args = dict(q=rnd(g, 1, 4, 2, 64), k=rnd(g, 1, 5, 2, 64), v=rnd(g, 1, 5, 2, 64))
+    args.update(make(g))
+    with pytest.raises(ValueError, match=match):
+        flash.attention(**args)
+
+
+def test_paged_bad_page_table_and_grad_refused():
+    g = gen(11)
+    q, k, v = rnd(g, 1, 4, 2, 64), rnd(g, 8, 2, 64), rnd(g, 8, 2, 64)
+    pk = flash.paged_from_contiguous(k, v, cu([8]), 4)
+    args = (q, pk.k_cache, pk.v_cache, pk.kv_indptr, pk.kv_indices, pk.kv_last_page_len)
+    with pytest.raises(ValueError, match="kv_indices must lie"):
+        flash.paged_attention(*args[:4], pk.kv_indices + 100, args[5])
+    with pytest.raises(ValueError, match="kv_last_page_len"):
+        flash.paged_attention(*args[:5], pk.kv_last_page_len + 4)
+    with pytest.raises(ValueError, match="forward-only"):
+        flash.paged_attention(q.requires_grad_(), *args[1:])
+
+
+def test_torch_backend_is_the_reference():
+    g = gen(12)
+    q, k, v = rnd(g, 1, 6, 2, 64), rnd(g, 1, 9, 2, 64), rnd(g, 1, 9, 2, 64)
+    out = flash.attention(q, k, v, backend="torch")
+    ref, _ = flash.attention_reference(q, k, v)
+    assert torch.equal(out, ref.to(q.dtype))
