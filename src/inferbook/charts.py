@@ -27,7 +27,8 @@ def _alt():
             "font": FONT,
             "view": {"continuousWidth": WIDTH, "continuousHeight": HEIGHT, "stroke": None},
             "range": {"category": PALETTE},
-            "axis": {"labelFontSize": 11, "titleFontSize": 12, "gridColor": "#e8e8e8", "domainColor": "#888"},
+            "axis": {"labelFontSize": 11, "titleFontSize": 12, "gridColor": "#e8e8e8", "domainColor": "#888",
+                     "labelLimit": 400},  # long case labels (e.g. a test matrix) stay readable
             "legend": {"labelFontSize": 11, "titleFontSize": 12},
             "title": {"fontSize": 13, "anchor": "start", "subtitleFontSize": 11, "subtitleColor": "#555"},
             "background": "white",
