@@ -1,0 +1,475 @@
+"""The MoE layer with W4A16 (or BF16) experts: gate/up GEMM + SiLU-and-mul, down GEMM, top-k combine.
+
+    out[t] = Σ_j  w[t, j] · W2[e] ( SiLU(W1g[e] x[t]) ⊙ W1u[e] x[t] ),   e = topk_ids[t, j]
+
+`w13 [E, 2I, H]` holds gate rows (first I) and up rows (next I); `w2 [E, H, I]`.
+
+One Triton GEMM kernel serves the three layouts; what differs is how a row block finds its
+rows (ROWS: gathered by slot id, a contiguous segment, or a masked slab of `[E, max_m, K]`)
+and which packing spec its weight tiles are read in (LAYOUT). The gate/up launch fuses
+SiLU-and-mul into its epilogue; the down launch applies the router weight in its epilogue
+and writes one row per (token, slot) into `[T*k, H]`; a combine launch sums each token's k
+rows in a fixed order (slot 0 first) in fp32.
+
+`moe_tail` is the decode tail of the `kimi-topk-tail-fusion` chapter: the down projection
+with the combine either as that separate pass or folded into the down kernel's epilogue.
+`shared_*` are the two ways of running a shared expert (MiniMax M3 chapter).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..device import dot_needs_fp32, triton_backend_for
+from . import routing
+from .w4a16 import LAYOUT_CODE, LAYOUTS, PackedW4, cat_experts, dequantize, expert, linear, triton
+
+if triton is not None:
+    import triton.language as tl
+
+    from .w4a16 import round_bf16, w4_tile
+
+    @triton.jit
+    def moe_gemm_kernel(a_ptr, qw_ptr, s_ptr, c_ptr, rows_ptr, block_expert_ptr, counts_ptr, dest_ptr, roww_ptr,
+                        n_rows, N, K, max_m, q_expert_stride, s_expert_stride,
+                        stride_am, stride_ak, stride_cm, stride_cn,
+                        ROWS: tl.constexpr, A_DIV: tl.constexpr, SCATTER: tl.constexpr, GATED: tl.constexpr,
+                        MUL_ROW_WEIGHT: tl.constexpr, OUT_BF16: tl.constexpr, LAYOUT: tl.constexpr,
+                        GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        DOT_FP32: tl.constexpr):
+        """C[rows, n] = A[rows] @ W[e].T for one expert's row block. GATED: N output columns from
+        2N weight rows, out = SiLU(gate) * up. ROWS 0 = indexed, 1 = contiguous, 2 = masked."""
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        offs = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        k_end = K
+        if ROWS == 0:    # indexed: slot ids sorted by expert; sentinel n_rows marks padding
+            e = tl.load(block_expert_ptr + pid_m)
+            k_end = tl.where(e >= 0, K, 0)  # a block past the last expert's run (-1) loads nothing
+            e = tl.maximum(e, 0)
+            slot = tl.load(rows_ptr + offs)
+            valid = slot < n_rows
+            a_row = slot // A_DIV          # gate/up: token = slot // k; down: the slot's own row
+            c_row = slot
+        elif ROWS == 1:  # contiguous: this block lies inside one expert's segment
+            e = tl.load(block_expert_ptr + pid_m)
+            valid = offs < n_rows
+            a_row = offs
+            c_row = offs
+        else:            # masked: expert = grid axis 2, rows beyond its count are padding
+            e = tl.program_id(2)
+            count = tl.load(counts_ptr + e)
+            valid = offs < count
+            a_row = e * max_m + offs
+            c_row = a_row
+            k_end = tl.where(pid_m * BLOCK_M < count, K, 0)  # an empty block loads no weights
+        if SCATTER:  # write each row at its (token, slot) position
+            c_row = tl.load(dest_ptr + c_row, mask=valid, other=-1)
+            valid = valid & (c_row >= 0)
+        qw = qw_ptr + e.to(tl.int64) * q_expert_stride
+        sc = s_ptr + e.to(tl.int64) * s_expert_stride
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        if GATED:  # weight rows: gate [0, N), up [N, 2N)
+            NW = 2 * N
+        else:
+            NW = N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, k_end, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            a = tl.load(a_ptr + a_row[:, None].to(tl.int64) * stride_am + offs_k[None, :] * stride_ak,
+                        mask=valid[:, None] & (offs_k[None, :] < K), other=0.0)
+            b = w4_tile(qw, sc, offs_k, offs_n, NW, K, LAYOUT, GROUP, DOT_FP32)
+            if DOT_FP32:
+                acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+            else:
+                acc = tl.dot(a, b, acc)
+            if GATED:
+                b_up = w4_tile(qw, sc, offs_k, offs_n + N, NW, K, LAYOUT, GROUP, DOT_FP32)
+                if DOT_FP32:
+                    acc_up = tl.dot(a.to(tl.float32), b_up.to(tl.float32), acc_up)
+                else:
+                    acc_up = tl.dot(a, b_up, acc_up)
+        if GATED:
+            acc = acc * tl.sigmoid(acc) * acc_up
+        if MUL_ROW_WEIGHT:  # router weight in the epilogue, indexed by the row's slot id
+            w = tl.load(roww_ptr + c_row, mask=valid, other=0.0)
+            acc = acc * w[:, None]
+        mask = valid[:, None] & (offs_n[None, :] < N)
+        ptrs = c_ptr + c_row[:, None].to(tl.int64) * stride_cm + offs_n[None, :] * stride_cn
+        if OUT_BF16:
+            tl.store(ptrs, round_bf16(acc, DOT_FP32), mask=mask)
+        else:
+            tl.store(ptrs, acc, mask=mask)
+
+    @triton.jit
+    def combine_kernel(y_ptr, out_ptr, T, H, TOPK, OUT_BF16: tl.constexpr, EMULATE: tl.constexpr,
+                       BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+        """out[t] = Σ_j y[t*k + j] in fp32, j = 0, 1, ..., k-1 (a fixed order)."""
+        offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        mask = (offs_t[:, None] < T) & (offs_h[None, :] < H)
+        acc = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
+        for j in range(TOPK):
+            rows = offs_t.to(tl.int64) * TOPK + j
+            acc += tl.load(y_ptr + rows[:, None] * H + offs_h[None, :], mask=mask, other=0.0).to(tl.float32)
+        ptrs = out_ptr + offs_t[:, None].to(tl.int64) * H + offs_h[None, :]
+        if OUT_BF16:
+            tl.store(ptrs, round_bf16(acc, EMULATE), mask=mask)
+        else:
+            tl.store(ptrs, acc, mask=mask)
+
+    @triton.jit
+    def down_tail_kernel(act_ptr, qw_ptr, s_ptr, ids_ptr, w_ptr, out_ptr, N, K, TOPK, q_expert_stride,
+                         s_expert_stride, FUSED: tl.constexpr, OUT_BF16: tl.constexpr, LAYOUT: tl.constexpr,
+                         GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         EMULATE: tl.constexpr):
+        """Decode tail, token-major: for token t and a block of output columns, each of its k
+        slots is a GEMV against its expert's down weights. FUSED: the k weighted rows are
+        summed in registers (slot order) and one [N] row is stored; else each weighted row is
+        stored into [T*k, N] for a separate combine pass."""
+        t = tl.program_id(0)
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for j in range(TOPK):
+            slot = t.to(tl.int64) * TOPK + j
+            e = tl.load(ids_ptr + slot).to(tl.int64)
+            wt = tl.load(w_ptr + slot)
+            part = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                a = tl.load(act_ptr + slot * K + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+                b = w4_tile(qw_ptr + e * q_expert_stride, s_ptr + e * s_expert_stride, offs_k, offs_n, N, K,
+                            LAYOUT, GROUP, EMULATE).to(tl.float32)
+                part += tl.sum(a[:, None] * b, axis=0)
+            if FUSED:
+                acc += wt * part
+            else:
+                y = wt * part
+                if OUT_BF16:
+                    tl.store(out_ptr + slot * N + offs_n, round_bf16(y, EMULATE), mask=offs_n < N)
+                else:
+                    tl.store(out_ptr + slot * N + offs_n, y, mask=offs_n < N)
+        if FUSED:
+            tl.store(out_ptr + t.to(tl.int64) * N + offs_n, round_bf16(acc, EMULATE), mask=offs_n < N)
+
+
+# ---------------------------------------------------------------------------
+# References
+
+def _weights(w, dtype: torch.dtype) -> torch.Tensor:
+    if isinstance(w, PackedW4):
+        return dequantize(w, dtype)
+    return w.to(dtype)
+
+
+def fused_moe_reference(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
+    """fp32 reference: dequantize, every product and sum in fp32. Returns fp32 [T, H]."""
+    W13, W2 = _weights(w13, torch.float32), _weights(w2, torch.float32)
+    I = W13.shape[1] // 2
+    T, k = topk_ids.shape
+    out = torch.zeros((T, W2.shape[1]), dtype=torch.float32, device=x.device)
+    flat = topk_ids.flatten().long()
+    for e in torch.unique(flat).tolist():
+        slots = (flat == e).nonzero().flatten()
+        t = slots // k
+        h = x[t].float() @ W13[e].T
+        y = (F.silu(h[:, :I]) * h[:, I:]) @ W2[e].T
+        out.index_add_(0, t, topk_weights.flatten()[slots].float()[:, None] * y)
+    return out
+
+
+def fused_moe_torch(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
+    """What PyTorch does in BF16 (the same precision): BF16 weights and matmuls, BF16 activation,
+    fp32 combine. The FlashAttention-style tolerance is measured against this path's own error."""
+    W13, W2 = _weights(w13, torch.bfloat16), _weights(w2, torch.bfloat16)
+    I = W13.shape[1] // 2
+    T, k = topk_ids.shape
+    out = torch.zeros((T, W2.shape[1]), dtype=torch.float32, device=x.device)
+    flat = topk_ids.flatten().long()
+    for e in torch.unique(flat).tolist():
+        slots = (flat == e).nonzero().flatten()
+        t = slots // k
+        h = x[t] @ W13[e].T
+        y = (F.silu(h[:, :I]) * h[:, I:]) @ W2[e].T
+        out.index_add_(0, t, topk_weights.flatten()[slots].float()[:, None] * y.float())
+    return out.to(torch.bfloat16)
+
+
+def within_tolerance(out: torch.Tensor, ref: torch.Tensor, out_torch: torch.Tensor, factor: float = 2.0):
+    """FlashAttention's rule: our max error against the fp32 reference must be at most `factor` times
+    PyTorch's own max error in the same precision (plus fp32 round-off of the reference). NaN fails.
+
+    Returns (error, tolerance, passed)."""
+    if out.numel() == 0:
+        return 0.0, 0.0, out.shape == ref.shape
+    err = float((out.float() - ref).abs().max())
+    base = float((out_torch.float() - ref).abs().max())
+    tol = factor * base + 1e-6 * float(ref.abs().max())
+    ok = (err == err) and err <= tol and bool(torch.isfinite(out.float()).all())
+    return err, tol, ok
+
+
+# ---------------------------------------------------------------------------
+# The layer
+
+def moe_config(rows_per_expert: float, interpreted: bool) -> dict:
+    """Block sizes: BLOCK_M follows the rows an expert sees (the M the seed says to record)."""
+    if interpreted:  # few, large programs: the interpreter's cost is per program and per op
+        return dict(BLOCK_M=16 if rows_per_expert <= 16 else 64, BLOCK_N=64, BLOCK_K=64)
+    if rows_per_expert <= 16:
+        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)
+    if rows_per_expert <= 64:
+        return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4)
+    # gate/up keeps two accumulators: BLOCK_N 64 keeps them at 64 fp32 registers per thread
+    return dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, num_warps=8, num_stages=3)
+
+
+def _validate(x, w13, w2, topk_weights, topk_ids, layout, check=True):
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown MoE layout {layout!r}; choose one of {', '.join(map(repr, LAYOUTS))}")
+    for name, w in (("w13", w13), ("w2", w2)):
+        if not isinstance(w, PackedW4) or len(w.shape) != 3:
+            raise ValueError(f"{name} must be a 3-D PackedW4 [E, N, K] from quantize(), got {type(w).__name__}")
+        w.require(layout, f"the {layout!r} fused MoE kernel ({name})")
+    E, two_i, H = w13.shape
+    if two_i % 2 or w2.shape != (E, H, two_i // 2):
+        raise ValueError(f"w13 must be [E, 2I, H] and w2 [E, H, I]; got {w13.shape} and {w2.shape}")
+    if not isinstance(x, torch.Tensor) or x.ndim != 2 or x.shape[1] != H:
+        raise ValueError(f"x must be [T, {H}], got {getattr(x, 'shape', type(x).__name__)}")
+    if x.dtype != torch.bfloat16:
+        raise ValueError(f"x must be bfloat16 (W4A16), got {x.dtype}")
+    if check:
+        routing._check_topk(topk_ids, E)
+    elif not isinstance(topk_ids, torch.Tensor) or topk_ids.ndim != 2:
+        raise ValueError(f"topk_ids must be a [T, k] tensor, got {getattr(topk_ids, 'shape', type(topk_ids).__name__)}")
+    if topk_ids.shape[0] != x.shape[0] or not isinstance(topk_weights, torch.Tensor) \
+            or topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"topk_ids and topk_weights must both be [T={x.shape[0]}, k]; got "
+                         f"{tuple(topk_ids.shape)} and {tuple(getattr(topk_weights, 'shape', ()))}")
+    if not topk_weights.is_floating_point() or (check and topk_weights.numel() and not torch.isfinite(topk_weights).all()):
+        raise ValueError("topk_weights must be finite floating-point values")
+    for t, name in ((w13.qweight, "w13"), (w2.qweight, "w2"), (topk_ids, "topk_ids"), (topk_weights, "topk_weights")):
+        if t.device != x.device:
+            raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
+
+
+def backend(device: torch.device) -> tuple[str, str]:
+    """(backend name, reason) the layer will use on `device`."""
+    ok, why = triton_backend_for(device)
+    return ("triton", why) if ok else ("torch (dequantize + bf16 matmul)", f"Triton cannot run: {why}")
+
+
+def fused_moe(x, w13: PackedW4, w2: PackedW4, topk_weights, topk_ids, layout: str | None = None, *,
+              block: dict | None = None, max_m: int | None = None, inter_dtype=torch.bfloat16,
+              out_dtype=torch.bfloat16, check: bool = True) -> torch.Tensor:
+    """MoE layer for `x [T, H]` BF16 with INT4 experts packed for `layout` (default: w13's).
+
+    topk_weights fp32 [T, k], topk_ids int [T, k]. Returns `[T, H]` in `out_dtype` (BF16; fp32 to
+    keep the combine's sum unrounded, as the shared-expert check does). `inter_dtype` is the dtype
+    of the `[T*k, H]` weighted rows between the down GEMM and the combine. `check=False` skips the
+    checks that read values back to the host (expert-id range, finite weights): the indexed path
+    then makes no device-to-host sync and can be captured in a CUDA graph.
+    """
+    layout = layout or getattr(w13, "layout", None)
+    _validate(x, w13, w2, topk_weights, topk_ids, layout, check)
+    if out_dtype not in (torch.bfloat16, torch.float32) or inter_dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"out_dtype and inter_dtype must be torch.bfloat16 or torch.float32, got {out_dtype}, {inter_dtype}")
+    E, two_i, H = w13.shape
+    I = two_i // 2
+    T, k = topk_ids.shape
+    if T == 0:
+        return torch.empty((0, H), dtype=out_dtype, device=x.device)
+    ok, _ = triton_backend_for(x.device)
+    if not ok:
+        return fused_moe_torch(x, w13, w2, topk_weights, topk_ids).to(out_dtype)
+    interp = x.device.type != "cuda"
+    cfg = dict(block or moe_config(T * k / E, interp))
+    BM, BN = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    emu = dot_needs_fp32(x.device)
+    weights_flat = topk_weights.float().contiguous().flatten()
+    common = dict(LAYOUT=LAYOUT_CODE[layout], GROUP=w13.group_size, DOT_FP32=emu, **cfg)
+    dummy = torch.empty(1, dtype=torch.int32, device=x.device)
+    y = torch.empty((T * k, H), dtype=inter_dtype, device=x.device)
+
+    def gemm(a, w, c, rows, block_expert, counts, dest, n_rows, N, K, grid, *, ROWS, A_DIV, SCATTER, GATED,
+             MUL_ROW_WEIGHT, m_max=0):
+        moe_gemm_kernel[grid](a, w.qweight, w.scales, c, rows, block_expert, counts, dest, weights_flat,
+                              n_rows, N, K, m_max, w.qweight[0].numel(), w.scales[0].numel(),
+                              a.stride(0), a.stride(1), c.stride(0), c.stride(1),
+                              ROWS=ROWS, A_DIV=A_DIV, SCATTER=SCATTER, GATED=GATED, MUL_ROW_WEIGHT=MUL_ROW_WEIGHT,
+                              OUT_BF16=c.dtype == torch.bfloat16, **common)
+
+    if layout == "indexed":
+        al = routing.align_indexed(topk_ids, E, BM, check=False)  # ids already checked (or check=False)
+        nb = al.block_expert.numel()
+        act = torch.empty((T * k, I), dtype=torch.bfloat16, device=x.device)
+        gemm(x, w13, act, al.sorted_ids, al.block_expert, dummy, dummy, T * k, I, H, (nb, triton.cdiv(I, BN)),
+             ROWS=0, A_DIV=k, SCATTER=False, GATED=True, MUL_ROW_WEIGHT=False)
+        gemm(act, w2, y, al.sorted_ids, al.block_expert, dummy, dummy, T * k, H, I, (nb, triton.cdiv(H, BN)),
+             ROWS=0, A_DIV=1, SCATTER=False, GATED=False, MUL_ROW_WEIGHT=True)
+    elif layout == "grouped_contiguous":
+        pc = routing.permute_contiguous(x, topk_ids, E, BM)
+        P, nb = pc.x.shape[0], pc.block_expert.numel()
+        act = torch.empty((P, I), dtype=torch.bfloat16, device=x.device)
+        gemm(pc.x, w13, act, dummy, pc.block_expert, dummy, dummy, P, I, H, (nb, triton.cdiv(I, BN)),
+             ROWS=1, A_DIV=1, SCATTER=False, GATED=True, MUL_ROW_WEIGHT=False)
+        gemm(act, w2, y, dummy, pc.block_expert, dummy, pc.dest, P, H, I, (nb, triton.cdiv(H, BN)),
+             ROWS=1, A_DIV=1, SCATTER=True, GATED=False, MUL_ROW_WEIGHT=True)
+    else:
+        m = routing.to_masked(x, topk_ids, E, max_m)
+        xm = m.x.reshape(E * m.max_m, H)
+        act = torch.empty((E * m.max_m, I), dtype=torch.bfloat16, device=x.device)
+        mb = triton.cdiv(m.max_m, BM)
+        gemm(xm, w13, act, dummy, dummy, m.counts, dummy, E * m.max_m, I, H, (mb, triton.cdiv(I, BN), E),
+             ROWS=2, A_DIV=1, SCATTER=False, GATED=True, MUL_ROW_WEIGHT=False, m_max=m.max_m)
+        gemm(act, w2, y, dummy, dummy, m.counts, m.dest, E * m.max_m, H, I, (mb, triton.cdiv(H, BN), E),
+             ROWS=2, A_DIV=1, SCATTER=True, GATED=False, MUL_ROW_WEIGHT=True, m_max=m.max_m)
+    return combine(y, k, out_dtype)
+
+
+def combine(y: torch.Tensor, k: int, out_dtype=torch.bfloat16) -> torch.Tensor:
+    """[T*k, H] weighted rows -> [T, H]: each token's k rows summed in fp32, slot order."""
+    TK, H = y.shape
+    T = TK // k
+    out = torch.empty((T, H), dtype=out_dtype, device=y.device)
+    if T == 0:
+        return out
+    ok, _ = triton_backend_for(y.device)
+    if not ok:
+        acc = torch.zeros((T, H), dtype=torch.float32, device=y.device)
+        for j in range(k):
+            acc += y.reshape(T, k, H)[:, j].float()
+        return acc.to(out_dtype)
+    BT, BH = (64, 128) if y.device.type != "cuda" else (8, 128)
+    combine_kernel[(triton.cdiv(T, BT), triton.cdiv(H, BH))](y.contiguous(), out, T, H, k,
+                                                            OUT_BF16=out_dtype == torch.bfloat16,
+                                                            EMULATE=dot_needs_fp32(y.device), BLOCK_T=BT, BLOCK_H=BH)
+    return out
+
+
+# ---------------------------------------------------------------------------
+# The decode tail: combine as a separate pass, or folded into the down projection's epilogue
+
+def _tail_weights(w2):
+    """(qweight, scales, LAYOUT code, group, E, H, I) for an indexed PackedW4 or a BF16 [E, H, I] tensor."""
+    if isinstance(w2, PackedW4):
+        if len(w2.shape) != 3:
+            raise ValueError(f"w2 must be [E, H, I], got {w2.shape}")
+        w2.require("indexed", "the decode tail kernel")
+        E, H, I = w2.shape
+        return w2.qweight, w2.scales, LAYOUT_CODE["indexed"], w2.group_size, E, H, I
+    if isinstance(w2, torch.Tensor) and w2.ndim == 3 and w2.dtype == torch.bfloat16:
+        E, H, I = w2.shape
+        w = w2.contiguous()
+        return w, w, LAYOUT_CODE["bf16"], 32, E, H, I
+    raise ValueError(f"w2 must be an indexed PackedW4 or a BF16 [E, H, I] tensor, got {type(w2).__name__}")
+
+
+def moe_tail(act: torch.Tensor, w2, topk_weights, topk_ids, *, fused: bool, inter_dtype=torch.bfloat16,
+             block: dict | None = None, check: bool = True):
+    """Down projection of routed activations `act [T*k, I]` (slot order) plus the top-k combine.
+
+    fused=True: one launch, the k weighted rows summed in registers, `[T, H]` stored.
+    fused=False: the down launch stores `[T*k, H]` rows (`inter_dtype`), `combine` sums them.
+    Returns (out [T, H] BF16, launches, intermediate bytes written).
+    """
+    qw, sc, code, group, E, H, I = _tail_weights(w2)
+    if not isinstance(act, torch.Tensor) or act.dtype != torch.bfloat16 or act.ndim != 2 or act.shape[1] != I:
+        raise ValueError(f"act must be BF16 [T*k, {I}], got {getattr(act, 'dtype', None)} {tuple(getattr(act, 'shape', ()))}")
+    if check:  # reads the ids back to the host; check=False for CUDA-graph capture
+        routing._check_topk(topk_ids, E)
+    T, k = topk_ids.shape
+    if act.shape[0] != T * k or topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"act must have T*k = {T * k} rows and topk_weights shape {tuple(topk_ids.shape)}")
+    if inter_dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"inter_dtype must be torch.bfloat16 or torch.float32, got {inter_dtype}")
+    ok, _ = triton_backend_for(act.device)
+    if not ok or T == 0:
+        return moe_tail_torch(act, w2, topk_weights, topk_ids, fused=fused, inter_dtype=inter_dtype), (1 if fused else 2), 0
+    cfg = dict(block or (dict(BLOCK_N=128, BLOCK_K=128) if act.device.type != "cuda"
+                         else dict(BLOCK_N=64, BLOCK_K=128, num_warps=4)))
+    emu = dot_needs_fp32(act.device)
+    ids = topk_ids.to(torch.int32).contiguous()
+    w = topk_weights.float().contiguous()
+    a = act.contiguous()
+    grid = (T, triton.cdiv(H, cfg["BLOCK_N"]))
+    # No contraction of w * part + acc into an FMA: the fused and separate paths must round alike.
+    extra = {"enable_fp_fusion": False}
+    q_es, s_es = qw[0].numel(), sc[0].numel()
+    if fused:
+        out = torch.empty((T, H), dtype=torch.bfloat16, device=act.device)
+        down_tail_kernel[grid](a, qw, sc, ids, w, out, H, I, k, q_es, s_es, FUSED=True, OUT_BF16=True, LAYOUT=code,
+                               GROUP=group, EMULATE=emu, **cfg, **extra)
+        return out, 1, 0
+    y = torch.empty((T * k, H), dtype=inter_dtype, device=act.device)
+    down_tail_kernel[grid](a, qw, sc, ids, w, y, H, I, k, q_es, s_es, FUSED=False,
+                           OUT_BF16=inter_dtype == torch.bfloat16, LAYOUT=code, GROUP=group, EMULATE=emu, **cfg, **extra)
+    return combine(y, k), 2, y.numel() * y.element_size()
+
+
+def moe_tail_torch(act, w2, topk_weights, topk_ids, *, fused: bool = False, inter_dtype=torch.bfloat16):
+    """PyTorch tail: per-slot GEMVs into `[T*k, H]` (in `inter_dtype`), then the sum over k.
+    PyTorch has no epilogue to fold the combine into; `fused` only keeps the rows in fp32."""
+    W2 = _weights(w2, torch.float32)
+    T, k = topk_ids.shape
+    ids = topk_ids.flatten().long()
+    y = torch.bmm(W2[ids], act.float().unsqueeze(-1)).squeeze(-1) * topk_weights.float().flatten()[:, None]
+    if not fused:
+        y = y.to(inter_dtype).float()
+    return y.reshape(T, k, -1).sum(1).to(torch.bfloat16)
+
+
+def moe_tail_reference(act, w2, topk_weights, topk_ids) -> torch.Tensor:
+    """fp32: Σ_j w[t, j] · W2[e] act[t*k + j]."""
+    W2 = _weights(w2, torch.float32)
+    T, k = topk_ids.shape
+    ids = topk_ids.flatten().long()
+    y = torch.bmm(W2[ids], act.float().unsqueeze(-1)).squeeze(-1) * topk_weights.float().flatten()[:, None]
+    return y.reshape(T, k, -1).sum(1)
+
+
+# ---------------------------------------------------------------------------
+# Shared expert: a separate path, or one more always-selected slot with weight 1
+
+def shared_separate(x, w13, w2, topk_weights, topk_ids, shared_w13: PackedW4, shared_w2: PackedW4, *,
+                    round_each: bool = False, layout: str | None = None) -> torch.Tensor:
+    """Routed experts and the shared expert as two MoE calls, added. `round_each=True` rounds each
+    branch to BF16 before the add (the usual separate path); False keeps both in fp32 and rounds once."""
+    T = x.shape[0]
+    dt = torch.bfloat16 if round_each else torch.float32
+    routed = fused_moe(x, w13, w2, topk_weights, topk_ids, layout, out_dtype=dt)
+    ones = torch.ones((T, 1), dtype=torch.float32, device=x.device)
+    zeros = torch.zeros((T, 1), dtype=torch.int32, device=x.device)
+    shared = fused_moe(x, shared_w13, shared_w2, ones, zeros, layout, out_dtype=dt)
+    return (routed.float() + shared.float()).to(torch.bfloat16) if not round_each else routed + shared
+
+
+def shared_mlp(x, shared_w13: PackedW4, shared_w2: PackedW4) -> torch.Tensor:
+    """The shared expert as its own dense MLP: gate/up GEMM, SiLU-and-mul, down GEMM (BF16 out)."""
+    g13, g2 = expert(shared_w13, 0), expert(shared_w2, 0)
+    h = linear(x, g13)
+    I = h.shape[-1] // 2
+    return linear(F.silu(h[:, :I]) * h[:, I:], g2)
+
+
+def routed_plus_shared_mlp(x, w13, w2, topk_weights, topk_ids, shared_w13, shared_w2, *,
+                           check: bool = True) -> torch.Tensor:
+    """The path before the fusion: routed MoE, the shared expert's own GEMMs and activation, the add."""
+    return fused_moe(x, w13, w2, topk_weights, topk_ids, check=check) + shared_mlp(x, shared_w13, shared_w2)
+
+
+def with_shared_slot(w13, w2, shared_w13, shared_w2, topk_weights, topk_ids):
+    """Expert tables with the shared expert appended as expert E, and routing with one more slot
+    (id E, weight 1) per token: the shared expert becomes part of the routed grouped GEMM."""
+    E = w13.shape[0]
+    T = topk_ids.shape[0]
+    ids = torch.cat([topk_ids.to(torch.int32), torch.full((T, 1), E, dtype=torch.int32, device=topk_ids.device)], 1)
+    weights = torch.cat([topk_weights.float(), torch.ones((T, 1), dtype=torch.float32, device=topk_weights.device)], 1)
+    return cat_experts(w13, shared_w13), cat_experts(w2, shared_w2), weights, ids
+
+
+def shared_fused(x, w13_all, w2_all, weights_all, ids_all, layout: str | None = None, *,
+                 check: bool = True) -> torch.Tensor:
+    """The routed grouped GEMM with the shared expert as slot k (see `with_shared_slot`)."""
+    return fused_moe(x, w13_all, w2_all, weights_all, ids_all, layout, check=check)

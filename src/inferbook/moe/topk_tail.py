@@ -1,0 +1,179 @@
+"""Chapter `kimi-topk-tail-fusion`: the top-k combine folded into the down projection.
+
+The MoE tail at decode: each token's k routed activations go through their experts' down
+projections, and the k results are combined, Σ_j w[t, j] · y[t, j]. Done as two passes, the
+down projection writes a `[T*k, H]` intermediate that the combine reads back; folded into the
+down kernel's epilogue, the k rows are summed in registers and the intermediate never exists.
+
+Records, per expert-weight format (BF16, W4A16) and decode batch T:
+- `<fmt>-T<T>-separate` / `-fused`: launches, intermediate bytes written and read, the checks
+  (fused == separate pass with an fp32 intermediate, bit for bit; both against fp32), and on
+  CUDA the Triton kernels' times. On CPU (interpreter) the Triton paths are checked, not timed.
+- `cpu-<fmt>-T<T>`: on CPU, the PyTorch tail timed with its combine pass timed on its own, so the
+  combine's share of the tail on this machine is measured, labelled CPU.
+MXFP4 experts (the seed's #53152 is about MXFP4) are not included: they wait for
+`inferbook.numerics.mx`.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..measure import benchmark
+from ..presets import Param
+from ..record import RunRecord
+from . import fused_moe as FM, w4a16 as W
+from .routing import cpu_threads, on_gpu
+from .timing import gpu_time
+from .chord_chapter import parse_ints
+
+FORMATS = ("bf16", "w4a16")
+
+PARAMETERS = {
+    "hidden": Param(int, help="output size of the down projection (model hidden)"),
+    "inter": Param(int, help="expert FFN size (down projection input)"),
+    "experts": Param(int, help="routed experts"),
+    "top_k": Param(int, help="experts per token"),
+    "tokens": Param(str, help="comma-separated decode batch sizes T"),
+    "formats": Param(str, help="comma-separated expert weight formats: bf16, w4a16"),
+    "reps": Param(int, help="minimum timed repetitions"),
+}
+
+PRESETS = {
+    "smoke": dict(hidden=64, inter=32, experts=16, top_k=8, tokens="1,4", formats="bf16,w4a16", reps=3),
+    "cpu": dict(hidden=256, inter=128, experts=32, top_k=8, tokens="1,4,16", formats="bf16,w4a16", reps=5),
+    "gpu": dict(hidden=7168, inter=2048, experts=128, top_k=8, tokens="1,8,32,128", formats="bf16,w4a16", reps=50),
+}
+
+
+def parse_formats(text: str) -> list[str]:
+    vals = [v.strip() for v in str(text).split(",") if v.strip()]
+    bad = [v for v in vals if v not in FORMATS]
+    if not vals or bad:
+        raise ValueError(f"formats must be a comma-separated subset of {', '.join(FORMATS)}, got {text!r}")
+    return vals
+
+
+def make_tail(ctx, hidden, inter, experts, top_k, T, fmt):
+    """Random down weights (BF16 or W4A16 indexed), routed activations [T*k, I] and routing."""
+    g = ctx.generator(1000 + T)
+    w2 = torch.randn(experts, hidden, inter, generator=g, device=ctx.device) / math.sqrt(inter)
+    w2 = w2.bfloat16() if fmt == "bf16" else W.quantize(w2, layout="indexed")
+    act = torch.randn(T * top_k, inter, generator=g, device=ctx.device).bfloat16()
+    logits = torch.randn(T, experts, generator=g, device=ctx.device)
+    tw, ids = logits.softmax(-1).topk(top_k)
+    return w2, act, tw / tw.sum(-1, keepdim=True), ids.to(torch.int32)
+
+
+def traffic(T: int, k: int, H: int, I: int, fmt: str, active_experts: int) -> dict:
+    """Bytes of the tail, and what folding the combine removes (BF16 intermediate)."""
+    inter = T * k * H * 2
+    weights = active_experts * W.weight_bytes(H, I, fmt)
+    base = weights + T * k * I * 2 + T * H * 2 + T * k * 8  # weights, activations, output, routing
+    return {"weight_bytes": weights, "intermediate_written": inter, "intermediate_read": inter,
+            "separate_bytes": base + 2 * inter, "fused_bytes": base}
+
+
+def _record(ctx, name, variant, fmt, T, p, backend, why):
+    rec = ctx.new_record(name, variant=variant, workload={
+        "model": f"MoE tail: E{p['experts']} H{p['hidden']} I{p['inter']} top-{p['top_k']}",
+        "quantization": "none (bf16)" if fmt == "bf16" else "w4a16 g32", "batch": T, "dtype": "bfloat16"})
+    rec.set_backend("moe_tail", backend, reason=why, shapes={"act": [T * p["top_k"], p["inter"]],
+                                                              "w2": [p["experts"], p["hidden"], p["inter"]]})
+    return rec
+
+
+def measure(ctx, *, hidden, inter, experts, top_k, tokens, formats, reps) -> list[RunRecord]:
+    Ts = parse_ints(tokens, "tokens")
+    fmts = parse_formats(formats)
+    if inter % 32:
+        raise ValueError(f"inter must be a multiple of the group size 32, got {inter}")
+    if not 1 <= top_k <= experts:
+        raise ValueError(f"top_k must be in [1, experts={experts}], got {top_k}")
+    p = dict(hidden=hidden, inter=inter, experts=experts, top_k=top_k)
+    name, why = FM.backend(ctx.device)
+    triton_ok = name == "triton"
+    records = []
+    for fmt in fmts:
+        for T in Ts:
+            w2, act, tw, ids = make_tail(ctx, hidden, inter, experts, top_k, T, fmt)
+            ref = FM.moe_tail_reference(act, w2, tw, ids)
+            torch_out = FM.moe_tail_torch(act, w2, tw, ids)
+            fused, launches_f, _ = FM.moe_tail(act, w2, tw, ids, fused=True)
+            sep32, _, _ = FM.moe_tail(act, w2, tw, ids, fused=False, inter_dtype=torch.float32)
+            sep16, launches_s, inter_bytes = FM.moe_tail(act, w2, tw, ids, fused=False)
+            tr = traffic(T, top_k, hidden, inter, fmt, int(torch.unique(ids).numel()))
+            recs = {}
+            for variant, out, launches in (("separate", sep16, launches_s), ("fused", fused, launches_f)):
+                # Same backend on both sides: the combine's placement is the variant, the difference studied.
+                rec = _record(ctx, f"{fmt}-T{T}-{variant}", variant, fmt, T, p, f"{name} decode tail (token-major)", why)
+                rec.notes = ("down projection, then a separate combine pass" if variant == "separate" else
+                             "down projection with the combine in its epilogue")
+                err, tol, ok = FM.within_tolerance(out, ref, torch_out)
+                rec.add_check(f"{variant} vs fp32 reference", ok, error=err, tolerance=tol)
+                rec.add("max_abs_error", err, "abs", phase="check")
+                rec.add("launches", launches, "kernels", phase="analysis")
+                rec.add("intermediate_bytes", tr["intermediate_written"] if variant == "separate" else 0, "bytes",
+                        phase="analysis")
+                rec.add("tail_bytes", tr[f"{variant}_bytes"], "bytes", phase="analysis",
+                        weight_bytes=tr["weight_bytes"])
+                recs[variant] = rec
+            recs["fused"].add_check("fused == separate with fp32 intermediate (bitwise)", torch.equal(fused, sep32),
+                                    error=float((fused.float() - sep32.float()).abs().max()), tolerance=0.0)
+            recs["separate"].add_check("intermediate bytes as counted", inter_bytes in (0, tr["intermediate_written"]),
+                                       error=float(inter_bytes), tolerance=float(tr["intermediate_written"]))
+            if on_gpu(ctx) and triton_ok:
+                for variant, fn in (("separate", lambda: FM.moe_tail(act, w2, tw, ids, fused=False, check=False)),
+                                    ("fused", lambda: FM.moe_tail(act, w2, tw, ids, fused=True, check=False))):
+                    t, how = gpu_time(fn, ctx.device, label=f"{fmt} T={T} {variant}", reps=reps)
+                    recs[variant].add_timing("tail", t, phase="decode", how=how)
+                    recs[variant].add("tail_gbps", tr[f"{variant}_bytes"] / t.median_s / 1e9, "GB/s", phase="decode")
+            records += [recs["separate"], recs["fused"]]
+            if not on_gpu(ctx):
+                records.append(cpu_record(ctx, act, w2, tw, ids, fmt, T, p, reps))
+    return records
+
+
+def cpu_record(ctx, act, w2, tw, ids, fmt, T, p, reps) -> RunRecord:
+    """PyTorch on this CPU: the whole tail (per-slot GEMVs into [T*k, H], then the sum), and the
+    combine pass alone, so its share of the tail is a measured number (labelled CPU)."""
+    rec = ctx.new_record(f"cpu-{fmt}-T{T}", variant="pytorch separate combine", workload={
+        "model": f"MoE tail: E{p['experts']} H{p['hidden']} I{p['inter']} top-{p['top_k']}",
+        "quantization": "none (bf16)" if fmt == "bf16" else "w4a16 g32", "batch": T, "dtype": "bfloat16"})
+    rec.set_backend("moe_tail", "torch (bmm per slot + sum over k)", reason="CPU: PyTorch paths only",
+                    shapes={"act": list(act.shape)})
+    W2 = w2 if isinstance(w2, torch.Tensor) else W.dequantize(w2)  # resident BF16 copy: time the tail, not dequant
+    flat = ids.flatten().long()
+    wts = tw.float().flatten()[:, None]
+    k = ids.shape[1]
+
+    def down():
+        return (torch.bmm(W2[flat], act.unsqueeze(-1)).squeeze(-1).float() * wts).bfloat16()
+
+    y = down()
+    with cpu_threads(1):
+        t_down = benchmark(down, ctx.device, label="down", warmup=1, min_reps=reps, min_time_s=0.2)
+        t_comb = benchmark(lambda: y.reshape(T, k, -1).float().sum(1).bfloat16(), ctx.device, label="combine",
+                           warmup=1, min_reps=reps, min_time_s=0.2)
+    rec.add_timing("down_projection", t_down, phase="decode", device_label="CPU (PyTorch)", threads=1)
+    rec.add_timing("combine_pass", t_comb, phase="decode", device_label="CPU (PyTorch)", threads=1)
+    rec.add("combine_share", t_comb.median_s / (t_comb.median_s + t_down.median_s), "fraction", phase="decode")
+    return rec
+
+
+def rows(records: list[RunRecord]) -> list[dict]:
+    """One row per (format, T, variant) for the chapter's table."""
+    out = []
+    for r in records:
+        if r.name.startswith("cpu-"):
+            continue
+        row = {"format": r.workload["quantization"], "T": r.workload["batch"], "variant": r.variant,
+               "launches": int(r.value("launches")), "intermediate MB": r.value("intermediate_bytes") / 1e6,
+               "tail MB": r.value("tail_bytes") / 1e6, "max |err| vs fp32": r.value("max_abs_error")}
+        try:
+            row["time µs"] = 1e6 * r.value("tail")
+        except KeyError:
+            pass
+        out.append(row)
+    return out

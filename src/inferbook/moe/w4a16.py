@@ -1,0 +1,461 @@
+"""W4A16: symmetric INT4 weights in groups of 32 along K with BF16 scales, BF16 activations.
+
+A weight `W [N, K]` (or `[E, N, K]` for E experts) becomes integers `q` in [-8, 7] and one
+BF16 scale per 32 consecutive K values: `W ≈ q * scale`. Storage is 4 bits per weight plus
+16 bits per 32 weights = 4.5 bits per weight, so the best a memory-bound W4A16 GEMM can do
+against BF16 weights is 16 / 4.5 ≈ 3.56x, not 4x.
+
+Three packing specs, one per MoE kernel family (as Chord has); a packed buffer carries its
+layout, and every kernel entry point checks it, because each kernel hard-codes the address
+arithmetic of its own spec (a buffer of another spec would be read as garbage, silently):
+
+- ``indexed``            int32 ``[E, N, K/8]``: eight values along K per word, value i in bits
+                         4i..4i+3, stored with a +8 offset; scales ``[E, N, K/32]``. This is the
+                         compressed-tensors ``pack-quantized`` layout of public Kimi-K2 INT4
+                         checkpoints, so import is a copy, not a conversion.
+- ``grouped_contiguous`` int32 ``[E, K/8, N]``: the same words, transposed so a prefill tile
+                         ``[BLOCK_K, BLOCK_N]`` is read along N (coalesced across many columns);
+                         scales ``[E, K/32, N]``.
+- ``grouped_masked``     uint8 ``[E, N, K/2]``: two values per byte along K (low nibble first,
+                         +8 offset), scales ``[E, N, K/32]``; the decode kernel reads narrow rows.
+
+Conversions between specs are explicit (`to_layout`). The reference for every kernel is
+`dequantize` to fp32 and a matmul in fp32.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+try:  # the package still imports (reference paths only) where triton is missing
+    import triton
+    import triton.language as tl
+except Exception:  # pragma: no cover - exercised only without triton
+    triton = None
+    tl = None
+
+from ..device import dot_needs_fp32, triton_backend_for
+
+LAYOUTS = ("indexed", "grouped_contiguous", "grouped_masked")
+# Kernel-side codes; 3 is plain BF16 weights [E, N, K] (the baseline the kernels share code with).
+LAYOUT_CODE = {"indexed": 0, "grouped_contiguous": 1, "grouped_masked": 2, "bf16": 3}
+GROUP_SIZE = 32
+QMIN, QMAX = -8, 7
+OFFSET = 8  # stored nibble = q + 8 (compressed-tensors' offset encoding)
+BITS_PER_WEIGHT = 4 + 16 / GROUP_SIZE  # 4.5
+
+
+class LayoutError(ValueError):
+    """A packed buffer was given to a kernel built for another packing spec."""
+
+
+@dataclass(frozen=True)
+class PackingSpec:
+    layout: str
+    qweight: str   # shape and dtype of the packed integers
+    scales: str    # shape of the BF16 scales
+    kernel: str    # which kernel family reads it
+
+
+PACKING_SPECS = {
+    "indexed": PackingSpec("indexed", "int32 [E, N, K/8] (8 nibbles along K, +8 offset)", "bf16 [E, N, K/g]",
+                           "indexed fused MoE (tokens sorted and padded per expert, gathered by index)"),
+    "grouped_contiguous": PackingSpec("grouped_contiguous", "int32 [E, K/8, N] (8 nibbles along K, N contiguous)",
+                                      "bf16 [E, K/g, N]", "grouped GEMM over contiguous per-expert segments (prefill)"),
+    "grouped_masked": PackingSpec("grouped_masked", "uint8 [E, N, K/2] (2 nibbles along K, +8 offset)",
+                                  "bf16 [E, N, K/g]", "grouped GEMM over [E, max_m, K] with per-expert counts (decode)"),
+}
+
+
+@dataclass(frozen=True)
+class PackedW4:
+    """INT4 weights packed for one kernel family. `shape` is the logical (E, N, K) or (N, K)."""
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    shape: tuple
+    group_size: int
+    layout: str
+
+    @property
+    def experts(self) -> int | None:
+        return self.shape[0] if len(self.shape) == 3 else None
+
+    @property
+    def n(self) -> int:
+        return self.shape[-2]
+
+    @property
+    def k(self) -> int:
+        return self.shape[-1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.qweight.device
+
+    @property
+    def nbytes(self) -> int:
+        return self.qweight.numel() * self.qweight.element_size() + self.scales.numel() * self.scales.element_size()
+
+    def to(self, device) -> "PackedW4":
+        return PackedW4(self.qweight.to(device), self.scales.to(device), self.shape, self.group_size, self.layout)
+
+    def require(self, layout: str, what: str) -> None:
+        """Raise `LayoutError` unless this buffer is packed in `layout`."""
+        if self.layout != layout:
+            raise LayoutError(
+                f"{what} reads weights packed as {layout!r} ({PACKING_SPECS[layout].qweight}), but this buffer is "
+                f"packed as {self.layout!r} ({PACKING_SPECS[self.layout].qweight}); the same buffer cannot be "
+                f"swapped between kernels: convert it once with to_layout(q, {layout!r})")
+
+
+def _check_layout(layout: str) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown W4A16 layout {layout!r}; choose one of {', '.join(map(repr, LAYOUTS))}")
+
+
+def _as3d(shape: tuple) -> tuple[int, int, int]:
+    return (1, *shape) if len(shape) == 2 else tuple(shape)
+
+
+# ---------------------------------------------------------------------------
+# Quantize / pack / unpack / dequantize (PyTorch; these define the formats)
+
+def quantize_values(w: torch.Tensor, group_size: int = GROUP_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric INT4 per group along the last axis. Returns (q int8 [..., K], scales bf16 [..., K/g]).
+
+    scale = max|w| / 7 rounded to BF16, then q = round(w / scale) clamped to [-8, 7]; the rounding
+    uses the *stored* BF16 scale, so |w - q * scale| <= scale / 2 holds for every element.
+    """
+    if not isinstance(w, torch.Tensor):
+        raise ValueError(f"weights must be a torch.Tensor, got {type(w).__name__}")
+    if w.ndim not in (2, 3):
+        raise ValueError(f"weights must be [N, K] or [E, N, K], got shape {tuple(w.shape)}")
+    if not w.is_floating_point():
+        raise ValueError(f"weights must be floating point, got {w.dtype}")
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size <= 0 or group_size % 8:
+        raise ValueError(f"group_size must be a positive multiple of 8, got {group_size!r}")
+    K = w.shape[-1]
+    if K == 0 or K % group_size:
+        raise ValueError(f"K = {K} (the last axis) must be a positive multiple of group_size = {group_size}")
+    if w.numel() and not torch.isfinite(w).all():
+        raise ValueError("weights contain NaN or Inf; INT4 quantization needs finite values")
+    g = w.float().reshape(*w.shape[:-1], K // group_size, group_size)
+    scale = (g.abs().amax(-1) / QMAX).to(torch.bfloat16)
+    sf = scale.float().unsqueeze(-1)
+    q = torch.where(sf > 0, torch.round(g / torch.where(sf > 0, sf, torch.ones_like(sf))), torch.zeros_like(g))
+    q = q.clamp(QMIN, QMAX).to(torch.int8).reshape(w.shape)
+    return q, scale
+
+
+def _pack_nibbles_int32(q: torch.Tensor) -> torch.Tensor:
+    """int8 [..., K] in [-8, 7] -> int32 [..., K/8]; value i of each word in bits 4i..4i+3, +8 offset."""
+    u = (q.to(torch.int64) + OFFSET).reshape(*q.shape[:-1], q.shape[-1] // 8, 8)
+    shifts = torch.arange(0, 32, 4, device=q.device, dtype=torch.int64)
+    word = (u << shifts).sum(-1)
+    word = torch.where(word >= 2**31, word - 2**32, word)  # reinterpret as two's-complement int32
+    return word.to(torch.int32)
+
+
+def _unpack_nibbles_int32(word: torch.Tensor) -> torch.Tensor:
+    shifts = torch.arange(0, 32, 4, device=word.device, dtype=torch.int32)
+    u = (word.unsqueeze(-1) >> shifts) & 0xF
+    return (u - OFFSET).to(torch.int8).reshape(*word.shape[:-1], word.shape[-1] * 8)
+
+
+def _pack(q3: torch.Tensor, s3: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """q3 int8 [E, N, K], s3 bf16 [E, N, K/g] -> (qweight, scales) in `layout`'s spec, contiguous."""
+    if layout == "indexed":
+        return _pack_nibbles_int32(q3).contiguous(), s3.contiguous()
+    if layout == "grouped_contiguous":
+        return _pack_nibbles_int32(q3).transpose(1, 2).contiguous(), s3.transpose(1, 2).contiguous()
+    u = (q3.to(torch.int16) + OFFSET).reshape(*q3.shape[:-1], q3.shape[-1] // 2, 2)
+    return (u[..., 0] | (u[..., 1] << 4)).to(torch.uint8).contiguous(), s3.contiguous()
+
+
+def unpack(q: PackedW4) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 values [E, N, K], bf16 scales [E, N, K/g]) of any layout, in the logical shape (E=1 for 2D)."""
+    E, N, K = _as3d(q.shape)
+    if q.layout == "indexed":
+        return _unpack_nibbles_int32(q.qweight.reshape(E, N, K // 8)), q.scales.reshape(E, N, -1)
+    if q.layout == "grouped_contiguous":
+        words = q.qweight.reshape(E, K // 8, N).transpose(1, 2)
+        return _unpack_nibbles_int32(words), q.scales.reshape(E, -1, N).transpose(1, 2)
+    b = q.qweight.reshape(E, N, K // 2).to(torch.int16)
+    vals = torch.stack([b & 0xF, (b >> 4) & 0xF], -1).reshape(E, N, K) - OFFSET
+    return vals.to(torch.int8), q.scales.reshape(E, N, -1)
+
+
+def quantize(w: torch.Tensor, group_size: int = GROUP_SIZE, layout: str = "indexed") -> PackedW4:
+    """Quantize `w [N, K]` or `[E, N, K]` (any float dtype) to INT4 and pack it for `layout`."""
+    _check_layout(layout)
+    q, s = quantize_values(w, group_size)
+    shape = tuple(w.shape)
+    E, N, K = _as3d(shape)
+    qw, sc = _pack(q.reshape(E, N, K), s.reshape(E, N, K // group_size), layout)
+    if len(shape) == 2:
+        qw, sc = qw[0], sc[0]
+    return PackedW4(qw, sc, shape, group_size, layout)
+
+
+def to_layout(q: PackedW4, layout: str) -> PackedW4:
+    """Repack an INT4 buffer for another kernel family (explicit, copies; values unchanged)."""
+    _check_layout(layout)
+    if q.layout == layout:
+        return q
+    vals, s = unpack(q)
+    qw, sc = _pack(vals, s, layout)
+    if len(q.shape) == 2:
+        qw, sc = qw[0], sc[0]
+    return PackedW4(qw, sc, q.shape, q.group_size, layout)
+
+
+def dequantize(q: PackedW4, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Weights back in the logical shape: q * scale, computed in fp32 (exact), returned in `dtype`."""
+    vals, s = unpack(q)
+    E, N, K = vals.shape
+    w = vals.float().reshape(E, N, K // q.group_size, q.group_size) * s.float().unsqueeze(-1)
+    return w.reshape(q.shape).to(dtype)
+
+
+def expert(q: PackedW4, e: int) -> PackedW4:
+    """Expert `e` of an [E, N, K] buffer as a 2-D [N, K] buffer (a view, same layout)."""
+    if len(q.shape) != 3 or not 0 <= e < q.shape[0]:
+        raise ValueError(f"expert {e!r} out of range for weights of shape {q.shape}")
+    return PackedW4(q.qweight[e], q.scales[e], tuple(q.shape[1:]), q.group_size, q.layout)
+
+
+def cat_experts(*qs: PackedW4) -> PackedW4:
+    """Stack expert weights packed in the same layout: [E1, N, K] + [E2, N, K] -> [E1+E2, N, K]."""
+    first = qs[0]
+    for q in qs:
+        if len(q.shape) != 3 or q.shape[1:] != first.shape[1:] or q.group_size != first.group_size:
+            raise ValueError(f"cannot stack expert weights of shapes {[x.shape for x in qs]}")
+        q.require(first.layout, "cat_experts")
+    return PackedW4(torch.cat([q.qweight for q in qs]), torch.cat([q.scales for q in qs]),
+                    (sum(q.shape[0] for q in qs), *first.shape[1:]), first.group_size, first.layout)
+
+
+# ---------------------------------------------------------------------------
+# compressed-tensors "pack-quantized" INT4 (the format of public Kimi-K2 INT4 checkpoints)
+
+def compressed_tensors_config(group_size: int = GROUP_SIZE) -> dict:
+    """The `quantization_config` entry such a checkpoint carries (weights only; activations BF16)."""
+    return {"quant_method": "compressed-tensors", "format": "pack-quantized",
+            "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None,
+                                          "weights": {"num_bits": 4, "type": "int", "symmetric": True,
+                                                      "strategy": "group", "group_size": group_size}}}}
+
+
+def export_compressed_tensors(q: PackedW4, prefix: str) -> dict[str, torch.Tensor]:
+    """One linear's tensors: `{prefix}.weight_packed` int32 [N, K/8], `{prefix}.weight_scale` bf16
+    [N, K/g], `{prefix}.weight_shape` int64 [2]. `q` must be 2-D (one expert projection)."""
+    if len(q.shape) != 2:
+        raise ValueError(f"export one [N, K] projection at a time, got shape {q.shape}")
+    idx = to_layout(q, "indexed")
+    return {f"{prefix}.weight_packed": idx.qweight.contiguous().cpu(),
+            f"{prefix}.weight_scale": idx.scales.contiguous().cpu(),
+            f"{prefix}.weight_shape": torch.tensor(q.shape, dtype=torch.int64)}
+
+
+def import_compressed_tensors(tensors: dict[str, torch.Tensor], prefix: str, layout: str = "indexed") -> PackedW4:
+    """Read one projection written in the compressed-tensors pack-quantized INT4 format."""
+    _check_layout(layout)
+    try:
+        packed, scale, shape = (tensors[f"{prefix}.{k}"] for k in ("weight_packed", "weight_scale", "weight_shape"))
+    except KeyError as e:
+        raise ValueError(f"no compressed-tensors INT4 projection at {prefix!r} (missing {e.args[0]!r})") from None
+    N, K = (int(v) for v in shape.tolist())
+    if packed.dtype != torch.int32 or tuple(packed.shape) != (N, K // 8) or K % 8:
+        raise ValueError(f"{prefix}.weight_packed must be int32 [{N}, {K // 8}] for weight_shape [{N}, {K}], "
+                         f"got {packed.dtype} {tuple(packed.shape)}")
+    if scale.ndim != 2 or scale.shape[0] != N or scale.shape[1] == 0 or K % scale.shape[1]:
+        raise ValueError(f"{prefix}.weight_scale must be [{N}, K/group] with K = {K}, got {tuple(scale.shape)}")
+    group = K // scale.shape[1]
+    q = PackedW4(packed.contiguous(), scale.to(torch.bfloat16).contiguous(), (N, K), group, "indexed")
+    return to_layout(q, layout)
+
+
+def export_moe_compressed_tensors(w13: PackedW4, w2: PackedW4, prefix: str) -> dict[str, torch.Tensor]:
+    """Experts as a Kimi-K2 checkpoint names them: `{prefix}.experts.{e}.{gate,up,down}_proj.*`."""
+    E, two_i, H = w13.shape
+    I = two_i // 2
+    g13, s13 = unpack(w13)
+    g2, s2 = unpack(w2)
+    gs = w13.group_size
+    out = {}
+    for e in range(E):
+        for name, vals, sc in (("gate_proj", g13[e, :I], s13[e, :I]), ("up_proj", g13[e, I:], s13[e, I:]),
+                               ("down_proj", g2[e], s2[e])):
+            qw, s = _pack(vals[None], sc[None], "indexed")
+            out.update(export_compressed_tensors(PackedW4(qw[0], s[0], tuple(vals.shape), gs, "indexed"),
+                                                 f"{prefix}.experts.{e}.{name}"))
+    return out
+
+
+def import_moe_compressed_tensors(tensors: dict[str, torch.Tensor], prefix: str, num_experts: int,
+                                  layout: str = "indexed") -> tuple[PackedW4, PackedW4]:
+    """(w13 [E, 2I, H], w2 [E, H, I]) from per-expert gate/up/down projections, packed for `layout`."""
+    def one(e, name):
+        return import_compressed_tensors(tensors, f"{prefix}.experts.{e}.{name}", "indexed")
+
+    w13 = [cat_rows(one(e, "gate_proj"), one(e, "up_proj")) for e in range(num_experts)]
+    w2 = [one(e, "down_proj") for e in range(num_experts)]
+    stack = lambda qs: PackedW4(torch.stack([q.qweight for q in qs]), torch.stack([q.scales for q in qs]),
+                                (len(qs), *qs[0].shape), qs[0].group_size, "indexed")
+    return to_layout(stack(w13), layout), to_layout(stack(w2), layout)
+
+
+def cat_rows(a: PackedW4, b: PackedW4) -> PackedW4:
+    """[N1, K] and [N2, K] indexed-packed -> [N1 + N2, K] (gate and up into w13)."""
+    a.require("indexed", "cat_rows")
+    b.require("indexed", "cat_rows")
+    return PackedW4(torch.cat([a.qweight, b.qweight]), torch.cat([a.scales, b.scales]),
+                    (a.shape[0] + b.shape[0], a.shape[1]), a.group_size, "indexed")
+
+
+# ---------------------------------------------------------------------------
+# Triton: one tile loader for every spec, and the dense W4A16 GEMM
+
+if triton is not None:
+
+    @triton.jit
+    def round_bf16(x, EMULATE: tl.constexpr):
+        """fp32 -> BF16, round to nearest even. The Triton interpreter (3.9) truncates instead (and its
+        `fp_downcast_rounding="rtne"` is wrong too), so under the interpreter we round the bits
+        ourselves; the result is then exactly representable and the cast exact. Finite inputs."""
+        if EMULATE:
+            bits = x.to(tl.uint32, bitcast=True).to(tl.int64)  # int64: no overflow checks, no wrap
+            bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+            x = bits.to(tl.uint32).to(tl.float32, bitcast=True)
+        return x.to(tl.bfloat16)
+
+    @triton.jit
+    def w4_tile(qw_ptr, s_ptr, offs_k, offs_n, N, K, LAYOUT: tl.constexpr, GROUP: tl.constexpr,
+                EMULATE: tl.constexpr):
+        """Weight tile W[offs_n, offs_k] dequantized to BF16, returned transposed as [BLOCK_K, BLOCK_N].
+
+        `qw_ptr`/`s_ptr` point at one expert's [N, K] matrix. The address arithmetic is the packing spec:
+        each LAYOUT code reads only its own arrangement. Out-of-range elements come back as 0.
+        """
+        mask = (offs_k[:, None] < K) & (offs_n[None, :] < N)
+        kk = offs_k[:, None]
+        nn = offs_n[None, :]
+        if EMULATE:  # the interpreter checks every int32 add/mul for overflow (slow); int64 is skipped
+            kk = kk.to(tl.int64)
+            nn = nn.to(tl.int64)
+        if LAYOUT == 3:  # plain BF16 [N, K] (baseline)
+            w = tl.load(qw_ptr + nn * K + kk, mask=mask, other=0.0).to(tl.bfloat16)
+        else:
+            if LAYOUT == 0:    # indexed: int32 [N, K/8]
+                word = tl.load(qw_ptr + nn * (K // 8) + kk // 8, mask=mask, other=0)
+                u = (word >> ((kk % 8) * 4)) & 0xF
+                s = tl.load(s_ptr + nn * (K // GROUP) + kk // GROUP, mask=mask, other=0.0)
+            elif LAYOUT == 1:  # grouped_contiguous: int32 [K/8, N]
+                word = tl.load(qw_ptr + (kk // 8) * N + nn, mask=mask, other=0)
+                u = (word >> ((kk % 8) * 4)) & 0xF
+                s = tl.load(s_ptr + (kk // GROUP) * N + nn, mask=mask, other=0.0)
+            else:              # grouped_masked: uint8 [N, K/2]
+                byte = tl.load(qw_ptr + nn * (K // 2) + kk // 2, mask=mask, other=0).to(tl.int32)
+                u = (byte >> ((kk % 2) * 4)) & 0xF
+                s = tl.load(s_ptr + nn * (K // GROUP) + kk // GROUP, mask=mask, other=0.0)
+            # q * scale is exact in fp32 (4-bit times 8-bit significands); one rounding to BF16,
+            # the same one `dequantize(q, torch.bfloat16)` makes.
+            w = round_bf16((u - 8).to(tl.float32) * s.to(tl.float32), EMULATE)
+        return w
+
+    @triton.jit
+    def _w4a16_linear_kernel(x_ptr, qw_ptr, s_ptr, out_ptr, M, N, K, stride_xm, stride_xk, stride_om, stride_on,
+                             LAYOUT: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr):
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            a = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
+                        mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0)
+            b = w4_tile(qw_ptr, s_ptr, offs_k, offs_n, N, K, LAYOUT, GROUP, DOT_FP32)
+            # DOT_FP32 (interpreter only): its bf16 tl.dot is wrong, and its fp32 -> bf16 casts truncate;
+            # both are worked around under this one flag (device.dot_needs_fp32).
+            if DOT_FP32:
+                acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+            else:
+                acc = tl.dot(a, b, acc)
+        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on, round_bf16(acc, DOT_FP32),
+                 mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+
+def linear_config(M: int, interpreted: bool) -> dict:
+    """Block sizes for the dense kernel. Small M (decode) -> narrow N blocks so enough programs
+    stream the weights; the interpreter wants few, large programs (it is numpy underneath)."""
+    if interpreted:
+        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64)
+    if M <= 16:
+        return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4)
+    if M <= 64:
+        return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4)
+    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
+
+
+def _check_activations(x: torch.Tensor, K: int, what: str) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{what}: activations must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype != torch.bfloat16:
+        raise ValueError(f"{what}: activations must be bfloat16 (W4A16), got {x.dtype}")
+    if x.ndim < 1 or x.shape[-1] != K:
+        raise ValueError(f"{what}: activations' last axis must be K = {K}, got shape {tuple(x.shape)}")
+
+
+def linear_reference(x: torch.Tensor, q: PackedW4) -> torch.Tensor:
+    """fp32 reference: dequantize, then x @ W.T in fp32. Returns fp32 [..., N]."""
+    return x.float() @ dequantize(q, torch.float32).T
+
+
+def linear_torch(x: torch.Tensor, q: PackedW4) -> torch.Tensor:
+    """What PyTorch does in the same precision: BF16 dequantized weights, BF16 matmul."""
+    return x @ dequantize(q, torch.bfloat16).T
+
+
+def linear(x: torch.Tensor, q: PackedW4, *, block: dict | None = None, return_kernel: bool = False):
+    """Dense W4A16 GEMM: `x [..., K]` BF16 times INT4 `q [N, K]` (any layout) -> BF16 `[..., N]`.
+
+    Runs the Triton kernel (compiled on CUDA, interpreted on CPU); falls back to `linear_torch` where
+    Triton cannot run. `return_kernel=True` also returns the compiled kernel (for PTX inspection).
+    """
+    if not isinstance(q, PackedW4) or len(q.shape) != 2:
+        raise ValueError(f"linear needs a 2-D PackedW4 weight [N, K], got {getattr(q, 'shape', type(q).__name__)}")
+    N, K = q.shape
+    _check_activations(x, K, "linear")
+    if x.device != q.device:
+        raise ValueError(f"linear: activations on {x.device} but weights on {q.device}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, K)
+    M = x2.shape[0]
+    out = torch.empty((M, N), dtype=torch.bfloat16, device=x.device)
+    ok, _ = triton_backend_for(x.device)
+    if M == 0 or N == 0:
+        return (out.reshape(*lead, N), None) if return_kernel else out.reshape(*lead, N)
+    if not ok:
+        out = linear_torch(x2, q)
+        return (out.reshape(*lead, N), None) if return_kernel else out.reshape(*lead, N)
+    cfg = dict(block or linear_config(M, x.device.type != "cuda"))
+    BM, BN = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    grid = (triton.cdiv(M, BM), triton.cdiv(N, BN))
+    kernel = _w4a16_linear_kernel[grid](x2, q.qweight, q.scales, out, M, N, K, x2.stride(0), x2.stride(1),
+                                        out.stride(0), out.stride(1), LAYOUT=LAYOUT_CODE[q.layout],
+                                        GROUP=q.group_size, DOT_FP32=dot_needs_fp32(x.device), **cfg)
+    out = out.reshape(*lead, N)
+    return (out, kernel) if return_kernel else out
+
+
+def weight_bytes(n: int, k: int, fmt: str, group_size: int = GROUP_SIZE) -> int:
+    """Bytes one [N, K] weight occupies: bf16 = 2 per weight; w4a16 = 0.5 per weight + 2 per group."""
+    if fmt == "bf16":
+        return 2 * n * k
+    if fmt == "w4a16":
+        return n * k // 2 + 2 * n * (k // group_size)
+    raise ValueError(f"unknown weight format {fmt!r}; choose 'bf16' or 'w4a16'")

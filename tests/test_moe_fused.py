@@ -1,0 +1,214 @@
+"""Fused MoE for every layout against the fp32 reference (FlashAttention's rule: at most 2x the
+error PyTorch makes in BF16), routing layouts, the decode tail and the shared-expert slot."""
+import pytest
+import torch
+
+import inferbook  # noqa: F401
+from inferbook.moe import fused_moe as FM, routing as R, w4a16 as W
+
+H, I = 64, 32
+
+
+def _experts(E, seed, layout):
+    g = torch.Generator().manual_seed(seed)
+    w13 = torch.randn(E, 2 * I, H, generator=g) * 0.1
+    w2 = torch.randn(E, H, I, generator=g) * 0.1
+    return W.quantize(w13, layout=layout), W.quantize(w2, layout=layout)
+
+
+def _routing(T, E, k, seed, dead=()):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(T, E, generator=g)
+    logits[:, list(dead)] = -1e4          # experts that receive no tokens
+    w, ids = logits.softmax(-1).topk(k)
+    return (w / w.sum(-1, keepdim=True)), ids.to(torch.int32)
+
+
+def _x(T, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(T, H, generator=g).bfloat16()
+
+
+# Every layout at E in {8, 64} x top-k in {2, 8} x T in {1, 13} (at T=13 with E=64 most experts get
+# no token; E=8, k=2 has two experts forced empty), T=512 for every layout at E=8; the expensive
+# big cases (the interpreter's cost is per program) once each, on different layouts.
+CASES = [(layout, E, k, T) for layout in W.LAYOUTS for E in (8, 64) for k in (2, 8) for T in (1, 13)]
+CASES += [(layout, 8, 2, 512) for layout in W.LAYOUTS]
+CASES += [("indexed", 64, 8, 160), ("grouped_contiguous", 8, 8, 131), ("grouped_masked", 64, 2, 255)]
+
+
+@pytest.mark.parametrize("layout, E, k, T", CASES, ids=[f"{lay}-E{E}-k{k}-T{T}" for lay, E, k, T in CASES])
+def test_fused_moe_matches_reference(layout, E, k, T):
+    w13, w2 = _experts(E, 100 + E, layout)
+    dead = (1, 3) if E == 8 and k == 2 else ()
+    tw, ids = _routing(T, E, k, T + E + k, dead)
+    x = _x(T, T)
+    counts = R.tokens_per_expert(ids, E)
+    assert all(counts[d] == 0 for d in dead)
+    out = FM.fused_moe(x, w13, w2, tw, ids)
+    assert out.shape == (T, H) and out.dtype == torch.bfloat16
+    err, tol, ok = FM.within_tolerance(out, FM.fused_moe_reference(x, w13, w2, tw, ids),
+                                       FM.fused_moe_torch(x, w13, w2, tw, ids))
+    assert ok, (err, tol)
+
+
+def test_layouts_give_identical_bits_and_noncontiguous_x():
+    E, k, T = 8, 2, 45
+    tw, ids = _routing(T, E, k, 1, dead=(5,))
+    big = torch.randn(T, 3 * H).bfloat16()
+    x = big[:, H:2 * H]
+    assert not x.is_contiguous()
+    outs = []
+    for layout in W.LAYOUTS:
+        w13, w2 = _experts(E, 7, layout)
+        outs.append(FM.fused_moe(x, w13, w2, tw, ids, block=dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64)))
+    # The layouts change addresses and row bookkeeping, not arithmetic.
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    assert torch.equal(outs[0], FM.fused_moe(x.contiguous(), w13, w2, tw, ids,
+                                             block=dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64)))
+
+
+def test_empty_batch_and_masked_capacity():
+    w13, w2 = _experts(8, 1, "grouped_masked")
+    out = FM.fused_moe(torch.empty(0, H, dtype=torch.bfloat16), w13, w2, torch.empty(0, 2),
+                       torch.empty(0, 2, dtype=torch.int32))
+    assert out.shape == (0, H)
+    tw, ids = _routing(9, 8, 2, 2)
+    x = _x(9, 2)
+    a = FM.fused_moe(x, w13, w2, tw, ids)
+    b = FM.fused_moe(x, w13, w2, tw, ids, max_m=32)    # fixed decode capacity: more padding, same answer
+    assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="max_m must be"):
+        FM.fused_moe(x, w13, w2, tw, ids, max_m=1)
+
+
+def test_wrong_layout_and_bad_routing_are_refused():
+    w13, w2 = _experts(8, 1, "indexed")
+    tw, ids = _routing(4, 8, 2, 3)
+    x = _x(4, 3)
+    with pytest.raises(W.LayoutError, match="'grouped_contiguous' fused MoE kernel"):
+        FM.fused_moe(x, w13, w2, tw, ids, layout="grouped_contiguous")
+    m13, _ = _experts(8, 1, "grouped_masked")
+    with pytest.raises(W.LayoutError, match="packed as 'grouped_masked'"):
+        FM.fused_moe(x, m13, w2, tw, ids)
+    with pytest.raises(ValueError, match=r"topk_ids must lie in \[0, 8\)"):
+        FM.fused_moe(x, w13, w2, tw, ids + 7)
+    with pytest.raises(ValueError, match="bfloat16"):
+        FM.fused_moe(x.float(), w13, w2, tw, ids)
+    with pytest.raises(ValueError, match="finite"):
+        FM.fused_moe(x, w13, w2, tw * float("nan"), ids)
+    with pytest.raises(ValueError, match="unknown MoE layout"):
+        FM.fused_moe(x, w13, w2, tw, ids, layout="dense")
+
+
+def test_fused_moe_can_fail():
+    w13, w2 = _experts(8, 1, "indexed")
+    tw, ids = _routing(20, 8, 2, 4)
+    x = _x(20, 4)
+    wrong = ids.flip(1)                      # weights paired with the wrong experts
+    out = FM.fused_moe(x, w13, w2, tw, wrong)
+    _, _, ok = FM.within_tolerance(out, FM.fused_moe_reference(x, w13, w2, tw, ids),
+                                   FM.fused_moe_torch(x, w13, w2, tw, ids))
+    assert not ok
+
+
+def test_routing_layouts_agree():
+    E, k, T, BM = 8, 2, 21, 16
+    tw, ids = _routing(T, E, k, 5, dead=(0,))
+    x = _x(T, 5)
+    al = R.align_indexed(ids, E, BM)
+    counts = R.tokens_per_expert(ids, E)
+    # worst-case size (no host sync); blocks past the last run are marked -1 and hold only sentinels
+    assert al.sorted_ids.numel() == (T * k + E * (BM - 1) + BM - 1) // BM * BM
+    used = int(((counts + BM - 1) // BM).sum())
+    assert (al.block_expert[:used] >= 0).all() and (al.block_expert[used:] == -1).all()
+    assert (al.sorted_ids.reshape(-1, BM)[used:] == T * k).all()
+    real = al.sorted_ids[al.sorted_ids < T * k]
+    assert sorted(real.tolist()) == list(range(T * k))
+    blocks = al.sorted_ids.reshape(-1, BM)[:used]
+    for b, e in zip(blocks, al.block_expert[:used].tolist()):   # each block holds one expert's slots
+        slots = b[b < T * k].long()
+        assert (ids.flatten()[slots] == e).all()
+    pc = R.permute_contiguous(x, ids, E, BM)
+    m = R.to_masked(x, ids, E)
+    for rows, dest in ((pc.x, pc.dest), (m.x.reshape(-1, H), m.dest)):
+        keep = dest >= 0
+        assert torch.equal(rows[keep], x[dest[keep].long() // k])
+        assert int(keep.sum()) == T * k
+    back = R.to_contiguous_from_masked(m, BM)
+    assert torch.equal(back.x, pc.x) and torch.equal(back.dest, pc.dest)
+    w, i = R.route(torch.randn(T, 48), torch.randn(E, 48), 3)
+    assert i.shape == (T, 3) and torch.allclose(w.sum(-1), torch.ones(T))
+    with pytest.raises(ValueError, match="top_k must be"):
+        R.route(torch.randn(T, 48), torch.randn(E, 48), 9)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "w4a16"])
+@pytest.mark.parametrize("T", [1, 7])
+def test_tail_fusion_equals_separate_combine(fmt, T):
+    E, k = 16, 8
+    g = torch.Generator().manual_seed(T)
+    w2f = torch.randn(E, H, I, generator=g) * 0.1
+    w2 = w2f.bfloat16() if fmt == "bf16" else W.quantize(w2f)
+    tw, ids = _routing(T, E, k, 9 + T)
+    act = torch.randn(T * k, I, generator=g).bfloat16()
+    fused, launches_f, inter_f = FM.moe_tail(act, w2, tw, ids, fused=True)
+    sep32, _, _ = FM.moe_tail(act, w2, tw, ids, fused=False, inter_dtype=torch.float32)
+    sep16, launches_s, inter_s = FM.moe_tail(act, w2, tw, ids, fused=False)
+    # Same products, same order, same single rounding: bit-identical to the fp32-intermediate pass.
+    assert torch.equal(fused, sep32)
+    assert (launches_f, inter_f) == (1, 0) and (launches_s, inter_s) == (2, T * k * H * 2)
+    ref = FM.moe_tail_reference(act, w2, tw, ids)
+    for out in (fused, sep16):
+        err, tol, ok = FM.within_tolerance(out, ref, FM.moe_tail_torch(act, w2, tw, ids))
+        assert ok, (err, tol)
+    with pytest.raises(W.LayoutError):
+        FM.moe_tail(act, W.to_layout(W.quantize(w2f), "grouped_masked"), tw, ids, fused=True)
+
+
+@pytest.mark.parametrize("layout", ["indexed", "grouped_masked"])
+def test_shared_expert_slot_is_exactly_the_separate_path(layout):
+    E, k, T = 8, 2, 19
+    w13, w2 = _experts(E, 3, layout)
+    s13, s2 = _experts(1, 4, layout)
+    tw, ids = _routing(T, E, k, 6, dead=(2,))
+    x = _x(T, 6)
+    a13, a2, aw, aid = FM.with_shared_slot(w13, w2, s13, s2, tw, ids)
+    fused = FM.shared_fused(x, a13, a2, aw, aid)
+    same_rounding = FM.shared_separate(x, w13, w2, tw, ids, s13, s2)
+    assert torch.equal(fused, same_rounding)
+    old = FM.shared_separate(x, w13, w2, tw, ids, s13, s2, round_each=True)
+    ref = FM.fused_moe_reference(x, a13, a2, aw, aid)
+    pt = FM.fused_moe_torch(x, a13, a2, aw, aid)
+    for out in (fused, old):
+        err, tol, ok = FM.within_tolerance(out, ref, pt)
+        assert ok, (err, tol)
+
+
+def test_shared_mlp_path_matches_reference():
+    E, k, T = 8, 2, 11
+    w13, w2 = _experts(E, 3, "indexed")
+    s13, s2 = _experts(1, 4, "indexed")
+    tw, ids = _routing(T, E, k, 6)
+    x = _x(T, 6)
+    a13, a2, aw, aid = FM.with_shared_slot(w13, w2, s13, s2, tw, ids)
+    out = FM.routed_plus_shared_mlp(x, w13, w2, tw, ids, s13, s2)
+    err, tol, ok = FM.within_tolerance(out, FM.fused_moe_reference(x, a13, a2, aw, aid),
+                                       FM.fused_moe_torch(x, a13, a2, aw, aid), factor=3.0)
+    assert ok, (err, tol)
+
+
+def test_gpu_time_refuses_cpu():
+    from inferbook.moe.timing import gpu_time
+
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        gpu_time(lambda: None, torch.device("cpu"), label="x", reps=1)
+
+
+def test_tolerance_rule_rejects_nan_and_accepts_reference_quality():
+    ref = torch.randn(4, 8)
+    pt = ref.bfloat16()
+    assert FM.within_tolerance(pt, ref, pt)[2]
+    bad = pt.clone()
+    bad[1, 2] = float("nan")
+    assert not FM.within_tolerance(bad, ref, pt)[2]
