@@ -6,6 +6,8 @@
     inferbook book [--force] [--keep-going] [--chapters SLUG ...]
     inferbook results [--chapter C] [--compare A B]
     inferbook ceilings [--device D] [--save-reference]
+    inferbook workflow run FILE.json [--output-dir D] [--input-dir D] [--device D] [--no-cache]
+    inferbook workflow validate FILE.json
 
 User errors (bad chapter, device, preset, parameter, file) print one line and exit 2;
 a failed chapter prints the chapter, cell and error and exits 1. No tracebacks for either.
@@ -200,6 +202,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chapter")
     p.add_argument("--compare", nargs=2, metavar=("A", "B"), help="FILE.json[#NAME] or CHAPTER[#NAME]")
     p.set_defaults(fn=cmd_results)
+    from .workflow.cli import add_parser as add_workflow_parser
+
+    add_workflow_parser(sub)
     return ap
 
 

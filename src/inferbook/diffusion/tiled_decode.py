@@ -1,0 +1,186 @@
+"""Chapter `h3-tiled-decode`: tiled VAE decode batched by free memory, and what its seams cost.
+
+`measure(ctx, **params)` returns RunRecords:
+
+- `full`: the untiled decode (time, peak memory);
+- `tiled[budget=...]`: one per memory budget of the sweep: the batch sizes the chooser picked, time and
+  peak memory (GPU: `torch.cuda.max_memory_allocated`; CPU: peak bytes of live tensors, counted at the
+  dispatcher by `tiled.peak_live_tensor_bytes`), and the per-tile estimate the choice was made from;
+- `seam[<decoder>, overlap=o]`: tiled vs full decode error, in the overlap bands and elsewhere, for the
+  decoder with its global mid attention and for the same decoder without it;
+- `temporal[<norm>, context=c]`: temporal tiles of two latent frames with c frames of causal context,
+  against the full decode, for an RMSNorm (causal) and a GroupNorm (not causal) decoder.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..measure import benchmark
+from ..presets import Param
+from ..record import RunRecord
+from .fused import Ops
+from .tiled import decode_tiled, peak_live_tensor_bytes, seam_mask, tiles_for_budget_sweep
+from .vae import VAEConfig, init_decoder, make_latent
+from .vae_fusion import annotate_load, config_from
+
+PARAMETERS = {
+    "channels": Param(str, help="decoder stage widths, bottleneck first, comma-separated"),
+    "z_dim": Param(int, help="latent channels"),
+    "latent_frames": Param(int, help="latent frames T"),
+    "latent_h": Param(int, help="latent height"),
+    "latent_w": Param(int, help="latent width"),
+    "norm": Param(str, "rms", help="decoder norm", choices=("rms", "group")),
+    "dtype": Param(str, help="weights and activations", choices=("float32", "bfloat16", "float16")),
+    "tile": Param(int, help="tile size in latent pixels"),
+    "overlap": Param(int, help="overlap of neighbouring tiles in latent pixels (budget sweep)"),
+    "overlaps": Param(str, help="overlaps for the seam-error sweep, comma-separated (0 allowed)"),
+    "max_batch": Param(int, 4, help="most tiles decoded together (the seed: four)"),
+    "reps": Param(int, help="minimum timed repetitions"),
+}
+
+PRESETS = {
+    "smoke": dict(channels="32,32,32", z_dim=4, latent_frames=2, latent_h=8, latent_w=10, dtype="float32",
+                  tile=6, overlap=2, overlaps="0,2", reps=1),
+    "cpu": dict(channels="64,64,32,32", z_dim=16, latent_frames=2, latent_h=16, latent_w=24, dtype="float32",
+                tile=12, overlap=4, overlaps="0,2,4,6", reps=1),
+    "gpu": dict(channels="384,384,192,96", z_dim=16, latent_frames=5, latent_h=60, latent_w=104, dtype="bfloat16",
+                tile=32, overlap=8, overlaps="0,4,8,16", reps=3),
+}
+
+
+def _peak(ctx, fn):
+    """(result, peak bytes, how) for one call of fn on this device."""
+    if ctx.device.type == "cuda":
+        torch.cuda.synchronize(ctx.device)
+        base = torch.cuda.memory_allocated(ctx.device)
+        torch.cuda.reset_peak_memory_stats(ctx.device)
+        out = fn()
+        torch.cuda.synchronize(ctx.device)
+        return out, torch.cuda.max_memory_allocated(ctx.device) - base, "torch.cuda.max_memory_allocated - allocated before"
+    return peak_live_tensor_bytes(fn)
+
+
+def _workload(ctx, cfg: VAEConfig, latent, **extra) -> dict:
+    out = cfg.output_shape(tuple(latent.shape))
+    return {"model": f"causal video VAE decoder {cfg.norm} channels {','.join(map(str, cfg.channels))} z{cfg.z_dim}"
+                     + ("" if cfg.attention else " (no attention)"),
+            "model_revision": f"random init, seed {ctx.seed}", "quantization": "none", "frames": out[2],
+            "resolution": f"{out[4]}x{out[3]}", "batch": latent.shape[0],
+            "dtype": str(latent.dtype).replace("torch.", ""), **extra}
+
+
+def seam_errors(decoder, latent, tile: int, overlap: int, full: torch.Tensor) -> dict:
+    """Max |tiled - full| inside the overlap bands and outside them, relative to max |full|."""
+    with torch.no_grad():
+        video, info = decode_tiled(decoder, latent, tile, overlap)
+    err = (video.double() - full.double()).abs().amax(dim=(0, 1, 2)).cpu()  # per output pixel
+    mask = seam_mask(latent.shape[3], latent.shape[4], tile, overlap, decoder.cfg.spatial_factor)
+    scale = float(full.double().abs().max())
+    band = float(err[mask].max()) if mask.any() else 0.0
+    rest = float(err[~mask].max()) if (~mask).any() else 0.0
+    return {"seam_rel": band / scale, "interior_rel": rest / scale, "max_rel": float(err.max()) / scale,
+            "tiles": info["tiles"], "finite": bool(torch.isfinite(video).all())}
+
+
+def measure(ctx, *, channels, z_dim, latent_frames, latent_h, latent_w, norm, dtype, tile, overlap, overlaps,
+            max_batch, reps) -> list[RunRecord]:
+    for name, v in (("z_dim", z_dim), ("latent_frames", latent_frames), ("latent_h", latent_h),
+                    ("latent_w", latent_w), ("tile", tile), ("max_batch", max_batch), ("reps", reps)):
+        if v < 1:
+            raise ValueError(f"{name} must be >= 1, got {v}")
+    if not 0 <= overlap < tile:
+        raise ValueError(f"overlap must be in [0, tile={tile}), got {overlap}")
+    dt = getattr(torch, dtype)
+    cfg = config_from(dict(channels=channels, z_dim=z_dim), norm)
+    decoder = init_decoder(cfg, ctx.seed, device=ctx.device, dtype=dt)
+    latent = make_latent(cfg, (1, latent_frames, latent_h, latent_w), ctx.seed + 1, device=ctx.device, dtype=dt)
+    try:
+        ov_list = tuple(int(v) for v in overlaps.split(",") if v.strip())
+    except ValueError:
+        raise ValueError(f"overlaps must be comma-separated integers, got {overlaps!r}") from None
+    if any(o < 0 or o >= tile for o in ov_list):
+        raise ValueError(f"overlaps must each be in [0, tile={tile}), got {overlaps!r}")
+    sweep = tiles_for_budget_sweep(decoder, latent, tile, overlap)
+    budgets = {f"{k} tile(s) fit": sweep[k] for k in range(1, 5) if k in sweep}
+    budgets["no limit"] = None
+    topo = {"ranks": 1}
+
+    runs = {"full": lambda: decoder(latent, Ops("eager"))}
+    for label, b in budgets.items():
+        runs[label] = (lambda b=b: decode_tiled(decoder, latent, tile, overlap, max_batch=max_batch, memory_budget=b))
+    # times first; peak memory after, in separate calls (the CPU's dispatcher hook slows the call down)
+    timings, infos = {}, {}
+    with torch.no_grad():
+        for label, fn in runs.items():
+            first = fn()  # warm-up, and the tiled runs' batch choices
+            if label != "full":
+                infos[label] = first[1]
+            timings[label] = benchmark(fn, ctx.device, label=label, warmup=0, min_reps=reps, min_time_s=0.0)
+        peaks = {label: _peak(ctx, fn)[1:] for label, fn in runs.items()}
+
+    records = []
+    full_rec = ctx.new_record("full", variant="untiled", workload=_workload(ctx, cfg, latent), topology=topo)
+    full_rec.set_backend("decode", "untiled eager decode", shapes={"latent": list(latent.shape)})
+    full_rec.add_timing("time", timings["full"])
+    if peaks["full"][0] is not None:
+        full_rec.add("peak_memory", peaks["full"][0], "B", how=peaks["full"][1])
+    records.append(full_rec)
+    for label, budget in budgets.items():
+        info = infos[label]
+        rec = ctx.new_record(f"tiled[{label}]", variant=label, workload=_workload(
+            ctx, cfg, latent, tile=tile, overlap=overlap), topology=topo)
+        rec.set_backend("decode", f"tiled eager decode, batches {info['batch_sizes']}", reason=info["batch_reasons"][0],
+                        shapes={"tile_latent": info["tile_latent"], "tiles": info["tiles"]})
+        if budget is not None:
+            rec.add("memory_budget", budget, "B")
+        rec.add("per_tile_estimate", info["per_tile_estimate_bytes"], "B")
+        rec.add("tiles_per_batch", max(info["batch_sizes"]), "tiles", batch_sizes=info["batch_sizes"],
+                reasons=info["batch_reasons"])
+        rec.add("batches", len(info["batch_sizes"]), "launches")
+        rec.add_timing("time", timings[label])
+        if peaks[label][0] is not None:
+            rec.add("peak_memory", peaks[label][0], "B", how=peaks[label][1])
+        records.append(rec)
+
+    # seams: the decoder as built (global mid attention) and the same decoder without attention
+    local_cfg = VAEConfig(**{**cfg.__dict__, "attention": False})
+    local = init_decoder(local_cfg, ctx.seed, device=ctx.device, dtype=dt)
+    for dec, label in ((decoder, "with attention"), (local, "no attention")):
+        with torch.no_grad():
+            full = dec(latent, Ops("eager"))
+        for ov in ov_list:
+            e = seam_errors(dec, latent, tile, ov, full)
+            rec = ctx.new_record(f"seam[{label}, overlap={ov}]", variant=label,
+                                 workload=_workload(ctx, dec.cfg, latent, tile=tile, overlap=ov), topology=topo)
+            rec.add("seam_rel_error", e["seam_rel"], "fraction of max |full|")
+            rec.add("interior_rel_error", e["interior_rel"], "fraction of max |full|")
+            rec.add_check("tiled output finite", e["finite"])
+            records.append(rec)
+    records += temporal_records(ctx, cfg, dt)
+    return annotate_load(records)
+
+
+TEMPORAL_LATENT = (1, 5, 4, 6)  # B, T, h, w: small in space, enough frames for three temporal tiles of 2
+
+
+def temporal_records(ctx, cfg: VAEConfig, dt) -> list[RunRecord]:
+    """Temporal tiles of 2 latent frames with 1..T-1 frames of causal context, for an RMSNorm decoder
+    (causal: exact once the context reaches frame 0) and a GroupNorm one (statistics over all frames)."""
+    records = []
+    for norm in ("rms", "group"):
+        c = VAEConfig(**{**cfg.__dict__, "norm": norm})
+        dec = init_decoder(c, ctx.seed, device=ctx.device, dtype=dt)
+        z = make_latent(c, TEMPORAL_LATENT, ctx.seed + 3, device=ctx.device, dtype=dt)
+        with torch.no_grad():
+            full = dec(z, Ops("eager"))
+            scale = float(full.double().abs().max())
+            for context in range(1, TEMPORAL_LATENT[1]):
+                video, info = decode_tiled(dec, z, tile=max(z.shape[3:]), overlap=0, temporal_tile=2,
+                                           temporal_context=context)
+                err = float((video.double() - full.double()).abs().max()) / scale
+                rec = ctx.new_record(f"temporal[{norm}, context={context}]", variant=norm, workload=_workload(
+                    ctx, c, z, temporal_tile=2, temporal_context=context), topology={"ranks": 1})
+                rec.add("temporal_rel_error", err, "fraction of max |full|", temporal_tiles=info["temporal_tiles"])
+                rec.add_check("temporal tiles finite", bool(torch.isfinite(video).all()))
+                records.append(rec)
+    return records

@@ -1,0 +1,17 @@
+"""Workflows in the ComfyUI API format: an executor with a cache, generic loops, reference rules.
+
+    executor.py    registry, validation, one queue, output cache keyed by class + inputs + ancestors
+    loops.py       StartLoop / EndLoop: count, range and list modes, projected into ordinary nodes
+    references.py  validate_references (Ref2VA rules), check_service_mapping (endpoint, model, LoRA)
+    nodes.py       the node classes our workflows use
+    segments.py    the loop chapter's toy segment generator and its continuity measurements
+    cli.py         `inferbook workflow run FILE.json`
+"""
+from __future__ import annotations
+
+from .executor import REGISTRY, Executor, RunResult, WorkflowError, load_workflow, parse_workflow, run_workflow, validate
+from . import loops, nodes  # noqa: F401,E402  (register node classes)
+from .references import check_service_mapping, validate_references
+
+__all__ = ["REGISTRY", "Executor", "RunResult", "WorkflowError", "check_service_mapping", "load_workflow",
+           "parse_workflow", "run_workflow", "validate", "validate_references"]

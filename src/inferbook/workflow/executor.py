@@ -1,0 +1,577 @@
+"""A workflow executor in the ComfyUI API format: registry, validation, one queue, a cache.
+
+A workflow is a JSON object of nodes::
+
+    {"3": {"class_type": "GenerateSegment", "inputs": {"seed": 7, "context": ["2", 0]}}}
+
+An input is either a literal (a JSON value) or a *link* ``[node_id, output_index]`` to another
+node's output. Node classes live in a registry (`REGISTRY`, filled by `@node(...)`), each with
+typed inputs and outputs. `Executor.run(workflow)`:
+
+1. validates the whole graph before any node runs (unknown class, missing or extra input, a
+   literal of the wrong type, a link to a missing node or output, a type mismatch, a cycle,
+   and the loop rules of `loops.py`) and raises `WorkflowError` naming the node and input;
+2. runs nodes from one ready queue in topological order (ties broken by the order nodes
+   appear in the file, so runs are reproducible);
+3. keys every output by a *signature*: a hash of the node's class, its literal inputs and the
+   signatures of the outputs it links to, hence of all its ancestors. An unchanged sub-graph
+   has an unchanged signature and is taken from the cache on the next run;
+4. always runs side-effect nodes (save, preview), never caching them.
+
+A `StartLoop` node is not run: when its own inputs are ready the queue hands it to
+`loops.expand`, which projects every iteration into ordinary nodes with deterministic ids
+and puts them on the same queue (see `loops.py`).
+
+Nothing here evaluates code from a workflow: it is parsed with `json` and dispatched by
+class name through the registry.
+"""
+from __future__ import annotations
+
+import hashlib
+import heapq
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from ..errors import UserError, choices
+
+# ---------------------------------------------------------------------------
+# Types
+
+# Value types a node input or output can have. ANY accepts and produces anything; LOOP is the
+# handle from StartLoop to its EndLoop and only those two nodes use it.
+TYPES = ("INT", "FLOAT", "STRING", "BOOLEAN", "LIST", "IMAGE", "AUDIO", "LATENT", "REFS", "MODEL", "LOOP", "ANY")
+# Types a literal in the JSON may have (the others must come from a link).
+LITERAL_TYPES = ("INT", "FLOAT", "STRING", "BOOLEAN", "LIST", "ANY")
+RESERVED = "#"  # projected loop nodes are named "<id>#<iteration>"; user ids may not contain it
+
+
+class WorkflowError(UserError):
+    """A workflow that cannot run: names the node, its class and the input, and what is allowed."""
+
+    def __init__(self, message: str, *, node: str | None = None, input: str | None = None):
+        self.node, self.input = node, input
+        super().__init__(message)
+
+
+def _where(node_id: str, class_type: str | None = None, input: str | None = None) -> str:
+    s = f"node {node_id!r}" + (f" ({class_type})" if class_type else "")
+    return s + (f" input {input!r}" if input else "")
+
+
+def _describe(value: Any) -> str:
+    text = repr(value)
+    if len(text) > 60:
+        text = text[:57] + "..."
+    return f"{text} ({type(value).__name__})"
+
+
+def value_matches(type_: str, value: Any) -> bool:
+    """Does a Python value have the workflow type `type_`? (Used for literals and for values
+    arriving through an ANY link, where the type is only known when the node runs.)"""
+    if type_ == "ANY":
+        return True
+    if type_ == "INT":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if type_ == "FLOAT":
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if type_ == "STRING":
+        return isinstance(value, str)
+    if type_ == "BOOLEAN":
+        return isinstance(value, bool)
+    if type_ == "LIST":
+        return isinstance(value, list)
+    if type_ == "IMAGE":  # frames: float tensor [T, H, W, 3] in [0, 1] (ComfyUI's IMAGE batch)
+        import torch
+        return isinstance(value, torch.Tensor) and value.ndim == 4 and value.shape[-1] == 3
+    if type_ == "AUDIO":  # {"waveform": float tensor [C, N], "sample_rate": int}
+        return isinstance(value, dict) and "waveform" in value and "sample_rate" in value
+    return value is not None
+
+
+# ---------------------------------------------------------------------------
+# The registry
+
+
+@dataclass(frozen=True)
+class Input:
+    type: str
+    default: Any = None        # None: required
+    optional: bool = False     # may be absent (the node receives None)
+    choices: tuple | None = None
+    min: float | None = None
+    help: str = ""
+
+
+@dataclass(frozen=True)
+class NodeClass:
+    """A registered node class: its typed inputs and outputs and the function that runs it."""
+
+    name: str
+    inputs: dict[str, Input]
+    outputs: tuple[tuple[str, str], ...]    # (name, type)
+    fn: Callable[..., tuple]
+    side_effect: bool = False
+    internal: bool = False                  # made by the executor; a workflow file may not name it
+    context: bool = False                   # fn also receives `run=` (a RunContext: output folder, events)
+    help: str = ""
+
+    def required(self) -> list[str]:
+        return [k for k, i in self.inputs.items() if i.default is None and not i.optional]
+
+
+REGISTRY: dict[str, NodeClass] = {}
+
+
+def node(name: str, *, inputs: dict[str, Input | str], outputs: tuple = (), side_effect: bool = False,
+         internal: bool = False, context: bool = False, registry: dict | None = None):
+    """Register `fn` as node class `name`. `inputs`: name -> Input or a bare type name;
+    `outputs`: (name, type) pairs. `fn(**inputs)` returns a tuple with one value per output."""
+    reg = REGISTRY if registry is None else registry
+    ins = {k: (v if isinstance(v, Input) else Input(v)) for k, v in inputs.items()}
+    for k, i in ins.items():
+        if i.type not in TYPES:
+            raise TypeError(f"node class {name}: input {k!r} has unknown type {i.type!r}")
+    for oname, otype in outputs:
+        if otype not in TYPES:
+            raise TypeError(f"node class {name}: output {oname!r} has unknown type {otype!r}")
+
+    def deco(fn):
+        reg[name] = NodeClass(name=name, inputs=ins, outputs=tuple(outputs), fn=fn, side_effect=side_effect,
+                              internal=internal, context=context, help=(fn.__doc__ or "").strip().splitlines()[0] if fn.__doc__ else "")
+        return fn
+    return deco
+
+
+# ---------------------------------------------------------------------------
+# Parsing
+
+
+@dataclass
+class Spec:
+    """One node of a workflow as written (or as projected by a loop)."""
+
+    class_type: str
+    inputs: dict[str, Any]
+    after: tuple[str, ...] = ()      # scheduling-only dependencies (an inner StartLoop waits for its outer one)
+    cache: bool = True                # False: never read from or written to the cache
+    origin: str | None = None         # for a projected node: the id it was copied from
+
+
+def is_link(value: Any) -> bool:
+    """`[node_id, output_index]` (ComfyUI's link form). A literal list shaped like this is a link."""
+    return (isinstance(value, list) and len(value) == 2 and isinstance(value[0], str)
+            and isinstance(value[1], int) and not isinstance(value[1], bool))
+
+
+def links(spec: Spec) -> dict[str, tuple[str, int]]:
+    return {k: (v[0], v[1]) for k, v in spec.inputs.items() if is_link(v)}
+
+
+def parse_workflow(text: str, *, source: str = "workflow") -> dict[str, Spec]:
+    """Parse API-format JSON with `json` (never eval). Malformed JSON raises `WorkflowError`
+    with the line and column; the shape of every node is checked (types come in `validate`)."""
+    def no_constant(name):  # Python's json reads NaN and Infinity; JSON has neither
+        raise WorkflowError(f"{source} contains {name}, which is not a JSON value")
+
+    try:
+        data = json.loads(text, parse_constant=no_constant)
+    except json.JSONDecodeError as e:
+        raise WorkflowError(f"{source} is not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}") from None
+    return workflow_from_dict(data, source=source)
+
+
+def load_workflow(path: str | Path) -> dict[str, Spec]:
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise WorkflowError(f"no workflow file at {str(path)!r}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise WorkflowError(f"cannot read workflow file {str(path)!r}: {e}") from None
+    return parse_workflow(text, source=f"workflow file {str(path)!r}")
+
+
+def workflow_from_dict(data: Any, *, source: str = "workflow") -> dict[str, Spec]:
+    if isinstance(data, dict) and "nodes" in data and "links" in data and isinstance(data["nodes"], list):
+        raise WorkflowError(f"{source} is in ComfyUI's UI format (nodes + links); export it in the API format "
+                            "(a JSON object of node id -> {class_type, inputs})")
+    if not isinstance(data, dict):
+        raise WorkflowError(f"{source} must be a JSON object of node id -> node, got {type(data).__name__}")
+    if not data:
+        raise WorkflowError(f"{source} has no nodes")
+    graph = {}
+    for nid, body in data.items():
+        if RESERVED in nid:
+            raise WorkflowError(f"node id {nid!r} contains {RESERVED!r}, which is reserved for loop iterations", node=nid)
+        if not isinstance(body, dict):
+            raise WorkflowError(f"{_where(nid)} must be an object with 'class_type' and 'inputs', got "
+                                f"{type(body).__name__}", node=nid)
+        extra = sorted(set(body) - {"class_type", "inputs", "_meta"})
+        if extra:
+            raise WorkflowError(f"{_where(nid)} has unknown key(s) {extra}; a node has 'class_type', 'inputs' "
+                                "and optionally '_meta'", node=nid)
+        ct = body.get("class_type")
+        if not isinstance(ct, str):
+            raise WorkflowError(f"{_where(nid)} lacks a string 'class_type'", node=nid)
+        inputs = body.get("inputs", {})
+        if not isinstance(inputs, dict):
+            raise WorkflowError(f"{_where(nid, ct)}: 'inputs' must be an object, got {type(inputs).__name__}", node=nid)
+        graph[nid] = Spec(class_type=ct, inputs=dict(inputs))
+    return graph
+
+
+def as_graph(workflow) -> dict[str, Spec]:
+    """Accept a parsed graph, a dict in API format, a JSON string or a path."""
+    if isinstance(workflow, dict) and workflow and all(isinstance(v, Spec) for v in workflow.values()):
+        return {k: Spec(v.class_type, dict(v.inputs), v.after, v.cache, v.origin) for k, v in workflow.items()}
+    if isinstance(workflow, dict):
+        return workflow_from_dict(json.loads(json.dumps(workflow)))  # deep copy, JSON values only
+    if isinstance(workflow, Path):
+        return load_workflow(workflow)
+    if isinstance(workflow, str):
+        if workflow.lstrip().startswith("{"):
+            return parse_workflow(workflow)
+        return load_workflow(workflow)
+    raise WorkflowError(f"a workflow is a JSON object, JSON text or a file path, got {type(workflow).__name__}")
+
+
+# ---------------------------------------------------------------------------
+# Validation (before any node runs)
+
+
+def validate(graph: dict[str, Spec], registry: dict[str, NodeClass] | None = None) -> "LoopPlan":
+    """Check every node, input and link, then the graph (cycles) and the loops.
+
+    Returns the loop structure (`loops.LoopPlan`). Raises `WorkflowError` at the first problem,
+    naming the node id, its class and the input."""
+    from .loops import plan_loops
+
+    reg = REGISTRY if registry is None else registry
+    for nid, spec in graph.items():
+        cls = reg.get(spec.class_type)
+        if cls is None or (cls.internal and spec.origin is None):
+            public = sorted(k for k, c in reg.items() if not c.internal)
+            raise WorkflowError(f"{_where(nid)}: unknown class_type {spec.class_type!r}; known classes are "
+                                f"{choices(public)}", node=nid)
+        for name in cls.required():
+            if name not in spec.inputs:
+                raise WorkflowError(f"{_where(nid, cls.name, name)} is missing (required, type {cls.inputs[name].type})",
+                                    node=nid, input=name)
+        for name, value in spec.inputs.items():
+            if name not in cls.inputs:
+                raise WorkflowError(f"{_where(nid, cls.name, name)} is not an input of {cls.name}; its inputs are "
+                                    f"{choices(list(cls.inputs))}", node=nid, input=name)
+            want = cls.inputs[name]
+            if is_link(value):
+                src, idx = value
+                if src not in graph:
+                    raise WorkflowError(f"{_where(nid, cls.name, name)} links to node {src!r}, which does not exist",
+                                        node=nid, input=name)
+                scls = reg.get(graph[src].class_type)
+                if scls is None:
+                    continue  # reported when `src` itself is checked
+                if not 0 <= idx < len(scls.outputs):
+                    raise WorkflowError(
+                        f"{_where(nid, cls.name, name)} links to output {idx} of node {src!r} ({scls.name}), which has "
+                        f"{len(scls.outputs)} output(s)" + (f": {', '.join(f'{i} {n} ({t})' for i, (n, t) in enumerate(scls.outputs))}"
+                                                            if scls.outputs else ""), node=nid, input=name)
+                have = scls.outputs[idx][1]
+                if not (have == want.type or "ANY" in (have, want.type)) or (("LOOP" in (have, want.type)) and have != want.type):
+                    raise WorkflowError(f"{_where(nid, cls.name, name)} expects {want.type} but output {idx} of node "
+                                        f"{src!r} ({scls.name}) is {have}", node=nid, input=name)
+            else:
+                if want.type not in LITERAL_TYPES:
+                    raise WorkflowError(f"{_where(nid, cls.name, name)} expects {want.type}, which must come from a link "
+                                        f"[node_id, output_index]; got the literal {_describe(value)}", node=nid, input=name)
+                if want.optional and value is None:
+                    continue
+                if not value_matches(want.type, value):
+                    raise WorkflowError(f"{_where(nid, cls.name, name)} expects {want.type}, got {_describe(value)}",
+                                        node=nid, input=name)
+                if want.choices is not None and value not in want.choices:
+                    raise WorkflowError(f"{_where(nid, cls.name, name)} must be one of {choices(want.choices)}, got "
+                                        f"{value!r}", node=nid, input=name)
+                if want.min is not None and value < want.min:
+                    raise WorkflowError(f"{_where(nid, cls.name, name)} must be >= {want.min:g}, got {value!r}",
+                                        node=nid, input=name)
+    cycle = find_cycle(graph)
+    if cycle:
+        raise WorkflowError("the workflow has a cycle: " + " -> ".join(cycle + [cycle[0]]) +
+                            " (a node cannot depend on its own output; use StartLoop/EndLoop to iterate)", node=cycle[0])
+    return plan_loops(graph, reg)
+
+
+def find_cycle(graph: dict[str, Spec]) -> list[str]:
+    """One cycle of links (as a list of node ids), or [] when the graph is acyclic."""
+    WHITE, GREY, BLACK = 0, 1, 2
+    color = {n: WHITE for n in graph}
+    for root in graph:
+        if color[root] != WHITE:
+            continue
+        stack = [(root, iter(sorted({s for s, _ in links(graph[root]).values() if s in graph})))]
+        path = [root]
+        color[root] = GREY
+        while stack:
+            nid, it = stack[-1]
+            nxt = next(it, None)
+            if nxt is None:
+                color[nid] = BLACK
+                stack.pop()
+                path.pop()
+            elif color[nxt] == GREY:
+                return path[path.index(nxt):]
+            elif color[nxt] == WHITE:
+                color[nxt] = GREY
+                path.append(nxt)
+                stack.append((nxt, iter(sorted({s for s, _ in links(graph[nxt]).values() if s in graph}))))
+    return []
+
+
+# ---------------------------------------------------------------------------
+# Signatures: the cache key of a node's outputs
+
+
+def _literal_key(value: Any) -> Any:
+    try:
+        return json.loads(json.dumps(value, sort_keys=True, allow_nan=False))
+    except (TypeError, ValueError):
+        raise WorkflowError(f"literal {_describe(value)} is not a JSON value") from None
+
+
+def signature(spec: Spec, input_sigs: dict[str, tuple[str, int]]) -> str:
+    """Hash of the class, the literal inputs and, for each link, the signature of the source
+    node and the output index: so it covers every ancestor, and nothing about node ids."""
+    body = {"class": spec.class_type, "inputs": {}}
+    for name in sorted(spec.inputs):
+        v = spec.inputs[name]
+        body["inputs"][name] = ({"link": list(input_sigs[name])} if is_link(v) else {"value": _literal_key(v)})
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:32]
+
+
+# ---------------------------------------------------------------------------
+# Running
+
+
+@dataclass
+class RunContext:
+    """What a node may touch besides its inputs: the input and output folders (relative paths in a
+    workflow are read from `input_dir`, files are written under `output_dir`), the device and dtype
+    models are made on, and the run's event log."""
+
+    output_dir: Path
+    input_dir: Path = Path(".")
+    device: Any = "cpu"
+    dtype: Any = None
+    events: list[dict] = field(default_factory=list)
+    node_id: str = ""
+
+    def event(self, kind: str, **data) -> None:
+        self.events.append({"node": self.node_id, "kind": kind, **data})
+
+
+@dataclass
+class NodeRun:
+    id: str
+    class_type: str
+    status: str            # "ran", "cached", "side_effect"
+    seconds: float
+    origin: str | None = None
+
+
+@dataclass
+class RunResult:
+    """What one `Executor.run` did: outputs by node id, the order, cache hits, timings."""
+
+    outputs: dict[str, tuple]
+    log: list[NodeRun]
+    signatures: dict[str, str]
+    seconds: float
+    loops: list[dict] = field(default_factory=list)   # one entry per expanded loop: ids, iterations
+    events: list[dict] = field(default_factory=list)  # what side-effect nodes did, in order
+
+    def output(self, node_id: str, index: int = 0) -> Any:
+        if node_id not in self.outputs:
+            raise KeyError(f"no node {node_id!r} ran in this workflow")
+        return self.outputs[node_id][index]
+
+    @property
+    def ran(self) -> list[str]:
+        return [r.id for r in self.log if r.status in ("ran", "side_effect")]
+
+    @property
+    def cached(self) -> list[str]:
+        return [r.id for r in self.log if r.status == "cached"]
+
+    @property
+    def side_effects(self) -> list[str]:
+        return [r.id for r in self.log if r.status == "side_effect"]
+
+    def seconds_by_class(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for r in self.log:
+            out[r.class_type] = out.get(r.class_type, 0.0) + r.seconds
+        return out
+
+
+class Executor:
+    """Runs workflows; keeps the output cache between runs.
+
+    `cache=False` disables caching altogether (every node runs every time).
+    `max_iterations` caps the iterations one loop may project (a workflow can lower it
+    per loop with StartLoop's `max_iterations` input, not raise it).
+    `sync` is called after every node (e.g. `torch.cuda.synchronize`) so node times are
+    device times, not launch times.
+    """
+
+    def __init__(self, registry: dict[str, NodeClass] | None = None, *, cache: bool = True,
+                 max_iterations: int = 1000, sync: Callable[[], None] | None = None,
+                 output_dir: str | Path | None = None, input_dir: str | Path | None = None,
+                 device: Any = "cpu", dtype: Any = None):
+        from . import nodes  # noqa: F401  (registers the built-in node classes)
+
+        self.registry = REGISTRY if registry is None else registry
+        self.use_cache = cache
+        self.cache: dict[str, tuple] = {}
+        self.max_iterations = max_iterations
+        self.sync = sync or (lambda: None)
+        self.output_dir = Path(output_dir) if output_dir is not None else None
+        self.input_dir = Path(input_dir) if input_dir is not None else Path.cwd()
+        import torch
+        self.device = torch.device(device)
+        self.dtype = dtype if dtype is not None else torch.float32
+
+    def clear_cache(self) -> None:
+        self.cache.clear()
+
+    def validate(self, workflow) -> dict[str, Spec]:
+        graph = as_graph(workflow)
+        validate(graph, self.registry)
+        return graph
+
+    def run(self, workflow) -> RunResult:
+        from .loops import expand
+
+        t_start = time.perf_counter()
+        graph = as_graph(workflow)
+        plan = validate(graph, self.registry)
+        plan.apply_schedule(graph)
+
+        order = {nid: i for i, nid in enumerate(graph)}   # file order breaks ties
+        seq = len(order)
+        outputs: dict[str, tuple] = {}
+        sigs: dict[str, str] = {}
+        waiting: dict[str, set[str]] = {}
+        dependents: dict[str, set[str]] = {}
+        ready: list[tuple[int, str]] = []
+        log: list[NodeRun] = []
+        loops_log: list[dict] = []
+        if self.output_dir is None:
+            from ..context import results_dir
+            out_dir = results_dir() / "workflow-outputs"
+        else:
+            out_dir = self.output_dir
+        run_ctx = RunContext(output_dir=out_dir, input_dir=self.input_dir, device=self.device, dtype=self.dtype)
+
+        def add_node(nid: str) -> None:
+            spec = graph[nid]
+            deps = {s for s, _ in links(spec).values()} | set(spec.after)
+            pending = {d for d in deps if d not in outputs}
+            waiting[nid] = pending
+            for d in pending:
+                dependents.setdefault(d, set()).add(nid)
+            if not pending:
+                heapq.heappush(ready, (order[nid], nid))
+
+        for nid in graph:
+            add_node(nid)
+
+        def finish(nid: str, outs: tuple, sig: str) -> None:
+            outputs[nid] = outs
+            sigs[nid] = sig
+            for d in sorted(dependents.pop(nid, ())):
+                if d in waiting and nid in waiting[d]:
+                    waiting[d].discard(nid)
+                    if not waiting[d]:
+                        heapq.heappush(ready, (order[d], d))
+
+        while ready:
+            _, nid = heapq.heappop(ready)
+            if nid not in waiting or waiting[nid]:
+                continue  # removed by a loop expansion, or re-queued
+            del waiting[nid]
+            spec = graph[nid]
+            cls = self.registry[spec.class_type]
+            values = {}
+            input_sigs = {}
+            for name, v in spec.inputs.items():
+                if is_link(v):
+                    src, idx = v
+                    values[name] = outputs[src][idx]
+                    input_sigs[name] = (sigs[src], idx)
+                    want = cls.inputs[name].type
+                    if not value_matches(want, values[name]):
+                        raise WorkflowError(f"{_where(nid, cls.name, name)} expects {want} but node {src!r} output "
+                                            f"{idx} produced {_describe(values[name])}", node=nid, input=name)
+                else:
+                    values[name] = v
+            sig = signature(spec, input_sigs)
+
+            if spec.class_type == "StartLoop":
+                # The loop is not run but projected: new ordinary nodes go on this queue.
+                new_ids, info = expand(graph, nid, values, plan, self.registry, max_iterations=self.max_iterations)
+                loops_log.append(info)
+                removed = [k for k in list(waiting) if k not in graph]
+                for k in removed:
+                    del waiting[k]
+                for k in new_ids:
+                    order[k] = seq
+                    seq += 1
+                for k in new_ids:
+                    if k in waiting:   # the EndLoop id is reused for the loop's exit node
+                        for d in waiting.pop(k):
+                            dependents.get(d, set()).discard(k)
+                    add_node(k)
+                finish(nid, tuple(None for _ in cls.outputs), sig)
+                continue
+
+            for name, inp in cls.inputs.items():
+                if name not in values:
+                    values[name] = inp.default
+            use_cache = self.use_cache and spec.cache and not cls.side_effect
+            t0 = time.perf_counter()
+            if use_cache and sig in self.cache:
+                outs, status = self.cache[sig], "cached"
+            else:
+                if cls.context:
+                    run_ctx.node_id = nid
+                    values["run"] = run_ctx
+                try:
+                    outs = cls.fn(**values)
+                except WorkflowError:
+                    raise
+                except (ValueError, TypeError, OSError, RuntimeError, KeyError, IndexError, ImportError) as e:
+                    raise WorkflowError(f"{_where(nid, cls.name)} failed: {e}", node=nid) from e
+                self.sync()
+                if not isinstance(outs, tuple) or len(outs) != len(cls.outputs):
+                    raise TypeError(f"node class {cls.name} returned {type(outs).__name__} "
+                                    f"of length {len(outs) if hasattr(outs, '__len__') else '?'}, "
+                                    f"expected a tuple of {len(cls.outputs)}")
+                status = "side_effect" if cls.side_effect else "ran"
+                if use_cache:
+                    self.cache[sig] = outs
+            log.append(NodeRun(nid, cls.name, status, time.perf_counter() - t0, spec.origin))
+            finish(nid, outs, sig)
+
+        if waiting:  # only possible with a bug in loop projection: say so plainly
+            raise RuntimeError(f"workflow stalled with nodes waiting: {sorted(waiting)[:10]}")
+        return RunResult(outputs=outputs, log=log, signatures=sigs, seconds=time.perf_counter() - t_start,
+                         loops=loops_log, events=run_ctx.events)
+
+
+def run_workflow(workflow, **kwargs) -> RunResult:
+    """Validate and run once with a fresh executor."""
+    return Executor(**kwargs).run(workflow)

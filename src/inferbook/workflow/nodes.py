@@ -1,0 +1,491 @@
+"""The node classes our workflows use, registered in `executor.REGISTRY`.
+
+- values and lists: Int, Float, String, AddInt, FormatText, MakeList, ListGet, ListLength
+- side effects (always run, never cached; each passes its input through so it can be wired to
+  a loop's end boundary): Preview, PreviewImage, SaveVideo
+- video and audio plumbing: LastFrames, ConcatFrames, EmptyAudio, ConcatAudio, AudioLength,
+  LoadImage, LoadVideo, LoadAudio, SaveImage
+- the loop chapter's toy generator: ToyScene, GenerateSegment (`segments.py`)
+- the H3 workflows' toy service and stages: OmniModel, AddReference, H3Denoise, H3VAEDecode,
+  H3AudioDecode (models from `inferbook.diffusion.toy_pipeline`, random weights)
+
+Media are plain values: IMAGE is a float tensor [T, H, W, 3] in [0, 1] (ComfyUI's IMAGE batch),
+AUDIO is {"waveform": float tensor [C, N], "sample_rate": int}.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from . import loops as _loops  # noqa: F401  (registers StartLoop / EndLoop)
+from . import segments
+from ..errors import UserError
+from .executor import Input, node
+from .references import KINDS, Served, group_references, validate_references
+
+# ---------------------------------------------------------------------------
+# Values and lists
+
+
+@node("Int", inputs={"value": "INT"}, outputs=(("value", "INT"),))
+def int_node(value):
+    """An integer constant."""
+    return (value,)
+
+
+@node("Float", inputs={"value": "FLOAT"}, outputs=(("value", "FLOAT"),))
+def float_node(value):
+    """A float constant."""
+    return (float(value),)
+
+
+@node("String", inputs={"value": "STRING"}, outputs=(("value", "STRING"),))
+def string_node(value):
+    """A text constant."""
+    return (value,)
+
+
+@node("AddInt", inputs={"a": "INT", "b": "INT"}, outputs=(("sum", "INT"),))
+def add_int(a, b):
+    """a + b."""
+    return (a + b,)
+
+
+@node("FormatText", inputs={"template": "STRING", "value": Input("ANY", optional=True)}, outputs=(("text", "STRING"),))
+def format_text(template, value):
+    """`template` with every '{}' replaced by `value` (no other formatting: nothing is evaluated)."""
+    return (template.replace("{}", str(value)),)
+
+
+@node("MakeList", inputs={"a": Input("ANY", optional=True), "b": Input("ANY", optional=True),
+                          "c": Input("ANY", optional=True), "d": Input("ANY", optional=True)},
+      outputs=(("list", "LIST"),))
+def make_list(a, b, c, d):
+    """A list of the inputs given (a mixed list: frames, audio and text together)."""
+    return ([x for x in (a, b, c, d) if x is not None],)
+
+
+@node("ListGet", inputs={"list": "LIST", "index": "INT"}, outputs=(("item", "ANY"),))
+def list_get(list, index):  # noqa: A002 - the input is called 'list' in the workflow
+    """Item `index` of a list (negative counts from the end)."""
+    if not -len(list) <= index < len(list):
+        raise ValueError(f"index {index} is out of range for a list of {len(list)} item(s)")
+    return (list[index],)
+
+
+@node("ListLength", inputs={"list": "LIST"}, outputs=(("length", "INT"),))
+def list_length(list):  # noqa: A002
+    """Number of items."""
+    return (len(list),)
+
+
+# ---------------------------------------------------------------------------
+# Side effects: always run; pass their input through so they can sit on a loop's end boundary
+
+
+@node("Preview", inputs={"value": "ANY", "label": Input("STRING", default="")}, outputs=(("value", "ANY"),),
+      side_effect=True, context=True)
+def preview(value, label, run):
+    """Records what it saw in the run's event log (a UI preview, here), then passes it on."""
+    run.event("preview", label=label, summary=_summary(value))
+    return (value,)
+
+
+@node("PreviewImage", inputs={"images": "IMAGE", "label": Input("STRING", default="")}, outputs=(("images", "IMAGE"),),
+      side_effect=True, context=True)
+def preview_image(images, label, run):
+    """Records the frame count and mean of a batch of frames, then passes the frames on."""
+    run.event("preview_image", label=label, frames=int(images.shape[0]), mean=float(images.float().mean()))
+    return (images,)
+
+
+def _summary(value):
+    if isinstance(value, torch.Tensor):
+        return f"tensor{tuple(value.shape)}"
+    if isinstance(value, list):
+        return [_summary(v) for v in value]
+    if isinstance(value, dict) and "waveform" in value:
+        return f"audio{tuple(value['waveform'].shape)}@{value['sample_rate']}"
+    return value
+
+
+def _safe_name(prefix: str) -> str:
+    if not prefix or any(c in prefix for c in "/\\\0") or prefix.startswith("."):
+        raise ValueError(f"filename_prefix must be a plain file name (no '/', no leading '.'), got {prefix!r}")
+    return prefix
+
+
+def to_uint8(images: torch.Tensor) -> np.ndarray:
+    return (images.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).cpu().numpy()
+
+
+@node("SaveVideo", inputs={"images": "IMAGE", "fps": Input("INT", default=24, min=1),
+                           "filename_prefix": Input("STRING", default="video"), "audio": Input("AUDIO", optional=True)},
+      outputs=(("path", "STRING"),), side_effect=True, context=True)
+def save_video(images, fps, filename_prefix, audio, run):
+    """H.264 (+ AAC when there is audio) in MP4, written atomically (`diffusion.media.write_mp4`),
+    then decoded again and checked: a file that does not hold what was asked for is removed."""
+    from ..diffusion import media
+
+    name = _safe_name(filename_prefix)
+    path = Path(run.output_dir) / f"{name}.mp4"
+    wav, sr = None, 32000
+    if audio is not None:
+        wav = audio["waveform"].detach().float().cpu().numpy().astype(np.float32)
+        sr = int(audio["sample_rate"])
+    media.write_mp4(path, to_uint8(images), fps, wav, sr)
+    info = media.probe_media(path)
+    expected = {"frames": int(images.shape[0]), "width": int(images.shape[2]), "height": int(images.shape[1])}
+    bad = {k: (info[k], v) for k, v in expected.items() if info[k] != v}
+    if audio is not None and (info["audio_codec"] != "aac" or info["sample_rate"] != sr
+                              or info["channels"] != wav.shape[0]):
+        bad["audio"] = ((info["audio_codec"], info["sample_rate"], info["channels"]), ("aac", sr, wav.shape[0]))
+    if bad:
+        path.unlink(missing_ok=True)
+        raise ValueError(f"{path.name} does not hold what was asked for ({bad}); removed")
+    run.event("save_video", path=str(path), **info)
+    return (str(path),)
+
+
+@node("SaveImage", inputs={"images": "IMAGE", "filename_prefix": Input("STRING", default="image")},
+      outputs=(("path", "STRING"),), side_effect=True, context=True)
+def save_image(images, filename_prefix, run):
+    """The last frame as PNG (atomic)."""
+    path = Path(run.output_dir) / f"{_safe_name(filename_prefix)}.png"
+    write_png(path, to_uint8(images[-1:])[0])
+    run.event("save_image", path=str(path))
+    return (str(path),)
+
+
+# ---------------------------------------------------------------------------
+# Reading media (references). Unreadable or truncated files are errors naming the file.
+
+
+def write_png(path, rgb: np.ndarray) -> Path:
+    """uint8 [H, W, 3] -> PNG, written to a temporary name and renamed into place."""
+    import os
+    import tempfile
+
+    import av
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".partial.png", dir=path.parent)
+    os.close(fd)
+    try:
+        with av.open(tmp, "w", format="image2") as c:
+            s = c.add_stream("png")
+            s.width, s.height, s.pix_fmt = rgb.shape[1], rgb.shape[0], "rgb24"
+            for pkt in s.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(rgb), format="rgb24")):
+                c.mux(pkt)
+            for pkt in s.encode():
+                c.mux(pkt)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def _open_media(path: str, what: str):
+    import av
+
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"{what} {path!r} does not exist")
+    try:
+        return av.open(str(p))
+    except av.FFmpegError as e:
+        raise ValueError(f"{what} {path!r} is unreadable or truncated ({type(e).__name__}: {e})") from None
+
+
+def read_video(path: str, *, with_audio: bool = True, what: str = "video") -> tuple[np.ndarray, np.ndarray | None, int | None]:
+    """Decode every frame (uint8 [T, H, W, 3]) and the audio track (float32 [C, N], rate) of a file.
+    Raises ValueError naming the file when it cannot be opened, holds no frames or breaks mid-way."""
+    import av
+
+    frames, chunks, rate = [], [], None
+    with _open_media(path, what) as c:
+        if not c.streams.video:
+            raise ValueError(f"{what} {path!r} has no video stream")
+        try:
+            for f in c.decode(video=0):
+                frames.append(f.to_ndarray(format="rgb24"))
+        except av.FFmpegError as e:
+            raise ValueError(f"{what} {path!r} is truncated or corrupt after {len(frames)} frame(s) "
+                             f"({type(e).__name__}: {e})") from None
+    if with_audio:
+        audio = _read_audio_track(path, required=False)
+        if audio is not None:
+            chunks, rate = audio
+    if not frames:
+        raise ValueError(f"{what} {path!r} decodes to 0 frames (truncated or empty)")
+    return np.stack(frames), (chunks if len(chunks) else None), rate
+
+
+def _read_audio_track(path: str, *, required: bool):
+    import av
+
+    with _open_media(path, "audio") as c:
+        if not c.streams.audio:
+            if required:
+                raise ValueError(f"audio {path!r} has no audio stream")
+            return None
+        parts, rate = [], c.streams.audio[0].codec_context.sample_rate
+        try:
+            for f in c.decode(audio=0):
+                a = f.to_ndarray()
+                if not f.format.is_planar:   # interleaved [1, N*C] -> [C, N]
+                    a = a.reshape(-1, len(f.layout.channels)).T
+                parts.append(a.astype(np.float32))
+        except av.FFmpegError as e:
+            raise ValueError(f"audio {path!r} is truncated or corrupt ({type(e).__name__}: {e})") from None
+    if not parts:
+        if required:
+            raise ValueError(f"audio {path!r} decodes to 0 samples (truncated or empty)")
+        return None
+    return np.concatenate(parts, axis=1), rate
+
+
+def _input_path(run, path: str) -> str:
+    p = Path(path)
+    return str(p if p.is_absolute() else Path(run.input_dir) / p)
+
+
+@node("LoadImage", inputs={"path": "STRING"}, outputs=(("image", "IMAGE"),), context=True)
+def load_image(path, run):
+    """A PNG (or any single-frame file PyAV reads) as IMAGE [1, H, W, 3]; relative paths are read
+    from the executor's input folder."""
+    frames, _, _ = read_video(_input_path(run, path), with_audio=False, what="image")
+    return (torch.from_numpy(frames[:1]).float() / 255,)
+
+
+@node("LoadVideo", inputs={"path": "STRING", "max_frames": Input("INT", default=0, min=0)},
+      outputs=(("images", "IMAGE"), ("frames", "INT")), context=True)
+def load_video(path, max_frames, run):
+    """Every frame of a video file (or the first `max_frames` when > 0) as IMAGE [T, H, W, 3]."""
+    frames, _, _ = read_video(_input_path(run, path), with_audio=False)
+    if max_frames:
+        frames = frames[:max_frames]
+    return torch.from_numpy(frames).float() / 255, int(frames.shape[0])
+
+
+@node("LoadAudio", inputs={"path": "STRING"}, outputs=(("audio", "AUDIO"),), context=True)
+def load_audio(path, run):
+    """The audio track of a file as AUDIO."""
+    wav, rate = _read_audio_track(_input_path(run, path), required=True)
+    return ({"waveform": torch.from_numpy(wav), "sample_rate": int(rate)},)
+
+
+# ---------------------------------------------------------------------------
+# Frames and audio plumbing
+
+
+@node("LastFrames", inputs={"images": "IMAGE", "count": Input("INT", default=1, min=1)}, outputs=(("images", "IMAGE"),))
+def last_frames(images, count):
+    """The last `count` frames (fewer when the batch is shorter)."""
+    return (images[-count:],)
+
+
+@node("ConcatFrames", inputs={"a": "IMAGE", "b": "IMAGE"}, outputs=(("images", "IMAGE"),))
+def concat_frames(a, b):
+    """Video concatenation: the frames of `a` then those of `b` (same size)."""
+    if a.shape[1:] != b.shape[1:]:
+        raise ValueError(f"cannot concatenate frames of size {tuple(a.shape[1:3])} and {tuple(b.shape[1:3])}")
+    return (torch.cat([a, b]),)
+
+
+@node("EmptyAudio", inputs={"channels": Input("INT", default=2, min=1), "sample_rate": Input("INT", default=32000, min=1)},
+      outputs=(("audio", "AUDIO"),))
+def empty_audio(channels, sample_rate):
+    """Zero samples, to start an audio track that segments append to."""
+    return ({"waveform": torch.zeros(channels, 0), "sample_rate": sample_rate},)
+
+
+@node("ConcatAudio", inputs={"a": "AUDIO", "b": "AUDIO"}, outputs=(("audio", "AUDIO"),))
+def concat_audio(a, b):
+    """Audio of `a` then `b` (same rate and channels)."""
+    if a["sample_rate"] != b["sample_rate"] or a["waveform"].shape[0] != b["waveform"].shape[0]:
+        raise ValueError(f"cannot concatenate audio {a['waveform'].shape[0]}ch@{a['sample_rate']} with "
+                         f"{b['waveform'].shape[0]}ch@{b['sample_rate']}")
+    return ({"waveform": torch.cat([a["waveform"], b["waveform"]], dim=1), "sample_rate": a["sample_rate"]},)
+
+
+@node("AudioLength", inputs={"audio": "AUDIO"}, outputs=(("samples", "INT"),))
+def audio_length(audio):
+    """Samples per channel."""
+    return (int(audio["waveform"].shape[1]),)
+
+
+# ---------------------------------------------------------------------------
+# The loop chapter's toy generator
+
+
+@node("ToyScene", inputs={"width": Input("INT", min=8), "height": Input("INT", min=8), "prompt": "STRING",
+                          "seed": Input("INT", default=0)}, outputs=(("image", "IMAGE"),), context=True)
+def toy_scene(width, height, prompt, seed, run):
+    """A first frame from a prompt and seed (`segments.scene`), on the executor's device."""
+    return (segments.scene(width, height, prompt, seed, device=run.device),)
+
+
+@node("GenerateSegment", inputs={
+    "context": "IMAGE", "prompt": "STRING", "frames": Input("INT", min=1), "seed": Input("INT", default=0),
+    "index": Input("INT", default=0), "steps": Input("INT", default=8, min=1), "fps": Input("INT", default=24, min=1),
+    "sample_rate": Input("INT", default=32000, min=1),
+    "audio_offset": Input("INT", optional=True)},
+    outputs=(("images", "IMAGE"), ("audio", "AUDIO")))
+def generate_segment(context, prompt, frames, seed, index, steps, fps, sample_rate, audio_offset):
+    """A segment continuing from the last frame of `context` (`segments.generate_segment`); the pan
+    continues only when `context` holds two frames or more, the audio phase only when
+    `audio_offset` is wired."""
+    video, audio = segments.generate_segment(context, prompt, frames, seed, index, steps=steps, fps=fps,
+                                             sample_rate=sample_rate, audio_offset=audio_offset)
+    return video, audio
+
+
+# ---------------------------------------------------------------------------
+# The H3 workflows: a toy served model and its stages
+
+
+# What our in-process toy "server" serves (a stand-in for a vLLM-Omni deployment; nothing leaves
+# the process). Model names say the toy sizes.
+TOY_ENDPOINT = "local://toy-omni"
+TOY_SERVED = (
+    Served(TOY_ENDPOINT, "toy-h3-tiny", ("loras/toy-style-a.safetensors",)),
+    Served(TOY_ENDPOINT, "toy-h3-small", ("loras/toy-style-a.safetensors",)),
+    Served(TOY_ENDPOINT, "toy-h3-base", ("loras/toy-style-a.safetensors",)),
+)
+TOY_SIZES = {
+    "toy-h3-tiny": dict(dit=dict(d_model=64, n_layers=1, n_heads=4), vae=(32, 32, 16, 16)),
+    "toy-h3-small": dict(dit=dict(d_model=128, n_layers=2, n_heads=4), vae=(64, 48, 32, 16)),
+    "toy-h3-base": dict(dit=dict(d_model=384, n_layers=6, n_heads=6), vae=(384, 384, 192, 96)),
+}
+VAE_SPATIAL, VAE_TEMPORAL = 8, 4      # latent -> video: 8x in H and W, frames = 1 + 4 (T - 1)
+
+
+@node("OmniModel", inputs={"endpoint": "STRING", "model": "STRING", "lora_path": Input("STRING", default=""),
+                           "seed": Input("INT", default=0)}, outputs=(("model", "MODEL"),), context=True)
+def omni_model(endpoint, model, lora_path, seed, run):
+    """Connects to the toy service: the (endpoint, model, LoRA) triple must be served, as on a real
+    vLLM-Omni server. Weights are random from `seed` (+ a low-rank LoRA delta when one is named)."""
+    from ..diffusion.toy_pipeline import DiTConfig, init_dit
+    from ..diffusion.vae import VAEConfig, init_decoder
+
+    row = next((s for s in TOY_SERVED if s.endpoint == endpoint and s.model == model), None)
+    if row is None:
+        raise ValueError(f"model {model!r} is not served at {endpoint!r}")
+    if lora_path and lora_path not in row.loras:
+        raise ValueError(f"LoRA {lora_path!r} is not on the server for {model!r}")
+    size = TOY_SIZES[model]
+    device, dtype = run.device, run.dtype
+    dit = init_dit(DiTConfig(**size["dit"]), seed, device=device, dtype=dtype)
+    if lora_path:
+        g = torch.Generator().manual_seed(segments.prompt_seed(lora_path))
+        w = dit.out.weight
+        a, b = torch.randn(w.shape[0], 4, generator=g), torch.randn(4, w.shape[1], generator=g)
+        with torch.no_grad():
+            w += (0.02 * a @ b / 4).to(device=device, dtype=dtype)
+    vae = init_decoder(VAEConfig(channels=size["vae"], temporal_up=(True, True, False)), seed + 1,
+                       device=device, dtype=dtype)
+    return ({"name": model, "lora": lora_path or None, "dit": dit, "vae": vae, "device": device, "dtype": dtype},)
+
+
+@node("AddReference", inputs={"kind": Input("STRING", choices=KINDS), "media": "ANY",
+                              "references": Input("REFS", optional=True)}, outputs=(("references", "REFS"),))
+def add_reference(kind, media, references):
+    """Appends one reference (image, video or audio) to a reference list."""
+    ok = isinstance(media, dict) and "waveform" in media if kind == "audio" else isinstance(media, torch.Tensor)
+    if not ok:
+        raise ValueError(f"a {kind} reference needs {'AUDIO' if kind == 'audio' else 'IMAGE'} media, got "
+                         f"{type(media).__name__}")
+    return (list(references or []) + [(kind, media)],)
+
+
+def latent_shape(width: int, height: int, frames: int) -> tuple[int, int, int, int]:
+    """(B, T, h, w) of the latent that decodes to `frames` frames of width x height."""
+    unit = VAE_SPATIAL * 2   # 8x VAE, then the DiT's 2x2 patches
+    if width % unit or height % unit:
+        raise UserError(f"width and height must be multiples of {unit}, got {width}x{height}")
+    if frames < 1 or (frames - 1) % VAE_TEMPORAL:
+        raise UserError(f"frames must be 1 + {VAE_TEMPORAL} k (the VAE's temporal factor), got {frames}")
+    return 1, (frames - 1) // VAE_TEMPORAL + 1, height // VAE_SPATIAL, width // VAE_SPATIAL
+
+
+def reference_latent(refs: dict, shape, z_dim: int, seed: int, device, dtype) -> torch.Tensor | None:
+    """Images and video frames resized to the latent grid, projected to z_dim channels by a fixed
+    random map and averaged: what the toy conditions on (None without visual references)."""
+    import torch.nn.functional as F
+
+    _, T, h, w = shape
+    pics = [m[-1:] for m in refs["image"]] + [m for m in refs["video"]]
+    if not pics:
+        return None
+    g = torch.Generator().manual_seed(seed + 17)
+    proj = torch.randn(z_dim, 3, generator=g)
+    acc = torch.zeros(z_dim, h, w)
+    for p in pics:
+        x = F.interpolate(p.float().permute(0, 3, 1, 2), size=(h, w), mode="area").mean(0)   # [3, h, w]
+        acc += torch.einsum("zc,chw->zhw", proj, (x - 0.5) * 2)
+    ref = acc / len(pics)
+    return ref[None, :, None].expand(1, z_dim, T, h, w).to(device=device, dtype=dtype)
+
+
+@node("H3Denoise", inputs={"model": "MODEL", "prompt": "STRING", "width": Input("INT", min=16),
+                           "height": Input("INT", min=16), "frames": Input("INT", min=1), "steps": Input("INT", min=1),
+                           "seed": Input("INT", default=0), "references": Input("REFS", optional=True),
+                           "reference_strength": Input("FLOAT", default=0.5)},
+      outputs=(("latent", "LATENT"),))
+def h3_denoise(model, prompt, width, height, frames, steps, seed, references, reference_strength):
+    """`steps` flow-matching Euler steps of the toy DiT. With references (Ref2VA) the reference rules
+    are checked first, and the start is mixed toward the references' latent (image-to-video style)."""
+    from ..diffusion.toy_pipeline import denoise
+
+    shape = latent_shape(width, height, frames)
+    seed = seed + segments.prompt_seed(prompt) % 100_000   # the toy's "text encoder": the prompt moves the seed
+    dit = model["dit"]
+    if references is None:
+        return ({"latent": denoise(dit, shape, steps, seed, device=model["device"], dtype=model["dtype"]),
+                 "references": None},)
+    refs = group_references(references)
+    counts = validate_references(refs["image"], refs["video"], refs["audio"])
+    ref = reference_latent(refs, shape, dit.cfg.z_dim, seed, model["device"], model["dtype"])
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, dit.cfg.z_dim, *shape[1:], generator=g).to(device=model["device"], dtype=model["dtype"])
+    if ref is not None:
+        x = (1 - reference_strength) * x + reference_strength * ref
+    with torch.no_grad():
+        for i in range(steps):
+            t = 1.0 - i / steps
+            x = x - dit(x, t) / steps
+    return ({"latent": x, "references": counts, "audio_refs": refs["audio"]},)
+
+
+@node("H3VAEDecode", inputs={"model": "MODEL", "latent": "LATENT"}, outputs=(("images", "IMAGE"),))
+def h3_vae_decode(model, latent):
+    """The toy causal video VAE (`diffusion.vae`, eager backend): latent -> frames in [0, 1]."""
+    with torch.no_grad():
+        video = model["vae"](latent["latent"])          # [1, 3, T', H, W] roughly in [-1, 1]
+    return (((video[0].float().clamp(-1, 1) + 1) / 2).permute(1, 2, 3, 0).contiguous(),)
+
+
+@node("H3AudioDecode", inputs={"latent": "LATENT", "frames": Input("INT", min=1), "fps": Input("INT", min=1),
+                               "sample_rate": Input("INT", default=32000, min=8000)},
+      outputs=(("audio", "AUDIO"),))
+def h3_audio_decode(latent, frames, fps, sample_rate):
+    """Stereo audio lasting frames / fps seconds (`toy_pipeline.synth_audio`), with any audio
+    references mixed in at a quarter of their level."""
+    from ..diffusion.toy_pipeline import synth_audio
+
+    wav = torch.from_numpy(synth_audio(latent["latent"], frames, fps, sample_rate))
+    for ref in latent.get("audio_refs") or ():
+        r = ref["waveform"].float()
+        if ref["sample_rate"] != sample_rate:
+            n = int(round(r.shape[1] * sample_rate / ref["sample_rate"]))
+            r = torch.nn.functional.interpolate(r[None], size=max(n, 1), mode="linear", align_corners=False)[0]
+        r = r.expand(2, -1) if r.shape[0] == 1 else r[:2]
+        reps = math.ceil(wav.shape[1] / max(r.shape[1], 1))
+        wav = wav + 0.25 * r.repeat(1, reps)[:, :wav.shape[1]]
+    return ({"waveform": wav.clamp(-1, 1), "sample_rate": sample_rate},)

@@ -1,0 +1,140 @@
+"""Media through the executor: save -> probe round trip, truncated inputs, no half-written outputs,
+and the toy segment generator's continuity measurements."""
+import numpy as np
+import pytest
+import torch
+
+from inferbook.workflow import Executor, WorkflowError, nodes, segments
+
+
+def clip_workflow(frames=6, width=32, height=24, prefix="clip", audio=True):
+    wf = {"scene": {"class_type": "ToyScene", "inputs": {"width": width, "height": height, "prompt": "p", "seed": 1}},
+          "seg": {"class_type": "GenerateSegment", "inputs": {"context": ["scene", 0], "prompt": "p", "frames": frames,
+                                                              "seed": 3, "steps": 2}},
+          "save": {"class_type": "SaveVideo", "inputs": {"images": ["seg", 0], "fps": 24, "filename_prefix": prefix}}}
+    if audio:
+        wf["save"]["inputs"]["audio"] = ["seg", 1]
+    return wf
+
+
+def test_save_then_probe_round_trip(tmp_path):
+    from inferbook.diffusion.media import probe_media
+
+    frames = np.random.default_rng().integers(3, 9)
+    r = Executor(output_dir=tmp_path).run(clip_workflow(frames=int(frames)))
+    info = probe_media(r.output("save"))
+    assert info["frames"] == frames and (info["width"], info["height"]) == (32, 24)
+    assert info["video_codec"] == "h264" and info["audio_codec"] == "aac"
+    assert info["sample_rate"] == 32000 and info["channels"] == 2 and abs(info["fps"] - 24) < 1e-6
+    assert r.events[-1]["kind"] == "save_video" and r.events[-1]["frames"] == frames
+    loaded = Executor(input_dir=tmp_path).run(
+        {"v": {"class_type": "LoadVideo", "inputs": {"path": "clip.mp4"}},
+         "a": {"class_type": "LoadAudio", "inputs": {"path": "clip.mp4"}}})
+    assert loaded.output("v").shape == (frames, 24, 32, 3) and loaded.output("v", 1) == frames
+    wav = loaded.output("a")["waveform"]
+    assert wav.shape[0] == 2 and wav.shape[1] >= int(frames / 24 * 32000) and torch.isfinite(wav).all()
+
+
+def test_png_reference_round_trip(tmp_path):
+    img = torch.rand(1, 20, 28, 3)
+    nodes.write_png(tmp_path / "r.png", nodes.to_uint8(img)[0])
+    out = Executor(input_dir=tmp_path).run({"i": {"class_type": "LoadImage", "inputs": {"path": "r.png"}}}).output("i")
+    assert out.shape == (1, 20, 28, 3) and (out - img).abs().max() <= 0.5 / 255 + 1e-6
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage", "empty", "missing"])
+def test_unreadable_or_truncated_media_is_a_clear_error(tmp_path, damage):
+    Executor(output_dir=tmp_path).run(clip_workflow(frames=8))
+    path = tmp_path / "clip.mp4"
+    data = path.read_bytes()
+    bad = tmp_path / "bad.mp4"
+    if damage == "truncate":
+        bad.write_bytes(data[: len(data) // 2])
+    elif damage == "garbage":
+        bad.write_bytes(b"\x00not a video" * 50)
+    elif damage == "empty":
+        bad.write_bytes(b"")
+    with pytest.raises(WorkflowError) as e:
+        Executor(input_dir=tmp_path).run({"v": {"class_type": "LoadVideo", "inputs": {"path": "bad.mp4"}}})
+    msg = str(e.value)
+    assert "node 'v' (LoadVideo)" in msg and "bad.mp4" in msg
+    assert ("does not exist" in msg) if damage == "missing" else ("unreadable or truncated" in msg or "truncated" in msg)
+
+
+def test_failed_save_leaves_no_file(tmp_path, monkeypatch):
+    import av
+
+    calls = {"n": 0}
+    real = av.VideoFrame.from_ndarray
+
+    def flaky(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise OSError("disk full (simulated)")
+        return real(*a, **k)
+
+    monkeypatch.setattr(av.VideoFrame, "from_ndarray", staticmethod(flaky))
+    with pytest.raises(WorkflowError, match="disk full"):
+        Executor(output_dir=tmp_path).run(clip_workflow(frames=6))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_save_that_does_not_match_the_request_is_removed(tmp_path, monkeypatch):
+    from inferbook.diffusion import media
+
+    real = media.probe_media
+    monkeypatch.setattr(media, "probe_media", lambda p: {**real(p), "frames": 1})
+    with pytest.raises(WorkflowError, match="does not hold what was asked for"):
+        Executor(output_dir=tmp_path).run(clip_workflow(frames=5))
+    assert not list(tmp_path.glob("*.mp4"))
+
+
+def test_bad_filename_prefix_is_refused(tmp_path):
+    with pytest.raises(WorkflowError, match="plain file name"):
+        Executor(output_dir=tmp_path).run(clip_workflow(prefix="../escape"))
+
+
+def test_segments_continuity_inside_vs_boundary():
+    W, H, F, n = 32, 24, 5, 3
+    sps = int(round(F / 24 * 32000))
+    for carry in (False, True):
+        clip = segments.scene(W, H, "kite", 0)
+        audio = torch.zeros(2, 0)
+        for k in range(n):
+            ctxf = clip[-2:] if carry else clip[-1:]
+            v, a = segments.generate_segment(ctxf, "kite", F, 0, k, steps=2,
+                                             audio_offset=audio.shape[1] if carry else None)
+            clip, audio = torch.cat([clip, v]), torch.cat([audio, a["waveform"]], dim=1)
+        m = segments.continuity(clip, audio, first_segment_start=1, segment_frames=F, segment_samples=sps)
+        assert m["boundaries"] == n
+        assert m["residual_inside"] < 1e-6 < m["residual_boundary"]      # texture never carried
+        assert m["pan_change_inside_px"] == 0
+        if carry:
+            assert m["pan_change_boundary_px"] == 0
+            assert m["audio_jump_boundary_max"] < 2 * m["audio_jump_inside_max"]
+        else:
+            assert m["audio_jump_boundary_max"] > 5 * m["audio_jump_inside_max"]
+
+
+def test_estimate_shift_recovers_a_random_pan():
+    img = torch.rand(24, 32, 3)
+    dy, dx = (int(x) for x in torch.randint(-3, 4, (2,)))
+    assert segments.estimate_shift(img, torch.roll(img, (dy, dx), dims=(0, 1))) == (dy, dx)
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    (dict(width=30, height=24), "multiples of 4"), (dict(width=32, height=24, frames=0), "frames must be >= 1"),
+])
+def test_generator_bad_sizes(kwargs, fragment):
+    frames = kwargs.pop("frames", 3)
+    with pytest.raises(ValueError, match=fragment):
+        segments.generate_segment(torch.rand(1, kwargs["height"], kwargs["width"], 3), "p", frames, 0, 0)
+
+
+@pytest.mark.parametrize("w, h, f, ok", [(64, 48, 9, True), (64, 48, 8, False), (60, 48, 9, False), (16, 16, 1, True)])
+def test_h3_latent_shape_rules(w, h, f, ok):
+    if ok:
+        assert nodes.latent_shape(w, h, f) == (1, (f - 1) // 4 + 1, h // 8, w // 8)
+    else:
+        with pytest.raises(ValueError):
+            nodes.latent_shape(w, h, f)
