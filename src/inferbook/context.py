@@ -118,8 +118,10 @@ class Context:
     def new_record(self, name: str, *, variant: str = "", workload: dict | None = None,
                    topology: dict | None = None, **fields) -> RunRecord:
         """A record pre-filled with git, packages, hardware, chapter and parameters."""
+        # The machine's load when the record was made: on a shared CPU, times swing with it.
+        hardware = {**self.hardware, "load_average_1m": _load_average()}
         return RunRecord(chapter=self.chapter.slug, name=name, variant=variant, git=git_state(),
-                         packages=package_versions(), hardware=self.hardware, device=str(self.device),
+                         packages=package_versions(), hardware=hardware, device=str(self.device),
                          preset=self.preset, parameters={"seed": self.seed, **self.params},
                          workload=dict(workload or {}), topology=dict(topology or {}), **fields)
 
@@ -144,6 +146,13 @@ class Context:
     def references(self) -> dict[str, list[RunRecord]]:
         """Committed reference runs of this chapter, by hardware slug."""
         return reference_records(self.chapter.slug)
+
+
+def _load_average() -> float | None:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (OSError, AttributeError):
+        return None
 
 
 def reference_records(chapter: str) -> dict[str, list[RunRecord]]:

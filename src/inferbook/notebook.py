@@ -68,10 +68,16 @@ def hardware_notice(ctx) -> _Markdown:
         body = (f"Measured on **{ctx.hardware_label}** (`preset={ctx.preset}`, seed {ctx.seed}). "
                 "Triton kernels are compiled and timed with CUDA events.")
     else:
+        import os
+
+        try:
+            load = f" The load average was {os.getloadavg()[0]:.1f} when this page executed: CPU times swing with it."
+        except (OSError, AttributeError):
+            load = ""
         body = (f"Measured on **{ctx.hardware_label}** (`preset={ctx.preset}`, seed {ctx.seed}). "
                 "There is no GPU here: Triton kernels ran in the Triton interpreter, which checks "
                 "correctness only and is never timed. Times on this page are of PyTorch paths on this CPU, "
-                "labelled as such; GPU numbers come from committed reference runs, each with its record.")
+                "labelled as such; GPU numbers come from committed reference runs, each with its record." + load)
     return _Markdown(f":::{{admonition}} Hardware\n:class: note\n{body}\n:::\n")
 
 
