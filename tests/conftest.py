@@ -17,3 +17,11 @@ def results_env(tmp_path, monkeypatch):
     monkeypatch.setenv("INFERBOOK_RESULTS", str(tmp_path / "results"))
     monkeypatch.delenv("INFERBOOK_SAVE_REFERENCE", raising=False)
     return tmp_path / "results"
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _one_math_thread():
+    """Belt and braces for OMP_NUM_THREADS above, in case torch was imported first."""
+    import torch
+
+    torch.set_num_threads(1)

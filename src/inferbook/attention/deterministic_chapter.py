@@ -1,0 +1,359 @@
+"""Chapter `deterministic-attention`: batch-invariant split-KV decode attention (seed §六, SGLang
+#37740 — with deterministic inference on, AMD no longer takes Lean Attention, whose floating-point
+grouping changes with the batch size).
+
+`measure(ctx, ...)` returns these records:
+
+- `decode-correctness` — the Triton kernel in both modes against the fp32 PyTorch definition, with
+  FlashAttention's tolerance rule (at most twice PyTorch's own error in the same precision).
+- `batch-invariance` — one request placed in batches of each size: distinct output bit patterns
+  per mode (the switch `deterministic` is in the record's workload).
+- `matmul-invariance` — `F.linear` (what the serving engine's linear layers call) and the fixed-tile
+  Triton matmul: is mm(a[:1], w) == mm(a, w)[:1] in bits for every M?
+- `decode-time` (GPU only) — both modes over batch sizes: the time cost of determinism.
+- `engine-determinism` — the serving engine end to end, when available (see `e2e_engine`).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from ..measure import benchmark
+from ..presets import Param
+from ..record import RunRecord
+from . import decode
+
+PARAMETERS = {
+    "batch_sizes": Param(tuple, help="batch sizes the same request is placed in (comma list)"),
+    "heads": Param(int, help="query heads"),
+    "kv_heads": Param(int, help="key/value heads"),
+    "head_dim": Param(int, help="head dimension"),
+    "max_seqlen": Param(int, help="cache capacity (the other requests' lengths are random up to it)"),
+    "target_len": Param(int, help="length of the request that is followed across batches"),
+    "split_size": Param(int, help="tokens per split in deterministic mode (multiple of 32)"),
+    "sms": Param(int, help="SMs the adaptive plan fills (0: this GPU's count)"),
+    "dtype": Param(str, "bfloat16", help="q/k/v dtype", choices=("bfloat16", "float16")),
+    "mm_m_values": Param(tuple, help="row counts M of the matmul invariance check (comma list)"),
+    "mm_k": Param(int, help="matmul K (input features)"),
+    "mm_n": Param(int, help="matmul N (output features)"),
+    "time_batches": Param(tuple, help="batch sizes timed on a GPU (comma list)"),
+    "time_seqlen": Param(int, help="cache length of the timed batches"),
+    "reps": Param(int, help="timed repetitions"),
+    "e2e_requests": Param(int, help="identical greedy requests in the end-to-end run (0: skip)"),
+    "e2e_new_tokens": Param(int, help="tokens each end-to-end request generates"),
+    "e2e_layers": Param(int, help="decoder layers of the end-to-end model"),
+}
+
+PRESETS = {
+    "smoke": dict(batch_sizes=(1, 2, 3, 5, 8), heads=4, kv_heads=2, head_dim=32, max_seqlen=128, target_len=120,
+                  split_size=32, sms=8, mm_m_values=(1, 3, 17, 64), mm_k=128, mm_n=64, time_batches=(1, 8),
+                  time_seqlen=1024, reps=3, e2e_requests=4, e2e_new_tokens=3, e2e_layers=1),
+    # cpu: every Triton kernel runs in the interpreter (one Python step per program), so the
+    # end-to-end run is 16 requests here; the gpu preset runs 100
+    "cpu": dict(batch_sizes=(1, 2, 3, 4, 6, 8, 16), heads=4, kv_heads=2, head_dim=64, max_seqlen=256,
+                target_len=250, split_size=64, sms=8, mm_m_values=(1, 2, 3, 8, 17, 64, 128), mm_k=256, mm_n=128,
+                time_batches=(1, 8), time_seqlen=1024, reps=5, e2e_requests=16, e2e_new_tokens=4, e2e_layers=1),
+    "gpu": dict(batch_sizes=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64), heads=32, kv_heads=8, head_dim=128,
+                max_seqlen=8192, target_len=8000, split_size=256, sms=0, mm_m_values=(1, 2, 3, 8, 17, 64, 128, 256, 1024),
+                mm_k=4096, mm_n=4096, time_batches=(1, 2, 4, 8, 16, 32, 64), time_seqlen=8192, reps=20,
+                e2e_requests=100, e2e_new_tokens=32, e2e_layers=4),
+}
+
+
+def _ints(values) -> list[int]:
+    return [int(v) for v in values]
+
+
+@functools.lru_cache(maxsize=4)
+def correctness_rows(device, dtype, seed: int, split_size: int, sms: int | None) -> list[dict]:
+    """Kernel (both modes) vs the fp32 definition on fresh random inputs, over a small matrix of
+    shapes: GQA and MHA, an odd head dim, lengths 0, 1, a split boundary and the capacity.
+    Tolerance (FlashAttention's rule): 2 x PyTorch's own error in `dtype` + a rounding floor.
+    Cached per arguments: the notebook's correctness section and `measure` share one run."""
+    rows = []
+    g = torch.Generator().manual_seed(seed + 11)
+    for B, H, Hk, D, S in ((4, 4, 2, 32, 2 * split_size + 5), (3, 6, 6, 40, split_size), (2, 8, 1, 64, 3 * split_size)):
+        q = torch.randn(B, H, D, generator=g).to(dtype).to(device)
+        k = torch.randn(B, S, Hk, D, generator=g).to(dtype).to(device)
+        v = torch.randn(B, S, Hk, D, generator=g).to(dtype).to(device)
+        lens = torch.tensor([S, 0, 1, split_size + 1][:B], dtype=torch.int32)
+        lens = torch.cat([lens, torch.randint(0, S + 1, (B - len(lens),), generator=g, dtype=torch.int32)])[:B].to(device)
+        ref = decode.decode_attention_reference(q, k, v, lens).float()
+        low = decode.decode_attention_reference(q, k, v, lens, compute_dtype=dtype).float()
+        floor = 2 * float(((ref + 0.3 - 0.3) - ref).abs().max())
+        torch_err = float((low - ref).abs().max())
+        for det in (False, True):
+            out, plan = decode.decode_attention(q, k, v, lens, det, split_size=split_size, sms=sms, return_plan=True)
+            err = float((out.float() - ref).abs().max())
+            zero_ok = bool((out[lens == 0] == 0).all())
+            rows.append({"shape": f"B{B} H{H}/{Hk} D{D} S{S}", "mode": plan["mode"], "num_splits": plan["num_splits"],
+                         "max_err": err, "torch_err": torch_err, "tolerance": 2 * torch_err + floor,
+                         "empty_rows_zero": zero_ok, "nan": bool(out.isnan().any()),
+                         "passed": (err <= 2 * torch_err + floor) and zero_ok and not bool(out.isnan().any())})
+    return rows
+
+
+def summarize_invariance(rows: list[dict]) -> dict[str, int]:
+    """Distinct output bit patterns of the followed request, per mode."""
+    out: dict[str, set] = {}
+    for r in rows:
+        out.setdefault(r["mode"], set()).add(r["bits"])
+    return {mode: len(bits) for mode, bits in out.items()}
+
+
+def measure(ctx, *, batch_sizes, heads, kv_heads, head_dim, max_seqlen, target_len, split_size, sms, dtype,
+            mm_m_values, mm_k, mm_n, time_batches, time_seqlen, reps, e2e_requests, e2e_new_tokens,
+            e2e_layers) -> list[RunRecord]:
+    from ..errors import UserError
+
+    dt = getattr(torch, dtype)
+    sms = sms or None
+    batch_sizes, mm_m_values, time_batches = _ints(batch_sizes), _ints(mm_m_values), _ints(time_batches)
+    if not 1 <= target_len <= max_seqlen:
+        raise UserError(f"target_len must be in 1..max_seqlen={max_seqlen}, got {target_len}")
+    decode.plan_splits(1, 1, 1, deterministic=True, sms=1, split_size=split_size)  # validates split_size
+    backend, why = decode.select_backend(ctx.device)
+    shapes = {"q": ["B", heads, head_dim], "kv_cache": ["B", max_seqlen, kv_heads, head_dim]}
+    label = f"triton ({'interpreter' if ctx.interpreted else 'compiled'})" if backend == "triton" else "torch reference"
+    records = []
+
+    corr = ctx.new_record("decode-correctness", variant="both modes", workload={
+        "model": "split-KV decode attention", "dtype": dtype, "deterministic": "both",
+        "shapes": {"split_size": split_size}}, topology={"ranks": 1})
+    corr.set_backend("decode_attention", label, reason=why, dtype=dtype)
+    for r in correctness_rows(ctx.device, dt, ctx.seed, split_size, sms):
+        corr.add_check(f"{r['shape']} {r['mode']}: error <= 2 x PyTorch {dtype} error", r["passed"],
+                       error=r["max_err"], tolerance=r["tolerance"], empty_rows_zero=r["empty_rows_zero"])
+    records.append(corr)
+
+    rows = decode.batch_invariance_sweep(batch_sizes=batch_sizes, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                                         max_seqlen=max_seqlen, target_len=target_len, dtype=dt, device=ctx.device,
+                                         seed=ctx.seed, split_size=split_size, sms=sms)
+    distinct = summarize_invariance(rows)
+    inv = ctx.new_record("batch-invariance", variant="adaptive vs deterministic", workload={
+        "model": "split-KV decode attention", "dtype": dtype, "batch": batch_sizes, "input_len": target_len,
+        "deterministic": "both (switch recorded per measurement)",
+        "shapes": shapes}, topology={"ranks": 1})
+    inv.set_backend("decode_attention", label, reason=why, shapes=shapes, dtype=dtype)
+    for r in rows:
+        inv.add("split_len", r["split_len"], "tokens", mode=r["mode"], deterministic=r["mode"] == "deterministic",
+                batch=r["batch"], num_splits=r["num_splits"], target_splits=r["target_splits"], bits=r["bits"],
+                max_err=r["max_err"])
+    for mode, n in distinct.items():
+        inv.add("distinct_bit_patterns", n, "patterns", mode=mode, deterministic=mode == "deterministic",
+                batches=len(batch_sizes))
+    inv.add_check("deterministic mode: one bit pattern across all batch sizes", distinct["deterministic"] == 1,
+                  error=distinct["deterministic"], tolerance=1)
+    inv.add_check("no NaN in the followed request's output", not any(r["nan"] for r in rows))
+    records.append(inv)
+
+    mm = ctx.new_record("matmul-invariance", variant="F.linear vs fixed-tile Triton", workload={
+        "model": "linear layer", "dtype": dtype, "shapes": {"k": mm_k, "n": mm_n, "m": mm_m_values}},
+        topology={"ranks": 1})
+    mm.set_backend("F.linear", "torch F.linear (the engine's linear layers)", shapes={"k": mm_k, "n": mm_n}, dtype=dtype)
+    mm.set_backend("batch_invariant_matmul", label, reason=why, shapes={"k": mm_k, "n": mm_n}, dtype=dtype)
+    # F.linear in the chapter's dtype and in the end-to-end engine's (float32 on CPU, bf16 on a GPU)
+    cases = [("F.linear", F.linear, dt), ("batch_invariant_matmul", decode.batch_invariant_matmul, dt)]
+    if engine_dtype(ctx.device) != dt:
+        cases.insert(1, ("F.linear", F.linear, engine_dtype(ctx.device)))
+    for name, fn, mdt in cases:
+        res = decode.matmul_batch_invariance(fn, m_values=mm_m_values, k=mm_k, n=mm_n, dtype=mdt, device=ctx.device,
+                                             seed=ctx.seed)
+        varies = [m for m, same in res["same"].items() if not same]
+        d = str(mdt).replace("torch.", "")
+        mm.add("distinct_row0_patterns", res["distinct"], "patterns", op=name, dtype=d, varies_at=varies)
+        mm.add("batch_sizes_varying", len(varies), "batch sizes", op=name, dtype=d, rows_checked=res["rows_checked"])
+        if name == "batch_invariant_matmul":
+            mm.add_check("fixed-tile matmul: every checked row equals the row computed alone, for every M",
+                         not varies and res["distinct"] == 1, error=len(varies), tolerance=0)
+    records.append(mm)
+
+    if ctx.device.type == "cuda" and backend == "triton":
+        t = ctx.new_record("decode-time", variant="adaptive vs deterministic", workload={
+            "model": "split-KV decode attention", "dtype": dtype, "input_len": time_seqlen, "batch": time_batches,
+            "shapes": {**shapes, "kv_cache": ["B", time_seqlen, kv_heads, head_dim]}}, topology={"ranks": 1})
+        t.set_backend("decode_attention", label, reason=why, dtype=dtype)
+        g = torch.Generator(device=ctx.device).manual_seed(ctx.seed)
+        for B in time_batches:
+            q = torch.randn(B, heads, head_dim, device=ctx.device, generator=g).to(dt)
+            k = torch.randn(B, time_seqlen, kv_heads, head_dim, device=ctx.device, generator=g).to(dt)
+            v = torch.randn_like(k)
+            lens = torch.full((B,), time_seqlen, dtype=torch.int32, device=ctx.device)
+            bytes_moved = 2 * k.numel() * k.element_size() + 2 * q.numel() * q.element_size()
+            for det in (False, True):
+                _, plan = decode.decode_attention(q, k, v, lens, det, split_size=split_size, sms=sms, return_plan=True)
+                tm = benchmark(lambda: decode.decode_attention(q, k, v, lens, det, split_size=split_size, sms=sms,
+                                                               max_seqlen=time_seqlen),
+                               ctx.device, label=f"decode B{B} det={det}", uses_triton=True, min_reps=reps)
+                t.add_timing("decode_time", tm, mode=plan["mode"], deterministic=det, batch=B,
+                             num_splits=plan["num_splits"], gbps=bytes_moved / tm.median_s / 1e9)
+        records.append(t)
+
+    if e2e_requests > 0:
+        records.append(engine_record(ctx, requests=e2e_requests, new_tokens=e2e_new_tokens, layers=e2e_layers,
+                                     split_size=split_size, sms=sms))
+    return records
+
+
+# ---------------------------------------------------------------------------
+# End to end: the serving engine (inferbook.serving) with the determinism switch
+
+def engine_dtype(device: torch.device):
+    """The end-to-end model's dtype: bfloat16 on a GPU, float32 on CPU."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def _switchable_runner_class():
+    """A `ModelRunner` whose forward takes the determinism switch: linear layers through F.linear
+    (the engine's own) or the fixed-tile matmul; the decode rows' attention batched through
+    `decode_attention` (adaptive or fixed split). Prefill chunks keep the engine's attention,
+    which already runs one request at a time."""
+    from ..serving.model import apply_rope
+    from ..serving.model_runner import ModelRunner, paged_attention
+
+    class SwitchableRunner(ModelRunner):
+        def __init__(self, model, num_blocks, block_size, *, deterministic: bool, split_size: int, sms):
+            super().__init__(model, num_blocks, block_size)
+            self.deterministic, self.split_size, self.sms = deterministic, split_size, sms
+            self.decode_plans: list[dict] = []
+
+        def lin(self, mod, x):
+            return decode.batch_invariant_matmul(x, mod.weight) if self.deterministic else F.linear(x, mod.weight)
+
+        @torch.no_grad()
+        def forward(self, batch):
+            m, cfg = self.model, self.model.cfg
+            T = batch.tokens.shape[0]
+            H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+            cos, sin = m.cos[batch.positions], m.sin[batch.positions]
+            x = m.embed(batch.tokens)
+            one = [(start, kv_slots) for start, n, kv_slots, _ in batch.spans if n == 1]
+            lens = torch.tensor([len(s) for _, s in one], dtype=torch.int32, device=x.device)
+            rows = torch.tensor([start for start, _ in one], dtype=torch.long, device=x.device)
+            for i, layer in enumerate(m.layers):
+                a = layer.attn
+                h = layer.attn_norm(x)
+                q = apply_rope(self.lin(a.wq, h).view(T, H, D).transpose(0, 1)[None], cos, sin)[0]     # [H, T, D]
+                k = apply_rope(self.lin(a.wk, h).view(T, Hkv, D).transpose(0, 1)[None], cos, sin)[0]
+                v = self.lin(a.wv, h).view(T, Hkv, D)
+                self.k_cache[i].index_copy_(0, batch.slots, k.transpose(0, 1))
+                self.v_cache[i].index_copy_(0, batch.slots, v)
+                out = torch.empty(H, T, D, dtype=x.dtype, device=x.device)
+                for start, n, kv_slots, pos in batch.spans:
+                    if n > 1:
+                        out[:, start:start + n] = paged_attention(q[:, start:start + n], self.k_cache[i],
+                                                                  self.v_cache[i], kv_slots, pos)
+                if one:  # every one-token row of the step in one batched decode-attention call
+                    S = int(lens.max())
+                    kc = torch.zeros(len(one), S, Hkv, D, dtype=x.dtype, device=x.device)
+                    vc = torch.zeros_like(kc)
+                    for j, (_, slots) in enumerate(one):
+                        kc[j, :len(slots)] = self.k_cache[i][slots]
+                        vc[j, :len(slots)] = self.v_cache[i][slots]
+                    o, plan = decode.decode_attention(q[:, rows].transpose(0, 1).contiguous(), kc, vc, lens,
+                                                      self.deterministic, split_size=self.split_size, sms=self.sms,
+                                                      return_plan=True)
+                    if i == 0:
+                        self.decode_plans.append({"batch": len(one), "split_len": plan["split_len"]})
+                    out[:, rows] = o.transpose(0, 1)
+                x = x + self.lin(a.wo, out.transpose(0, 1).reshape(T, cfg.d_model))
+                h = layer.mlp_norm(x)
+                x = x + self.lin(layer.w_down, F.silu(self.lin(layer.w_gate, h)) * self.lin(layer.w_up, h))
+            hidden = m.norm(x[batch.logit_rows])
+            return self.lin(m.lm_head, hidden).float(), hidden
+
+    return SwitchableRunner
+
+
+def run_engine(model, *, deterministic: bool, requests: int, new_tokens: int, seed: int, split_size: int, sms,
+               max_num_seqs: int = 16, max_steps: int = 100_000) -> dict:
+    """`requests` copies of one greedy request, arriving in waves among random other requests
+    (random prompt and output lengths), so each copy runs in different batches. Returns the
+    copies' completions, their last hidden states' bit patterns, the step batch sizes seen and
+    the decode-attention plans."""
+    import hashlib
+    import random
+
+    from ..serving.config import EngineConfig
+    from ..serving.engine import LLMEngine
+    from ..serving.sequence import SamplingParams
+
+    cfg = model.cfg
+    # deterministic mode also prefills each prompt in one piece: where chunk boundaries fall
+    # depends on the other requests, and a chunk boundary changes a prompt's arithmetic
+    engine = LLMEngine(model, EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=256, block_size=16,
+                                           chunked_prefill=not deterministic))
+    Runner = _switchable_runner_class()
+    engine.runner = Runner(model, engine.block_manager.num_blocks, engine.config.block_size,
+                           deterministic=deterministic, split_size=split_size, sms=sms)
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    prompt_max = cfg.max_seq - new_tokens
+    target_prompt = torch.randint(cfg.vocab, (min(24, prompt_max),), generator=g).tolist()
+    target_params = SamplingParams(max_tokens=new_tokens)
+    targets, left, steps = [], requests, 0
+    while left or engine.has_unfinished():
+        if left:
+            for _ in range(min(left, rng.randint(1, 4))):
+                targets.append(engine.add_request(target_prompt, target_params))
+                left -= 1
+            for _ in range(rng.randint(0, 4)):
+                n = rng.randint(1, prompt_max)
+                engine.add_request(torch.randint(cfg.vocab, (n,), generator=g).tolist(),
+                                   SamplingParams(max_tokens=rng.randint(1, new_tokens)))
+        for _ in range(rng.randint(1, 3) if left else 1):
+            if engine.has_unfinished():
+                engine.step()
+                steps += 1
+        if steps > max_steps:
+            raise RuntimeError(f"engine did not finish within {max_steps} steps")
+    completions = [tuple(s.output_ids) for s in targets]
+    hidden = [hashlib.sha256(decode.output_bits(s.draft_hidden)).hexdigest()[:16] for s in targets]
+    return {"completions": completions, "hidden_bits": hidden, "steps": steps,
+            "step_tokens": sorted({st.num_tokens for st in engine.steps}),
+            "decode_batches": sorted({p["batch"] for p in engine.runner.decode_plans}),
+            "decode_split_lens": sorted({p["split_len"] for p in engine.runner.decode_plans})}
+
+
+def engine_record(ctx, *, requests: int, new_tokens: int, layers: int, split_size: int, sms) -> RunRecord:
+    """Both modes of the engine on the same arrivals: distinct completions and hidden-state bit
+    patterns among the identical requests; on a GPU, the wall time of each run."""
+    import time
+
+    from ..device import synchronize
+    from ..serving.model import TinyConfig, TinyDecoder, init_weights
+
+    dtype = engine_dtype(ctx.device)
+    cfg = TinyConfig(max_seq=64 + new_tokens, n_layers=layers)
+    model = init_weights(TinyDecoder(cfg), ctx.seed).to(ctx.device, dtype).eval()
+    rec = ctx.new_record("engine-determinism", variant="adaptive vs deterministic", workload={
+        "model": f"tiny-decoder L{cfg.n_layers} d{cfg.d_model} (random init, seed {ctx.seed})",
+        "quantization": f"none ({str(dtype)[6:]})", "output_len": new_tokens, "batch": "varying (waves)",
+        "requests": requests, "dtype": str(dtype)[6:]}, topology={"ranks": 1})
+    backend, why = decode.select_backend(ctx.device)
+    rec.set_backend("engine decode attention", "decode_attention (" + backend + ")", reason=why)
+    rec.set_backend("engine linear", "F.linear (adaptive) / batch_invariant_matmul (deterministic)")
+    for det in (False, True):
+        synchronize(ctx.device)
+        t0 = time.perf_counter()
+        res = run_engine(model, deterministic=det, requests=requests, new_tokens=new_tokens, seed=ctx.seed,
+                         split_size=split_size, sms=sms)
+        synchronize(ctx.device)
+        wall = time.perf_counter() - t0
+        mode = "deterministic" if det else "adaptive"
+        n_comp, n_hidden = len(set(res["completions"])), len(set(res["hidden_bits"]))
+        rec.add("distinct_completions", n_comp, "completions", mode=mode, deterministic=det, requests=requests,
+                steps=res["steps"], decode_batches=res["decode_batches"], decode_split_lens=res["decode_split_lens"])
+        rec.add("distinct_hidden_bits", n_hidden, "patterns", mode=mode, deterministic=det, requests=requests)
+        if ctx.device.type == "cuda":
+            rec.add("engine_wall", wall, "s", phase="total", mode=mode, deterministic=det, steps=res["steps"])
+        if det:
+            rec.add_check("deterministic engine: one completion for all identical requests", n_comp == 1,
+                          error=n_comp, tolerance=1)
+            rec.add_check("deterministic engine: one hidden-state bit pattern", n_hidden == 1,
+                          error=n_hidden, tolerance=1)
+    if ctx.device.type != "cuda":
+        rec.notes = "No engine times on CPU: both modes run Triton kernels in the interpreter."
+    return rec

@@ -1,0 +1,287 @@
+"""Chapter `kimi-dspark-acceptance`: how far a hidden-state draft gets, per task, and what it costs.
+
+The seed (section 二, DSpark) quotes the model card of a five-layer, eight-position Kimi K3 draft:
+mean acceptance length 6.42 on math reasoning, 4.96 on HumanEval, 3.28 on QA — the task
+distribution changes acceptance — and warns that choosing a draft by acceptance alone, without
+measuring per-round time, can pick a larger draft that is not faster.
+
+Here a small byte-level target and two hidden-state drafts (`draft.py`; 1 and 3 layers) were
+trained on three corpora (`corpora.py`: math, code, qa) by `train.py`, hidden-state extraction and
+draft training in separate processes; the weights are committed in `data/models/`. `measure`
+generates from held-out prompts of each task with k = 8 draft positions and returns records of
+acceptance (per position, cumulative and conditional), Leviathan et al.'s expected length, and the
+measured cost model: per-round time = draft time x k + verify time, and time per generated token.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from ..errors import UserError
+from ..presets import Param
+from ..record import RunRecord
+from .config import EngineConfig
+from .corpora import TASKS, encode, load_corpus
+from .draft import HiddenStateDrafter, draft_metadata, load_draft
+from .engine import LLMEngine
+from .metrics import run_closed_loop
+from .model import load_weights
+from .sequence import SamplingParams
+from .spec_budget import torch_threads
+from .speculative import leviathan_expected_length
+from .train import DRAFTS, TARGET_FILE, draft_file, run_all
+
+PARAMETERS = {
+    "num_spec_tokens": Param(int, 8, help="draft positions per round, k (the seed: 8)"),
+    "prompts_per_task": Param(int, help="held-out prompts per task"),
+    "code_prompt_chars": Param(int, 96, help="characters of a code document used as its prompt"),
+    "output_len": Param(int, help="generated tokens per prompt"),
+    "temperature": Param(float, 0.7, help="sampling temperature of target and drafts (0: greedy)"),
+    "retrain": Param(bool, False, help="train target and drafts again in this run (minutes on CPU)"),
+    "target_steps": Param(int, 600, help="target training steps when retraining"),
+    "draft_steps": Param(int, 400, help="draft training steps when retraining"),
+    "cpu_threads": Param(int, 1, help="torch threads on CPU during the measurement (0: leave as is)"),
+    "timer": Param(str, help="'wall' (perf_counter, device synchronised) or 'process' (CPU seconds of this "
+                             "process: on a shared CPU machine, excludes time spent waiting for a core)",
+                   choices=("wall", "process")),
+}
+
+PRESETS = {
+    "smoke": dict(prompts_per_task=2, output_len=24, timer="process"),
+    "cpu": dict(prompts_per_task=12, output_len=96, timer="process"),
+    "gpu": dict(prompts_per_task=32, output_len=96, timer="wall"),
+}
+
+# The seed's model-card numbers (RedHatAI Kimi K3 DSpark draft: 5 layers, 8 draft positions).
+SEED_ACCEPTANCE = {"math": ("math reasoning", 6.42), "code": ("HumanEval", 4.96), "qa": ("QA", 3.28)}
+
+
+def models_dir() -> Path:
+    from ..context import repo_root
+
+    return repo_root() / "data" / "models"
+
+
+def model_paths(root: Path) -> dict[str, Path]:
+    return {"target": root / TARGET_FILE, **{name: root / draft_file(name) for name in DRAFTS}}
+
+
+def ensure_models(ctx, retrain: bool, target_steps: int, draft_steps: int) -> tuple[dict[str, Path], str]:
+    """The committed weights, or (retrain=True, or none committed) freshly trained ones."""
+    paths = model_paths(models_dir())
+    if not retrain and all(p.is_file() for p in paths.values()):
+        return paths, "committed (data/models, see its README)"
+    from ..context import results_dir
+
+    out = results_dir() / ctx.chapter.slug / "models"
+    run_all(out, results_dir() / ctx.chapter.slug / "shards", target_steps=target_steps, draft_steps=draft_steps,
+            threads=max(1, torch.get_num_threads()), log=lambda *_: None)
+    return model_paths(out), f"retrained in this run ({target_steps} target / {draft_steps} draft steps)"
+
+
+def task_prompts(task: str, n: int, code_chars: int) -> list[list[int]]:
+    """Held-out prompts: math and qa up to the answer marker 'A:', code the first lines of a block."""
+    docs = [d for d in load_corpus(task, "test") if len(d) > 40]
+    prompts = []
+    for doc in docs[:n]:
+        if task in ("math", "qa"):
+            text = doc[:doc.index("\nA:") + 3] if "\nA:" in doc else doc[:code_chars]
+        else:
+            text = doc[:code_chars]
+            text = text[:text.rfind("\n") + 1] or text
+        prompts.append(encode(text))
+    if len(prompts) < n:
+        raise UserError(f"task {task!r} has only {len(prompts)} held-out prompts, {n} asked")
+    return prompts
+
+
+def sha(path: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def decode_steps(engine) -> list:
+    return [s for s in engine.steps if s.num_prefill_tokens == 0]
+
+
+CLOCKS = {"wall": time.perf_counter, "process": time.process_time}
+
+
+def run_task(target, prompts, params: SamplingParams, k: int, drafter=None, timer: str = "wall"):
+    """Requests one at a time (batch 1, where speculation matters most); returns (engine, run)."""
+    cfg = EngineConfig(max_num_seqs=1, max_num_batched_tokens=max(512, max(map(len, prompts)) + k + 1),
+                       num_spec_tokens=k if drafter is not None else 0)
+    engine = LLMEngine(target, cfg, drafter=drafter, clock=CLOCKS[timer])
+    engine.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=params.temperature))   # warm-up
+    engine.steps.clear()
+    engine.acceptance.accepted.clear()
+    return engine, run_closed_loop(engine, prompts, params, 1)
+
+
+def measure(ctx, *, cpu_threads, **params) -> list[RunRecord]:
+    with torch_threads(ctx.device, cpu_threads) as threads:
+        records = _measure(ctx, **params)
+    for r in records:
+        r.workload["torch_threads"] = threads
+    return records
+
+
+def _measure(ctx, *, num_spec_tokens, prompts_per_task, code_prompt_chars, output_len, temperature, retrain,
+             target_steps, draft_steps, timer) -> list[RunRecord]:
+    from .config import check_spec_tokens
+
+    k = check_spec_tokens(num_spec_tokens)
+    if timer == "process" and ctx.device.type == "cuda":
+        raise UserError("timer='process' measures CPU seconds and cannot time GPU work; use timer='wall' on cuda")
+    if prompts_per_task < 1 or output_len < 2:
+        raise UserError(f"prompts_per_task={prompts_per_task} must be >= 1 and output_len={output_len} >= 2")
+    paths, provenance = ensure_models(ctx, retrain, target_steps, draft_steps)
+    target = load_weights(paths["target"], ctx.device)
+    drafts = {name: load_draft(paths[name], target) for name in DRAFTS}
+    target_sha = sha(paths["target"])
+    records = []
+    for task in TASKS:
+        prompts = task_prompts(task, prompts_per_task, code_prompt_chars)
+        if max(map(len, prompts)) + output_len + k > target.cfg.max_seq:
+            raise UserError(f"prompts of {max(map(len, prompts))} tokens + output_len {output_len} + k exceed the "
+                             f"target's context ({target.cfg.max_seq}); lower output_len")
+        sp = SamplingParams(max_tokens=output_len, temperature=temperature, seed=ctx.seed)
+        plain_engine, plain = run_task(target, prompts, sp, k, timer=timer)
+        plain_steps = decode_steps(plain_engine)
+        plain_tpot = sum(s.total_s for s in plain_steps) / len(plain_steps)
+        common = {"model": f"byte-level tiny-decoder L{target.cfg.n_layers} d{target.cfg.d_model} "
+                           f"({target.cfg.n_params() / 1e6:.2f}M params)",
+                  "model_revision": f"sha256:{target_sha[:16]} ({provenance})",
+                  "quantization": "none (float32)", "dtype": "float32", "task": task,
+                  "input_len": round(statistics.fmean(map(len, prompts)), 1), "output_len": output_len,
+                  "batch": 1, "num_prompts": len(prompts), "temperature": temperature, "num_spec_tokens": k,
+                  "timer": {"wall": "perf_counter, device synchronised",
+                            "process": "process CPU time (time.process_time)"}[timer]}
+        rec = ctx.new_record(f"plain-{task}", variant="no speculation", workload={**common, "draft": "none"},
+                             topology={"ranks": 1})
+        rec.add("time_per_token", plain_tpot, "s", phase="decode", steps=len(plain_steps),
+                definition="mean decode step time (one token per step)")
+        records.append(rec)
+        greedy = SamplingParams(max_tokens=min(32, output_len))
+        greedy_plain = run_task(target, prompts[:2], greedy, k)[1].outputs
+        for name, draft in drafts.items():
+            engine, run = run_task(target, prompts, sp, k, HiddenStateDrafter(draft, temperature, seed=ctx.seed),
+                                   timer=timer)
+            acc = engine.acceptance
+            steps = decode_steps(engine)
+            t_draft = statistics.median(s.draft_s for s in steps) / k
+            t_verify = statistics.median(s.forward_s for s in steps)
+            t_rest = statistics.median(s.total_s - s.draft_s - s.forward_s for s in steps)
+            tau = acc.mean_acceptance_length()
+            tau_err = statistics.stdev(acc.accepted) / len(acc.accepted) ** 0.5 if acc.rounds > 1 else float("inf")
+            measured_tpot = sum(s.total_s for s in steps) / sum(a + 1 for a in acc.accepted)
+            meta = draft_metadata(paths[name])
+            rec = ctx.new_record(f"{name}-{task}", variant=f"draft {name}", workload={
+                **common, "draft": f"hidden-state draft, {draft.cfg.n_layers} layer(s), ffn {draft.cfg.ffn} "
+                                   f"({draft.cfg.n_params() / 1e6:.2f}M params)",
+                "draft_revision": f"sha256:{sha(paths[name])[:16]} (trained {meta.get('steps', '?')} steps from "
+                                  f"{meta.get('trained_from', '?')})"}, topology={"ranks": 1})
+            rec.set_backend("attention", "paged sdpa, one call per request", reason="PyTorch path of this engine")
+            rec.add("mean_acceptance_length", tau, "tokens per round", phase="decode", rounds=acc.rounds,
+                    stderr=tau_err)
+            for i, (cum, cond) in enumerate(zip(acc.cumulative(), acc.conditional()), start=1):
+                rec.add(f"accepted_ge_{i}", cum, "fraction of rounds", phase="decode", position=i,
+                        kind="cumulative P(accepted >= i)")
+                rec.add(f"accept_given_{i - 1}", cond if cond == cond else 0.0, "fraction", phase="decode",
+                        position=i, kind="conditional P(accepted >= i | accepted >= i-1)", defined=cond == cond)
+            alpha = acc.alpha()
+            rec.add("alpha", alpha, "fraction", phase="decode", definition="accepted / draft tokens examined")
+            rec.add("leviathan_expected_length", leviathan_expected_length(alpha, k), "tokens per round",
+                    phase="decode", formula="(1 - alpha^(k+1)) / (1 - alpha)")
+            rec.add("draft_time_per_position", t_draft, "s", phase="decode")
+            rec.add("verify_time", t_verify, "s", phase="decode", tokens=k + 1)
+            rec.add("other_time_per_round", t_rest, "s", phase="decode")
+            rec.add("round_time_model", k * t_draft + t_verify, "s", phase="decode",
+                    formula="draft time x k + verify time")
+            rec.add("time_per_token_model", (k * t_draft + t_verify + t_rest) / tau, "s", phase="decode",
+                    formula="(draft x k + verify + other) / mean acceptance length")
+            rec.add("round_time", statistics.median(s.total_s for s in steps), "s", phase="decode",
+                    definition="median decode step (one round) time, measured")
+            rec.add("time_per_token", measured_tpot, "s", phase="decode",
+                    definition="total decode step time / tokens emitted, measured")
+            rec.add("speedup_vs_plain", plain_tpot / measured_tpot, "x", phase="decode")
+            # exactness, on two prompts: greedy speculation with this draft must give plain greedy's tokens
+            greedy_spec = run_task(target, prompts[:2], greedy, k, HiddenStateDrafter(draft))[1].outputs
+            rec.add_check("greedy speculative output equals plain greedy", greedy_spec == greedy_plain,
+                          error=sum(a != b for a, b in zip(greedy_spec, greedy_plain)), tolerance=0)
+            records.append(rec)
+    return records
+
+
+def acceptance_rows(records: list[RunRecord]) -> list[dict]:
+    """Per (draft, task): mean acceptance length beside the seed's model-card number for that task."""
+    rows = []
+    for r in records:
+        if not r.name.startswith(tuple(DRAFTS)):
+            continue
+        task = r.workload["task"]
+        seed_name, seed_value = SEED_ACCEPTANCE[task]
+        rows.append({"draft": r.variant, "task": task,
+                     "ours: acceptance length": round(r.value("mean_acceptance_length"), 2),
+                     "± std. error": round(r.get("mean_acceptance_length")["stderr"], 2),
+                     "ours: Leviathan from alpha": round(r.value("leviathan_expected_length"), 2),
+                     "ours: alpha": round(r.value("alpha"), 3), "rounds": r.get("mean_acceptance_length")["rounds"],
+                     "seed task": seed_name, "seed: acceptance length": seed_value})
+    return rows
+
+
+def position_rows(records: list[RunRecord], draft: str) -> list[dict]:
+    rows = []
+    for r in records:
+        if r.variant != f"draft {draft}":
+            continue
+        for m in r.measurements:
+            if m["name"].startswith("accepted_ge_"):
+                rows.append({"task": r.workload["task"], "position": m["position"], "value": m["value"],
+                             "kind": "cumulative P(accepted >= i)"})
+            elif m["name"].startswith("accept_given_") and m.get("defined", True):
+                rows.append({"task": r.workload["task"], "position": m["position"], "value": m["value"],
+                             "kind": "conditional P(>= i | >= i-1)"})
+    return rows
+
+
+def cost_rows(records: list[RunRecord]) -> list[dict]:
+    plain = {r.workload["task"]: r.value("time_per_token") for r in records if r.name.startswith("plain-")}
+    rows = []
+    for r in records:
+        if not r.name.startswith(tuple(DRAFTS)):
+            continue
+        task = r.workload["task"]
+        rows.append({"task": task, "draft": r.variant,
+                     "acceptance length": round(r.value("mean_acceptance_length"), 2),
+                     "draft ms / position": round(1e3 * r.value("draft_time_per_position"), 3),
+                     "verify ms": round(1e3 * r.value("verify_time"), 3),
+                     "round ms (draft x k + verify)": round(1e3 * r.value("round_time_model"), 3),
+                     "round ms (measured)": round(1e3 * r.value("round_time"), 3),
+                     "ms / token (model)": round(1e3 * r.value("time_per_token_model"), 3),
+                     "ms / token (measured)": round(1e3 * r.value("time_per_token"), 3),
+                     "ms / token, no speculation": round(1e3 * plain[task], 3),
+                     "speed-up": round(r.value("speedup_vs_plain"), 2)})
+    return rows
+
+
+def sample_continuations(temperatures, max_tokens: int, code_chars: int, seed: int, device,
+                          threads: int = 1) -> list[dict]:
+    """The committed target's continuation of one held-out prompt per task, at each temperature:
+    what the drafts must guess."""
+    from .corpora import decode
+
+    rows = []
+    with torch_threads(torch.device(device), threads):
+        target = load_weights(model_paths(models_dir())["target"], device)
+        for task in TASKS:
+            prompt = task_prompts(task, 1, code_chars)[0]
+            for temp in temperatures:
+                engine = LLMEngine(target, EngineConfig(max_num_seqs=1, max_num_batched_tokens=256))
+                out = engine.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=temp, seed=seed))[0]
+                rows.append({"task": task, "temperature": temp, "prompt": decode(prompt), "continuation": decode(out)})
+    return rows

@@ -1,0 +1,228 @@
+"""The engine loop: schedule, draft, forward, sample, update — one step at a time.
+
+    engine = LLMEngine(model, EngineConfig(max_num_batched_tokens=1024, num_spec_tokens=4))
+    outputs = engine.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=16))
+
+Each step's phases are timed apart (`StepStats`): scheduling and bookkeeping are the engine's
+own overhead; draft, forward and sampling are model work.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..device import synchronize
+from ..errors import UserError
+from .block_manager import BlockManager
+from .config import EngineConfig
+from .model import TinyDecoder
+from .model_runner import ModelRunner
+from .sampler import probs_from_logits, sample
+from .scheduler import Scheduler
+from .sequence import SamplingParams, Sequence
+from .speculative import AcceptanceStats, NgramDrafter, rejection_sample
+
+
+@dataclass
+class StepStats:
+    schedule_s: float
+    draft_s: float
+    prepare_s: float
+    forward_s: float
+    sample_s: float
+    update_s: float
+    num_tokens: int           # tokens through the forward, speculative ones included
+    num_prefill_tokens: int
+    num_decode: int
+    num_running: int
+    reserved: int
+
+    @property
+    def total_s(self) -> float:
+        return self.schedule_s + self.draft_s + self.prepare_s + self.forward_s + self.sample_s + self.update_s
+
+    @property
+    def overhead_s(self) -> float:
+        """The engine's own work: scheduling, building the batch, updating request state."""
+        return self.schedule_s + self.prepare_s + self.update_s
+
+
+class LLMEngine:
+    def __init__(self, model: TinyDecoder, config: EngineConfig | None = None, drafter=None,
+                 clock=time.perf_counter):
+        self.model, self.config = model, config or EngineConfig()
+        cfg, mcfg = self.config, model.cfg
+        self.max_model_len = mcfg.max_seq
+        if cfg.speculative and drafter is None:
+            drafter = NgramDrafter(mcfg.vocab)
+        if drafter is not None and drafter.vocab != mcfg.vocab:
+            raise UserError(f"draft vocabulary ({drafter.vocab}) differs from the target's ({mcfg.vocab}); "
+                            "speculative decoding needs one shared vocabulary")
+        self.drafter = drafter if cfg.speculative else None
+        num_blocks = cfg.num_blocks or cfg.max_num_seqs * -(-(mcfg.max_seq + cfg.num_spec_tokens) // cfg.block_size)
+        self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.scheduler = Scheduler(cfg, self.block_manager)
+        self.runner = ModelRunner(model, num_blocks, cfg.block_size)
+        self.device = self.runner.device
+        self.clock = clock
+        self.generator = torch.Generator(device="cpu").manual_seed(cfg.seed)
+        self.steps: list[StepStats] = []
+        self.acceptance = AcceptanceStats(cfg.num_spec_tokens)
+        self.finished: list[Sequence] = []
+
+    # -- requests ------------------------------------------------------------------
+    def add_request(self, prompt, params: SamplingParams | None = None) -> Sequence:
+        params = params or SamplingParams()
+        cfg, vocab = self.config, self.model.cfg.vocab
+        prompt = [int(t) for t in (prompt.tolist() if isinstance(prompt, torch.Tensor) else prompt)]
+        if not prompt:
+            raise UserError("a prompt needs at least one token")
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise UserError(f"prompt tokens must lie in [0, {vocab}); got {min(prompt)}..{max(prompt)}")
+        need = len(prompt) + params.max_tokens + cfg.num_spec_tokens
+        if need > self.max_model_len:
+            raise UserError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens})"
+                            + (f" + k ({cfg.num_spec_tokens})" if cfg.speculative else "")
+                            + f" = {need} exceeds the model's context of {self.max_model_len} tokens")
+        if not cfg.chunked_prefill and len(prompt) > cfg.max_num_batched_tokens - cfg.spec_reservation(cfg.max_num_seqs):
+            raise UserError(f"prompt of {len(prompt)} tokens cannot be prefilled in one step of "
+                            f"{cfg.max_num_batched_tokens} tokens (minus the speculative reservation) with "
+                            "chunked prefill off; turn chunked_prefill on or raise max_num_batched_tokens")
+        if self.block_manager.blocks_for(need) > self.block_manager.num_blocks:
+            raise UserError(f"request needs {self.block_manager.blocks_for(need)} KV blocks but the cache has "
+                            f"{self.block_manager.num_blocks}")
+        seq = Sequence(prompt, params, arrival_s=self.clock())
+        self.scheduler.add(seq)
+        return seq
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.scheduler.waiting) + len(self.scheduler.running)
+
+    # -- one step ------------------------------------------------------------------
+    def _tick(self) -> float:
+        synchronize(self.device)
+        return self.clock()
+
+    @torch.no_grad()
+    def step(self) -> list[Sequence]:
+        """Run one scheduled batch; return the requests that finished in it."""
+        t0 = self._tick()
+        num_running = len(self.scheduler.running)
+        out = self.scheduler.schedule()
+        if not out.chunks:
+            if self.has_unfinished():
+                raise RuntimeError("scheduler made no progress: no budget, seat or KV blocks for any request")
+            return []
+        t1 = self._tick()
+        spec = [c.seq for c in out.chunks if c.num_spec_tokens]
+        drafts = self.drafter.propose(spec, self.config.num_spec_tokens, self.device) if spec else None
+        t2 = self._tick()
+        batch = self.runner.prepare(self._batch_items(out.chunks, drafts))
+        t3 = self._tick()
+        logits, hidden = self.runner.forward(batch)
+        t4 = self._tick()
+        new_tokens, accepted, rows = self._sample(out.chunks, logits, drafts)
+        t5 = self._tick()
+        finished = self._update(out.chunks, new_tokens, accepted, rows, hidden, now=t5)
+        t6 = self.clock()
+        self.steps.append(StepStats(schedule_s=t1 - t0, draft_s=t2 - t1, prepare_s=t3 - t2, forward_s=t4 - t3,
+                                    sample_s=t5 - t4, update_s=t6 - t5, num_tokens=out.num_tokens,
+                                    num_prefill_tokens=out.num_prefill_tokens, num_decode=out.num_decode,
+                                    num_running=num_running, reserved=out.reserved))
+        return finished
+
+    @staticmethod
+    def _batch_items(chunks, drafts):
+        """Each chunk's new tokens (plus its draft tokens to verify), start position and block table.
+        Draft row j belongs to the j-th speculative chunk, in schedule order."""
+        items, j = [], 0
+        for c in chunks:
+            seq, start = c.seq, c.seq.num_computed_tokens
+            toks = seq.token_ids[start:start + c.num_tokens]
+            if c.num_spec_tokens:
+                toks = toks + drafts[0][j].tolist()
+                j += 1
+            items.append((toks, start, seq.block_table, bool(c.num_spec_tokens)))
+        return items
+
+    def _sample(self, chunks, logits, drafts):
+        """New tokens per request: one from each finishing prefill or plain decode, 1..k+1 from each
+        verification. Returns ({seq_id: tokens}, {seq_id: accepted drafts}, {seq_id: first logit row})."""
+        k = self.config.num_spec_tokens
+        row, plain, verify, rows = 0, [], [], {}
+        for c in chunks:
+            rows[c.seq.seq_id] = row
+            completes = not c.is_prefill or c.seq.num_computed_tokens + c.num_tokens >= c.seq.num_prompt_tokens
+            if c.num_spec_tokens:
+                verify.append((c, row))
+            elif completes:  # a prefill chunk that leaves prompt tokens behind samples nothing
+                plain.append((c, row))
+            row += 1 + c.num_spec_tokens
+        new_tokens: dict[int, list[int]] = {}
+        greedy = [(c, r) for c, r in plain if c.seq.params.temperature == 0]
+        if greedy:   # one argmax for all greedy rows
+            toks = logits[torch.tensor([r for _, r in greedy], device=self.device)].argmax(-1).tolist()
+            new_tokens.update({c.seq.seq_id: [t] for (c, _), t in zip(greedy, toks)})
+        for c, r in plain:  # temperature sampling: each request draws from its own seeded generator
+            if c.seq.params.temperature > 0:
+                new_tokens[c.seq.seq_id] = [int(sample(logits[r:r + 1], c.seq.params.temperature, c.seq.generator))]
+        accepted: dict[int, int] = {}
+        if verify:
+            target = torch.stack([logits[r:r + k + 1] for _, r in verify])          # [n, k+1, V]
+            dtok, dprob = drafts   # rows in the same order as `verify`
+            # greedy requests verify together; a sampling request with its own generator
+            groups = [([i for i, (c, _) in enumerate(verify) if c.seq.params.temperature == 0], 0.0, self.generator)]
+            groups += [([i], c.seq.params.temperature, c.seq.generator)
+                       for i, (c, _) in enumerate(verify) if c.seq.params.temperature > 0]
+            for idx, temp, gen in groups:
+                if not idx:
+                    continue
+                sel = torch.tensor(idx, device=self.device)
+                toks, acc = rejection_sample(probs_from_logits(target[sel], temp), dprob[sel], dtok[sel], gen)
+                for i, t, a in zip(idx, toks.tolist(), acc.tolist()):
+                    sid = verify[i][0].seq.seq_id
+                    new_tokens[sid], accepted[sid] = t[:a + 1], a
+        return new_tokens, accepted, rows
+
+    def _update(self, chunks, new_tokens, accepted, rows, hidden, now: float) -> list[Sequence]:
+        """Advance each request: computed tokens, new tokens, the hidden state a draft reads next, finish."""
+        finished = []
+        for c in chunks:
+            seq = c.seq
+            if c.is_prefill:
+                seq.num_computed_tokens += c.num_tokens
+                seq.num_prefill_chunks += 1
+                self.block_manager.register_computed(seq)
+                if seq.is_prefill:      # prompt not done yet: nothing was sampled
+                    continue
+                seq.first_token_s = now
+            toks = new_tokens[seq.seq_id]
+            if not c.is_prefill:
+                seq.num_computed_tokens += len(toks)   # the previous token + the accepted drafts
+            if c.num_spec_tokens:
+                seq.accepted_per_round.append(accepted[seq.seq_id])
+                self.acceptance.add([accepted[seq.seq_id]])
+            # the target's hidden state at the row that produced the last new token
+            last_row = rows[seq.seq_id] + (len(toks) - 1 if c.num_spec_tokens else 0)
+            seq.draft_hidden = hidden[last_row]
+            seq.token_ids.extend(toks)
+            if len(seq.output_ids) >= seq.params.max_tokens:
+                del seq.token_ids[seq.num_prompt_tokens + seq.params.max_tokens:]
+                seq.finish_s = now
+                self.scheduler.finish(seq)
+                finished.append(seq)
+        self.finished.extend(finished)
+        return finished
+
+    def generate(self, prompts, params: SamplingParams | None = None) -> list[list[int]]:
+        """Run every prompt to completion; return the output token ids in prompt order."""
+        seqs = [self.add_request(p, params) for p in prompts]
+        while self.has_unfinished():
+            self.step()
+        return [s.output_ids for s in seqs]

@@ -1,0 +1,107 @@
+"""One forward over a continuous batch, with the KV cache in pages.
+
+The model's weights are the tiny decoder's (`model.TinyDecoder`: RoPE, RMSNorm, SwiGLU,
+grouped-query attention); only the KV cache differs. Here it is one flat pool per layer,
+`[num_blocks * block_size, kv_heads, head_dim]`, addressed by slot (see `block_manager`).
+All tokens of the step — prefill chunks, decode tokens, draft tokens to verify — are
+concatenated into one `[T]` batch: projections and MLPs run once over all T; attention runs
+per request over that request's pages, causal by position.
+
+`Batch.logit_rows` picks which rows need logits (the last row of a finishing prefill, every
+row of a verification), so a long prefill chunk does not pay for `T x vocab` logits.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .model import TinyDecoder, apply_rope
+
+
+@dataclass
+class Batch:
+    tokens: torch.Tensor        # [T] int64
+    positions: torch.Tensor     # [T] int64
+    slots: torch.Tensor         # [T] int64: where each token's K/V is written
+    spans: list[tuple[int, int, torch.Tensor, torch.Tensor]]  # per request: (row start, rows, kv slots [ctx], positions [rows])
+    logit_rows: torch.Tensor    # [R] int64 rows of T whose logits are returned
+
+
+class ModelRunner:
+    def __init__(self, model: TinyDecoder, num_blocks: int, block_size: int):
+        self.model, self.block_size = model, block_size
+        cfg = model.cfg
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        shape = (cfg.n_layers, num_blocks * block_size, cfg.n_kv_heads, cfg.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=p.dtype, device=p.device)
+        self.v_cache = torch.zeros(shape, dtype=p.dtype, device=p.device)
+
+    def prepare(self, items: list[tuple[list[int], int, list[int], bool]]) -> Batch:
+        """items: (tokens, start position, block table, wants logits for every row (else last row only)).
+
+        Returns the flattened batch; `logit_rows` lists, per item in order, its last row or all rows.
+        """
+        bs, dev = self.block_size, self.device
+        tokens, positions, slots, spans, rows = [], [], [], [], []
+        row = 0
+        for toks, start, table, all_rows in items:
+            n = len(toks)
+            table_t = torch.tensor(table, dtype=torch.long)
+            pos = torch.arange(start + n, dtype=torch.long)
+            kv_slots = table_t[pos // bs] * bs + pos % bs        # [start + n]: every position it attends to
+            tokens.extend(toks)
+            positions.append(pos[start:])
+            slots.append(kv_slots[start:])
+            spans.append((row, n, kv_slots.to(dev), pos[start:].to(dev)))
+            rows.extend(range(row, row + n) if all_rows else [row + n - 1])
+            row += n
+        return Batch(tokens=torch.tensor(tokens, dtype=torch.long, device=dev),
+                     positions=torch.cat(positions).to(dev), slots=torch.cat(slots).to(dev), spans=spans,
+                     logit_rows=torch.tensor(rows, dtype=torch.long, device=dev))
+
+    @torch.no_grad()
+    def forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (logits [R, vocab] fp32, final hidden states [R, d_model]) for `batch.logit_rows`."""
+        m, cfg = self.model, self.model.cfg
+        T = batch.tokens.shape[0]
+        H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        cos, sin = m.cos[batch.positions], m.sin[batch.positions]
+        x = m.embed(batch.tokens)                                        # [T, d]
+        for i, layer in enumerate(m.layers):
+            a = layer.attn
+            h = layer.attn_norm(x)
+            q = apply_rope(a.wq(h).view(T, H, D).transpose(0, 1)[None], cos, sin)[0]      # [H, T, D]
+            k = apply_rope(a.wk(h).view(T, Hkv, D).transpose(0, 1)[None], cos, sin)[0]    # [Hkv, T, D]
+            v = a.wv(h).view(T, Hkv, D)
+            self.k_cache[i].index_copy_(0, batch.slots, k.transpose(0, 1))
+            self.v_cache[i].index_copy_(0, batch.slots, v)
+            out = torch.empty(H, T, D, dtype=x.dtype, device=x.device)
+            for start, n, kv_slots, pos in batch.spans:
+                out[:, start:start + n] = paged_attention(q[:, start:start + n], self.k_cache[i], self.v_cache[i],
+                                                          kv_slots, pos)
+            x = x + a.wo(out.transpose(0, 1).reshape(T, cfg.d_model))
+            h = layer.mlp_norm(x)
+            x = x + layer.w_down(F.silu(layer.w_gate(h)) * layer.w_up(h))
+        hidden = m.norm(x[batch.logit_rows])
+        return m.lm_head(hidden).float(), hidden
+
+
+def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, kv_slots: torch.Tensor,
+                    q_pos: torch.Tensor) -> torch.Tensor:
+    """Causal attention of one request's queries over its pages.
+
+    q [H, n, D]; k_pool/v_pool [slots, Hkv, D]; kv_slots [ctx] (slot of positions 0..ctx-1);
+    q_pos [n] positions of the queries. Key j is visible to query i iff j <= q_pos[i].
+    """
+    H, n, D = q.shape
+    keys = k_pool[kv_slots].transpose(0, 1)      # [Hkv, ctx, D]
+    values = v_pool[kv_slots].transpose(0, 1)
+    rep = H // keys.shape[0]
+    keys, values = keys.repeat_interleave(rep, 0), values.repeat_interleave(rep, 0)
+    mask = None
+    if n > 1:
+        mask = torch.arange(kv_slots.shape[0], device=q.device)[None, :] <= q_pos[:, None]   # [n, ctx]
+    return F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask)[0]

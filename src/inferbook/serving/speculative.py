@@ -1,0 +1,142 @@
+"""Speculative decoding: a draft proposes k tokens, the target verifies them in one forward.
+
+`rejection_sample` is the exact rule of Leviathan et al. (2023) and Chen et al. (2023):
+accept draft token x at position i with probability min(1, p_i(x) / q_i(x)); at the first
+rejection sample from the residual norm(max(0, p_i - q_i)); if all k are accepted, sample a
+bonus token from p_k. The tokens it emits are distributed exactly as the target's own
+samples, whatever the draft. With greedy target and draft (one-hot p and q) it reduces to
+"keep the draft tokens while they equal the target's argmax, then take the target's argmax".
+
+Acceptance is reported two ways, named apart:
+- cumulative: P(accepted >= i), the share of rounds whose first i draft tokens all passed;
+- conditional: P(accepted >= i | accepted >= i-1), the per-position pass rate;
+and the mean acceptance length: tokens emitted per verification round (accepted + 1).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import UserError
+from .config import check_spec_tokens
+
+
+def rejection_sample(target_probs: torch.Tensor, draft_probs: torch.Tensor, draft_tokens: torch.Tensor,
+                     generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Verify k draft tokens for n requests.
+
+    target_probs [n, k+1, V] (the target at each draft position, plus the bonus position),
+    draft_probs [n, k, V], draft_tokens [n, k] int64 ->
+    (tokens [n, k+1] int64: accepted drafts then one target token, padded with -1; num_accepted [n]).
+    """
+    if target_probs.dim() != 3 or draft_probs.dim() != 3 or draft_tokens.dim() != 2:
+        raise UserError(f"expected target_probs [n, k+1, V], draft_probs [n, k, V], draft_tokens [n, k]; got shapes "
+                        f"{tuple(target_probs.shape)}, {tuple(draft_probs.shape)}, {tuple(draft_tokens.shape)}")
+    n, k = draft_tokens.shape
+    check_spec_tokens(k)
+    V = target_probs.shape[-1]
+    if draft_probs.shape[-1] != V:
+        raise UserError(f"draft vocabulary ({draft_probs.shape[-1]}) differs from the target's ({V})")
+    if tuple(target_probs.shape) != (n, k + 1, V) or tuple(draft_probs.shape) != (n, k, V):
+        raise UserError(f"shapes disagree: target_probs {tuple(target_probs.shape)} should be {(n, k + 1, V)}, "
+                        f"draft_probs {tuple(draft_probs.shape)} should be {(n, k, V)}")
+    if draft_tokens.dtype not in (torch.int64, torch.int32):
+        raise UserError(f"draft_tokens must be an integer tensor, got {draft_tokens.dtype}")
+    if n and (int(draft_tokens.min()) < 0 or int(draft_tokens.max()) >= V):
+        raise UserError(f"draft_tokens must lie in [0, {V}); got values from {int(draft_tokens.min())} "
+                        f"to {int(draft_tokens.max())}")
+    device = target_probs.device
+    draft_tokens = draft_tokens.long()
+    idx = draft_tokens.unsqueeze(-1)
+    p = target_probs[:, :k].gather(-1, idx).squeeze(-1).float()       # [n, k] p_i(x_i)
+    q = draft_probs.gather(-1, idx).squeeze(-1).float()               # [n, k] q_i(x_i)
+    u = torch.rand(n, k, generator=generator, device=generator.device if generator is not None else device).to(device)
+    accept = u * q < p                       # P(u < p/q) = min(1, p/q); q = 0 < p accepts, p = 0 rejects
+    num_accepted = accept.long().cumprod(dim=1).sum(dim=1)             # [n] in 0..k
+    rows = torch.arange(n, device=device)
+    p_next = target_probs[rows, num_accepted].float()                  # [n, V]
+    q_next = torch.nn.functional.pad(draft_probs, (0, 0, 0, 1))[rows, num_accepted].float()  # 0 at the bonus position
+    residual = (p_next - q_next).clamp_min(0)
+    mass = residual.sum(-1, keepdim=True)
+    # mass == 0 only if p == q, where a rejection has probability 0; fall back to p for safety
+    residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p_next)
+    gen_dev = generator.device if generator is not None else device
+    extra = torch.multinomial(residual.to(gen_dev), 1, generator=generator).squeeze(-1).to(device)
+    positions = torch.arange(k + 1, device=device)
+    tokens = torch.full((n, k + 1), -1, dtype=torch.long, device=device)
+    tokens[:, :k] = torch.where(positions[None, :k] < num_accepted[:, None], draft_tokens, -1)
+    tokens[rows, num_accepted] = extra
+    return tokens, num_accepted
+
+
+def leviathan_expected_length(alpha: float, k: int) -> float:
+    """Expected tokens per round when each draft token passes independently with rate alpha:
+    (1 - alpha^(k+1)) / (1 - alpha)  (Leviathan et al., 2023, eq. 1)."""
+    if alpha >= 1.0:
+        return float(k + 1)
+    return (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
+@dataclass
+class AcceptanceStats:
+    """Accepted draft tokens per verification round, and the rates derived from them."""
+
+    k: int
+    accepted: list[int] = field(default_factory=list)
+
+    def add(self, num_accepted) -> None:
+        self.accepted.extend(int(a) for a in num_accepted)
+
+    @property
+    def rounds(self) -> int:
+        return len(self.accepted)
+
+    def mean_acceptance_length(self) -> float:
+        """Tokens emitted per round: accepted drafts + the one target token."""
+        return 1.0 + sum(self.accepted) / self.rounds if self.rounds else float("nan")
+
+    def cumulative(self) -> list[float]:
+        """[P(accepted >= i) for i = 1..k]."""
+        n = self.rounds
+        return [sum(a >= i for a in self.accepted) / n if n else float("nan") for i in range(1, self.k + 1)]
+
+    def conditional(self) -> list[float]:
+        """[P(accepted >= i | accepted >= i-1) for i = 1..k]; NaN where no round reached i-1."""
+        out = []
+        for i in range(1, self.k + 1):
+            reached = sum(a >= i - 1 for a in self.accepted)
+            out.append(sum(a >= i for a in self.accepted) / reached if reached else float("nan"))
+        return out
+
+    def alpha(self) -> float:
+        """Per-token pass rate pooled over positions: passes / draft tokens examined."""
+        examined = sum(min(a + 1, self.k) for a in self.accepted)
+        return sum(self.accepted) / examined if examined else float("nan")
+
+
+class NgramDrafter:
+    """A model-free draft (prompt lookup): find the latest earlier occurrence of the last n
+    tokens (n = max_ngram down to 1) and propose the k tokens that followed it. Its proposals
+    are deterministic, so its probabilities are one-hot. When nothing matches it proposes the
+    last token k times (speculation still costs k verified tokens: the budget is what we study)."""
+
+    name = "n-gram prompt lookup"
+
+    def __init__(self, vocab: int, max_ngram: int = 3):
+        self.vocab, self.max_ngram = vocab, max_ngram
+
+    def _propose_one(self, ids: list[int], k: int) -> list[int]:
+        L = len(ids)
+        for n in range(min(self.max_ngram, L - 1), 0, -1):
+            tail = ids[L - n:]
+            for start in range(L - n - 1, -1, -1):
+                if ids[start:start + n] == tail:
+                    follow = ids[start + n:start + n + k]
+                    return follow + [follow[-1]] * (k - len(follow))
+        return [ids[-1]] * k
+
+    def propose(self, seqs, k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> draft tokens [n, k] int64, draft probabilities [n, k, V] (one-hot)."""
+        toks = torch.tensor([self._propose_one(s.token_ids, k) for s in seqs], dtype=torch.long, device=device)
+        return toks, torch.nn.functional.one_hot(toks, self.vocab).float()

@@ -1,0 +1,241 @@
+"""Training the draft-acceptance chapter's models, in three separate steps (and processes):
+
+1. `target`  — train a small byte-level target on the three corpora (math, code, qa);
+2. `extract` — run the target once over training windows and write its final hidden states to
+               safetensors shards on disk (the seed's "hidden-state extraction" node group);
+3. `draft`   — train a hidden-state draft from those shards alone, in another process (the seed's
+               "draft training" node group). The draft process never runs the target: it loads only
+               the target's frozen embedding and LM head.
+
+    python -m inferbook.serving.train all --out data/models      # what made the committed weights
+
+`all` runs step 1 in this process and steps 2 and 3 as subprocesses (`sys.executable -m ...`).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .corpora import SEPARATOR, TASKS, encode, load_corpus
+from .draft import DraftConfig, HiddenStateDraft, save_draft
+from .model import TinyConfig, TinyDecoder, init_weights, load_weights, save_weights
+
+TARGET_FILE = "dspark-target.safetensors"
+DRAFTS = {  # name -> (layers, ffn): the small one is cheap; the large one accepts more per round
+    "small": (1, 256),
+    "large": (3, 512),
+}
+
+
+def draft_file(name: str) -> str:
+    return f"dspark-draft-{name}.safetensors"
+
+
+def task_streams(split: str = "train", root: Path | None = None) -> dict[str, torch.Tensor]:
+    return {t: torch.tensor(encode(SEPARATOR.join(load_corpus(t, split, root))), dtype=torch.long) for t in TASKS}
+
+
+def sample_windows(streams: dict[str, torch.Tensor], batch: int, length: int, g: torch.Generator) -> torch.Tensor:
+    """[batch, length] windows, tasks in turn (equal share of each corpus), random offsets."""
+    rows = []
+    tasks = list(streams)
+    for i in range(batch):
+        s = streams[tasks[i % len(tasks)]]
+        start = int(torch.randint(len(s) - length, (1,), generator=g))
+        rows.append(s[start:start + length])
+    return torch.stack(rows)
+
+
+def lr_at(step: int, steps: int, lr: float, warmup: int = 30) -> float:
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    return lr * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
+
+
+def train_target(out: Path, *, d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn=384, max_seq=256,
+                 seq_len=128, batch=16, steps=500, lr=3e-3, seed=0, log=print) -> dict:
+    torch.manual_seed(seed)
+    # train with a cache as long as the window (attention cost), save with the serving context max_seq:
+    # RoPE tables are not saved and agree on the first seq_len positions
+    cfg = TinyConfig(vocab=256, d_model=d_model, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads,
+                     ffn=ffn, max_seq=seq_len)
+    model = init_weights(TinyDecoder(cfg), seed).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
+    streams, g = task_streams("train"), torch.Generator().manual_seed(seed)
+    pos = torch.arange(seq_len)
+    t0, losses = time.perf_counter(), []
+    for step in range(steps):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, steps, lr)
+        x = sample_windows(streams, batch, seq_len + 1, g)
+        k, v = model.new_cache(batch)
+        logits = model(x[:, :-1], pos, k, v)
+        loss = F.cross_entropy(logits.reshape(-1, cfg.vocab), x[:, 1:].reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(loss.item())
+        if step % 50 == 0 or step == steps - 1:
+            log(f"target step {step}/{steps} loss {loss.item():.3f} ({time.perf_counter() - t0:.0f} s)")
+    serving = TinyDecoder(TinyConfig(**{**cfg.__dict__, "max_seq": max_seq}))
+    serving.load_state_dict(model.state_dict())
+    sha = save_weights(serving.eval(), out)
+    return {"path": str(out), "sha256": sha, "final_loss": sum(losses[-20:]) / len(losses[-20:]),
+            "seconds": time.perf_counter() - t0, "steps": steps}
+
+
+@torch.no_grad()
+def extract_hidden(target_path: Path, shards: Path, *, windows_per_task=96, seq_len=128, per_shard=64, seed=1,
+                   log=print) -> dict:
+    """Run the target once over training windows; write `hidden` [N, S, d] (fp16) and `tokens` [N, S]
+    (int16) shards. This is the only step that runs the target."""
+    from safetensors.torch import save_file
+
+    model = load_weights(target_path, "cpu")
+    if seq_len > model.cfg.max_seq:
+        raise ValueError(f"seq_len={seq_len} exceeds the target's context max_seq={model.cfg.max_seq}")
+    streams, g = task_streams("train"), torch.Generator().manual_seed(seed)
+    shards.mkdir(parents=True, exist_ok=True)
+    x = sample_windows(streams, windows_per_task * len(streams), seq_len, g)
+    pos = torch.arange(seq_len)
+    files, t0 = [], time.perf_counter()
+    for i in range(0, len(x), per_shard):
+        chunk = x[i:i + per_shard]
+        k, v = model.new_cache(len(chunk))
+        h = model.embed(chunk)
+        for j, layer in enumerate(model.layers):
+            h = layer(h, pos, model.cos, model.sin, k[j], v[j])
+        hidden = model.norm(h)
+        path = shards / f"hidden-{i // per_shard:04d}.safetensors"
+        save_file({"hidden": hidden.half().contiguous(), "tokens": chunk.to(torch.int16).contiguous()}, str(path))
+        files.append(path.name)
+    info = {"target": str(target_path), "windows": len(x), "seq_len": seq_len, "files": files,
+            "seconds": time.perf_counter() - t0}
+    (shards / "index.json").write_text(json.dumps(info, indent=1))
+    log(f"extracted {len(x)} windows of {seq_len} tokens into {len(files)} shards ({info['seconds']:.1f} s)")
+    return info
+
+
+def load_shards(shards: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    info = json.loads((shards / "index.json").read_text())
+    parts = [load_file(str(shards / f)) for f in info["files"]]
+    return (torch.cat([p["hidden"] for p in parts]).float(), torch.cat([p["tokens"] for p in parts]).long())
+
+
+def draft_loss(draft: HiddenStateDraft, H: torch.Tensor, X: torch.Tensor, rows: torch.Tensor, t: torch.Tensor,
+               unroll: int) -> torch.Tensor:
+    """H [N, S, d] target hidden states, X [N, S] tokens; (rows, t) [R] pick R start positions.
+    From (H[t], X[t+1]) predict H[t+1] and the target's distribution for X[t+2]; then continue
+    `unroll - 1` steps from the draft's own predicted hidden state (what it sees at inference),
+    teacher-forcing the tokens."""
+    h = H[rows, t]
+    total = 0.0
+    for j in range(unroll):
+        x_next = X[rows, t + 1 + j]
+        target_h = H[rows, t + 1 + j]
+        h, logits = draft(h, x_next)
+        with torch.no_grad():
+            p = F.softmax(F.linear(target_h, draft.lm_head_weight), dim=-1)
+        kl = (p * (p.clamp_min(1e-9).log() - F.log_softmax(logits, -1))).sum(-1).mean()
+        total = total + kl + F.smooth_l1_loss(h, target_h)
+    return total / unroll
+
+
+def train_draft(shards: Path, target_path: Path, out: Path, *, name="small", steps=400, batch=512, lr=2e-3,
+                unroll=3, seed=0, log=print) -> dict:
+    torch.manual_seed(seed)
+    n_layers, ffn = DRAFTS[name]
+    target = load_weights(target_path, "cpu")           # only its embedding and LM head are used
+    draft = HiddenStateDraft(DraftConfig(d_model=target.cfg.d_model, vocab=target.cfg.vocab, n_layers=n_layers,
+                                         ffn=ffn), target)
+    del target
+    H, X = load_shards(shards)
+    opt = torch.optim.AdamW(draft.parameters(), lr=lr, weight_decay=0.0)
+    g = torch.Generator().manual_seed(seed)
+    t0, losses = time.perf_counter(), []
+    for step in range(steps):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, steps, lr)
+        rows = torch.randint(len(H), (batch,), generator=g)
+        t = torch.randint(H.shape[1] - 1 - unroll, (batch,), generator=g)
+        loss = draft_loss(draft, H, X, rows, t, unroll)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        if step % 100 == 0 or step == steps - 1:
+            log(f"draft[{name}] step {step}/{steps} loss {loss.item():.3f} ({time.perf_counter() - t0:.0f} s)")
+    sha = save_draft(draft.eval(), out, extra={"name": name, "steps": steps, "unroll": unroll,
+                                               "trained_from": "hidden-state shards"})
+    return {"path": str(out), "sha256": sha, "final_loss": sum(losses[-20:]) / len(losses[-20:]),
+            "seconds": time.perf_counter() - t0, "steps": steps, "name": name}
+
+
+def run_all(out: Path, shards: Path, *, target_steps=500, draft_steps=400, windows_per_task=96, threads=1,
+            log=print) -> dict:
+    """Step 1 here; steps 2 and 3 each in a fresh Python process, talking only through files."""
+    out.mkdir(parents=True, exist_ok=True)
+    target_path = out / TARGET_FILE
+    report = {"target": train_target(target_path, steps=target_steps, log=log)}
+    base = [sys.executable, "-m", "inferbook.serving.train"]
+    subprocess.run(base + ["extract", "--target", str(target_path), "--shards", str(shards),
+                           "--windows-per-task", str(windows_per_task), "--threads", str(threads)], check=True)
+    for name in DRAFTS:
+        subprocess.run(base + ["draft", "--target", str(target_path), "--shards", str(shards), "--name", name,
+                               "--out", str(out / draft_file(name)), "--steps", str(draft_steps),
+                               "--threads", str(threads)], check=True)
+    report["shards"] = str(shards)
+    return report
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m inferbook.serving.train", description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    a = sub.add_parser("all")
+    a.add_argument("--out", type=Path, required=True)
+    a.add_argument("--shards", type=Path, default=Path("_build/dspark-shards"))
+    a.add_argument("--target-steps", type=int, default=500)
+    a.add_argument("--draft-steps", type=int, default=400)
+    a.add_argument("--windows-per-task", type=int, default=96)
+    t = sub.add_parser("target")
+    t.add_argument("--out", type=Path, required=True)
+    t.add_argument("--steps", type=int, default=500)
+    e = sub.add_parser("extract")
+    e.add_argument("--target", type=Path, required=True)
+    e.add_argument("--shards", type=Path, required=True)
+    e.add_argument("--windows-per-task", type=int, default=96)
+    e.add_argument("--seq-len", type=int, default=128)
+    d = sub.add_parser("draft")
+    d.add_argument("--target", type=Path, required=True)
+    d.add_argument("--shards", type=Path, required=True)
+    d.add_argument("--out", type=Path, required=True)
+    d.add_argument("--name", choices=tuple(DRAFTS), default="small")
+    d.add_argument("--steps", type=int, default=400)
+    for p in (a, t, e, d):
+        p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if args.cmd == "all":
+        print(json.dumps(run_all(args.out, args.shards, target_steps=args.target_steps, draft_steps=args.draft_steps,
+                                 windows_per_task=args.windows_per_task, threads=args.threads), indent=1))
+    elif args.cmd == "target":
+        print(json.dumps(train_target(args.out, steps=args.steps), indent=1))
+    elif args.cmd == "extract":
+        extract_hidden(args.target, args.shards, windows_per_task=args.windows_per_task, seq_len=args.seq_len)
+    else:
+        print(json.dumps(train_draft(args.shards, args.target, args.out, name=args.name, steps=args.steps), indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,89 @@
+"""Hidden-state draft pipeline: corpora, shards written once, draft trained from the shards alone,
+and a trained (or untrained) draft never changes greedy output."""
+import pytest
+import torch
+
+from inferbook.errors import UserError
+from inferbook.serving import corpora, train
+from inferbook.serving.config import EngineConfig
+from inferbook.serving.draft import DraftConfig, HiddenStateDraft, HiddenStateDrafter, load_draft
+from inferbook.serving.engine import LLMEngine
+from inferbook.serving.model import load_weights
+from inferbook.serving.sequence import SamplingParams
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """These models are tiny: a second thread only waits, and on a loaded machine it spins."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_corpora_are_shipped_ascii_and_split():
+    for task in corpora.TASKS:
+        train_docs, test_docs = corpora.load_corpus(task, "train"), corpora.load_corpus(task, "test")
+        assert len(train_docs) > 9 * len(test_docs) * 0.9 and test_docs
+        assert max(corpora.encode(test_docs[0])) < corpora.VOCAB
+    assert corpora.decode(corpora.encode("x = 1\n")) == "x = 1\n"
+    with pytest.raises(ValueError, match="unknown task"):
+        corpora.load_corpus("poetry")
+    doc = corpora.make_math(3, seed=5)[0]
+    answer = int(doc.rsplit(" ", 1)[1].rstrip("."))
+    assert str(eval(doc.split("Q: ")[1].split(" = ?")[0])) == str(answer)   # left-to-right steps; '*' comes first
+
+
+@pytest.fixture(scope="module")
+def tiny_pipeline(tmp_path_factory):
+    """A tiny target (a few steps), its hidden-state shards, and a draft trained from them via the CLI."""
+    d = tmp_path_factory.mktemp("dspark")
+    target = d / "target.safetensors"
+    train.train_target(target, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn=64, max_seq=96, seq_len=32,
+                       batch=6, steps=3, log=lambda *_: None)
+    shards = d / "shards"
+    train.main(["extract", "--target", str(target), "--shards", str(shards), "--windows-per-task", "4",
+                "--seq-len", "32"])
+    out = d / "draft.safetensors"
+    train.main(["draft", "--target", str(target), "--shards", str(shards), "--out", str(out), "--steps", "3"])
+    return target, shards, out
+
+
+def test_shards_hold_the_targets_hidden_states(tiny_pipeline):
+    target_path, shards, _ = tiny_pipeline
+    H, X = train.load_shards(shards)
+    assert H.shape[:2] == X.shape and H.shape[2] == 32 and len(H) == 12
+    target = load_weights(target_path, "cpu").requires_grad_(False)
+    k, v = target.new_cache(1)
+    h = target.embed(X[:1])
+    for j, layer in enumerate(target.layers):
+        h = layer(h, torch.arange(X.shape[1]), target.cos, target.sin, k[j], v[j])
+    ref = target.norm(h)[0]
+    err = float((H[0] - ref).abs().max())
+    assert err <= 2 * float(torch.finfo(torch.float16).eps) * float(ref.abs().max()) + 1e-3, err
+
+
+@pytest.mark.parametrize("k", [2, 8])
+def test_draft_proposals_and_greedy_equality(tiny_pipeline, k):
+    target_path, _, draft_path = tiny_pipeline
+    target = load_weights(target_path, "cpu")
+    draft = load_draft(draft_path, target)
+    g = torch.Generator().manual_seed(torch.randint(1 << 30, ()).item())
+    prompts = torch.randint(256, (3, 20), generator=g).tolist()
+    params = SamplingParams(max_tokens=30)
+    plain = LLMEngine(target, EngineConfig(max_num_batched_tokens=128)).generate(prompts, params)
+    engine = LLMEngine(target, EngineConfig(max_num_batched_tokens=128, max_num_seqs=4, num_spec_tokens=k),
+                       drafter=HiddenStateDrafter(draft))
+    assert engine.generate(prompts, params) == plain
+    assert engine.acceptance.rounds > 0
+    seqs = engine.finished[:2]
+    toks, probs = HiddenStateDrafter(draft).propose(seqs, k, "cpu")
+    assert toks.shape == (2, k) and probs.shape == (2, k, 256) and torch.equal(probs.argmax(-1), toks)
+
+
+def test_draft_must_fit_target(tiny_pipeline):
+    target = load_weights(tiny_pipeline[0], "cpu")
+    with pytest.raises(UserError, match="does not fit"):
+        HiddenStateDraft(DraftConfig(d_model=48, vocab=256), target)
+    with pytest.raises(UserError, match="n_layers"):
+        DraftConfig(d_model=32, vocab=256, n_layers=6)

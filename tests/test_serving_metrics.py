@@ -1,0 +1,65 @@
+"""Serving metrics and the chapters' parameter checks."""
+import itertools
+
+import pytest
+import torch
+
+from inferbook.serving import dspark_acceptance, spec_budget
+from inferbook.serving.config import EngineConfig
+from inferbook.serving.engine import LLMEngine
+from inferbook.serving.metrics import run_closed_loop
+from inferbook.serving.model import TinyConfig, TinyDecoder, init_weights
+from inferbook.serving.sequence import SamplingParams
+from inferbook.serving.speculative import NgramDrafter
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_closed_loop_metrics_with_a_step_clock():
+    """A clock that ticks once per reading makes every time a count of engine events: the
+    relations between TTFT, TPOT, end-to-end and the two throughputs can be checked exactly."""
+    cfg = TinyConfig(vocab=64, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn=64, max_seq=96)
+    model = init_weights(TinyDecoder(cfg), 0).eval()
+    ticks = itertools.count()
+    engine = LLMEngine(model, EngineConfig(max_num_batched_tokens=32, max_num_seqs=4), clock=lambda: float(next(ticks)))
+    prompts = [[1] * n for n in (5, 40, 12, 3, 20)]
+    run = run_closed_loop(engine, prompts, SamplingParams(max_tokens=6), concurrency=2)
+    assert run.num_requests == 5 and run.output_tokens == 30 and run.input_tokens == 80
+    assert max(s.num_running for s in engine.steps) <= 2
+    assert run.total_throughput == pytest.approx(run.output_throughput * (30 + 80) / 30)
+    for r in run.requests:
+        assert 0 < r.ttft_s < r.e2e_s
+        assert r.tpot_s == pytest.approx((r.e2e_s - r.ttft_s) / (r.output_len - 1))
+    assert [r.prefill_chunks > 1 for r in run.requests][1]   # 40 tokens > 32-token budget: split
+    with pytest.raises(ValueError, match="concurrency"):
+        run_closed_loop(engine, prompts, SamplingParams(), concurrency=0)
+
+
+def test_ngram_drafter_proposes_the_continuation_of_the_last_match():
+    class S:
+        token_ids = [5, 6, 7, 8, 9, 1, 5, 6, 7]
+    toks, probs = NgramDrafter(16).propose([S()], 4, "cpu")
+    assert toks.tolist() == [[8, 9, 1, 5]] and probs.sum(-1).eq(1).all()
+
+
+@pytest.mark.parametrize("text,ok", [("1,4,16", (1, 4, 16)), (" 2 ", (2,)), ("0,4", None), ("a", None), ("", None)])
+def test_concurrencies_parameter(text, ok):
+    if ok:
+        assert spec_budget.parse_concurrencies(text) == ok
+    else:
+        with pytest.raises(ValueError, match="concurrencies"):
+            spec_budget.parse_concurrencies(text)
+
+
+def test_task_prompts_end_where_the_answer_starts():
+    for task in ("math", "qa"):
+        for p in dspark_acceptance.task_prompts(task, 3, 96):
+            assert bytes(p).endswith(b"\nA:")
+    with pytest.raises(ValueError, match="held-out prompts"):
+        dspark_acceptance.task_prompts("qa", 10_000, 96)
