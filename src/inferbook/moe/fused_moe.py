@@ -12,7 +12,8 @@ and writes one row per (token, slot) into `[T*k, H]`; a combine launch sums each
 rows in a fixed order (slot 0 first) in fp32.
 
 `moe_tail` is the decode tail of the `kimi-topk-tail-fusion` chapter: the down projection
-with the combine either as that separate pass or folded into the down kernel's epilogue.
+with the combine either as that separate pass or folded into the down kernel's epilogue; its
+expert weights may be BF16, W4A16 (indexed) or MXFP4 (`moe.mxfp4`, decoded in registers).
 `shared_*` are the two ways of running a shared expert (MiniMax M3 chapter).
 """
 from __future__ import annotations
@@ -21,12 +22,14 @@ import torch
 import torch.nn.functional as F
 
 from ..device import dot_needs_fp32, triton_backend_for
-from . import routing
+from . import mxfp4 as MXF, routing
+from .mxfp4 import PackedMXFP4
 from .w4a16 import LAYOUT_CODE, LAYOUTS, PackedW4, cat_experts, dequantize, expert, linear, triton
 
 if triton is not None:
     import triton.language as tl
 
+    from .mxfp4 import mxfp4_tile
     from .w4a16 import round_bf16, w4_tile
 
     @triton.jit
@@ -127,7 +130,8 @@ if triton is not None:
         """Decode tail, token-major: for token t and a block of output columns, each of its k
         slots is a GEMV against its expert's down weights. FUSED: the k weighted rows are
         summed in registers (slot order) and one [N] row is stored; else each weighted row is
-        stored into [T*k, N] for a separate combine pass."""
+        stored into [T*k, N] for a separate combine pass. LAYOUT 0 = W4A16 indexed, 3 = BF16,
+        4 = MXFP4 (e2m1 + E8M0 per 32, decoded in registers by `mxfp4_tile`)."""
         t = tl.program_id(0)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
@@ -139,8 +143,12 @@ if triton is not None:
             for k0 in range(0, K, BLOCK_K):
                 offs_k = k0 + tl.arange(0, BLOCK_K)
                 a = tl.load(act_ptr + slot * K + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
-                b = w4_tile(qw_ptr + e * q_expert_stride, s_ptr + e * s_expert_stride, offs_k, offs_n, N, K,
-                            LAYOUT, GROUP, EMULATE).to(tl.float32)
+                if LAYOUT == 4:
+                    b = mxfp4_tile(qw_ptr + e * q_expert_stride, s_ptr + e * s_expert_stride, offs_k, offs_n,
+                                   N, K, EMULATE)
+                else:
+                    b = w4_tile(qw_ptr + e * q_expert_stride, s_ptr + e * s_expert_stride, offs_k, offs_n, N, K,
+                                LAYOUT, GROUP, EMULATE).to(tl.float32)
                 part += tl.sum(a[:, None] * b, axis=0)
             if FUSED:
                 acc += wt * part
@@ -160,6 +168,8 @@ if triton is not None:
 def _weights(w, dtype: torch.dtype) -> torch.Tensor:
     if isinstance(w, PackedW4):
         return dequantize(w, dtype)
+    if isinstance(w, PackedMXFP4):
+        return MXF.dequantize(w, dtype)
     return w.to(dtype)
 
 
@@ -352,7 +362,13 @@ def combine(y: torch.Tensor, k: int, out_dtype=torch.bfloat16) -> torch.Tensor:
 # The decode tail: combine as a separate pass, or folded into the down projection's epilogue
 
 def _tail_weights(w2):
-    """(qweight, scales, LAYOUT code, group, E, H, I) for an indexed PackedW4 or a BF16 [E, H, I] tensor."""
+    """(qweight, scales, LAYOUT code, group, E, H, I) for an indexed PackedW4, a PackedMXFP4 or a
+    BF16 [E, H, I] tensor."""
+    if isinstance(w2, PackedMXFP4):
+        if len(w2.shape) != 3:
+            raise ValueError(f"w2 must be [E, H, I], got {w2.shape}")
+        E, H, I = w2.shape
+        return w2.qweight, w2.scales, MXF.LAYOUT_CODE, MXF.BLOCK, E, H, I
     if isinstance(w2, PackedW4):
         if len(w2.shape) != 3:
             raise ValueError(f"w2 must be [E, H, I], got {w2.shape}")
@@ -363,7 +379,8 @@ def _tail_weights(w2):
         E, H, I = w2.shape
         w = w2.contiguous()
         return w, w, LAYOUT_CODE["bf16"], 32, E, H, I
-    raise ValueError(f"w2 must be an indexed PackedW4 or a BF16 [E, H, I] tensor, got {type(w2).__name__}")
+    raise ValueError(f"w2 must be an indexed PackedW4, a PackedMXFP4 or a BF16 [E, H, I] tensor, "
+                     f"got {type(w2).__name__}")
 
 
 def moe_tail(act: torch.Tensor, w2, topk_weights, topk_ids, *, fused: bool, inter_dtype=torch.bfloat16,

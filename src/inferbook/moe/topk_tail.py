@@ -5,14 +5,17 @@ projections, and the k results are combined, Σ_j w[t, j] · y[t, j]. Done as tw
 down projection writes a `[T*k, H]` intermediate that the combine reads back; folded into the
 down kernel's epilogue, the k rows are summed in registers and the intermediate never exists.
 
-Records, per expert-weight format (BF16, W4A16) and decode batch T:
+Records, per expert-weight format (BF16, W4A16, MXFP4) and decode batch T:
 - `<fmt>-T<T>-separate` / `-fused`: launches, intermediate bytes written and read, the checks
-  (fused == separate pass with an fp32 intermediate, bit for bit; both against fp32), and on
+  (fused == separate pass with an fp32 intermediate, bit for bit; both against fp32; for MXFP4
+  also the kernel's in-register decode against `numerics.mx.dequantize`, bit for bit), and on
   CUDA the Triton kernels' times. On CPU (interpreter) the Triton paths are checked, not timed.
 - `cpu-<fmt>-T<T>`: on CPU, the PyTorch tail timed with its combine pass timed on its own, so the
   combine's share of the tail on this machine is measured, labelled CPU.
-MXFP4 experts (the seed's #53152 is about MXFP4) are not included: they wait for
-`inferbook.numerics.mx`.
+MXFP4 experts (the format of the seed's #53152) are quantized by `inferbook.numerics.mx`
+(e2m1, E8M0 scale per 32 along K, OCP floor rule), packed two codes per byte by `moe.mxfp4`,
+and decoded inside the same tail kernel: the bytes counted are the bytes the kernel reads.
+Only the down projection is in the tail; its input activations are given (BF16).
 """
 from __future__ import annotations
 
@@ -23,12 +26,13 @@ import torch
 from ..measure import benchmark
 from ..presets import Param
 from ..record import RunRecord
-from . import fused_moe as FM, w4a16 as W
+from . import fused_moe as FM, mxfp4 as MXF, w4a16 as W
 from .routing import cpu_threads, on_gpu
 from .timing import gpu_time
 from .chord_chapter import parse_ints
 
-FORMATS = ("bf16", "w4a16")
+FORMATS = ("bf16", "w4a16", "mxfp4")
+QUANT_LABEL = {"bf16": "none (bf16)", "w4a16": "w4a16 g32", "mxfp4": MXF.LABEL}
 
 PARAMETERS = {
     "hidden": Param(int, help="output size of the down projection (model hidden)"),
@@ -36,14 +40,14 @@ PARAMETERS = {
     "experts": Param(int, help="routed experts"),
     "top_k": Param(int, help="experts per token"),
     "tokens": Param(str, help="comma-separated decode batch sizes T"),
-    "formats": Param(str, help="comma-separated expert weight formats: bf16, w4a16"),
+    "formats": Param(str, help="comma-separated expert weight formats: bf16, w4a16, mxfp4"),
     "reps": Param(int, help="minimum timed repetitions"),
 }
 
 PRESETS = {
-    "smoke": dict(hidden=64, inter=32, experts=16, top_k=8, tokens="1,4", formats="bf16,w4a16", reps=3),
-    "cpu": dict(hidden=256, inter=128, experts=32, top_k=8, tokens="1,4,16", formats="bf16,w4a16", reps=5),
-    "gpu": dict(hidden=7168, inter=2048, experts=128, top_k=8, tokens="1,8,32,128", formats="bf16,w4a16", reps=50),
+    "smoke": dict(hidden=64, inter=32, experts=16, top_k=8, tokens="1,4", formats="bf16,w4a16,mxfp4", reps=3),
+    "cpu": dict(hidden=256, inter=128, experts=32, top_k=8, tokens="1,4,16", formats="bf16,w4a16,mxfp4", reps=5),
+    "gpu": dict(hidden=7168, inter=2048, experts=128, top_k=8, tokens="1,8,32,128", formats="bf16,w4a16,mxfp4", reps=50),
 }
 
 
@@ -56,20 +60,50 @@ def parse_formats(text: str) -> list[str]:
 
 
 def make_tail(ctx, hidden, inter, experts, top_k, T, fmt):
-    """Random down weights (BF16 or W4A16 indexed), routed activations [T*k, I] and routing."""
+    """Random down weights (BF16, W4A16 indexed or MXFP4), routed activations [T*k, I] and routing."""
     g = ctx.generator(1000 + T)
     w2 = torch.randn(experts, hidden, inter, generator=g, device=ctx.device) / math.sqrt(inter)
-    w2 = w2.bfloat16() if fmt == "bf16" else W.quantize(w2, layout="indexed")
+    w2 = {"bf16": lambda w: w.bfloat16(), "w4a16": lambda w: W.quantize(w, layout="indexed"),
+          "mxfp4": MXF.quantize}[fmt](w2)
     act = torch.randn(T * top_k, inter, generator=g, device=ctx.device).bfloat16()
     logits = torch.randn(T, experts, generator=g, device=ctx.device)
     tw, ids = logits.softmax(-1).topk(top_k)
     return w2, act, tw / tw.sum(-1, keepdim=True), ids.to(torch.int32)
 
 
+def weight_bytes(n: int, k: int, fmt: str) -> int:
+    """Bytes of one [N, K] expert weight: BF16 16 bits, W4A16 4.5, MXFP4 4.25 bits per weight."""
+    return MXF.weight_bytes(n, k) if fmt == "mxfp4" else W.weight_bytes(n, k, fmt)
+
+
+def dense_weights(w2, dtype=torch.bfloat16) -> torch.Tensor:
+    """The expert weights as a dense tensor (dequantized; exact in BF16 for MXFP4, as in the kernel)."""
+    if isinstance(w2, torch.Tensor):
+        return w2.to(dtype)
+    return MXF.dequantize(w2, dtype) if isinstance(w2, MXF.PackedMXFP4) else W.dequantize(w2, dtype)
+
+
+def decode_probe(w2) -> tuple[bool, float]:
+    """Run the tail kernel with one-hot activations (token t = unit vector t, one slot of weight 1 on
+    expert t mod E): output row t is then column t of that expert's weight, exactly, so the kernel's
+    in-register MXFP4 decode is compared bit for bit with `numerics.mx.dequantize`."""
+    E, H, I = w2.shape
+    dev = w2.device
+    ids = (torch.arange(I, device=dev) % E).to(torch.int32)[:, None]
+    act = torch.eye(I, device=dev).bfloat16()
+    out, _, _ = FM.moe_tail(act, w2, torch.ones((I, 1), device=dev), ids, fused=True)
+    want = torch.empty((I, H), dtype=torch.float32, device=dev)
+    for e in range(min(E, I)):  # one expert at a time: the whole fp32 table can be gigabytes
+        cols = torch.arange(e, I, E, device=dev)
+        one = MXF.PackedMXFP4(w2.qweight[e:e + 1], w2.scales[e:e + 1], (1, H, I))
+        want[cols] = MXF.dequantize(one)[0][:, cols].T
+    return torch.equal(out.float(), want), float((out.float() - want).abs().max())
+
+
 def traffic(T: int, k: int, H: int, I: int, fmt: str, active_experts: int) -> dict:
     """Bytes of the tail, and what folding the combine removes (BF16 intermediate)."""
     inter = T * k * H * 2
-    weights = active_experts * W.weight_bytes(H, I, fmt)
+    weights = active_experts * weight_bytes(H, I, fmt)
     base = weights + T * k * I * 2 + T * H * 2 + T * k * 8  # weights, activations, output, routing
     return {"weight_bytes": weights, "intermediate_written": inter, "intermediate_read": inter,
             "separate_bytes": base + 2 * inter, "fused_bytes": base}
@@ -78,7 +112,7 @@ def traffic(T: int, k: int, H: int, I: int, fmt: str, active_experts: int) -> di
 def _record(ctx, name, variant, fmt, T, p, backend, why):
     rec = ctx.new_record(name, variant=variant, workload={
         "model": f"MoE tail: E{p['experts']} H{p['hidden']} I{p['inter']} top-{p['top_k']}",
-        "quantization": "none (bf16)" if fmt == "bf16" else "w4a16 g32", "batch": T, "dtype": "bfloat16"})
+        "quantization": QUANT_LABEL[fmt], "batch": T, "dtype": "bfloat16"})
     rec.set_backend("moe_tail", backend, reason=why, shapes={"act": [T * p["top_k"], p["inter"]],
                                                               "w2": [p["experts"], p["hidden"], p["inter"]]})
     return rec
@@ -107,7 +141,9 @@ def measure(ctx, *, hidden, inter, experts, top_k, tokens, formats, reps) -> lis
             recs = {}
             for variant, out, launches in (("separate", sep16, launches_s), ("fused", fused, launches_f)):
                 # Same backend on both sides: the combine's placement is the variant, the difference studied.
-                rec = _record(ctx, f"{fmt}-T{T}-{variant}", variant, fmt, T, p, f"{name} decode tail (token-major)", why)
+                tail_backend = f"{name} decode tail (token-major" + (
+                    ", MXFP4 decoded in registers)" if fmt == "mxfp4" and triton_ok else ")")
+                rec = _record(ctx, f"{fmt}-T{T}-{variant}", variant, fmt, T, p, tail_backend, why)
                 rec.notes = ("down projection, then a separate combine pass" if variant == "separate" else
                              "down projection with the combine in its epilogue")
                 err, tol, ok = FM.within_tolerance(out, ref, torch_out)
@@ -118,11 +154,17 @@ def measure(ctx, *, hidden, inter, experts, top_k, tokens, formats, reps) -> lis
                         phase="analysis")
                 rec.add("tail_bytes", tr[f"{variant}_bytes"], "bytes", phase="analysis",
                         weight_bytes=tr["weight_bytes"])
+                rec.add("weight_bits_per_weight", 8 * weight_bytes(hidden, inter, fmt) / (hidden * inter), "bits",
+                        phase="analysis")
                 recs[variant] = rec
             recs["fused"].add_check("fused == separate with fp32 intermediate (bitwise)", torch.equal(fused, sep32),
                                     error=float((fused.float() - sep32.float()).abs().max()), tolerance=0.0)
             recs["separate"].add_check("intermediate bytes as counted", inter_bytes in (0, tr["intermediate_written"]),
                                        error=float(inter_bytes), tolerance=float(tr["intermediate_written"]))
+            if fmt == "mxfp4" and T == Ts[0] and triton_ok:  # once per run: the decode does not depend on T
+                same, err = decode_probe(w2)
+                recs["fused"].add_check("in-kernel MXFP4 decode == numerics.mx.dequantize (bitwise, one-hot probe)",
+                                        same, error=err, tolerance=0.0)
             if on_gpu(ctx) and triton_ok:
                 for variant, fn in (("separate", lambda: FM.moe_tail(act, w2, tw, ids, fused=False, check=False)),
                                     ("fused", lambda: FM.moe_tail(act, w2, tw, ids, fused=True, check=False))):
@@ -140,10 +182,10 @@ def cpu_record(ctx, act, w2, tw, ids, fmt, T, p, reps) -> RunRecord:
     combine pass alone, so its share of the tail is a measured number (labelled CPU)."""
     rec = ctx.new_record(f"cpu-{fmt}-T{T}", variant="pytorch separate combine", workload={
         "model": f"MoE tail: E{p['experts']} H{p['hidden']} I{p['inter']} top-{p['top_k']}",
-        "quantization": "none (bf16)" if fmt == "bf16" else "w4a16 g32", "batch": T, "dtype": "bfloat16"})
+        "quantization": QUANT_LABEL[fmt], "batch": T, "dtype": "bfloat16"})
     rec.set_backend("moe_tail", "torch (bmm per slot + sum over k)", reason="CPU: PyTorch paths only",
                     shapes={"act": list(act.shape)})
-    W2 = w2 if isinstance(w2, torch.Tensor) else W.dequantize(w2)  # resident BF16 copy: time the tail, not dequant
+    W2 = dense_weights(w2)  # resident BF16 copy: time the tail, not dequant
     flat = ids.flatten().long()
     wts = tw.float().flatten()[:, None]
     k = ids.shape[1]
