@@ -86,6 +86,13 @@ def dot_needs_fp32(device: torch.device) -> bool:
     return device.type != "cuda" and triton_interpreted()
 
 
+def bf16_cast_needs_emulation(device: torch.device) -> bool:
+    """Second interpreter pitfall: its fp32 -> bf16 cast truncates instead of rounding to nearest
+    even (Triton 3.9). Kernels that store bf16 take this as a constexpr for
+    `triton_utils.cast_rtne`; compiled kernels round correctly and never emulate."""
+    return device.type != "cuda" and triton_interpreted()
+
+
 def _cpu_model() -> str:
     try:
         with open("/proc/cpuinfo") as f:

@@ -42,6 +42,8 @@ from ..errors import UserError
 try:
     import triton
     import triton.language as tl
+
+    from ..triton_utils import cast_rtne as _round
 except Exception:  # pragma: no cover - triton missing: only the references work
     triton = None
     tl = None
@@ -237,22 +239,8 @@ if triton is not None:
         out = acc / tl.where(l > 0, l, 1.0)
         tl.store(OUT + (b * H + h) * D + d, _round(out, OUT.dtype.element_ty, EMU), mask=d_mask)
 
-    @triton.jit
-    def _round(x, dt: tl.constexpr, EMULATE_BF16: tl.constexpr):
-        """fp32 -> dt, round to nearest even. The Triton interpreter (3.9) truncates fp32 -> bf16;
-        with EMULATE_BF16 the rounding is done on the bits, as PyTorch does."""
-        if EMULATE_BF16 and dt == tl.bfloat16:
-            bits = x.to(tl.uint32, bitcast=True)
-            rounded = ((bits + (((bits >> 16) & 1) + 0x7FFF)) >> 16).to(tl.uint16)
-            rounded = tl.where(x != x, tl.full(rounded.shape, 0x7FC0, tl.uint16), rounded)
-            return rounded.to(tl.bfloat16, bitcast=True)
-        else:
-            return x.to(dt)
 
 
-def bf16_cast_needs_emulation(device: torch.device) -> bool:
-    """The interpreter's fp32 -> bf16 cast truncates (Triton 3.9); compiled kernels round."""
-    return device.type != "cuda" and _device.triton_interpreted()
 
 
 def select_backend(device: torch.device, backend: str = "auto") -> tuple[str, str]:
@@ -302,10 +290,10 @@ def decode_attention(q, k_cache, v_cache, seqlens, deterministic: bool = False, 
     _split_kernel[(B, Hk, ns)](q_, k_, v_, lens, mid_o, mid_lse, scale * LOG2E, plan["split_len"], ns,
                                q_.stride(0), q_.stride(1), k_.stride(0), k_.stride(1), k_.stride(2),
                                G=G, D=D, BLOCK_G=BLOCK_G, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N,
-                               DOT_FP32=_device.dot_needs_fp32(q.device), EMU=bf16_cast_needs_emulation(q.device),
+                               DOT_FP32=_device.dot_needs_fp32(q.device), EMU=_device.bf16_cast_needs_emulation(q.device),
                                num_warps=4)
     _merge_kernel[(B, H)](mid_o, mid_lse, lens, out, plan["split_len"], ns, H, D=D, BLOCK_D=BLOCK_D,
-                          EMU=bf16_cast_needs_emulation(q.device), num_warps=1)
+                          EMU=_device.bf16_cast_needs_emulation(q.device), num_warps=1)
     return (out, plan) if return_plan else out
 
 
@@ -406,7 +394,7 @@ def batch_invariant_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tenso
     _bi_matmul_kernel[(triton.cdiv(M, BM), triton.cdiv(N, BN))](
         x, weight, out, M, N, K, x.stride(0), weight.stride(0), out.stride(0),
         BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, DOT_FP32=_device.dot_needs_fp32(x.device),
-        EMU=bf16_cast_needs_emulation(x.device), num_warps=4)
+        EMU=_device.bf16_cast_needs_emulation(x.device), num_warps=4)
     return out
 
 

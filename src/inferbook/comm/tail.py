@@ -44,6 +44,8 @@ from ..errors import UserError
 try:
     import triton
     import triton.language as tl
+
+    from ..triton_utils import cast_rtne as _round
 except Exception:  # pragma: no cover - triton missing: only the references work
     triton = None
     tl = None
@@ -178,18 +180,6 @@ def naive_tail_reference(partials_fp32, shared, residual, norm_weight, eps=1e-6)
 
 if triton is not None:
 
-    @triton.jit
-    def _round(x, dt: tl.constexpr, EMULATE_BF16: tl.constexpr):
-        """fp32 -> dt, round to nearest even. The Triton interpreter (3.9) truncates fp32 -> bf16
-        instead of rounding; with EMULATE_BF16 the rounding is done on the bits (as PyTorch does),
-        NaN becoming the canonical 0x7FC0. Compiled kernels use the hardware conversion."""
-        if EMULATE_BF16 and dt == tl.bfloat16:
-            bits = x.to(tl.uint32, bitcast=True)
-            rounded = ((bits + (((bits >> 16) & 1) + 0x7FFF)) >> 16).to(tl.uint16)
-            rounded = tl.where(x != x, tl.full(rounded.shape, 0x7FC0, tl.uint16), rounded)
-            return rounded.to(tl.bfloat16, bitcast=True)
-        else:
-            return x.to(dt)
 
     @triton.jit
     def _sum_ranks(P, offs, mask, stride_rank, N: tl.constexpr):
@@ -285,15 +275,12 @@ if triton is not None:
         tl.store(OUT + offs, _round(y, dt, EMU), mask=mask)
 
 
-def bf16_cast_needs_emulation(device: torch.device) -> bool:
-    """The interpreter's fp32 -> bf16 cast truncates (Triton 3.9); compiled kernels round."""
-    return device.type != "cuda" and _device.triton_interpreted()
 
 
 def _launch_cfg(H: int, device: torch.device) -> dict:
     """Same block shape and warps for every kernel of the tail, so reductions match."""
     block = triton.next_power_of_2(H)
-    return {"BLOCK_H": block, "EMU": bf16_cast_needs_emulation(device), "num_warps": 4 if block <= 1024 else 8,
+    return {"BLOCK_H": block, "EMU": _device.bf16_cast_needs_emulation(device), "num_warps": 4 if block <= 1024 else 8,
             "enable_fp_fusion": False}
 
 
