@@ -28,6 +28,9 @@ class BlockManager:
         self.ref_count = [0] * num_blocks
         self.block_hash: list[int | None] = [None] * num_blocks
         self.hash_to_block: dict[int, int] = {}
+        # Optional KV tiers (`kv_tiers.EngineKVTiers`): `free` offloads a request's prompt blocks
+        # before they go back, `allocate` restores further prefix blocks after the device lookup.
+        self.tiers = None
 
     @property
     def num_free(self) -> int:
@@ -73,6 +76,12 @@ class BlockManager:
                 cached += bs
                 prev = h
             seq.num_hashed_blocks = len(seq.block_table)
+        if self.tiers is not None:
+            for block in self.tiers.restore(seq, len(seq.block_table), self._take_free):
+                seq.block_table.append(block)
+                cached += bs
+            if self.enable_prefix_caching:   # restored blocks are device-cached from now on
+                self.register_computed_upto(seq, cached)
         while len(seq.block_table) < self.blocks_for(num_tokens):
             seq.block_table.append(self._take_free())
         seq.num_cached_tokens = seq.num_computed_tokens = cached
@@ -80,10 +89,13 @@ class BlockManager:
 
     def register_computed(self, seq: Sequence) -> None:
         """Name the prompt blocks whose K/V are now computed, so later requests can share them."""
+        self.register_computed_upto(seq, seq.num_computed_tokens)
+
+    def register_computed_upto(self, seq: Sequence, num_computed: int) -> None:
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
-        full = min(seq.num_computed_tokens, seq.num_prompt_tokens) // bs
+        full = min(num_computed, seq.num_prompt_tokens) // bs
         prev = None
         if seq.num_hashed_blocks:
             prev = self.block_hash[seq.block_table[seq.num_hashed_blocks - 1]]
@@ -96,6 +108,8 @@ class BlockManager:
         seq.num_hashed_blocks = max(seq.num_hashed_blocks, full)
 
     def free(self, seq: Sequence) -> None:
+        if self.tiers is not None and seq.block_table:
+            self.tiers.offload(seq)      # returns once the device -> host copy has completed
         for block in reversed(seq.block_table):
             self.ref_count[block] -= 1
             if self.ref_count[block] == 0:

@@ -1,0 +1,1005 @@
+"""KV blocks in tiers, with host memory in the middle: device -> host -> filesystem -> remote peer.
+
+The seed (section 五, vLLM's Tiered KV Offloading write-up) describes a host-centred data path:
+device KV is first copied to host DRAM and from there to slower storage; restore runs the other
+way. The device blocks are freed as soon as the device-to-host copy completes; slower tiers are
+written from the host copy in the background; on restore, device blocks are allocated only once
+the data is in host memory. The host tier is a cache in its own right, not only a relay.
+
+This file answers one question: *where does a KV block live, and how does it get back exactly?*
+
+- `BlockLayout`: the fields of one block's host row (e.g. K and V of every layer, plus a
+  recurrent state), packed into one contiguous uint8 row — the unified host representation.
+- `prefix_keys`: a SHA-256 chain over the token ids of each full block, with model, block size,
+  dtype and layout in the namespace, so a key names exactly one block content.
+- `HostTier` (a slab of rows, pinned where the device is CUDA; capacity and LRU), `FileTier`
+  (one checksummed file per block, written atomically), `PeerTier` (a second process on loopback,
+  spoken to over a socket with timeouts), each with its own `TierStats`.
+- `TieredKVStore`: offload (publish into host, queue background writes), lookup (longest prefix
+  in any tier), fetch (into host rows, verified), per-tier metrics.
+- `EngineKVTiers`: binds a store to the serving engine's paged KV pool and block manager.
+
+Reliability rules kept here: a host row is visible only after its copy completed; a file is
+visible only after `os.replace` of a fully written, fsync'ed temporary file, and its SHA-256 is
+verified on every read (mismatch -> counted, removed, a miss); the peer stores a value only after
+receiving all of it with a matching digest, and a client read that times out or ends early is a
+miss. A failing tier is counted and skipped; it never raises into the engine.
+"""
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import queue
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..device import synchronize
+from ..errors import UserError
+
+TIER_NAMES = ("host", "file", "peer")
+LOOPBACK = "127.0.0.1"
+
+
+# ---------------------------------------------------------------------------
+# One block's host row, and the keys that name blocks
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """Named tensors of one block, packed in order into one uint8 row (each field 64-byte aligned).
+
+    fields: ((name, dtype, shape), ...). For the engine: k and v of shape [layers, block_size,
+    kv_heads, head_dim]; a hybrid model adds its recurrent state at the block's last token."""
+
+    fields: tuple
+
+    def __post_init__(self):
+        if not self.fields:
+            raise UserError("a block layout needs at least one field")
+        for f in self.fields:
+            if len(f) != 3 or not isinstance(f[0], str) or not isinstance(f[1], torch.dtype):
+                raise UserError(f"layout field {f!r} must be (name, torch dtype, shape)")
+
+    @property
+    def offsets(self) -> dict[str, tuple[int, int]]:
+        out, pos = {}, 0
+        for name, dtype, shape in self.fields:
+            n = dtype.itemsize * int(torch.Size(shape).numel())
+            out[name] = (pos, n)
+            pos += -(-n // 64) * 64
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        last = self.fields[-1][0]
+        start, n = self.offsets[last]
+        return -(-(start + n) // 64) * 64
+
+    def views(self, row: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Typed views into a uint8 row of `nbytes` (no copy)."""
+        out = {}
+        for name, dtype, shape in self.fields:
+            start, n = self.offsets[name]
+            out[name] = row[start:start + n].view(dtype).view(shape)
+        return out
+
+    def describe(self) -> str:
+        return ";".join(f"{n}:{str(d).replace('torch.', '')}{list(s)}" for n, d, s in self.fields)
+
+
+def namespace(model_id: str, block_size: int, dtype, layout: BlockLayout) -> str:
+    """Everything besides the tokens that decides a block's bytes: model, block size, dtype, layout."""
+    return f"model={model_id}|block_size={block_size}|dtype={str(dtype).replace('torch.', '')}|layout={layout.describe()}"
+
+
+def prefix_keys(tokens, block_size: int, ns: str) -> list[str]:
+    """SHA-256 hex key of every *full* block of `tokens`: key_i = H(key_{i-1}, namespace, block i's ids).
+
+    A key therefore names the whole prefix up to the end of its block, in this namespace only."""
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise UserError(f"block_size={block_size!r} must be a positive int")
+    prev = hashlib.sha256(ns.encode()).digest()
+    keys = []
+    toks = [int(t) for t in tokens]
+    for i in range(len(toks) // block_size):
+        h = hashlib.sha256(prev)
+        h.update(struct.pack(f"<{block_size}q", *toks[i * block_size:(i + 1) * block_size]))
+        prev = h.digest()
+        keys.append(prev.hex())
+    return keys
+
+
+# ---------------------------------------------------------------------------
+# Metrics
+
+@dataclass
+class TierStats:
+    """What one tier did: lookups and hits (per block), bytes and latency each way, failures."""
+
+    name: str
+    lookups: int = 0
+    hits: int = 0
+    writes: int = 0
+    reads: int = 0
+    bytes_written: int = 0
+    bytes_read: int = 0
+    write_s: float = 0.0
+    read_s: float = 0.0
+    evictions: int = 0
+    failures: int = 0        # writes that raised (unwritable, full, peer gone)
+    skipped: int = 0         # writes not attempted: tier disabled after failures, or host full of pinned rows
+    corrupt: int = 0         # reads whose checksum or length did not match (treated as misses)
+    timeouts: int = 0        # peer reads or writes that timed out or ended early (treated as misses)
+    last_error: str = ""
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.lookups if self.lookups else 0.0
+
+    def as_dict(self) -> dict:
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        d["hit_rate"] = self.hit_rate
+        d["write_gbps"] = self.bytes_written / self.write_s / 1e9 if self.write_s > 0 else 0.0
+        d["read_gbps"] = self.bytes_read / self.read_s / 1e9 if self.read_s > 0 else 0.0
+        return d
+
+
+def _row_bytes(row: torch.Tensor) -> memoryview:
+    return memoryview(row.numpy()).cast("B")
+
+
+# ---------------------------------------------------------------------------
+# Host tier: a slab of rows; LRU over published rows; pinned rows are never evicted
+
+class HostTier:
+    name = "host"
+
+    def __init__(self, capacity_blocks: int, row_bytes: int, pin: bool = False):
+        if isinstance(capacity_blocks, bool) or not isinstance(capacity_blocks, int) or capacity_blocks < 1:
+            raise UserError(f"host capacity_blocks={capacity_blocks!r} must be a positive int")
+        self.capacity, self.row_bytes = capacity_blocks, row_bytes
+        self.pinned_memory = bool(pin)
+        self.slab = torch.empty((capacity_blocks, row_bytes), dtype=torch.uint8, pin_memory=self.pinned_memory)
+        self.free_slots = list(range(capacity_blocks))[::-1]
+        self.index: OrderedDict[str, int] = OrderedDict()   # published key -> slot, LRU order (oldest first)
+        self.pending: set[str] = set()                       # keys being copied in: not visible yet
+        self.pins = [0] * capacity_blocks                    # readers/writers holding a slot
+        self.lock = threading.RLock()
+        self.stats = TierStats("host")
+
+    def row(self, slot: int) -> torch.Tensor:
+        return self.slab[slot]
+
+    def reserve(self, key: str) -> int | None:
+        """A slot for `key`, not yet visible; evicts the least recently used unpinned row if needed.
+        None when `key` is already stored or being stored, or every row is pinned."""
+        with self.lock:
+            if key in self.index or key in self.pending:
+                return None
+            if not self.free_slots:
+                victim = next((k for k, s in self.index.items() if self.pins[s] == 0), None)
+                if victim is None:
+                    return None
+                self.free_slots.append(self.index.pop(victim))
+                self.stats.evictions += 1
+            slot = self.free_slots.pop()
+            self.pending.add(key)
+            self.pins[slot] += 1
+            return slot
+
+    def publish(self, key: str, slot: int) -> None:
+        """Make a fully copied row visible (and keep it pinned for the caller until `unpin`)."""
+        with self.lock:
+            self.pending.discard(key)
+            self.index[key] = slot
+            self.index.move_to_end(key)
+
+    def abandon(self, key: str, slot: int) -> None:
+        with self.lock:
+            self.pending.discard(key)
+            self.pins[slot] -= 1
+            self.free_slots.append(slot)
+
+    def get(self, key: str) -> int | None:
+        """The slot of a published `key`, pinned for the caller (unpin when done), or None."""
+        with self.lock:
+            slot = self.index.get(key)
+            if slot is None:
+                return None
+            self.index.move_to_end(key)
+            self.pins[slot] += 1
+            return slot
+
+    def contains(self, key: str) -> bool:
+        with self.lock:
+            return key in self.index
+
+    def touch(self, key: str) -> bool:
+        with self.lock:
+            if key in self.index:
+                self.index.move_to_end(key)
+                return True
+            return False
+
+    def unpin(self, slot: int) -> None:
+        with self.lock:
+            self.pins[slot] -= 1
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+
+# ---------------------------------------------------------------------------
+# Filesystem tier: one file per block, written atomically, verified on read
+
+MAGIC = b"IBKVBLK1"
+
+
+class FileTier:
+    """Files `<dir>/<key[:2]>/<key>.kvb`: MAGIC, header length (u32), JSON header {key, nbytes,
+    sha256, namespace}, payload. Written to a temporary file in the same folder, fsync'ed, then
+    `os.replace`d (atomic on POSIX): a reader sees no file or a whole one."""
+
+    name = "file"
+
+    def __init__(self, directory: str | os.PathLike, ns: str, row_bytes: int, *,
+                 capacity_bytes: int | None = None, durable: bool = True, max_failures: int = 3):
+        self.dir, self.ns, self.row_bytes = Path(directory), ns, row_bytes
+        self.capacity_bytes, self.durable, self.max_failures = capacity_bytes, durable, max_failures
+        self.disabled = False
+        self._consecutive_failures = 0
+        self.written: OrderedDict[str, int] = OrderedDict()   # files this store wrote, oldest first
+        self.lock = threading.Lock()
+        self.stats = TierStats("file")
+
+    def path(self, key: str) -> Path:
+        return self.dir / key[:2] / f"{key}.kvb"
+
+    # the one place bytes reach the disk (tests replace it to simulate a full disk or a slow writer)
+    def _write_file(self, f, header: bytes, payload: memoryview) -> None:
+        f.write(MAGIC + struct.pack("<I", len(header)) + header)
+        f.write(payload)
+
+    def put(self, key: str, row: torch.Tensor) -> bool:
+        """Write one row; False (counted) on any OS error. Never raises."""
+        if self.disabled:
+            self.stats.skipped += 1
+            return False
+        t0 = time.perf_counter()
+        payload = _row_bytes(row)
+        header = json.dumps({"key": key, "nbytes": len(payload), "sha256": hashlib.sha256(payload).hexdigest(),
+                             "namespace": self.ns}).encode()
+        tmp = None
+        try:
+            target = self.path(key)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=f".{key[:16]}.", suffix=".tmp", dir=target.parent)
+            with os.fdopen(fd, "wb") as f:
+                self._write_file(f, header, payload)
+                f.flush()
+                if self.durable:
+                    os.fsync(f.fileno())
+            os.replace(tmp, target)
+            tmp = None
+        except OSError as e:
+            if tmp is not None:
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
+            self.stats.failures += 1
+            self.stats.last_error = f"{type(e).__name__}: {e.strerror or e} ({errno.errorcode.get(e.errno, e.errno)})"
+            self._consecutive_failures += 1
+            if self._consecutive_failures >= self.max_failures:
+                self.disabled = True
+            return False
+        self._consecutive_failures = 0
+        n = len(MAGIC) + 4 + len(header) + len(payload)
+        self.stats.writes += 1
+        self.stats.bytes_written += len(payload)
+        self.stats.write_s += time.perf_counter() - t0
+        with self.lock:
+            self.written[key] = n
+            self.written.move_to_end(key)
+            if self.capacity_bytes is not None:
+                while sum(self.written.values()) > self.capacity_bytes and len(self.written) > 1:
+                    old, _ = self.written.popitem(last=False)
+                    try:
+                        os.unlink(self.path(old))
+                        self.stats.evictions += 1
+                    except OSError:
+                        pass
+        return True
+
+    def contains(self, key: str) -> bool:
+        return self.path(key).is_file()
+
+    def read_into(self, key: str, row: torch.Tensor) -> bool:
+        """Read and verify one block into `row`; False (a miss) if absent, short, or corrupt.
+        A corrupt file is counted and removed: wrong KV is never returned."""
+        t0 = time.perf_counter()
+        p = self.path(key)
+        try:
+            with open(p, "rb") as f:
+                head = f.read(len(MAGIC) + 4)
+                if len(head) != len(MAGIC) + 4 or head[:len(MAGIC)] != MAGIC:
+                    return self._corrupt(p, "bad magic")
+                (hlen,) = struct.unpack("<I", head[len(MAGIC):])
+                if hlen > 1 << 16:
+                    return self._corrupt(p, "header too long")
+                header = json.loads(f.read(hlen).decode())
+                if header.get("key") != key or header.get("namespace") != self.ns \
+                        or header.get("nbytes") != self.row_bytes:
+                    return self._corrupt(p, "header does not match")
+                view = _row_bytes(row)
+                got = f.readinto(view)
+                if got != self.row_bytes or f.read(1):
+                    return self._corrupt(p, "length differs")
+                if hashlib.sha256(view).hexdigest() != header.get("sha256"):
+                    return self._corrupt(p, "checksum differs")
+        except FileNotFoundError:
+            return False
+        except (OSError, ValueError, UnicodeDecodeError) as e:
+            return self._corrupt(p, f"{type(e).__name__}: {e}")
+        self.stats.reads += 1
+        self.stats.bytes_read += self.row_bytes
+        self.stats.read_s += time.perf_counter() - t0
+        return True
+
+    def _corrupt(self, p: Path, why: str) -> bool:
+        self.stats.corrupt += 1
+        self.stats.last_error = f"{p.name}: {why}"
+        try:
+            os.unlink(p)
+        except OSError:
+            pass
+        return False
+
+
+# ---------------------------------------------------------------------------
+# Remote peer: a second process on loopback holding blocks in its memory
+#
+# Wire format. Request: op (1 byte) + key (64 ascii hex). PUT adds length (u64) + sha256 (32 bytes)
+# + payload; GET/HAS add nothing; FAULT adds a mode byte; CLEAR and STOP are one byte. Reply: PUT -> b"K" (stored) or b"E";
+# HAS -> b"1"/b"0"; GET -> b"0", or b"1" + length (u64) + sha256 (32) + payload.
+
+_OP_PUT, _OP_GET, _OP_HAS, _OP_FAULT, _OP_STOP, _OP_CLEAR = b"P", b"G", b"H", b"F", b"S", b"C"
+FAULTS = {b"n": "none", b"d": "die mid-transfer", b"s": "stall mid-transfer"}
+
+
+def _recv_exact(sock: socket.socket, n: int, into: memoryview | None = None) -> bytes | memoryview:
+    buf = into if into is not None else memoryview(bytearray(n))
+    got = 0
+    while got < n:
+        k = sock.recv_into(buf[got:], n - got)
+        if k == 0:
+            raise ConnectionError(f"peer closed the connection after {got} of {n} bytes")
+        got += k
+    return buf if into is not None else bytes(buf)
+
+
+def serve_peer(port: int = 0, capacity_bytes: int = 1 << 34, port_file: str | None = None) -> None:
+    """The peer process: hold blocks in memory (LRU within `capacity_bytes`), answer on 127.0.0.1,
+    one thread per connection.
+
+    Reports its port on stdout (and in `port_file`) once listening. A FAULT request arms the
+    next GET to send half its payload and then exit ('d') or stall ('s') — the tests' way to
+    make a peer disappear mid-transfer."""
+    store: OrderedDict[str, tuple[bytes, bytes]] = OrderedDict()
+    state = {"size": 0, "fault": b"n"}
+    lock, stop = threading.Lock(), threading.Event()
+
+    def handle(conn: socket.socket) -> None:
+        with conn:
+            try:
+                while True:
+                    op = conn.recv(1)
+                    if not op:
+                        return
+                    if op == _OP_STOP:
+                        conn.sendall(b"K")
+                        stop.set()
+                        os._exit(0)
+                    if op == _OP_CLEAR:
+                        with lock:
+                            store.clear()
+                            state["size"] = 0
+                        conn.sendall(b"K")
+                        continue
+                    if op == _OP_FAULT:
+                        state["fault"] = _recv_exact(conn, 1)
+                        conn.sendall(b"K")
+                        continue
+                    key = _recv_exact(conn, 64).decode()
+                    if op == _OP_PUT:
+                        (n,) = struct.unpack("<Q", _recv_exact(conn, 8))
+                        digest = _recv_exact(conn, 32)
+                        payload = _recv_exact(conn, n)
+                        if hashlib.sha256(payload).digest() != digest:
+                            conn.sendall(b"E")
+                            continue
+                        with lock:   # stored only now: all bytes arrived and match their digest
+                            if key in store:
+                                state["size"] -= len(store.pop(key)[0])
+                            store[key] = (payload, digest)
+                            state["size"] += n
+                            while state["size"] > capacity_bytes and len(store) > 1:
+                                state["size"] -= len(store.popitem(last=False)[1][0])
+                        conn.sendall(b"K")
+                    elif op == _OP_HAS:
+                        with lock:
+                            found = key in store
+                        conn.sendall(b"1" if found else b"0")
+                    elif op == _OP_GET:
+                        with lock:
+                            item = store.get(key)
+                            if item is not None:
+                                store.move_to_end(key)
+                        if item is None:
+                            conn.sendall(b"0")
+                            continue
+                        payload, digest = item
+                        head = b"1" + struct.pack("<Q", len(payload)) + digest
+                        if state["fault"] != b"n":
+                            conn.sendall(head + payload[:len(payload) // 2])
+                            if state["fault"] == b"d":
+                                os._exit(3)
+                            time.sleep(3600)
+                        conn.sendall(head + payload)
+                    else:
+                        return
+            except (ConnectionError, OSError):
+                return
+
+    srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    srv.bind((LOOPBACK, port))
+    srv.listen(16)
+    port = srv.getsockname()[1]
+    if port_file:
+        Path(port_file).write_text(str(port))
+    print(port, flush=True)
+    while not stop.is_set():
+        conn, _ = srv.accept()
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        threading.Thread(target=handle, args=(conn,), daemon=True).start()
+
+
+class PeerProcess:
+    """A peer started as `python -m inferbook.serving.kv_tiers peer` on 127.0.0.1 (a free port)."""
+
+    def __init__(self, capacity_bytes: int = 1 << 34, start_timeout_s: float = 60.0):
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        self.proc = subprocess.Popen([sys.executable, "-m", "inferbook.serving.kv_tiers", "peer",
+                                      "--capacity-bytes", str(int(capacity_bytes))],
+                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True)
+        deadline = time.monotonic() + start_timeout_s
+        port = None
+        result: list[str] = []
+        reader = threading.Thread(target=lambda: result.append(self.proc.stdout.readline()), daemon=True)
+        reader.start()
+        reader.join(timeout=max(0.0, deadline - time.monotonic()))
+        if result and result[0].strip().isdigit():
+            port = int(result[0])
+        if port is None:
+            self.stop()
+            raise RuntimeError(f"KV peer did not start within {start_timeout_s:.0f} s")
+        self.address = (LOOPBACK, port)
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        if self.proc.stdout:
+            self.proc.stdout.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+class PeerTier:
+    """Client of a peer on 127.0.0.1. Every socket operation has `timeout_s`; a timeout, a reset,
+    an early end or a digest mismatch is counted and becomes a miss (or a failed write)."""
+
+    name = "peer"
+
+    def __init__(self, address: tuple[str, int], row_bytes: int, *, timeout_s: float = 2.0, max_failures: int = 3):
+        host, port = address
+        if host != LOOPBACK:
+            raise UserError(f"peer address {host!r} is not allowed: the remote-peer tier runs on loopback ({LOOPBACK}) only")
+        if not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
+            raise UserError(f"peer timeout_s={timeout_s!r} must be a positive number of seconds")
+        self.address, self.row_bytes, self.timeout_s = (host, int(port)), row_bytes, float(timeout_s)
+        self.max_failures, self.disabled, self._consecutive_failures = max_failures, False, 0
+        self.sock: socket.socket | None = None
+        self.lock = threading.Lock()
+        self.stats = TierStats("peer")
+
+    def _conn(self) -> socket.socket:
+        if self.sock is None:
+            s = socket.create_connection(self.address, timeout=self.timeout_s)
+            s.settimeout(self.timeout_s)
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self.sock = s
+        return self.sock
+
+    def _drop(self, e: BaseException, timed_out: bool) -> None:
+        if self.sock is not None:
+            try:
+                self.sock.close()
+            except OSError:
+                pass
+        self.sock = None
+        if timed_out:
+            self.stats.timeouts += 1
+        self.stats.last_error = f"{type(e).__name__}: {e}"
+        self._consecutive_failures += 1
+        if self._consecutive_failures >= self.max_failures:
+            self.disabled = True
+
+    def put(self, key: str, row: torch.Tensor) -> bool:
+        if self.disabled:
+            self.stats.skipped += 1
+            return False
+        t0 = time.perf_counter()
+        payload = _row_bytes(row)
+        with self.lock:
+            try:
+                s = self._conn()
+                s.sendall(_OP_PUT + key.encode() + struct.pack("<Q", len(payload)) + hashlib.sha256(payload).digest())
+                s.sendall(payload)
+                ok = _recv_exact(s, 1) == b"K"
+            except (OSError, ConnectionError) as e:
+                self.stats.failures += 1
+                self._drop(e, isinstance(e, TimeoutError | socket.timeout))
+                return False
+        if not ok:
+            self.stats.failures += 1
+            return False
+        self._consecutive_failures = 0
+        self.stats.writes += 1
+        self.stats.bytes_written += len(payload)
+        self.stats.write_s += time.perf_counter() - t0
+        return True
+
+    def contains(self, key: str) -> bool:
+        if self.disabled:
+            return False
+        with self.lock:
+            try:
+                s = self._conn()
+                s.sendall(_OP_HAS + key.encode())
+                return _recv_exact(s, 1) == b"1"
+            except (OSError, ConnectionError) as e:
+                self._drop(e, isinstance(e, TimeoutError | socket.timeout))
+                return False
+
+    def read_into(self, key: str, row: torch.Tensor) -> bool:
+        if self.disabled:
+            return False
+        t0 = time.perf_counter()
+        view = _row_bytes(row)
+        with self.lock:
+            try:
+                s = self._conn()
+                s.sendall(_OP_GET + key.encode())
+                if _recv_exact(s, 1) != b"1":
+                    return False
+                (n,) = struct.unpack("<Q", _recv_exact(s, 8))
+                digest = _recv_exact(s, 32)
+                if n != self.row_bytes:
+                    self._drop(ValueError(f"peer sent {n} bytes for a {self.row_bytes}-byte row"), False)
+                    self.stats.corrupt += 1
+                    return False
+                _recv_exact(s, n, into=view)
+            except (OSError, ConnectionError) as e:
+                self._drop(e, True)   # a peer gone or stalled mid-transfer: a miss
+                return False
+        if hashlib.sha256(view).digest() != digest:
+            self.stats.corrupt += 1
+            return False
+        self._consecutive_failures = 0
+        self.stats.reads += 1
+        self.stats.bytes_read += n
+        self.stats.read_s += time.perf_counter() - t0
+        return True
+
+    def clear(self) -> None:
+        """Empty the peer's store (a fresh run on a long-lived peer)."""
+        with self.lock:
+            s = self._conn()
+            s.sendall(_OP_CLEAR)
+            _recv_exact(s, 1)
+
+    def arm_fault(self, mode: str) -> None:
+        """Tests only: make the peer's next GET send half and then die ('die') or stall ('stall')."""
+        code = {"none": b"n", "die": b"d", "stall": b"s"}[mode]
+        with self.lock:
+            s = self._conn()
+            s.sendall(_OP_FAULT + code)
+            _recv_exact(s, 1)
+
+    def close(self) -> None:
+        with self.lock:
+            if self.sock is not None:
+                self.sock.close()
+                self.sock = None
+
+
+# ---------------------------------------------------------------------------
+# The store: host in the middle
+
+@dataclass
+class Fetched:
+    """Rows of a restored prefix, in host memory and pinned until `release()`."""
+
+    store: "TieredKVStore"
+    keys: list[str]
+    rows: list[torch.Tensor]
+    sources: list[str]                         # tier each block came from
+    _slots: list[int | None] = field(default_factory=list)
+
+    def release(self) -> None:
+        for s in self._slots:
+            if s is not None:
+                self.store.host.unpin(s)
+        self._slots = []
+
+
+class TieredKVStore:
+    """Host tier plus optional filesystem and peer tiers for rows of one `BlockLayout`.
+
+    offload: `reserve` host rows, copy into them (the caller's copy: device -> host), `commit`
+    (publish; queue background writes of each row to every slower tier). lookup: longest prefix
+    of keys present in any tier. fetch: bring that prefix into host rows, verified."""
+
+    def __init__(self, layout: BlockLayout, ns: str, *, host_capacity_blocks: int, pin: bool = False,
+                 file_dir: str | os.PathLike | None = None, file_capacity_bytes: int | None = None,
+                 durable: bool = True, peer_address: tuple[str, int] | None = None, peer_timeout_s: float = 2.0,
+                 background: bool = True):
+        self.layout, self.ns = layout, ns
+        self.row_bytes = layout.nbytes
+        self.host = HostTier(host_capacity_blocks, self.row_bytes, pin=pin)
+        self.lower: list = []
+        if file_dir is not None:
+            self.lower.append(FileTier(file_dir, ns, self.row_bytes, capacity_bytes=file_capacity_bytes, durable=durable))
+        if peer_address is not None:
+            self.lower.append(PeerTier(peer_address, self.row_bytes, timeout_s=peer_timeout_s))
+        self.background = background
+        self._jobs: queue.Queue = queue.Queue()
+        self._idle = threading.Condition()
+        self._outstanding = 0
+        self._writer = None
+        if self.lower and background:
+            self._writer = threading.Thread(target=self._write_loop, name="kv-tier-writer", daemon=True)
+            self._writer.start()
+
+    @property
+    def tiers(self) -> list:
+        return [self.host] + self.lower
+
+    def tier(self, name: str):
+        for t in self.tiers:
+            if t.name == name:
+                return t
+        raise UserError(f"no tier {name!r} in this store; it has {[t.name for t in self.tiers]}")
+
+    # -- offload -----------------------------------------------------------------
+    def reserve(self, key: str, count: bool = True) -> int | None:
+        """A host row for `key` (see `HostTier.reserve`); a refusal is counted as skipped unless
+        `count` is False (a caller that retries counts its own give-ups)."""
+        slot = self.host.reserve(key)
+        if slot is None and count and not self.host.contains(key):
+            self.host.stats.skipped += 1
+        return slot
+
+    def commit(self, items: list[tuple[str, int]]) -> None:
+        """Publish rows whose copy has completed, then write them to slower tiers from host memory."""
+        for key, slot in items:
+            if not isinstance(slot, int):
+                raise TypeError(f"commit needs the int slot `reserve` returned for {key[:12]}, got {slot!r}")
+            self.host.publish(key, slot)
+            self.host.stats.writes += 1
+            self.host.stats.bytes_written += self.row_bytes
+            if self.lower:
+                with self._idle:
+                    self._outstanding += 1
+                if self._writer is not None:
+                    self._jobs.put((key, slot))     # the row stays pinned until written everywhere
+                else:
+                    self._write_lower(key, slot)
+            else:
+                self.host.unpin(slot)
+
+    def _write_lower(self, key: str, slot: int) -> None:
+        try:
+            row = self.host.row(slot)
+            for t in self.lower:
+                if not getattr(t, "disabled", False) and t.contains(key):
+                    continue         # already there (same key, same bytes): written once
+                t.put(key, row)      # never raises; failures are counted in t.stats
+        finally:
+            self.host.unpin(slot)
+            with self._idle:
+                self._outstanding -= 1
+                self._idle.notify_all()
+
+    def _write_loop(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            self._write_lower(*job)
+
+    def flush(self, timeout_s: float = 60.0) -> bool:
+        """Wait until every queued background write is done (True) or `timeout_s` passed (False)."""
+        deadline = time.monotonic() + timeout_s
+        with self._idle:
+            while self._outstanding:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._idle.wait(timeout=left)
+        return True
+
+    def close(self) -> None:
+        self.flush(timeout_s=30.0)
+        if self._writer is not None:
+            self._jobs.put(None)
+            self._writer.join(timeout=10)
+            self._writer = None
+        for t in self.lower:
+            if isinstance(t, PeerTier):
+                t.close()
+
+    # -- lookup and fetch -----------------------------------------------------------
+    def lookup(self, keys: list[str]) -> list[str]:
+        """Tier name of each block of the longest prefix of `keys` found anywhere (host first).
+        A query only: it moves nothing and counts nothing (`fetch` counts lookups and hits)."""
+        found = []
+        for key in keys:
+            where = None
+            for t in self.tiers:
+                if getattr(t, "disabled", False):
+                    continue
+                if t.contains(key):
+                    where = t.name
+                    break
+            if where is None:
+                break
+            found.append(where)
+        return found
+
+    def fetch(self, keys: list[str]) -> Fetched:
+        """Bring the longest available prefix of `keys` into host rows (promoting lower-tier blocks
+        into the host tier). Stops at the first block that is missing, corrupt or timed out."""
+        out = Fetched(self, [], [], [])
+        for key in keys:
+            self.host.stats.lookups += 1
+            slot = self.host.get(key)
+            if slot is not None:
+                self.host.stats.hits += 1
+                self.host.stats.reads += 1
+                self.host.stats.bytes_read += self.row_bytes
+                out.keys.append(key), out.rows.append(self.host.row(slot)), out.sources.append("host")
+                out._slots.append(slot)
+                continue
+            got = False
+            for t in self.lower:
+                if getattr(t, "disabled", False):
+                    continue
+                t.stats.lookups += 1
+                if not t.contains(key):
+                    continue
+                slot = self.host.reserve(key)
+                row = self.host.row(slot) if slot is not None else torch.empty(self.row_bytes, dtype=torch.uint8)
+                if t.read_into(key, row):
+                    t.stats.hits += 1
+                    if slot is not None:
+                        self.host.publish(key, slot)    # promoted: the host tier caches it from now on
+                    out.keys.append(key), out.rows.append(row), out.sources.append(t.name)
+                    out._slots.append(slot)
+                    got = True
+                    break
+                if slot is not None:
+                    self.host.abandon(key, slot)
+            if not got:
+                break
+        return out
+
+    def stats(self) -> dict[str, dict]:
+        return {t.name: t.stats.as_dict() for t in self.tiers}
+
+
+# ---------------------------------------------------------------------------
+# The engine's side: the paged KV pool <-> host rows
+
+@dataclass
+class EngineTierStats:
+    """Per-request timings the seed says to watch: time to free device blocks (offload), time to
+    re-allocate and fill them (restore), and how many prompt blocks came from where."""
+
+    offloads: int = 0
+    offloaded_blocks: int = 0
+    free_s: list = field(default_factory=list)
+    restores: int = 0
+    restored_blocks: dict = field(default_factory=lambda: {t: 0 for t in TIER_NAMES})
+    fetch_s: list = field(default_factory=list)
+    realloc_s: list = field(default_factory=list)
+    device_hit_blocks: int = 0
+    prompt_blocks: int = 0
+    mirror_share: list = field(default_factory=list)   # at each admission: host blocks also in the device cache
+
+
+def engine_layout(runner) -> BlockLayout:
+    """k and v of one block, all layers: [layers, block_size, kv_heads, head_dim] each."""
+    L, _, Hkv, D = runner.k_cache.shape
+    shape = (L, runner.block_size, Hkv, D)
+    return BlockLayout((("k", runner.dtype, shape), ("v", runner.dtype, shape)))
+
+
+def copy_blocks_to_rows(k_cache: torch.Tensor, v_cache: torch.Tensor, block_size: int, layout: BlockLayout,
+                        pairs: list[tuple[int, torch.Tensor]]) -> None:
+    """Device blocks -> host rows, then wait until the copy has completed.
+
+    k_cache/v_cache: [layers, slots, kv_heads, head_dim] paged pools; pairs: (block, uint8 row).
+    On CUDA the copies are asynchronous into pinned rows and one synchronize ends them all; a
+    block is 2 x layers contiguous pieces of block_size x kv_heads x head_dim elements."""
+    nb = k_cache.device.type == "cuda"
+    for block, row in pairs:
+        v = layout.views(row)
+        sl = slice(block * block_size, (block + 1) * block_size)
+        v["k"].copy_(k_cache[:, sl], non_blocking=nb)
+        v["v"].copy_(v_cache[:, sl], non_blocking=nb)
+    synchronize(k_cache.device)
+
+
+def model_fingerprint(model) -> str:
+    """SHA-256 (first 16 hex) over the model's config and weights: part of every key's namespace."""
+    h = hashlib.sha256(repr(getattr(model, "cfg", type(model).__name__)).encode())
+    for name, p in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        h.update(_row_bytes(p.detach().cpu().contiguous().view(-1).view(torch.uint8)))
+    return h.hexdigest()[:16]
+
+
+class EngineKVTiers:
+    """Offload a finishing request's full prompt blocks; restore a new request's prefix.
+
+    Installed on an engine's block manager (`attach`): `BlockManager.free` calls `offload(seq)`
+    while the request still owns its blocks, and `BlockManager.allocate` calls `restore(...)`
+    after its device prefix-cache lookup."""
+
+    def __init__(self, engine, store_kwargs: dict, model_id: str | None = None):
+        self.engine, self.runner, self.bm = engine, engine.runner, engine.block_manager
+        self.layout = engine_layout(self.runner)
+        self.ns = namespace(model_id or model_fingerprint(engine.model), self.runner.block_size, self.runner.dtype,
+                            self.layout)
+        pin = self.runner.device.type == "cuda"
+        self.store = TieredKVStore(self.layout, self.ns, pin=pin, **store_kwargs)
+        self.stats = EngineTierStats()
+        self._device_hash: dict[str, int | None] = {}
+        self.bm.tiers = self
+
+    def mirrored_share(self) -> float:
+        """Share of the host tier's blocks that the device prefix cache also holds right now: a host
+        tier that only mirrors the device can never serve a hit (the device is asked first)."""
+        with self.store.host.lock:
+            keys = list(self.store.host.index)
+        if not keys:
+            return 0.0
+        h2b = self.bm.hash_to_block
+        return sum(1 for k in keys if self._device_hash.get(k) is not None and self._device_hash[k] in h2b) / len(keys)
+
+    def _block_views(self, block: int):
+        bs = self.runner.block_size
+        sl = slice(block * bs, (block + 1) * bs)
+        return self.runner.k_cache[:, sl], self.runner.v_cache[:, sl]
+
+    def copy_rows_from_device(self, pairs: list[tuple[int, torch.Tensor]]) -> None:
+        copy_blocks_to_rows(self.runner.k_cache, self.runner.v_cache, self.runner.block_size, self.layout, pairs)
+
+    def offload(self, seq) -> None:
+        """Called by `BlockManager.free` before the blocks go back: copy the full prompt blocks not
+        yet in the host tier, wait for that copy, publish. The caller frees the blocks right after."""
+        t0 = time.perf_counter()
+        bs = self.runner.block_size
+        n = min(seq.num_computed_tokens, seq.num_prompt_tokens) // bs
+        keys = prefix_keys(seq.prompt[:n * bs], bs, self.ns)
+        for i, key in enumerate(keys):   # which device-cache entry holds the same block (for `mirror_share`)
+            self._device_hash[key] = self.bm.block_hash[seq.block_table[i]]
+        want = [(key, seq.block_table[i]) for i, key in enumerate(keys) if not self.store.host.touch(key)]
+        done = 0
+        while want:
+            # as many rows as the host can give now; a host tier smaller than the request takes it in rounds
+            todo = []
+            while want:
+                slot = self.store.reserve(want[0][0], count=False)
+                if slot is None:
+                    break
+                key, block = want.pop(0)
+                todo.append((key, slot, block))
+            if not todo:
+                self.store.host.stats.skipped += len(want)   # host full of rows still being written
+                break
+            self.copy_rows_from_device([(b, self.store.host.row(s)) for _, s, b in todo])
+            self.store.commit([(k, s) for k, s, _ in todo])
+            done += len(todo)
+        self.stats.offloads += 1
+        self.stats.offloaded_blocks += done
+        self.stats.free_s.append(time.perf_counter() - t0)
+
+    def restore(self, seq, start_block: int, take_block) -> list[int]:
+        """Blocks `start_block..` of `seq`'s prompt from the tiers: fetch into host first, then take
+        device blocks (`take_block()`) and copy in. Returns the device blocks filled, in order."""
+        bs = self.runner.block_size
+        limit = (seq.num_prompt_tokens - 1) // bs      # never the block holding the last prompt token
+        self.stats.prompt_blocks += limit
+        self.stats.device_hit_blocks += start_block
+        self.stats.mirror_share.append(self.mirrored_share())
+        if start_block >= limit:
+            return []
+        keys = prefix_keys(seq.prompt[:limit * bs], bs, self.ns)[start_block:]
+        t0 = time.perf_counter()
+        got = self.store.fetch(keys)
+        t1 = time.perf_counter()
+        try:
+            if not got.rows:
+                return []
+            blocks = [take_block() for _ in got.rows]   # allocated only now that the data is ready
+            nb = self.runner.device.type == "cuda"
+            for block, row in zip(blocks, got.rows):
+                v = self.layout.views(row)
+                k_dst, v_dst = self._block_views(block)
+                k_dst.copy_(v["k"], non_blocking=nb)
+                v_dst.copy_(v["v"], non_blocking=nb)
+            synchronize(self.runner.device)
+        finally:
+            got.release()
+        self.stats.restores += 1
+        for s in got.sources:
+            self.stats.restored_blocks[s] += 1
+        self.stats.fetch_s.append(t1 - t0)
+        self.stats.realloc_s.append(time.perf_counter() - t1)
+        return blocks
+
+    def close(self) -> None:
+        self.store.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m inferbook.serving.kv_tiers")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    peer = sub.add_parser("peer", help="run a KV peer on 127.0.0.1")
+    peer.add_argument("--port", type=int, default=0)
+    peer.add_argument("--capacity-bytes", type=int, default=1 << 34)
+    peer.add_argument("--port-file", default=None)
+    a = p.parse_args(argv)
+    serve_peer(a.port, a.capacity_bytes, a.port_file)
+
+
+if __name__ == "__main__":
+    main()
