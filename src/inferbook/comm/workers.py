@@ -15,14 +15,12 @@ import argparse
 import datetime
 import json
 import os
-import socket
-import tempfile
-import time
 import traceback
 from pathlib import Path
 
 import torch
 
+from ..dist import loopback_ranks
 from ..errors import UserError
 
 TASKS = ("check", "bench", "all")
@@ -170,18 +168,11 @@ def run_rank(rank: int, world: int, init_method: str, task: str, args: dict, out
         raise
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(task: str, world_size: int, args: dict | None = None, timeout_s: float = 120.0) -> list[dict]:
     """Spawn `world_size` ranks on loopback, run `task`, return their results in rank order.
 
     Every wait is bounded: ranks join their group within `timeout_s` (collectives time out
     too), and the launcher kills its own processes when the deadline passes and raises."""
-    import torch.multiprocessing as mp
 
     if task not in TASKS:
         raise UserError(f"task must be one of {TASKS}, got {task!r}")
@@ -191,26 +182,10 @@ def launch(task: str, world_size: int, args: dict | None = None, timeout_s: floa
         raise UserError(f"timeout_s must be a positive number, got {timeout_s!r}")
     args = dict(args or {})
     json.dumps(args)  # the same args must travel to torchrun as JSON
-    with tempfile.TemporaryDirectory(prefix="inferbook-comm-") as out_dir:
-        init = f"tcp://127.0.0.1:{_free_port()}"
-        ctx = mp.start_processes(run_rank, args=(world_size, init, task, args, out_dir, float(timeout_s)),
-                                 nprocs=world_size, join=False, start_method="spawn")
-        deadline = time.monotonic() + timeout_s + 30
-        try:
-            while not ctx.join(timeout=0.5):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"comm task {task!r} with {world_size} ranks did not finish within "
-                                       f"{timeout_s + 30:.0f} s")
-        except BaseException as e:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
-            for p in ctx.processes:
-                p.join(timeout=5)
-            errs = sorted(Path(out_dir).glob("rank*.err"))
-            detail = "\n".join(f.read_text() for f in errs)
-            raise RuntimeError(f"comm task {task!r} failed on {world_size} ranks: {e}\n{detail}") from None
-        return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
+    with loopback_ranks(run_rank, world_size, (task, args), timeout_s=timeout_s, what=f"comm task {task!r}",
+                        prefix="inferbook-comm-") as out_dir:
+        # our own ranks wrote these; weights_only keeps to tensors and plain containers all the same
+        return [torch.load(out_dir / f"rank{r}.pt", weights_only=True) for r in range(world_size)]
 
 
 # ---------------------------------------------------------------------------

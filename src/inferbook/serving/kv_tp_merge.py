@@ -23,14 +23,13 @@ import argparse
 import datetime
 import json
 import os
-import socket
-import tempfile
 import time
 import traceback
 from pathlib import Path
 
 import torch
 
+from ..dist import loopback_ranks
 from ..errors import UserError
 from .kv_tiers import BlockLayout, FileTier, namespace, prefix_keys
 
@@ -160,15 +159,8 @@ def _store(mode, rank, world, args, cfg, bs, tokens, keys, mine_k, mine_v, full_
             "bytes_per_write": nbytes / writes if writes else 0}
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(args: dict, world_size: int = 2, timeout_s: float = 120.0) -> list[dict]:
     """Spawn `world_size` ranks of `tp_worker` on loopback; return their summaries in rank order."""
-    import torch.multiprocessing as mp
 
     if isinstance(world_size, bool) or not isinstance(world_size, int) or not 1 <= world_size <= 8:
         raise UserError(f"world_size={world_size!r} must be an int in 1..8")
@@ -177,24 +169,9 @@ def launch(args: dict, world_size: int = 2, timeout_s: float = 120.0) -> list[di
         raise UserError(f"mode={args.get('mode')!r} unknown; choose 'merged', 'sharded' or a list of them")
     head_range(args["cfg"]["n_kv_heads"], world_size, 0)
     json.dumps(args)
-    with tempfile.TemporaryDirectory(prefix="inferbook-kvtp-") as out_dir:
-        init = f"tcp://127.0.0.1:{_free_port()}"
-        ctx = mp.start_processes(tp_worker, args=(world_size, init, args, out_dir, float(timeout_s)),
-                                 nprocs=world_size, join=False, start_method="spawn")
-        deadline = time.monotonic() + timeout_s + 30
-        try:
-            while not ctx.join(timeout=0.5):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"TP KV workers did not finish within {timeout_s + 30:.0f} s")
-        except BaseException as e:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
-            for p in ctx.processes:
-                p.join(timeout=5)
-            detail = "\n".join(f.read_text() for f in sorted(Path(out_dir).glob("rank*.err")))
-            raise RuntimeError(f"TP KV workers failed: {e}\n{detail}") from None
-        return [json.loads((Path(out_dir) / f"rank{r}.json").read_text()) for r in range(world_size)]
+    with loopback_ranks(tp_worker, world_size, (args,), timeout_s=timeout_s, what="TP KV workers",
+                        prefix="inferbook-kvtp-") as out_dir:
+        return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world_size)]
 
 
 def restore_at(directory: str | os.PathLike, args: dict, tp: int) -> list[list[dict]]:
