@@ -98,7 +98,9 @@ def cmd_measure(args) -> int:
         print(f"  {r.name}: {len(r.measurements)} measurements, {sum(c['passed'] for c in r.checks)}/{len(r.checks)} checks passed")
     print(f"  records: {ctx.results_path()}")
     if args.save_reference:
-        print(f"  reference: data/results/{ctx.hardware_slug}/{args.chapter}.json")
+        from .context import reference_dir
+
+        print(f"  reference: {reference_dir() / ctx.hardware_slug / (args.chapter + '.json')}")
     return 0
 
 
