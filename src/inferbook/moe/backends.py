@@ -30,7 +30,8 @@ class ModelConfig:
 # head per rank). The other sizes are placeholders of plausible magnitude.
 MINIMAX_M3_LIKE = ModelConfig(name="MiniMax-M3-like (assumed shapes)", hidden=6144, num_heads=64, num_kv_heads=4,
                               head_dim=128, num_experts=128, top_k=8, moe_inter=1536, shared_experts=1,
-                              note="assumed: 4 KV heads per the issue; other sizes are placeholders")
+                              note="assumed: 4 KV heads (inferred from the seed: TP4 gives one KV head per "
+                                   "rank); other sizes are placeholders")
 
 
 def local_shapes(cfg: ModelConfig, tp: int, ep: int = 1) -> dict:
