@@ -79,6 +79,25 @@ def triton_backend_for(device: torch.device) -> tuple[bool, str]:
     return False, "CPU tensors while TRITON_INTERPRET is off (a CUDA machine running device='cpu')"
 
 
+BACKEND_CHOICES = ("auto", "triton", "torch")
+
+
+def select_backend(device: torch.device, backend: str = "auto") -> tuple[str, str]:
+    """('triton' | 'torch', reason) for a kernel with a PyTorch reference beside it.
+
+    'auto' takes Triton where it can run (a GPU, or the interpreter on CPU) and falls back to the
+    reference otherwise, saying why; 'triton' that cannot run is a UserError, not a silent fallback.
+    """
+    if backend not in BACKEND_CHOICES:
+        raise UserError(f"backend must be one of {choices(BACKEND_CHOICES)}, got {backend!r}")
+    ok, why = triton_backend_for(device)
+    if backend == "torch":
+        return "torch", "asked for the PyTorch reference"
+    if backend == "triton" and not ok:
+        raise UserError(f"backend 'triton' cannot run on {device}: {why}")
+    return ("triton", why) if ok else ("torch", f"fallback to the PyTorch reference: {why}")
+
+
 def dot_needs_fp32(device: torch.device) -> bool:
     """Known interpreter pitfall: `tl.dot` on bf16 operands returns garbage in the Triton
     interpreter (seen with Triton 3.9). Kernels take this as a constexpr and upcast the

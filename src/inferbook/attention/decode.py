@@ -243,15 +243,8 @@ if triton is not None:
 
 
 
-def select_backend(device: torch.device, backend: str = "auto") -> tuple[str, str]:
-    if backend not in ("auto", "triton", "torch"):
-        raise UserError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
-    ok, why = _device.triton_backend_for(device)
-    if backend == "torch":
-        return "torch", "asked for the PyTorch reference"
-    if backend == "triton" and not ok:
-        raise UserError(f"backend 'triton' cannot run on {device}: {why}")
-    return ("triton", why) if ok else ("torch", f"fallback to the PyTorch reference: {why}")
+
+select_backend = _device.select_backend  # kept as this module's name: chapters call it here
 
 
 def decode_attention(q, k_cache, v_cache, seqlens, deterministic: bool = False, *, split_size: int = DEFAULT_SPLIT_SIZE,

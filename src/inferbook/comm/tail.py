@@ -58,7 +58,7 @@ ROUNDING_POINTS = (
     ("4 + residual", "previous sum + residual (written as residual_out)", "-> dtype"),
     ("5 RMSNorm", "x / sqrt(mean(x*x) + eps) * weight, all fp32 inside", "-> dtype"),
 )
-BACKENDS = ("auto", "triton", "torch")
+BACKENDS = _device.BACKEND_CHOICES
 
 
 # ---------------------------------------------------------------------------
@@ -284,16 +284,8 @@ def _launch_cfg(H: int, device: torch.device) -> dict:
             "enable_fp_fusion": False}
 
 
-def select_backend(device: torch.device, backend: str = "auto") -> tuple[str, str]:
-    """('triton' | 'torch', reason). 'auto' takes Triton where it can run (GPU or interpreter)."""
-    if backend not in BACKENDS:
-        raise UserError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    ok, why = _device.triton_backend_for(device)
-    if backend == "torch":
-        return "torch", "asked for the PyTorch reference"
-    if backend == "triton" and not ok:
-        raise UserError(f"backend 'triton' cannot run on {device}: {why}")
-    return ("triton", why) if ok else ("torch", f"fallback to the PyTorch reference: {why}")
+
+select_backend = _device.select_backend  # kept as this module's name: chapters call it here
 
 
 def finalize(expert_out, topk_weights, out_dtype=None, backend: str = "auto") -> torch.Tensor:
