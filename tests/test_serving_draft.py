@@ -12,14 +12,6 @@ from inferbook.serving.model import load_weights
 from inferbook.serving.sequence import SamplingParams
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """These models are tiny: a second thread only waits, and on a loaded machine it spins."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 def test_corpora_are_shipped_ascii_and_split():
     for task in corpora.TASKS:

@@ -12,14 +12,6 @@ from inferbook.serving.model_runner import ModelRunner
 from inferbook.serving.sequence import SamplingParams
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """These models are tiny: a second thread only waits, and on a loaded machine it spins."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 CFG = TinyConfig(vocab=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn=176, max_seq=192)
 

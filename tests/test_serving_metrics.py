@@ -2,7 +2,6 @@
 import itertools
 
 import pytest
-import torch
 
 from inferbook.serving import dspark_acceptance, spec_budget
 from inferbook.serving.config import EngineConfig
@@ -12,13 +11,6 @@ from inferbook.serving.model import TinyConfig, TinyDecoder, init_weights
 from inferbook.serving.sequence import SamplingParams
 from inferbook.serving.speculative import NgramDrafter
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def test_closed_loop_metrics_with_a_step_clock():

@@ -6,14 +6,6 @@ from inferbook.errors import UserError
 from inferbook.serving.speculative import AcceptanceStats, leviathan_expected_length, rejection_sample
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """These models are tiny: a second thread only waits, and on a loaded machine it spins."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 # chi-square critical values at significance 1e-4 (df = V - 1), so a correct sampler
 # fails with probability 1e-4 per check; the seed is fixed, so the test is deterministic.

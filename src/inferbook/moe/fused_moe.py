@@ -173,9 +173,10 @@ def _weights(w, dtype: torch.dtype) -> torch.Tensor:
     return w.to(dtype)
 
 
-def fused_moe_reference(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
-    """fp32 reference: dequantize, every product and sum in fp32. Returns fp32 [T, H]."""
-    W13, W2 = _weights(w13, torch.float32), _weights(w2, torch.float32)
+def _moe_in(x, w13, w2, topk_weights, topk_ids, dtype) -> torch.Tensor:
+    """Σₖ wₖ · W2ₑ(SiLU(W1gₑ x) ⊙ W1uₑ x) with weights, activations and matmuls in `dtype`
+    and the combine in fp32. Returns fp32 [T, H]."""
+    W13, W2 = _weights(w13, dtype), _weights(w2, dtype)
     I = W13.shape[1] // 2
     T, k = topk_ids.shape
     out = torch.zeros((T, W2.shape[1]), dtype=torch.float32, device=x.device)
@@ -183,27 +184,21 @@ def fused_moe_reference(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
     for e in torch.unique(flat).tolist():
         slots = (flat == e).nonzero().flatten()
         t = slots // k
-        h = x[t].float() @ W13[e].T
+        h = x[t].to(dtype) @ W13[e].T
         y = (F.silu(h[:, :I]) * h[:, I:]) @ W2[e].T
-        out.index_add_(0, t, topk_weights.flatten()[slots].float()[:, None] * y)
+        out.index_add_(0, t, topk_weights.flatten()[slots].float()[:, None] * y.float())
     return out
+
+
+def fused_moe_reference(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
+    """fp32 reference: dequantize, every product and sum in fp32. Returns fp32 [T, H]."""
+    return _moe_in(x, w13, w2, topk_weights, topk_ids, torch.float32)
 
 
 def fused_moe_torch(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
     """What PyTorch does in BF16 (the same precision): BF16 weights and matmuls, BF16 activation,
     fp32 combine. The FlashAttention-style tolerance is measured against this path's own error."""
-    W13, W2 = _weights(w13, torch.bfloat16), _weights(w2, torch.bfloat16)
-    I = W13.shape[1] // 2
-    T, k = topk_ids.shape
-    out = torch.zeros((T, W2.shape[1]), dtype=torch.float32, device=x.device)
-    flat = topk_ids.flatten().long()
-    for e in torch.unique(flat).tolist():
-        slots = (flat == e).nonzero().flatten()
-        t = slots // k
-        h = x[t] @ W13[e].T
-        y = (F.silu(h[:, :I]) * h[:, I:]) @ W2[e].T
-        out.index_add_(0, t, topk_weights.flatten()[slots].float()[:, None] * y.float())
-    return out.to(torch.bfloat16)
+    return _moe_in(x, w13, w2, topk_weights, topk_ids, torch.bfloat16).to(torch.bfloat16)
 
 
 def within_tolerance(out: torch.Tensor, ref: torch.Tensor, out_torch: torch.Tensor, factor: float = 2.0):
