@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from inferbook import book, chapters
-from inferbook.chapters import ChapterInfo
+from inferbook import book, toc
+from inferbook.toc import ChapterInfo
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -49,7 +49,7 @@ def fake_book(tmp_path, monkeypatch):
     (mod / "fakechap.py").write_text("PARAMETERS = {}\nPRESETS = {}\ndef measure(ctx):\n    return []\n")
     monkeypatch.syspath_prepend(str(mod))
     monkeypatch.setenv("PYTHONPATH", str(mod))
-    monkeypatch.setattr(chapters, "CHAPTERS", {
+    monkeypatch.setattr(toc, "CHAPTERS", {
         s: ChapterInfo(s, "upgrade", s.title(), "-", "fakechap") for s in ("good", "bad")})
     monkeypatch.setattr(book, "repo_root", lambda: root)
     monkeypatch.setenv("INFERBOOK_BUILD_DIR", str(root / "_build"))
@@ -83,7 +83,7 @@ def test_failure_is_named_then_keep_going_builds_the_rest(fake_book):
 
 def test_cache_reuse_and_invalidation(fake_book, monkeypatch):
     (fake_book / "chapters" / "bad.md").unlink()
-    monkeypatch.setattr(chapters, "CHAPTERS", {"good": chapters.CHAPTERS["good"]})
+    monkeypatch.setattr(toc, "CHAPTERS", {"good": toc.CHAPTERS["good"]})
     (fake_book / "_toc.yml").write_text("format: jb-book\nroot: intro\nchapters:\n  - file: chapters/good\n  - file: status\n")
     rp = book.run_parameters("cpu", "smoke")
     assert book.chapter_status("good", rp) == "not executed"
@@ -119,6 +119,6 @@ def test_hash_covers_src_inferbook_of_the_real_checkout():
 def test_status_page_lists_every_planned_chapter():
     page = book.status_page({"upgrade-record": {"status": "ok", "device": "CPU: X (2 cores)", "seconds": 1.5,
                                                 "date": "2026-11-29T10:00:00+00:00", "parameters": {"preset": "cpu"}}})
-    for slug in chapters.CHAPTERS:
+    for slug in toc.CHAPTERS:
         assert slug in page
     assert "| ok | CPU: X (2 cores) | cpu | 1.5 | 2026-11-29 10:00:00+00:00 |" in page

@@ -61,7 +61,7 @@ def test_results_compare_and_refusal(tmp_path, capsys):
 def test_list_shows_every_chapter(capsys):
     assert cli.main(["list"]) == 0
     out = capsys.readouterr().out
-    from inferbook.chapters import CHAPTERS
+    from inferbook.toc import CHAPTERS
 
     assert all(slug in out for slug in CHAPTERS)
 

@@ -88,10 +88,10 @@ def test_setup_validates_before_work(results_env):
 
 
 def test_planned_chapter_is_a_clear_error(monkeypatch):
-    from inferbook import chapters
+    from inferbook import toc
 
-    planned = chapters.ChapterInfo("future-chapter", "upgrade", "Not yet", "-", "inferbook.no_such_module")
-    monkeypatch.setitem(chapters.CHAPTERS, "future-chapter", planned)
+    planned = toc.ChapterInfo("future-chapter", "upgrade", "Not yet", "-", "inferbook.no_such_module")
+    monkeypatch.setitem(toc.CHAPTERS, "future-chapter", planned)
     with pytest.raises(UserError, match="'future-chapter' is planned but not built yet"):
         inferbook.setup("future-chapter", preset="smoke")
 

@@ -5,7 +5,7 @@ import torch
 
 import inferbook  # noqa: F401  (turns the Triton interpreter on where there is no GPU)
 from inferbook.diffusion import fused as F_
-from inferbook.diffusion.vae_fusion import check_fp16_gate, check_op, relative_check
+from inferbook.chapters.h3_vae_fusion import check_fp16_gate, check_op, relative_check
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 

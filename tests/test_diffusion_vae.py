@@ -4,7 +4,7 @@ import torch
 
 import inferbook  # noqa: F401
 from inferbook.diffusion import vae
-from inferbook.diffusion.vae_fusion import check_decoder, check_int8_gate, config_from
+from inferbook.chapters.h3_vae_fusion import check_decoder, check_int8_gate, config_from
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 

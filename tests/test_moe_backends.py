@@ -25,7 +25,7 @@ def test_bad_tp_is_a_clear_error(tp, match):
 
 
 def test_seed_records_compare_and_refuse(results_env):
-    from inferbook.moe import m3_chapter
+    from inferbook.chapters import minimax_m3_moe as m3_chapter
 
     ctx = inferbook.setup("minimax-m3-moe", device="cpu", preset="smoke")
     recs = {r.name: r for r in m3_chapter.seed_records(ctx)}

@@ -59,7 +59,7 @@ def test_cuda_graph_retained_gradients():
 
 
 def test_chapter_knobs_reject_bad_values_before_work():
-    from inferbook.numerics import gdn_chapter, mx_chapter
+    from inferbook.chapters import gdn_backward_check as gdn_chapter, te_mxfp8_recipes as mx_chapter
 
     with pytest.raises(ValueError, match="unknown recipe"):
         mx_chapter.selected_recipes("mxfp8,fp6")

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from inferbook import chapters
+from inferbook import toc
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = sorted((ROOT / "chapters").glob("*.md"))
@@ -31,8 +31,8 @@ def test_chapter_source_is_text_without_outputs(src):
     text = params[0].source
     for name in ("device", "preset", "seed"):
         assert re.search(rf"^{name} = ", text, re.M), f"parameters cell lacks {name}"
-    info = chapters.get_chapter(src.stem)
-    module = chapters.load_module(info)
+    info = toc.get_chapter(src.stem)
+    module = toc.load_module(info)
     declared = set(re.findall(r"^(\w+) = ", text, re.M)) - {"device", "preset", "seed"}
     assert declared == set(module.PARAMETERS), "parameters cell and PARAMETERS differ"
     assert f'setup("{src.stem}"' in src.read_text()
@@ -49,22 +49,22 @@ def test_no_typed_speedups_or_cdn_math(src):
 def test_toc_lists_exactly_the_written_chapters_in_book_order():
     import yaml
 
-    toc = yaml.safe_load((ROOT / "_toc.yml").read_text())
-    files = [c["file"] for part in toc["parts"] for c in part["chapters"]]
+    toc_yml = yaml.safe_load((ROOT / "_toc.yml").read_text())
+    files = [c["file"] for part in toc_yml["parts"] for c in part["chapters"]]
     listed = [f.split("/", 1)[1] for f in files if f.startswith("chapters/")]
-    written = [c.slug for c in chapters.CHAPTERS.values() if (ROOT / "chapters" / f"{c.slug}.md").exists()]
+    written = [c.slug for c in toc.CHAPTERS.values() if (ROOT / "chapters" / f"{c.slug}.md").exists()]
     assert listed == written
     assert "status" in files
-    captions = [part["caption"] for part in toc["parts"]]
+    captions = [part["caption"] for part in toc_yml["parts"]]
     for slug in listed:
-        assert chapters.PARTS[chapters.CHAPTERS[slug].part] in captions
+        assert toc.PARTS[toc.CHAPTERS[slug].part] in captions
 
 
 def test_sixteen_chapters_in_six_parts():
-    assert len(chapters.CHAPTERS) == 16 and len(chapters.PARTS) == 6
-    assert {c.part for c in chapters.CHAPTERS.values()} == set(chapters.PARTS)
+    assert len(toc.CHAPTERS) == 16 and len(toc.PARTS) == 6
+    assert {c.part for c in toc.CHAPTERS.values()} == set(toc.PARTS)
     intro = (ROOT / "intro.md").read_text()
-    for slug in chapters.CHAPTERS:
+    for slug in toc.CHAPTERS:
         assert f"`{slug}`" in intro
 
 

@@ -381,7 +381,7 @@ def test_bad_input_is_a_clear_error(case, tmp_path):
     ({"device_blocks": 8}, "device_blocks=8"), ({"prefix_len": 8}, "prefix_len=8"), ({"repeats": 0}, "repeats=0"),
     ({"host_sweep": "1,x"}, "host_sweep='1,x'"), ({"copy_block_mb": "-1"}, "copy_block_mb='-1'")])
 def test_chapter_parameters_are_checked_before_any_work(change, needle):
-    from inferbook.serving import kv_tiers_chapter as ch
+    from inferbook.chapters import tiered_kv_offload as ch
 
     P = {**ch.PRESETS["smoke"], "cpu_threads": 1, **change}
     with pytest.raises(UserError) as e:
@@ -392,7 +392,7 @@ def test_chapter_parameters_are_checked_before_any_work(change, needle):
 
 
 def test_workloads_share_prefixes_only_when_asked():
-    from inferbook.serving import kv_tiers_chapter as ch
+    from inferbook.chapters import tiered_kv_offload as ch
 
     P = dict(ch.PRESETS["smoke"])
     shared, none = ch.make_workload("shared", P, 3), ch.make_workload("none", P, 3)

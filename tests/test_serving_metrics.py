@@ -3,7 +3,7 @@ import itertools
 
 import pytest
 
-from inferbook.serving import dspark_acceptance, spec_budget
+from inferbook.chapters import kimi_dspark_acceptance as dspark_acceptance, kimi_spec_budget as spec_budget
 from inferbook.serving.config import EngineConfig
 from inferbook.serving.engine import LLMEngine
 from inferbook.serving.metrics import run_closed_loop

@@ -104,7 +104,8 @@ def test_computed_endpoint_is_reported_as_uncheckable():
 
 
 def test_shipped_workflows_match_the_toy_service():
-    from inferbook.workflow import nodes, omni_chapter
+    from inferbook.workflow import nodes
+    from inferbook.chapters import omni_h3_workflows as omni_chapter
 
     for kind in omni_chapter.WORKFLOWS:
         assert check_service_mapping(omni_chapter.workflow_path(omni_chapter.WORKFLOWS[kind]), nodes.TOY_SERVED) == []

@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import chapters as _chapters
+from . import toc
 from .context import build_dir, repo_root, results_dir
 from .errors import UserError
 from .record import write_json_atomic
@@ -45,13 +45,13 @@ def toc_files() -> list[str]:
     """Every `file:` entry of _toc.yml, in order (e.g. 'chapters/upgrade-record')."""
     import re
 
-    toc = paths()["root"] / "_toc.yml"
-    if not toc.is_file():
+    toc_yml = paths()["root"] / "_toc.yml"
+    if not toc_yml.is_file():
         return []
-    return re.findall(r"^\s*-?\s*file:\s*['\"]?([^'\"\s#]+)", toc.read_text(), re.M)
+    return re.findall(r"^\s*-?\s*file:\s*['\"]?([^'\"\s#]+)", toc_yml.read_text(), re.M)
 
 
-def built_chapters() -> list[_chapters.ChapterInfo]:
+def built_chapters() -> list[toc.ChapterInfo]:
     """Chapters of the book: listed in _toc.yml and with a source, in book order.
 
     A source not yet in the table of contents is work in progress: it can be run with
@@ -59,7 +59,7 @@ def built_chapters() -> list[_chapters.ChapterInfo]:
     """
     src = paths()["chapters"]
     listed = set(toc_files())
-    return [c for c in _chapters.CHAPTERS.values()
+    return [c for c in toc.CHAPTERS.values()
             if (src / f"{c.slug}.md").is_file() and f"chapters/{c.slug}" in listed]
 
 
@@ -130,8 +130,8 @@ def validate(slug: str, run_params: dict) -> None:
 
 def _typed_for_notebook(slug: str, run_params: dict) -> dict:
     """CLI values arrive as strings; give papermill the declared types."""
-    info = _chapters.get_chapter(slug)
-    module = _chapters.load_module(info)
+    info = toc.get_chapter(slug)
+    module = toc.load_module(info)
     out = {}
     for k, v in run_params.items():
         if k in module.PARAMETERS and v is not None:
@@ -151,7 +151,7 @@ def execute(slug: str, *, device: str = "auto", preset: str = "auto", seed: int 
     import jupytext
     import papermill
 
-    info = _chapters.get_chapter(slug)
+    info = toc.get_chapter(slug)
     src = paths()["chapters"] / f"{slug}.md"
     if not src.is_file():
         raise UserError(f"chapter {slug!r} is planned but has no source yet ({src.relative_to(repo_root())})")
@@ -261,9 +261,9 @@ def status_page(metas: dict[str, dict | None]) -> str:
              "Chapters marked *planned* are not written yet; *failed* chapters show the failing cell on their page.", "",
              "| Part | Chapter | Status | Device | Preset | Time (s) | Executed (UTC) |",
              "|---|---|---|---|---|---|---|"]
-    for info in _chapters.CHAPTERS.values():
+    for info in toc.CHAPTERS.values():
         meta = metas.get(info.slug)
-        part = _chapters.PARTS[info.part]
+        part = toc.PARTS[info.part]
         if info.slug not in metas:
             lines.append(f"| {part} | {info.title} (`{info.slug}`) | planned | | | | |")
             continue
@@ -284,7 +284,7 @@ def status_page(metas: dict[str, dict | None]) -> str:
 def _placeholder_notebook(slug: str, message: str) -> dict:
     import nbformat
 
-    info = _chapters.CHAPTERS[slug]
+    info = toc.CHAPTERS[slug]
     nb = nbformat.v4.new_notebook()
     nb.cells = [nbformat.v4.new_markdown_cell(f"# {info.title}\n\n:::{{warning}}\n{message}\n:::\n")]
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
@@ -359,7 +359,7 @@ def build_book(*, chapters: list[str] | None = None, force: bool = False, keep_g
     built = [c.slug for c in built_chapters()]
     if chapters:
         for s in chapters:
-            _chapters.get_chapter(s)
+            toc.get_chapter(s)
             if s not in built:
                 raise UserError(f"chapter {s!r} has no source yet; built chapters are {', '.join(built)}")
     run_params = run_parameters(device, preset)

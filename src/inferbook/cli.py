@@ -53,12 +53,12 @@ def _split_device_param(args) -> dict:
 
 
 def cmd_list(args) -> int:
-    from . import book, chapters
+    from . import book, toc
 
     built = {c.slug for c in book.built_chapters()}
     rp = book.run_parameters()
     print(f"{'chapter':26} {'part':9} {'status':13} last device")
-    for c in chapters.CHAPTERS.values():
+    for c in toc.CHAPTERS.values():
         if c.slug not in built:
             print(f"{c.slug:26} {c.part:9} {'planned':13}")
             continue

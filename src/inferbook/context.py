@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from . import chapters, device as _device, presets as _presets
+from . import toc, device as _device, presets as _presets
 from .errors import UserError
 from .record import RunRecord, load_records, save_records
 
@@ -87,7 +87,7 @@ def package_versions() -> dict:
 class Context:
     """What a chapter run knows about itself. Shapes and dtypes live in `params`."""
 
-    chapter: chapters.ChapterInfo
+    chapter: toc.ChapterInfo
     module: ModuleType
     device: torch.device
     preset: str
@@ -167,12 +167,12 @@ def setup(chapter: str, device: str = "auto", preset: str = "auto", seed: int = 
 
     Raises `UserError` (one line: the bad value and what is allowed) before any work.
     """
-    info = chapters.get_chapter(chapter)
+    info = toc.get_chapter(chapter)
     dev = _device.resolve_device(device)
     preset = _presets.resolve_preset(preset, dev.type)
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise UserError(f"seed must be an int, got {seed!r}")
-    module = chapters.load_module(info)
+    module = toc.load_module(info)
     resolved = _presets.resolve_params(info.slug, module.PARAMETERS, module.PRESETS, preset, params)
     random.seed(seed)
     torch.manual_seed(seed)

@@ -207,3 +207,97 @@ def roofline(*, bytes_moved: float, flops: float, seconds: float, ceil: Ceilings
         "intensity_flop_per_byte": intensity, "ridge_flop_per_byte": ridge,
         "bound": "memory" if intensity < ridge else "compute",
     }
+
+
+# --- comparing two measurements -------------------------------------------------------------------
+
+def significant(x: float, digits: int = 3) -> str:
+    """`x` to `digits` significant figures, never as '0.0' for a small non-zero number
+    (0.03712 -> '0.0371', 61.056121 -> '61.1', 16384.0 -> '16384')."""
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return "—"
+    if x == 0:
+        return "0"
+    if float(x).is_integer() and abs(x) >= 10 ** (digits - 1):
+        return str(int(x))
+    return f"{float(x):#.{digits}g}".rstrip(".") if abs(x) < 10 ** digits else str(int(round(x)))
+
+
+def _samples(x) -> list[float]:
+    """Samples of a `Timing`, of a record measurement dict that kept them, or a plain sequence."""
+    if isinstance(x, Timing):
+        return list(x.samples_s)
+    if isinstance(x, dict):
+        if "samples_s" in x:
+            return [float(v) for v in x["samples_s"]]
+        raise ValueError(f"measurement {x.get('name', '?')!r} kept no samples; record it with add_timing")
+    return [float(v) for v in x]
+
+
+@dataclass(frozen=True)
+class TimingComparison:
+    """`a` against `b`: ratio = median(a) / median(b) of times, with a bootstrap interval.
+
+    `verdict` is "faster" / "slower" (a against b) only when the interval excludes 1; otherwise
+    "no difference this run can see". `higher_is_better` flips the sense for rates (tokens/s).
+    """
+    ratio: float
+    lo: float
+    hi: float
+    n_a: int
+    n_b: int
+    confidence: float
+    higher_is_better: bool = False
+
+    @property
+    def separated(self) -> bool:
+        return self.hi < 1.0 or self.lo > 1.0
+
+    @property
+    def verdict(self) -> str:
+        if not self.separated:
+            return "no difference this run can see"
+        a_smaller = self.hi < 1.0
+        return "faster" if a_smaller != self.higher_is_better else "slower"
+
+    @property
+    def a_better(self) -> bool | None:
+        """True / False when the run separates them, None when it cannot."""
+        return None if not self.separated else self.verdict == "faster"
+
+    def interval(self, digits: int = 3) -> str:
+        return f"{significant(self.lo, digits)}–{significant(self.hi, digits)}"
+
+    def sentence(self, a: str, b: str, *, digits: int = 3) -> str:
+        """One sentence that is true for every outcome, e.g.
+        'the fused kernel is faster than eager: 0.62× its time (90 % interval 0.58–0.66, 20 and 20 samples)'."""
+        what = "rate" if self.higher_is_better else "time"
+        pct = int(round(self.confidence * 100))
+        spread = (f"{significant(self.ratio, digits)}× its {what} ({pct} % interval {self.interval(digits)}, "
+                  f"{self.n_a} and {self.n_b} samples)")
+        if not self.separated:
+            return (f"{a} and {b} show no difference this run can see ({a} at {significant(self.ratio, digits)}× "
+                    f"the {what} of {b}, {pct} % interval {self.interval(digits)}, {self.n_a} and {self.n_b} samples)")
+        return f"{a} is {self.verdict} than {b}: {spread}"
+
+
+def compare_timings(a, b, *, higher_is_better: bool = False, confidence: float = 0.9,
+                    n_boot: int = 2000, seed: int = 0) -> TimingComparison:
+    """Compare two repeated measurements of the same work (Timings, record measurements that kept
+    `samples_s`, or sequences of seconds / rates). The interval is a percentile bootstrap of the
+    ratio of medians, resampling each side independently; deterministic for a given `seed`."""
+    xa, xb = _samples(a), _samples(b)
+    if len(xa) < 2 or len(xb) < 2:
+        raise ValueError(f"need at least 2 samples a side to compare (got {len(xa)} and {len(xb)})")
+    if not all(math.isfinite(v) and v > 0 for v in xa + xb):
+        raise ValueError("samples must be finite and positive")
+    ta, tb = torch.tensor(xa, dtype=torch.float64), torch.tensor(xb, dtype=torch.float64)
+    g = torch.Generator().manual_seed(seed)
+    ia = torch.randint(len(xa), (n_boot, len(xa)), generator=g)
+    ib = torch.randint(len(xb), (n_boot, len(xb)), generator=g)
+    ratios = ta[ia].median(dim=1).values / tb[ib].median(dim=1).values
+    tail = (1 - confidence) / 2
+    lo, hi = torch.quantile(ratios, torch.tensor([tail, 1 - tail], dtype=torch.float64)).tolist()
+    ratio = statistics.median(xa) / statistics.median(xb)
+    return TimingComparison(ratio=ratio, lo=lo, hi=hi, n_a=len(xa), n_b=len(xb), confidence=confidence,
+                            higher_is_better=higher_is_better)

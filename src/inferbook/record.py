@@ -91,9 +91,10 @@ class RunRecord:
                                   **_jsonable(extra)})
 
     def add_timing(self, name: str, timing, *, phase: str = "steady", **extra) -> None:
-        """Add a `measure.Timing` as seconds (median) with its p10/p90/n."""
+        """Add a `measure.Timing` as seconds (median) with its p10/p90/n and the samples themselves,
+        so `measure.compare_timings` can compare two records' numbers with the run's own spread."""
         s = timing.summary()
-        self.add(name, s.pop("median_s"), "s", phase=phase, **s, **extra)
+        self.add(name, s.pop("median_s"), "s", phase=phase, **s, samples_s=list(timing.samples_s), **extra)
 
     def add_check(self, name: str, passed: bool, *, error: float | None = None,
                   tolerance: float | None = None, **extra) -> None:

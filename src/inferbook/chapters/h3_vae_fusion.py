@@ -19,10 +19,10 @@ import torch
 from ..measure import benchmark, ceilings
 from ..presets import Param
 from ..record import RunRecord
-from . import toy_pipeline
-from .fused import (BackendLog, Norm, Ops, add_norm_silu_pad_eager, eager_bytes_moved,
+from ..diffusion import toy_pipeline
+from ..diffusion.fused import (BackendLog, Norm, Ops, add_norm_silu_pad_eager, eager_bytes_moved,
                     fused_bytes_moved, norm_silu_pad_eager, norm_silu_pad_triton, triton_usable)
-from .vae import (VAEConfig, compiled_decoder, decoder_fp64_reference, init_decoder, make_latent,
+from ..diffusion.vae import (VAEConfig, compiled_decoder, decoder_fp64_reference, init_decoder, make_latent,
                   quantize_decoder_int8)
 
 PARAMETERS = {

@@ -26,10 +26,10 @@ import torch
 from ..measure import benchmark
 from ..presets import Param
 from ..record import RunRecord
-from . import fused_moe as FM, mxfp4 as MXF, w4a16 as W
-from .routing import cpu_threads, on_gpu
-from .timing import gpu_time
-from .chord_chapter import parse_ints
+from ..moe import fused_moe as FM, mxfp4 as MXF, w4a16 as W
+from ..moe.routing import cpu_threads, on_gpu
+from ..moe.timing import gpu_time
+from .chord_w4a16 import parse_ints
 
 FORMATS = ("bf16", "w4a16", "mxfp4")
 QUANT_LABEL = {"bf16": "none (bf16)", "w4a16": "w4a16 g32", "mxfp4": MXF.LABEL}

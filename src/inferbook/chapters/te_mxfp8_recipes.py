@@ -21,7 +21,7 @@ import torch
 from ..measure import benchmark, ceilings, roofline
 from ..presets import Param
 from ..record import RunRecord
-from . import graphs, grouped, mx, small_op_threads
+from ..numerics import graphs, grouped, mx, small_op_threads
 
 PARAMETERS = {
     "m": Param(int, help="tokens (rows of x) in the SQNR GEMMs"),

@@ -24,9 +24,9 @@ import torch
 from ..errors import UserError
 from ..presets import Param
 from ..record import RunRecord
-from . import nodes, segments
-from .executor import Executor
-from .references import check_service_mapping
+from ..workflow import nodes, segments
+from ..workflow.executor import Executor
+from ..workflow.references import check_service_mapping
 
 PARAMETERS = {
     "model": Param(str, help="toy served model (size)", choices=("toy-h3-tiny", "toy-h3-small", "toy-h3-base")),

@@ -19,10 +19,10 @@ import torch
 from ..measure import benchmark
 from ..presets import Param
 from ..record import RunRecord
-from . import backends as B, fused_moe as FM, w4a16 as W
-from .chord_chapter import parse_ints
-from .routing import cpu_threads, on_gpu
-from .timing import gpu_time
+from ..moe import backends as B, fused_moe as FM, w4a16 as W
+from .chord_w4a16 import parse_ints
+from ..moe.routing import cpu_threads, on_gpu
+from ..moe.timing import gpu_time
 
 SEED_SOURCE = "quoted: seed §四 (vLLM blog on MiniMax M3 / AMD MI355X, 2026-09-10)"
 SEED_PR_SOURCE = "quoted: seed §四 (the shared-expert fusion PR, as cited by the vLLM blog)"

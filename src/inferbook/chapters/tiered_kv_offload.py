@@ -34,12 +34,12 @@ from ..errors import UserError
 from ..measure import benchmark, ceilings
 from ..presets import Param
 from ..record import RunRecord
-from .config import EngineConfig
-from .engine import LLMEngine
-from .kv_tiers import BlockLayout, EngineKVTiers, FileTier, HostTier, PeerProcess, copy_blocks_to_rows
-from .metrics import run_closed_loop
-from .model import TinyConfig, TinyDecoder, init_weights
-from .sequence import SamplingParams
+from ..serving.config import EngineConfig
+from ..serving.engine import LLMEngine
+from ..serving.kv_tiers import BlockLayout, EngineKVTiers, FileTier, HostTier, PeerProcess, copy_blocks_to_rows
+from ..serving.metrics import run_closed_loop
+from ..serving.model import TinyConfig, TinyDecoder, init_weights
+from ..serving.sequence import SamplingParams
 
 PARAMETERS = {
     "d_model": Param(int, help="model width"),
@@ -545,7 +545,7 @@ def restore_checks(seed: int, workdir: Path, peer_address=None) -> list[dict]:
     """For each tier: a small device pool (every prefix evicted between uses) with only that tier below;
     the greedy tokens must equal a run without any prefix cache, the restored KV must equal the
     device KV in bits, and that tier must have served blocks."""
-    from .kv_tiers import prefix_keys
+    from ..serving.kv_tiers import prefix_keys
 
     g = torch.Generator().manual_seed(seed + 31)
     model = init_weights(TinyDecoder(CHECK_CFG), seed + 32).eval()
@@ -588,7 +588,7 @@ def restore_checks(seed: int, workdir: Path, peer_address=None) -> list[dict]:
 
 def corruption_check(seed: int, workdir: Path) -> dict:
     """Flip one random bit of one stored block file: the read must be a counted miss."""
-    from .kv_tiers import TieredKVStore, namespace, prefix_keys
+    from ..serving.kv_tiers import TieredKVStore, namespace, prefix_keys
 
     g = torch.Generator().manual_seed(seed + 41)
     layout = BlockLayout((("k", torch.float32, (2, 16, 2, 16)), ("v", torch.float32, (2, 16, 2, 16))))
@@ -620,7 +620,7 @@ def corruption_check(seed: int, workdir: Path) -> dict:
 def hybrid_check(seed: int, workdir: Path) -> dict:
     """The toy hybrid model: a prefix restored with its recurrent state continues exactly as if
     computed; restored without the state, it does not."""
-    from .hybrid import HybridConfig, HybridPrefixCache, HybridToy
+    from ..serving.hybrid import HybridConfig, HybridPrefixCache, HybridToy
 
     m = HybridToy(HybridConfig(), seed=seed + 51)
     g = torch.Generator().manual_seed(seed + 52)
@@ -644,7 +644,7 @@ def hybrid_check(seed: int, workdir: Path) -> dict:
 def tp_check(seed: int, workdir: Path, use_cuda: bool = False, timeout_s: float = 120.0) -> dict:
     """Two TP ranks (torch.distributed on loopback) store a prompt's KV merged and sharded; the merged
     rows are read back at TP 1, 2 and 4 and compared in bits with the reference shards."""
-    from . import kv_tp_merge as tpm
+    from ..serving import kv_tp_merge as tpm
 
     cfg = dict(vocab=128, d_model=64, n_layers=2, n_heads=4, n_kv_heads=4, ffn=96, max_seq=160)
     args = dict(cfg=cfg, block_size=16, prompt_len=128, seed=seed + 61, model_id=f"tp-check-{seed}",

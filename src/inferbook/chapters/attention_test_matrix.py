@@ -20,7 +20,7 @@ import torch
 from .. import measure as _measure
 from ..presets import Param
 from ..record import RunRecord
-from . import flash, matrix
+from ..attention import flash, matrix
 
 PARAMETERS = {
     "mode": Param(str, help="pairwise (every pair of axis values) or product (every combination)",

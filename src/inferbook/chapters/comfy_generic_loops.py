@@ -28,9 +28,9 @@ import torch
 from ..presets import Param
 from ..record import RunRecord
 from ..errors import UserError
-from . import segments
-from . import segments as segments_mod   # `segments` is also a parameter name in measure()
-from .executor import Executor
+from ..workflow import segments
+from ..workflow import segments as segments_mod   # `segments` is also a parameter name in measure()
+from ..workflow.executor import Executor
 
 PARAMETERS = {
     "width": Param(int, help="frame width (multiple of 4)"),

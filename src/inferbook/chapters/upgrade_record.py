@@ -18,7 +18,7 @@ import torch
 from ..measure import PhaseTimer
 from ..presets import Param
 from ..record import RunRecord
-from .model import (TinyConfig, TinyDecoder, generate, init_weights, load_weights, quantize_int8_,
+from ..serving.model import (TinyConfig, TinyDecoder, generate, init_weights, load_weights, quantize_int8_,
                     reference_logits, save_weights)
 
 PARAMETERS = {

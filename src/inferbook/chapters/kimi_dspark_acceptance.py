@@ -23,16 +23,16 @@ import torch
 from ..errors import UserError
 from ..presets import Param
 from ..record import RunRecord
-from .config import EngineConfig
-from .corpora import TASKS, encode, load_corpus
-from .draft import HiddenStateDrafter, draft_metadata, load_draft
-from .engine import LLMEngine
-from .metrics import run_closed_loop
-from .model import load_weights
-from .sequence import SamplingParams
-from .spec_budget import torch_threads
-from .speculative import leviathan_expected_length
-from .train import DRAFTS, TARGET_FILE, draft_file, run_all
+from ..serving.config import EngineConfig
+from ..serving.corpora import TASKS, encode, load_corpus
+from ..serving.draft import HiddenStateDrafter, draft_metadata, load_draft
+from ..serving.engine import LLMEngine
+from ..serving.metrics import run_closed_loop
+from ..serving.model import load_weights
+from ..serving.sequence import SamplingParams
+from .kimi_spec_budget import torch_threads
+from ..serving.speculative import leviathan_expected_length
+from ..serving.train import DRAFTS, TARGET_FILE, draft_file, run_all
 
 PARAMETERS = {
     "num_spec_tokens": Param(int, 8, help="draft positions per round, k (the seed: 8)"),
@@ -132,7 +132,7 @@ def measure(ctx, *, cpu_threads, **params) -> list[RunRecord]:
 
 def _measure(ctx, *, num_spec_tokens, prompts_per_task, code_prompt_chars, output_len, temperature, retrain,
              target_steps, draft_steps, timer) -> list[RunRecord]:
-    from .config import check_spec_tokens
+    from ..serving.config import check_spec_tokens
 
     k = check_spec_tokens(num_spec_tokens)
     if timer == "process" and ctx.device.type == "cuda":
@@ -273,7 +273,7 @@ def sample_continuations(temperatures, max_tokens: int, code_chars: int, seed: i
                           threads: int = 1) -> list[dict]:
     """The committed target's continuation of one held-out prompt per task, at each temperature:
     what the drafts must guess."""
-    from .corpora import decode
+    from ..serving.corpora import decode
 
     rows = []
     with torch_threads(torch.device(device), threads):

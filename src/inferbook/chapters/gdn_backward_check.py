@@ -17,7 +17,7 @@ from ..device import triton_backend_for
 from ..measure import benchmark, ceilings
 from ..presets import Param
 from ..record import RunRecord
-from . import gdn, small_op_threads
+from ..numerics import gdn, small_op_threads
 
 PARAMETERS = {
     "head_dims": Param(str, help="comma-separated head dims swept by the harness"),

@@ -23,9 +23,9 @@ import torch
 from ..measure import benchmark, ceilings, roofline
 from ..presets import Param
 from ..record import RunRecord
-from . import fused_moe as FM, routing as R, w4a16 as W
-from .routing import on_gpu
-from .timing import gpu_time
+from ..moe import fused_moe as FM, routing as R, w4a16 as W
+from ..moe.routing import on_gpu
+from ..moe.timing import gpu_time
 
 KIMI_K2 = dict(hidden=7168, moe_inter=2048, experts=384, top_k=8, ep=8)
 SEED_SOURCE = "quoted: seed §三 (Novita Chord engineering report, 2026-09-15)"

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from ..measure import benchmark
 from ..presets import Param
 from ..record import RunRecord
-from . import decode
+from ..attention import decode
 
 PARAMETERS = {
     "batch_sizes": Param(tuple, help="batch sizes the same request is placed in (comma list)"),

@@ -21,12 +21,12 @@ import torch
 from ..errors import UserError
 from ..presets import Param
 from ..record import RunRecord
-from .config import EngineConfig
-from .engine import LLMEngine
-from .metrics import run_closed_loop
-from .model import TinyConfig, TinyDecoder, init_weights, save_weights, load_weights
-from .sequence import SamplingParams
-from .speculative import NgramDrafter
+from ..serving.config import EngineConfig
+from ..serving.engine import LLMEngine
+from ..serving.metrics import run_closed_loop
+from ..serving.model import TinyConfig, TinyDecoder, init_weights, save_weights, load_weights
+from ..serving.sequence import SamplingParams
+from ..serving.speculative import NgramDrafter
 
 PARAMETERS = {
     "d_model": Param(int, help="target model width"),

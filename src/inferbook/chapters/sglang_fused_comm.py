@@ -21,7 +21,7 @@ import torch
 from ..measure import benchmark, ceilings, roofline
 from ..presets import Param
 from ..record import RunRecord
-from . import allreduce as ar, tail, vocab_greedy as vg, workers
+from ..comm import allreduce as ar, tail, vocab_greedy as vg, workers
 
 PARAMETERS = {
     "world_size": Param(int, help="ranks (processes) for the distributed parts, 2-8"),

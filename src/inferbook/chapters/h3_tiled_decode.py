@@ -18,10 +18,10 @@ import torch
 from ..measure import benchmark
 from ..presets import Param
 from ..record import RunRecord
-from .fused import Ops
-from .tiled import decode_tiled, peak_live_tensor_bytes, seam_mask, tiles_for_budget_sweep
-from .vae import VAEConfig, init_decoder, make_latent
-from .vae_fusion import annotate_load, config_from
+from ..diffusion.fused import Ops
+from ..diffusion.tiled import decode_tiled, peak_live_tensor_bytes, seam_mask, tiles_for_budget_sweep
+from ..diffusion.vae import VAEConfig, init_decoder, make_latent
+from .h3_vae_fusion import annotate_load, config_from
 
 PARAMETERS = {
     "channels": Param(str, help="decoder stage widths, bottleneck first, comma-separated"),
