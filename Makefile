@@ -37,7 +37,7 @@ book: $(VENV)/.book
 	$(BIN)/inferbook book $(BOOK_ARGS)
 
 test: $(VENV)/.dev
-	$(BIN)/python -m pytest -n 2 $(TEST_ARGS)
+	$(BIN)/python -m pytest -n 2 --dist loadfile $(TEST_ARGS)
 
 clean:
 	rm -rf _build

@@ -1,3 +1,4 @@
+import re
 import pytest
 
 from inferbook import charts
@@ -34,8 +35,33 @@ def test_sweep_roofline_heatmap_render():
     assert "FAIL" in svg and "pass" in svg
 
 
-def test_log_bars_are_drawn():
+def test_log_scale_values_are_dots_not_floating_bars():
+    """A bar on a log axis has no baseline: such charts are dot plots, one dot per value."""
     rows = [{"phase": p, "value": v, "record": r} for p, v in (("load", 0.002), ("total", 3.0)) for r in ("a", "b")]
     svg = charts.render(charts.bar(rows, x="phase", y="value", color="record", log_y=True, title="t",
                                    hardware="CPU: X")).svg
-    assert svg.count('aria-roledescription="bar"') == 4
+    assert svg.count('aria-roledescription="bar"') == 0
+    assert svg.count('aria-roledescription="point"') == 4
+
+
+def test_linear_bars_start_at_zero_and_many_categories_fit_the_page():
+    rows = [{"expert": i, "tokens": (i * 7) % 13 + 1} for i in range(200)]
+    chart = charts.bar(rows, x="expert", y="tokens", title="t", hardware="CPU: X")
+    svg = charts.render(chart).svg
+    width = float(re.search(r'<svg[^>]*width="([0-9.]+)"', svg).group(1))
+    assert width < 800
+    assert svg.count('aria-roledescription="bar"') == 200
+
+
+def test_small_multiples_and_full_legend_labels():
+    long = "mxfp4 (e2m1, e8m0 per 32 along K, decoded in the kernel)"
+    rows = [{"step": s, "loss": 1 / (s + 1 + i), "run": name} for i, name in enumerate([long, "bf16"]) for s in range(5)]
+    svg = charts.render(charts.sweep(rows, x="step", y="loss", color="run", title="t", hardware="CPU: X")).svg
+    assert long in svg and "…" not in svg
+    faceted = charts.sweep(rows, x="step", y="loss", color="run", facet="run", title="t", hardware="CPU: X")
+    assert "facet" in faceted.to_dict()
+
+
+def test_charts_have_a_transparent_background():
+    spec = charts.bar([{"a": "x", "b": 1}], x="a", y="b", title="t", hardware="CPU: X").to_dict()
+    assert spec["config"].get("background") is None

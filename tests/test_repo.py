@@ -65,7 +65,16 @@ def test_sixteen_chapters_in_six_parts():
     assert {c.part for c in toc.CHAPTERS.values()} == set(toc.PARTS)
     intro = (ROOT / "intro.md").read_text()
     for slug in toc.CHAPTERS:
-        assert f"`{slug}`" in intro
+        assert f"{{doc}}`chapters/{slug}`" in intro  # a link, not a code-formatted slug
+    listed = {line.split("file: ")[1].strip() for line in (ROOT / "_toc.yml").read_text().splitlines() if "file:" in line}
+    for part in toc.PARTS:
+        assert f"parts/{part}" in listed and (ROOT / "parts" / f"{part}.md").is_file()
+        page = (ROOT / "parts" / f"{part}.md").read_text()
+        for info in toc.CHAPTERS.values():
+            if info.part == part:
+                assert f"{{doc}}`../chapters/{info.slug}`" in page, (part, info.slug)
+    for info in toc.CHAPTERS.values():
+        assert info.seed_section in toc.SEED_SECTIONS and info.slug in toc.UPSTREAM
 
 
 def _pyproject_deps():

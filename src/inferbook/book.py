@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import toc
+from . import reader, toc
 from .context import build_dir, repo_root, results_dir
 from .errors import UserError
 from .record import write_json_atomic
@@ -274,11 +274,24 @@ def status_page(metas: dict[str, dict | None]) -> str:
         if status == "failed":
             status = f"failed (code cell {meta.get('cell')}: {meta.get('error', '')[:80]})"
         lines.append(f"| {part} | [{info.title}](chapters/{info.slug}) | {status} | {meta.get('device') or ''} | "
-                     f"{meta.get('parameters', {}).get('preset', '')} | {meta.get('seconds', '')} | "
+                     f"{_resolved_preset(info.slug, meta)} | {meta.get('seconds', '')} | "
                      f"{meta.get('date', '').replace('T', ' ')} |")
     lines += ["", f"Built with Python {sys.version.split()[0]}. Chapter records are under `_build/results/`; "
               "committed reference runs are under `data/results/`.", ""]
     return "\n".join(lines)
+
+
+def _resolved_preset(slug: str, meta: dict) -> str:
+    """The preset the chapter really ran at: "auto" resolves per device, so read it from its records."""
+    from .record import load_records
+
+    asked = meta.get("parameters", {}).get("preset", "")
+    try:
+        records = load_records(paths()["results"] / f"{slug}.json")
+    except Exception:
+        records = []
+    ran = next((r.preset for r in records if r.preset), None)
+    return ran or asked
 
 
 def _placeholder_notebook(slug: str, message: str) -> dict:
@@ -306,9 +319,14 @@ def stage(metas: dict[str, dict | None]) -> Path:
             if f.is_file():
                 _copy_if_changed(f, st / folder / f.relative_to(p["root"] / folder))
     _write_if_changed(st / "status.md", status_page(metas))
+    _write_if_changed(st / "results.md", reader.results_page(p["results"]))
     for slug, meta in metas.items():
         dst = st / "chapters" / f"{slug}.ipynb"
         executed = p["executed"] / f"{slug}.ipynb"
+        # the chapter to take home: its source and the whole executed notebook (plumbing included)
+        _copy_if_changed(p["chapters"] / f"{slug}.md", st / reader.DOWNLOADS / f"{slug}.md")
+        if executed.is_file():
+            _copy_if_changed(executed, st / reader.DOWNLOADS / f"{slug}.ipynb")
         if meta is None or not executed.is_file():
             nb = _placeholder_notebook(slug, f"This chapter was not executed in this build. Run "
                                              f"`inferbook run {slug}` (or `make book`) to execute it.")
@@ -321,7 +339,8 @@ def stage(metas: dict[str, dict | None]) -> Path:
             nb.cells.insert(1 if nb.cells and nb.cells[0].cell_type == "markdown" else 0, banner)
             _write_if_changed(dst, nbformat.writes(nb))
         else:
-            _copy_if_changed(executed, dst)
+            page = reader.reader_notebook(nbformat.read(executed, as_version=4), slug)
+            _write_if_changed(dst, nbformat.writes(page))
     # stale pages of chapters no longer in the book
     for f in (st / "chapters").glob("*.ipynb"):
         if f.stem not in metas:

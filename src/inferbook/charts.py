@@ -29,9 +29,11 @@ def _alt():
             "range": {"category": PALETTE},
             "axis": {"labelFontSize": 11, "titleFontSize": 12, "gridColor": "#e8e8e8", "domainColor": "#888",
                      "labelLimit": 400},  # long case labels (e.g. a test matrix) stay readable
-            "legend": {"labelFontSize": 11, "titleFontSize": 12},
+            # full legend labels: a truncated "mxfp4 (e2m1, e8m0 per 3…" says nothing
+            "legend": {"labelFontSize": 11, "titleFontSize": 12, "labelLimit": 0, "titleLimit": 0},
             "title": {"fontSize": 13, "anchor": "start", "subtitleFontSize": 11, "subtitleColor": "#555"},
-            "background": "white",
+            # transparent: the page's CSS inverts charts in dark mode, so they read in both themes
+            "background": None,
         }
     }
     # altair >= 5.5 has alt.theme; older ones alt.themes.
@@ -72,11 +74,14 @@ def bar(rows, *, x: str, y: str, color: str | None = None, title: str, hardware:
         enc["color"] = alt.Color(f"{color}:N", title=color)
         enc["xOffset"] = alt.XOffset(f"{color}:N")
     if log_y:
-        # Bars need a baseline; on a log axis zero is at -inf and Vega drops them. Start them
-        # half a decade below the smallest value instead.
-        positive = df[y][df[y] > 0]
-        enc["y2"] = alt.Y2Datum(float(positive.min()) / 3.0 if len(positive) else 1e-9)
-    chart = alt.Chart(df).mark_bar().encode(**enc)
+        # A bar's length means nothing on a log axis (there is no zero to start from): draw a dot
+        # plot instead, one dot per value.
+        chart = alt.Chart(df).mark_point(filled=True, size=80).encode(**enc)
+    else:
+        chart = alt.Chart(df).mark_bar().encode(**enc)
+    if df[x].nunique() > 24 and not column:
+        # many categories: fit the page width instead of one 20-px step per category
+        chart = chart.properties(width=WIDTH)
     if column:
         chart = chart.facet(column=alt.Column(f"{column}:N", title=column))
     return chart.properties(title=_title(title, hardware))
@@ -84,8 +89,9 @@ def bar(rows, *, x: str, y: str, color: str | None = None, title: str, hardware:
 
 def sweep(rows, *, x: str, y: str, color: str | None = None, title: str, hardware: str,
           x_title: str | None = None, y_title: str | None = None, log_x: bool = False, log_y: bool = False,
-          band: tuple[str, str] | None = None):
-    """Lines with points over a swept parameter; `band=(lo, hi)` draws a p10-p90 area."""
+          band: tuple[str, str] | None = None, facet: str | None = None, columns: int = 3):
+    """Lines with points over a swept parameter; `band=(lo, hi)` draws a p10-p90 area.
+    `facet` draws small multiples, one panel per value of that column, instead of overlapping series."""
     alt = _alt()
     df = _data(rows)
     xs = alt.X(f"{x}:Q", title=x_title or x, scale=alt.Scale(type="log") if log_x else alt.Undefined)
@@ -95,6 +101,12 @@ def sweep(rows, *, x: str, y: str, color: str | None = None, title: str, hardwar
     if band:
         area = alt.Chart(df).mark_area(opacity=0.2).encode(x=xs, y=f"{band[0]}:Q", y2=f"{band[1]}:Q", color=col)
         line = area + line
+    if facet:
+        panel_w = max(160, WIDTH // columns - 20)
+        # each panel keeps its own y scale: panels of different units (ms, MiB) never share an axis
+        return line.properties(width=panel_w, height=HEIGHT // 2).facet(
+            facet=alt.Facet(f"{facet}:N", title=facet), columns=columns).resolve_scale(y="independent").properties(
+            title=_title(title, hardware))
     return line.properties(title=_title(title, hardware))
 
 

@@ -1,0 +1,155 @@
+"""The reader view: what a staged chapter page shows, and the pages built from every chapter's records.
+
+An executed notebook keeps every cell (the downloadable `.ipynb` is the whole run). The page built from
+it hides the plumbing, by tags Sphinx/MyST-NB understands, added when the notebook is staged:
+
+- the `parameters` cell and papermill's injected one: `remove-cell` (the page's one-line run summary,
+  from `notebook.hardware_notice`, says what was run);
+- code cells with no visible output (glue, imports, set-up): `remove-cell` — glued values are still
+  read from them;
+- every other code cell: `hide-input` (a "show code" toggle), unless the chapter tagged it
+  `show-input`; what such a cell shows (kernel listings, checks, tables, charts) stays;
+- stderr streams (library warnings) are dropped.
+
+Above the page's first section sits a box naming the seed section (English and Chinese), the upstream
+changes the seed cites (plain links), and the chapter's source and executed notebook as downloads.
+"""
+from __future__ import annotations
+
+import copy
+import html
+from pathlib import Path
+
+from . import toc
+
+REMOVE, HIDE, SHOW = "remove-cell", "hide-input", "show-input"
+PLUMBING_TAGS = {"parameters", "injected-parameters"}
+DOWNLOADS = "downloads"  # folder of the stage dir holding each chapter's .md and executed .ipynb
+
+
+def _tags(cell) -> list[str]:
+    return cell.setdefault("metadata", {}).setdefault("tags", [])
+
+
+def _is_glue_only(output) -> bool:
+    """A display output that only carries a glued value (myst-nb keeps it for `{glue:...}` roles)."""
+    return output.get("output_type") == "display_data" and "scrapbook" in output.get("metadata", {})
+
+
+def _visible_outputs(cell) -> list:
+    return [o for o in cell.get("outputs", [])
+            if not _is_glue_only(o) and not (o.get("output_type") == "stream" and o.get("name") == "stderr")]
+
+
+def tag_cells(nb) -> None:
+    """Tag the cells of an executed notebook for the page (in place); see the module docstring."""
+    for cell in nb.cells:
+        if cell.get("cell_type") != "code":
+            continue
+        cell["outputs"] = [o for o in cell.get("outputs", [])
+                           if not (o.get("output_type") == "stream" and o.get("name") == "stderr")]
+        tags = _tags(cell)
+        if PLUMBING_TAGS & set(tags) or not _visible_outputs(cell):
+            if REMOVE not in tags:
+                tags.append(REMOVE)
+        elif not {SHOW, HIDE, "remove-input", REMOVE} & set(tags):
+            tags.append(HIDE)
+
+
+def chapter_box(slug: str) -> str:
+    """Markdown for the box above a chapter: seed section, upstream links, downloads, the command."""
+    info = toc.CHAPTERS[slug]
+    en, zh = toc.SEED_SECTIONS.get(info.seed_section, (info.seed_section, info.seed_section))
+    links = ", ".join(f"[{name}]({url})" for name, url in toc.UPSTREAM.get(slug, []))
+    lines = [f"**Seed section:** {en} ({zh}).",
+             f"**Upstream changes the seed cites:** {links}." if links else
+             "**Upstream:** the seed cites an engineering write-up here, no pull request or release.",
+             f"**Take it home:** {{download}}`chapter source (.md) <../{DOWNLOADS}/{slug}.md>` · "
+             f"{{download}}`executed notebook (.ipynb) <../{DOWNLOADS}/{slug}.ipynb>` · "
+             f"re-run it on your GPU with `inferbook run {slug} --device cuda --preset gpu`."]
+    return ":::{admonition} About this chapter\n:class: tip\n" + "\n\n".join(lines) + "\n:::\n"
+
+
+def reader_notebook(nb, slug: str):
+    """A copy of an executed notebook as its page shows it: tagged cells, the box after the title
+    cell, and a download link under "Run it yourself"."""
+    import nbformat
+
+    out = copy.deepcopy(nb)
+    tag_cells(out)
+    first_md = next((i for i, c in enumerate(out.cells) if c.cell_type == "markdown"), -1)
+    out.cells.insert(first_md + 1, nbformat.v4.new_markdown_cell(chapter_box(slug)))
+    for cell in out.cells:
+        if cell.cell_type == "markdown" and "Run it yourself" in cell.source and cell.source.lstrip().startswith("#"):
+            head, _, rest = cell.source.partition("\n")
+            cell.source = (f"{head}\n\nThe executed notebook of this page is "
+                           f"{{download}}`{slug}.ipynb <../{DOWNLOADS}/{slug}.ipynb>`; the one command is "
+                           f"`inferbook run {slug} --device cuda --preset gpu`.\n{rest}")
+            break
+    return out
+
+
+# --- results at a glance ------------------------------------------------------------------------------
+
+def _shown(m: dict) -> str:
+    from .measure import significant
+
+    unit = m.get("unit", "")
+    if unit == "s":
+        return f"{significant(m['value'] * 1e3)} ms"
+    return f"{significant(m['value'])} {unit}".strip()
+
+
+def headline(module, records) -> tuple[str, str] | None:
+    """(what, value) of the chapter's headline measurement: the one its measure module names in
+    `HEADLINE = (record name, measurement name)`, else the first timed measurement of its first
+    measured (not quoted) record, else its first measurement."""
+    measured = [r for r in records if not str(r.source).startswith("quoted")]
+    spec = getattr(module, "HEADLINE", None)
+    candidates = ([(r, m) for r in measured for m in r.measurements if spec and (r.name, m["name"]) == tuple(spec)]
+                  + [(r, m) for r in measured for m in r.measurements if m.get("unit") in ("s", "ms")]
+                  + [(r, m) for r in measured for m in r.measurements])
+    if not candidates:
+        return None
+    r, m = candidates[0]
+    return f"{r.name}: {m['name']}", _shown(m)
+
+
+def results_page(results_dir: Path) -> str:
+    """One row per chapter: the headline measurement with its device and preset, the checks that
+    passed, and which hardware has committed GPU reference runs."""
+    from .context import reference_records
+    from .device import hardware_label
+    from .record import load_records
+
+    rows = []
+    for info in toc.CHAPTERS.values():
+        link = f"{{doc}}`{info.title} <chapters/{info.slug}>`"
+        try:
+            records = load_records(Path(results_dir) / f"{info.slug}.json")
+        except Exception:
+            records = []
+        try:
+            module = toc.load_module(info)
+        except Exception:
+            module = None
+        head = headline(module, records) if records else None
+        measured = [r for r in records if not str(r.source).startswith("quoted")]
+        checks = [c for r in measured for c in r.checks]
+        passed = sum(1 for c in checks if c.get("passed"))
+        where = (f"{hardware_label(measured[0].hardware)}, preset `{measured[0].preset}`" if measured else "not executed")
+        try:
+            refs = sorted({hardware_label(r.hardware) for recs in reference_records(info.slug).values() for r in recs})
+        except Exception:
+            refs = []
+        cells = [link, html.escape(head[0]) if head else "—", head[1] if head else "—", where,
+                 f"{passed} of {len(checks)}" if checks else "—", ", ".join(refs) if refs else "none yet"]
+        rows.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return "\n".join([
+        "# Results at a glance", "",
+        "One row per chapter: its headline measurement as this build executed it (device and preset named), "
+        "how many of its recorded checks passed, and the hardware of the committed GPU reference runs under "
+        "`data/results/`. CPU times are of PyTorch paths only (Triton kernels run in the interpreter there and "
+        "are never timed). Each chapter page says what the number means.", "",
+        "| Chapter | Headline measurement | Value | Executed on | Checks passed | GPU reference runs |",
+        "|---|---|---|---|---|---|", *rows, ""])

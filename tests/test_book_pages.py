@@ -1,0 +1,206 @@
+"""The whole book, as `make book` makes it and as a reader sees it.
+
+Every written chapter executes end to end through the same runner as `make book`, at preset=smoke on
+CPU (a chapter whose correctness check fails fails here), then Sphinx builds the book, and headless
+Chromium reads every page: what a reader sees, with no request leaving the machine. One build serves
+every test of this module (`make test` runs pytest with `--dist loadfile`, so one worker builds it).
+Needs Debian's chromium for the browser half (.ci/run installs it)."""
+import functools
+import http.server
+import json
+import os
+import re
+import shutil
+import threading
+from pathlib import Path
+
+import pytest
+
+from inferbook import book, toc
+from inferbook.book import ChapterFailed
+from inferbook.record import load_records
+
+WRITTEN = [c.slug for c in book.built_chapters()]
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+# a tag that would make the browser fetch from another host; a plain <a href> link is fine (upstream PRs)
+EXTERNAL = re.compile(r"""<(\w+)\b[^>]*?\b(?:src|href|action|poster|data)\s*=\s*["'](?:https?:)?//""", re.I)
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """Every chapter executed at smoke on CPU and the book built; returns (build dir, metas).
+    INFERBOOK_TEST_BUILD=DIR reuses a build made this way (for working on the page checks only)."""
+    reuse = os.environ.get("INFERBOOK_TEST_BUILD")
+    build = Path(reuse) if reuse else tmp_path_factory.mktemp("build")
+    if reuse and (build / "html" / "index.html").is_file():
+        return build, {slug: book.read_meta(slug, build / "executed") for slug in WRITTEN}
+    old = os.environ.get("INFERBOOK_BUILD_DIR")
+    os.environ["INFERBOOK_BUILD_DIR"] = str(build)
+    try:
+        try:
+            book.build_book(device="cpu", preset="smoke", keep_going=True, progress=False, log=lambda *_: None)
+        except ChapterFailed:
+            pass  # each chapter's own test below names its failure
+        metas = {slug: book.read_meta(slug, build / "executed") for slug in WRITTEN}
+    finally:
+        if old is None:
+            os.environ.pop("INFERBOOK_BUILD_DIR")
+        else:
+            os.environ["INFERBOOK_BUILD_DIR"] = old
+    return build, metas
+
+
+@pytest.mark.chapter
+@pytest.mark.parametrize("slug", WRITTEN)
+def test_chapter_executes_at_smoke(slug, built):
+    build, metas = built
+    meta = metas[slug]
+    assert meta and meta["status"] == "ok", meta
+    records = load_records(build / "results" / f"{slug}.json")
+    assert records, "a chapter run writes at least one RunRecord"
+    assert any(r.source == "measured" for r in records)
+    for r in records:
+        assert r.chapter == slug
+        if r.source == "measured":
+            assert r.preset == "smoke" and r.git.get("commit") and r.hardware.get("cpu_model")
+            assert r.measurements or r.checks, "a measured record holds numbers or checks"
+        else:  # a news item's own numbers, kept as a record so compare() can refuse bad pairs
+            assert r.source.startswith("quoted: ") and r.hardware, r.source
+        assert all(c["passed"] for c in r.checks), [c for c in r.checks if not c["passed"]]
+
+
+def test_no_page_names_an_external_host(built):
+    html = built[0] / "html"
+    pages = list(html.rglob("*.html"))
+    assert len(pages) >= 3 + len(WRITTEN)
+    for page in pages:
+        text = page.read_text()
+        found = [tag for tag in EXTERNAL.findall(text) if tag.lower() != "a"]
+        found += re.findall(r"<script[^>]*>[^<]*https?://", text)
+        assert not found, f"{page.relative_to(html)} references an external host: {found[:3]}"
+    for css in html.rglob("*.css"):
+        assert not re.search(r"(@import|url\()\s*['\"]?(https?:)?//", css.read_text()), css.name
+
+
+def test_results_page_lists_every_chapter(built):
+    text = (built[0] / "html" / "results.html").read_text()
+    for info in toc.CHAPTERS.values():
+        assert f'href="chapters/{info.slug}.html"' in text, info.slug
+
+
+# --- what a reader sees, in a real browser ----------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def server(built):
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+    handler = functools.partial(Quiet, directory=str(built[0] / "html"))
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+
+
+@pytest.fixture(scope="module")
+def browser_page(server):
+    """A Chromium page whose every request outside the local server is refused and remembered."""
+    if CHROMIUM is None:
+        if os.environ.get("CI"):
+            pytest.fail("chromium is missing in CI: .ci/run installs it with apt-get")
+        pytest.skip("chromium not installed (apt-get install chromium)")
+    from playwright.sync_api import sync_playwright
+
+    left_machine, failed = [], []
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=[
+            "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+            "--disable-sync", "--no-first-run", "--disable-quic"])
+        page = browser.new_page(viewport={"width": 1280, "height": 1000})
+
+        def guard(route):
+            if route.request.url.startswith(server):
+                route.continue_()
+            else:  # outside network refused, and remembered
+                left_machine.append(route.request.url)
+                route.abort()
+
+        page.route("**/*", guard)
+        page.on("requestfailed", lambda r: failed.append(r.url))
+        yield page, left_machine, failed
+        browser.close()
+
+
+# One pass over the page's content column: what would be wrong for a reader.
+READER_CHECK = r"""() => {
+  const art = document.querySelector('article.bd-article') || document.querySelector('main');
+  const col = art.getBoundingClientRect();
+  const scrolls = el => { for (let p = el.parentElement; p && p !== art; p = p.parentElement) {
+      if (['auto', 'scroll', 'hidden'].includes(getComputedStyle(p).overflowX)) return true; } return false; };
+  const wide = [];
+  for (const el of art.querySelectorAll('*')) {
+    const r = el.getBoundingClientRect();
+    if (r.width > 0 && r.right > col.right + 2 && !scrolls(el)) wide.push(el.tagName + '.' + el.className);
+  }
+  const visibleCode = [...art.querySelectorAll('div.cell')].filter(c => c.offsetParent !== null)
+      .map(c => c.querySelector('div.cell_input'))
+      .filter(i => i && i.offsetParent !== null).map(i => i.innerText.trim());
+  const badCells = [...art.querySelectorAll('table td')].map(td => td.innerText.trim())
+      .filter(t => /^(-?nan|NaN|None|null)$/.test(t) || t.includes("{'") || t.includes("['"));
+  const charts = [...art.querySelectorAll('.cell_output img')].filter(i => i.src.endsWith('.svg'))
+      .map(i => ({src: i.src, w: i.getBoundingClientRect().width, drawn: i.complete && i.naturalWidth > 50}));
+  const downloads = [...art.querySelectorAll('a.download, a.reference.download')].map(a => a.href);
+  return {colWidth: col.width, wide, visibleCode, badCells, charts, downloads,
+          math: art.querySelectorAll('mjx-container').length};
+}"""
+
+
+@pytest.mark.browser
+@pytest.mark.parametrize("slug", WRITTEN)
+def test_chapter_page_reads_as_a_page(slug, server, browser_page):
+    page, left_machine, failed = browser_page
+    page.goto(f"{server}/chapters/{slug}.html", wait_until="networkidle")
+    assert toc.CHAPTERS[slug].title in page.title()
+    seen = page.evaluate(READER_CHECK)
+    # no plumbing: no visible cell of `knob = None` lines (the parameters cell is removed)
+    for code in seen["visibleCode"]:
+        lines = [ln for ln in code.splitlines() if ln.strip() and not ln.strip().startswith("#")]
+        assert not (lines and all(re.fullmatch(r"\s*\w+\s*=\s*None\s*", ln) for ln in lines)), code[:200]
+    assert not seen["badCells"], f"table cells a reader should not see: {seen['badCells'][:5]}"
+    assert not seen["wide"], f"elements wider than the content column: {seen['wide'][:5]}"
+    for chart in seen["charts"]:
+        assert chart["drawn"], f"chart not drawn: {chart['src']}"
+        assert chart["w"] <= seen["colWidth"] + 1, f"chart wider than the column: {chart}"
+    # the chapter goes home: its source and its executed notebook, both served
+    names = {Path(u).name for u in seen["downloads"]}
+    assert {f"{slug}.md", f"{slug}.ipynb"} <= names, seen["downloads"]
+    for url in seen["downloads"]:
+        assert page.request.get(url).ok, url
+    assert json.loads(page.request.get([u for u in seen["downloads"] if u.endswith(".ipynb")][0]).text())["cells"]
+    assert not left_machine, f"requests left the machine: {left_machine}"
+    assert not failed, f"requests failed: {failed}"
+
+
+@pytest.mark.browser
+def test_math_is_typeset_from_local_assets(server, browser_page):
+    page, left_machine, failed = browser_page
+    page.goto(f"{server}/intro.html", wait_until="networkidle")
+    page.wait_for_selector("mjx-container", timeout=20_000)
+    scripts = page.eval_on_selector_all("script[src]", "els => els.map(e => e.src)")
+    assert any("_static/mathjax/" in s for s in scripts), scripts
+    assert all(s.startswith(server) for s in scripts)
+    assert not left_machine and not failed, (left_machine, failed)
+
+
+@pytest.mark.browser
+def test_upgrade_record_chart_is_drawn(server, browser_page):
+    page, _, _ = browser_page
+    page.goto(f"{server}/chapters/upgrade-record.html", wait_until="networkidle")
+    charts = page.eval_on_selector_all(
+        ".cell_output img", "els => els.filter(e => e.src.endsWith('.svg')).map(e => e.src)")
+    assert charts, "no chart image in the chapter's outputs"
+    svg = page.request.get(charts[0]).text()
+    assert "Phases kept apart" in svg
+    assert svg.count('aria-roledescription="bar"') + svg.count('aria-roledescription="point"') >= 12
