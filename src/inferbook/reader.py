@@ -122,7 +122,7 @@ def results_page(results_dir: Path) -> str:
     from .device import hardware_label
     from .record import load_records
 
-    rows = []
+    rows, wheres = [], []
     for info in toc.CHAPTERS.values():
         link = f"{{doc}}`{info.title} <chapters/{info.slug}>`"
         try:
@@ -138,18 +138,24 @@ def results_page(results_dir: Path) -> str:
         checks = [c for r in measured for c in r.checks]
         passed = sum(1 for c in checks if c.get("passed"))
         where = (f"{hardware_label(measured[0].hardware)}, preset `{measured[0].preset}`" if measured else "not executed")
+        wheres.append(where)
         try:
             refs = sorted({hardware_label(r.hardware) for recs in reference_records(info.slug).values() for r in recs})
         except Exception:
             refs = []
         cells = [link, html.escape(head[0]) if head else "—", head[1] if head else "—", where,
                  f"{passed} of {len(checks)}" if checks else "—", ", ".join(refs) if refs else "none yet"]
-        rows.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+        rows.append(cells)
+    # one device and preset for the whole build is said once, not in every row
+    same = len(set(wheres)) == 1
+    header = ["Chapter", "Headline measurement", "Value", "Executed on", "Checks passed", "GPU reference runs"]
+    keep = [i for i in range(len(header)) if not (same and i == 3)]
+    table = ["| " + " | ".join(header[i] for i in keep) + " |", "|" + "---|" * len(keep)]
+    table += ["| " + " | ".join(r[i].replace("|", "\\|") for i in keep) + " |" for r in rows]
+    where_line = [f"Every chapter below was executed on {wheres[0]}.", ""] if same and wheres else []
     return "\n".join([
         "# Results at a glance", "",
         "One row per chapter: its headline measurement as this build executed it (device and preset named), "
         "how many of its recorded checks passed, and the hardware of the committed GPU reference runs under "
         "`data/results/`. CPU times are of PyTorch paths only (Triton kernels run in the interpreter there and "
-        "are never timed). Each chapter page says what the number means.", "",
-        "| Chapter | Headline measurement | Value | Executed on | Checks passed | GPU reference runs |",
-        "|---|---|---|---|---|---|", *rows, ""])
+        "are never timed). Each chapter page says what the number means.", "", *where_line, *table, ""])
