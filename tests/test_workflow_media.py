@@ -138,3 +138,24 @@ def test_h3_latent_shape_rules(w, h, f, ok):
     else:
         with pytest.raises(ValueError):
             nodes.latent_shape(w, h, f)
+
+
+def test_decoding_an_input_video_stops_at_max_frames(tmp_path, monkeypatch):
+    """A small file can hold thousands of frames: decoding stops at max_frames, and without it a file
+    that would need more than the decode budget is refused naming max_frames."""
+    from inferbook.diffusion import media
+
+    frames = np.random.default_rng().integers(0, 255, (120, 16, 16, 3), dtype=np.uint8)
+    media.write_mp4(tmp_path / "long.mp4", frames, 24)
+    r = Executor(input_dir=tmp_path).run({"v": {"class_type": "LoadVideo", "inputs": {"path": "long.mp4",
+                                                                                         "max_frames": 5}}})
+    assert r.output("v").shape == (5, 16, 16, 3) and r.output("v", 1) == 5
+    budget = 10 * 16 * 16 * 3 * 4                     # room for 10 float32 frames
+    got, _, _ = nodes.read_video(str(tmp_path / "long.mp4"), with_audio=False, max_frames=8, max_bytes=budget)
+    assert got.shape[0] == 8                          # stopped before the budget mattered
+    with pytest.raises(ValueError, match="set max_frames"):
+        nodes.read_video(str(tmp_path / "long.mp4"), with_audio=False, max_bytes=budget)
+    monkeypatch.setattr(nodes, "MAX_DECODE_BYTES", budget)
+    monkeypatch.setattr(nodes.read_video, "__kwdefaults__", {**nodes.read_video.__kwdefaults__, "max_bytes": budget})
+    with pytest.raises(WorkflowError, match="node 'v' \\(LoadVideo\\).*set max_frames"):
+        Executor(input_dir=tmp_path).run({"v": {"class_type": "LoadVideo", "inputs": {"path": "long.mp4"}}})

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 AAC_FRAME = 1024  # samples per AAC frame
+MAX_FPS = 1000    # a rate above this is a mistake (10**30 overflows the encoder's time base)
 
 
 def _validate(frames, fps, audio, sample_rate):
@@ -31,8 +32,8 @@ def _validate(frames, fps, audio, sample_rate):
         raise ValueError("frames must hold at least one frame, got T=0")
     if H % 2 or W % 2:
         raise ValueError(f"H.264 with yuv420p needs even width and height, got {W}x{H}")
-    if not (isinstance(fps, (int, float, Fraction)) and not isinstance(fps, bool) and fps > 0):
-        raise ValueError(f"fps must be a positive number, got {fps!r}")
+    if not (isinstance(fps, (int, float, Fraction)) and not isinstance(fps, bool) and 0 < fps <= MAX_FPS):
+        raise ValueError(f"fps must be a number in (0, {MAX_FPS}], got {fps!r}")
     if audio is not None:
         audio = np.asarray(audio)
         if audio.ndim != 2 or audio.shape[0] not in (1, 2):

@@ -122,7 +122,7 @@ def to_uint8(images: torch.Tensor) -> np.ndarray:
     return (images.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).cpu().numpy()
 
 
-@node("SaveVideo", inputs={"images": "IMAGE", "fps": Input("INT", default=24, min=1),
+@node("SaveVideo", inputs={"images": "IMAGE", "fps": Input("INT", default=24, min=1, max=240),
                            "filename_prefix": Input("STRING", default="video"), "audio": Input("AUDIO", optional=True)},
       outputs=(("path", "STRING"),), side_effect=True, context=True)
 def save_video(images, fps, filename_prefix, audio, run):
@@ -202,9 +202,17 @@ def _open_media(path: str, what: str):
         raise ValueError(f"{what} {path!r} is unreadable or truncated ({type(e).__name__}: {e})") from None
 
 
-def read_video(path: str, *, with_audio: bool = True, what: str = "video") -> tuple[np.ndarray, np.ndarray | None, int | None]:
-    """Decode every frame (uint8 [T, H, W, 3]) and the audio track (float32 [C, N], rate) of a file.
-    Raises ValueError naming the file when it cannot be opened, holds no frames or breaks mid-way."""
+# What one decoded input may hold in memory as float32 frames (IMAGE) when no max_frames is given:
+# a 127 KB mp4 can hold thousands of frames, and decoding it whole would take gigabytes.
+MAX_DECODE_BYTES = 1 << 30
+
+
+def read_video(path: str, *, with_audio: bool = True, what: str = "video", max_frames: int | None = None,
+               max_bytes: int = MAX_DECODE_BYTES) -> tuple[np.ndarray, np.ndarray | None, int | None]:
+    """Decode the frames (uint8 [T, H, W, 3]; the first `max_frames` when given, decoding stops there)
+    and the audio track (float32 [C, N], rate) of a file. Raises ValueError naming the file when it
+    cannot be opened, holds no frames, breaks mid-way, or would need more than `max_bytes` as float32
+    frames (then `max_frames` must be set)."""
     import av
 
     frames, chunks, rate = [], [], None
@@ -213,6 +221,12 @@ def read_video(path: str, *, with_audio: bool = True, what: str = "video") -> tu
             raise ValueError(f"{what} {path!r} has no video stream")
         try:
             for f in c.decode(video=0):
+                if max_frames and len(frames) >= max_frames:
+                    break
+                if (len(frames) + 1) * f.width * f.height * 3 * 4 > max_bytes:
+                    raise ValueError(f"{what} {path!r} holds more than {len(frames)} frames of {f.width}x{f.height}, "
+                                     f"which would need more than {max_bytes >> 20} MiB as float32 frames; set "
+                                     "max_frames to read only the first frames")
                 frames.append(f.to_ndarray(format="rgb24"))
         except av.FFmpegError as e:
             raise ValueError(f"{what} {path!r} is truncated or corrupt after {len(frames)} frame(s) "
@@ -263,13 +277,12 @@ def load_image(path, run):
     return (torch.from_numpy(frames[:1]).float() / 255,)
 
 
-@node("LoadVideo", inputs={"path": "STRING", "max_frames": Input("INT", default=0, min=0)},
+@node("LoadVideo", inputs={"path": "STRING", "max_frames": Input("INT", default=0, min=0, max=100_000)},
       outputs=(("images", "IMAGE"), ("frames", "INT")), context=True)
 def load_video(path, max_frames, run):
-    """Every frame of a video file (or the first `max_frames` when > 0) as IMAGE [T, H, W, 3]."""
-    frames, _, _ = read_video(_input_path(run, path), with_audio=False)
-    if max_frames:
-        frames = frames[:max_frames]
+    """Every frame of a video file (or the first `max_frames` when > 0: decoding stops there) as
+    IMAGE [T, H, W, 3]."""
+    frames, _, _ = read_video(_input_path(run, path), with_audio=False, max_frames=max_frames or None)
     return torch.from_numpy(frames).float() / 255, int(frames.shape[0])
 
 
@@ -284,7 +297,7 @@ def load_audio(path, run):
 # Frames and audio plumbing
 
 
-@node("LastFrames", inputs={"images": "IMAGE", "count": Input("INT", default=1, min=1)}, outputs=(("images", "IMAGE"),))
+@node("LastFrames", inputs={"images": "IMAGE", "count": Input("INT", default=1, min=1, max=100_000)}, outputs=(("images", "IMAGE"),))
 def last_frames(images, count):
     """The last `count` frames (fewer when the batch is shorter)."""
     return (images[-count:],)
@@ -298,7 +311,8 @@ def concat_frames(a, b):
     return (torch.cat([a, b]),)
 
 
-@node("EmptyAudio", inputs={"channels": Input("INT", default=2, min=1), "sample_rate": Input("INT", default=32000, min=1)},
+@node("EmptyAudio", inputs={"channels": Input("INT", default=2, min=1, max=8),
+                             "sample_rate": Input("INT", default=32000, min=1, max=384_000)},
       outputs=(("audio", "AUDIO"),))
 def empty_audio(channels, sample_rate):
     """Zero samples, to start an audio track that segments append to."""
@@ -324,7 +338,7 @@ def audio_length(audio):
 # The loop chapter's toy generator
 
 
-@node("ToyScene", inputs={"width": Input("INT", min=8), "height": Input("INT", min=8), "prompt": "STRING",
+@node("ToyScene", inputs={"width": Input("INT", min=8, max=8192), "height": Input("INT", min=8, max=8192), "prompt": "STRING",
                           "seed": Input("INT", default=0)}, outputs=(("image", "IMAGE"),), context=True)
 def toy_scene(width, height, prompt, seed, run):
     """A first frame from a prompt and seed (`segments.scene`), on the executor's device."""
@@ -332,9 +346,9 @@ def toy_scene(width, height, prompt, seed, run):
 
 
 @node("GenerateSegment", inputs={
-    "context": "IMAGE", "prompt": "STRING", "frames": Input("INT", min=1), "seed": Input("INT", default=0),
-    "index": Input("INT", default=0), "steps": Input("INT", default=8, min=1), "fps": Input("INT", default=24, min=1),
-    "sample_rate": Input("INT", default=32000, min=1),
+    "context": "IMAGE", "prompt": "STRING", "frames": Input("INT", min=1, max=10_000), "seed": Input("INT", default=0),
+    "index": Input("INT", default=0), "steps": Input("INT", default=8, min=1, max=10_000),
+    "fps": Input("INT", default=24, min=1, max=240), "sample_rate": Input("INT", default=32000, min=1, max=384_000),
     "audio_offset": Input("INT", optional=True)},
     outputs=(("images", "IMAGE"), ("audio", "AUDIO")))
 def generate_segment(context, prompt, frames, seed, index, steps, fps, sample_rate, audio_offset):
@@ -433,8 +447,9 @@ def reference_latent(refs: dict, shape, z_dim: int, seed: int, device, dtype) ->
     return ref[None, :, None].expand(1, z_dim, T, h, w).to(device=device, dtype=dtype)
 
 
-@node("H3Denoise", inputs={"model": "MODEL", "prompt": "STRING", "width": Input("INT", min=16),
-                           "height": Input("INT", min=16), "frames": Input("INT", min=1), "steps": Input("INT", min=1),
+@node("H3Denoise", inputs={"model": "MODEL", "prompt": "STRING", "width": Input("INT", min=16, max=8192),
+                           "height": Input("INT", min=16, max=8192), "frames": Input("INT", min=1, max=10_000),
+                           "steps": Input("INT", min=1, max=10_000),
                            "seed": Input("INT", default=0), "references": Input("REFS", optional=True),
                            "reference_strength": Input("FLOAT", default=0.5)},
       outputs=(("latent", "LATENT"),))
@@ -471,8 +486,9 @@ def h3_vae_decode(model, latent):
     return (((video[0].float().clamp(-1, 1) + 1) / 2).permute(1, 2, 3, 0).contiguous(),)
 
 
-@node("H3AudioDecode", inputs={"latent": "LATENT", "frames": Input("INT", min=1), "fps": Input("INT", min=1),
-                               "sample_rate": Input("INT", default=32000, min=8000)},
+@node("H3AudioDecode", inputs={"latent": "LATENT", "frames": Input("INT", min=1, max=10_000),
+                               "fps": Input("INT", min=1, max=240),
+                               "sample_rate": Input("INT", default=32000, min=8000, max=384_000)},
       outputs=(("audio", "AUDIO"),))
 def h3_audio_decode(latent, frames, fps, sample_rate):
     """Stereo audio lasting frames / fps seconds (`toy_pipeline.synth_audio`), with any audio
