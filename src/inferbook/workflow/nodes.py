@@ -127,7 +127,9 @@ def to_uint8(images: torch.Tensor) -> np.ndarray:
       outputs=(("path", "STRING"),), side_effect=True, context=True)
 def save_video(images, fps, filename_prefix, audio, run):
     """H.264 (+ AAC when there is audio) in MP4, written atomically (`diffusion.media.write_mp4`),
-    then decoded again and checked: a file that does not hold what was asked for is removed."""
+    then decoded again whole and checked (`diffusion.media.check_media`: frames, size, fps, and a
+    non-silent audio track at the asked rate and channels whose duration matches the video's): a file
+    that does not hold what was asked for is removed."""
     from ..diffusion import media
 
     name = _safe_name(filename_prefix)
@@ -137,15 +139,12 @@ def save_video(images, fps, filename_prefix, audio, run):
         wav = audio["waveform"].detach().float().cpu().numpy().astype(np.float32)
         sr = int(audio["sample_rate"])
     media.write_mp4(path, to_uint8(images), fps, wav, sr)
-    info = media.probe_media(path)
-    expected = {"frames": int(images.shape[0]), "width": int(images.shape[2]), "height": int(images.shape[1])}
-    bad = {k: (info[k], v) for k, v in expected.items() if info[k] != v}
-    if audio is not None and (info["audio_codec"] != "aac" or info["sample_rate"] != sr
-                              or info["channels"] != wav.shape[0]):
-        bad["audio"] = ((info["audio_codec"], info["sample_rate"], info["channels"]), ("aac", sr, wav.shape[0]))
-    if bad:
+    info = media.check_media(path, frames=int(images.shape[0]), fps=fps, width=int(images.shape[2]),
+                             height=int(images.shape[1]), audio=audio is not None, sample_rate=sr,
+                             channels=None if wav is None else int(wav.shape[0]))
+    if not info["ok"]:
         path.unlink(missing_ok=True)
-        raise ValueError(f"{path.name} does not hold what was asked for ({bad}); removed")
+        raise ValueError(f"{path.name} does not hold what was asked for ({'; '.join(info['problems'])}); removed")
     run.event("save_video", path=str(path), **info)
     return (str(path),)
 
