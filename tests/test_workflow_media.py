@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from inferbook.workflow import Executor, WorkflowError, nodes, segments
+from inferbook.workflow import Executor, WorkflowError, nodes, omni_server, segments
 
 
 def clip_workflow(frames=6, width=32, height=24, prefix="clip", audio=True):
@@ -141,10 +141,10 @@ def test_generator_bad_sizes(kwargs, fragment):
 @pytest.mark.parametrize("w, h, f, ok", [(64, 48, 9, True), (64, 48, 8, False), (60, 48, 9, False), (16, 16, 1, True)])
 def test_h3_latent_shape_rules(w, h, f, ok):
     if ok:
-        assert nodes.latent_shape(w, h, f) == (1, (f - 1) // 4 + 1, h // 8, w // 8)
+        assert omni_server.latent_shape(w, h, f) == (1, (f - 1) // 4 + 1, h // 8, w // 8)
     else:
         with pytest.raises(ValueError):
-            nodes.latent_shape(w, h, f)
+            omni_server.latent_shape(w, h, f)
 
 
 def test_decoding_an_input_video_stops_at_max_frames(tmp_path, monkeypatch):

@@ -49,7 +49,8 @@ from ..errors import UserError, choices
 
 # Value types a node input or output can have. ANY accepts and produces anything; LOOP is the
 # handle from StartLoop to its EndLoop and only those two nodes use it.
-TYPES = ("INT", "FLOAT", "STRING", "BOOLEAN", "LIST", "IMAGE", "AUDIO", "LATENT", "REFS", "MODEL", "LOOP", "ANY")
+TYPES = ("INT", "FLOAT", "STRING", "BOOLEAN", "LIST", "IMAGE", "AUDIO", "LATENT", "REFS", "MODEL", "LORA", "LOOP",
+         "ANY")
 # Types a literal in the JSON may have (the others must come from a link).
 LITERAL_TYPES = ("INT", "FLOAT", "STRING", "BOOLEAN", "LIST", "ANY")
 RESERVED = "#"  # projected loop nodes are named "<id>#<iteration>"; user ids may not contain it
