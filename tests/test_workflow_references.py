@@ -243,3 +243,19 @@ def test_workflow_within_the_rules_runs_and_reports_server_stages(tmp_path):
     request = next(x.seconds for x in r.log if x.id == "gen")
     assert request >= sum(ev[0]["seconds"].values())        # the client sees only the whole round trip
     assert r.output("gen", 0).shape == (5, 32, 32, 3) and r.output("gen", 1)["waveform"].shape[0] == 2
+
+
+def test_the_server_loads_a_model_once_until_restarted(tmp_path):
+    import torch
+
+    from inferbook.workflow import omni_server
+
+    server = omni_server.restart("cpu", torch.float32)
+    req = omni_server.Request(url=omni_server.TOY_ENDPOINT, model="toy-h3-tiny", prompt="p", width=32, height=32,
+                              frames=5, fps=24, steps=1, seed=0)
+    first = server.generate(req)
+    again = omni_server.server_for("cpu", torch.float32).generate(req)
+    assert len(server.models) == 1 and first["mode"] == again["mode"] == "T2VA"
+    assert torch.equal(first["video"], again["video"])
+    with pytest.raises(ValueError, match="LoRA '/elsewhere.safetensors' is not on the server"):
+        server.generate(omni_server.Request(**{**req.__dict__, "lora": {"local_path": "/elsewhere.safetensors"}}))

@@ -214,3 +214,10 @@ def server_for(device, dtype) -> ToyOmniServer:
     if key not in _SERVERS:
         _SERVERS[key] = ToyOmniServer(device, dtype)
     return _SERVERS[key]
+
+
+def restart(device, dtype) -> ToyOmniServer:
+    """A fresh server for a device and dtype (its models are built again on the next request)."""
+    key = (str(torch.device(device)), str(dtype))
+    _SERVERS[key] = ToyOmniServer(device, dtype)
+    return _SERVERS[key]
