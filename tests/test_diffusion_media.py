@@ -72,3 +72,50 @@ def test_bad_input(tmp_path, kw, match):
 def test_probe_missing(tmp_path):
     with pytest.raises(ValueError, match="no media file"):
         media.probe_media(tmp_path / "nope.mp4")
+
+
+def tone(seconds, rate=32000, channels=2, level=0.3):
+    t = np.arange(int(round(seconds * rate))) / rate
+    x = level * np.sin(2 * np.pi * 330 * t)
+    return np.stack([x, 0.8 * x][:channels]).astype(np.float32)
+
+
+CLIP = dict(frames=17, fps=24, width=48, height=32)   # 17 frames at 24 fps: 0.708 s
+
+
+@pytest.mark.parametrize("audio, rate, problem", [
+    (None, 32000, None),                                         # a good clip: 0.708 s of tone
+    ("silent", 32000, "audio: silent"),
+    (0.1, 32000, "durations"),                                   # 0.1 s of audio on a 0.71 s clip
+    (3.0, 32000, "durations"),                                   # 3 s of audio on a 0.71 s clip
+    ("mono", 32000, "channels"),
+    (None, 44100, "sample_rate"),
+])
+def test_media_check_decodes_the_audio_track(tmp_path, audio, rate, problem):
+    """Each of these passed the old probe (codec, rate and channels from the headers only)."""
+    seconds = 17 / 24
+    if audio == "silent":
+        wav = np.zeros((2, int(seconds * rate)), np.float32)
+    elif audio == "mono":
+        wav = tone(seconds, rate, channels=1)
+    elif isinstance(audio, float):
+        wav = tone(audio, rate)
+    else:
+        wav = tone(seconds, rate)
+    p = media.write_mp4(tmp_path / "c.mp4", smooth_frames(17, 32, 48), 24, wav, rate)
+    info = media.check_media(p, **CLIP)
+    if problem is None:
+        assert info["ok"], info["problems"]
+        assert info["audio_samples"] >= len(wav[0]) and info["audio_peak"] > 0.1
+        assert media.require_media(p, **CLIP)["ok"]
+    else:
+        assert not info["ok"] and any(x.startswith(problem) for x in info["problems"]), info["problems"]
+        with pytest.raises(ValueError, match=problem):
+            media.require_media(p, **CLIP)
+
+
+def test_media_check_names_every_problem_and_video_only(tmp_path):
+    p = media.write_mp4(tmp_path / "v.mp4", smooth_frames(5, 32, 48), 24)
+    info = media.check_media(p, **CLIP)
+    assert info["problems"] == ["frames: 5, asked 17", "audio: no audio track"]
+    assert media.check_media(p, frames=5, fps=24, width=48, height=32, audio=False)["ok"]

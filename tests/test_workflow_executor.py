@@ -57,15 +57,22 @@ def test_signature_ignores_node_ids_but_not_ancestors():
     assert Executor().run(c).signatures["q"] != ra.signatures["y"]
 
 
-def test_side_effects_always_run_and_are_never_cached(tmp_path):
+def test_output_nodes_are_cached_as_in_comfyui(tmp_path):
+    """ComfyUI's executor caches output nodes too: an unchanged Preview is not run again, and what it
+    showed is re-emitted from the cache; a changed input runs it again."""
     wf = {"v": {"class_type": "Int", "inputs": {"value": 3}},
           "show": {"class_type": "Preview", "inputs": {"value": ["v", 0], "label": "x"}},
           "after": {"class_type": "AddInt", "inputs": {"a": ["show", 0], "b": 1}}}
     ex = Executor(output_dir=tmp_path)
-    for _ in range(3):
+    first = ex.run(wf)
+    assert first.side_effects == ["show"] and [e["summary"] for e in first.events] == [3]
+    for _ in range(2):
         r = ex.run(wf)
-        assert r.side_effects == ["show"] and [e["summary"] for e in r.events] == [3]
-    assert r.cached == ["v", "after"]      # downstream of a side effect still hits the cache
+        assert r.side_effects == [] and r.cached == ["v", "show", "after"]
+        assert [(e["summary"], e["cached"]) for e in r.events] == [(3, True)]
+    wf["v"]["inputs"]["value"] = 4
+    r = ex.run(wf)
+    assert r.side_effects == ["show"] and [e["summary"] for e in r.events] == [4]
 
 
 def test_cache_off_runs_everything():

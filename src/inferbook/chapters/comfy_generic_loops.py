@@ -12,8 +12,8 @@ Records:
   residual, pan change and audio jumps inside segments vs at segment boundaries; checks that the
   saved MP4 holds the frames and audio asked for and that the per-iteration side effect ran once
   per iteration, in order;
-- `cache-on`, `cache-off` (`cache_iterations` true / false): wall time and node counts of three
-  consecutive runs in one executor: cold, the same workflow again, and one more segment.
+- `cache-on`, `cache-off` (`cache_iterations` true / false): wall time and node counts of a cold
+  run, `repeats` re-runs of the same workflow (all samples kept) and a run with one more segment.
 """
 from __future__ import annotations
 
@@ -38,13 +38,13 @@ PARAMETERS = {
     "segments": Param(int, help="loop iterations (segments)"),
     "segment_frames": Param(int, help="frames per segment"),
     "steps": Param(int, help="toy denoiser passes per segment (where the generator's time goes)"),
-    "repeats": Param(int, help="repetitions of each cache experiment (median reported)"),
+    "repeats": Param(int, help="timed re-runs of the same workflow per cache setting (>= 2)"),
 }
 
 PRESETS = {
-    "smoke": dict(width=32, height=24, segments=2, segment_frames=4, steps=2, repeats=1),
-    "cpu": dict(width=96, height=64, segments=4, segment_frames=12, steps=8, repeats=3),
-    "gpu": dict(width=512, height=288, segments=6, segment_frames=24, steps=24, repeats=3),
+    "smoke": dict(width=32, height=24, segments=2, segment_frames=4, steps=2, repeats=2),
+    "cpu": dict(width=96, height=64, segments=4, segment_frames=12, steps=24, repeats=5),
+    "gpu": dict(width=512, height=288, segments=6, segment_frames=24, steps=48, repeats=7),
 }
 
 FPS, SAMPLE_RATE = 24, 32000
@@ -58,11 +58,11 @@ def workflow_path(name: str) -> Path:
 
 
 def loop_workflow(variant: str, *, width: int, height: int, segments: int, segment_frames: int, steps: int,
-                  cache_iterations: bool = True, seed: int = 0) -> dict:
+                  cache_iterations: bool = False, seed: int = 0) -> dict:
     """The variant's workflow (API-format dict) with the chapter's sizes written into its inputs."""
     wf = json.loads(workflow_path(WORKFLOWS[variant]).read_text())
     wf["scene"]["inputs"].update(width=width, height=height, seed=seed)
-    wf["loop"]["inputs"].update(count=segments, cache_iterations=cache_iterations)
+    wf["loop"]["inputs"].update(num_iterations=segments, cache_iterations=cache_iterations)
     wf["segment"]["inputs"].update(frames=segment_frames, steps=steps, seed=seed, fps=FPS, sample_rate=SAMPLE_RATE)
     wf["save"]["inputs"]["fps"] = FPS
     return wf
@@ -87,7 +87,7 @@ def _workload(p: dict, n_segments: int) -> dict:
 
 def run_continuity(ctx, variant: str, p: dict, out_dir: Path) -> tuple[RunRecord, dict]:
     """Run one variant once and measure what crosses its segment boundaries."""
-    from ..diffusion.media import probe_media
+    from ..diffusion.media import check_media
 
     wf = loop_workflow(variant, **{k: p[k] for k in ("width", "height", "segments", "segment_frames", "steps")},
                        seed=ctx.seed)
@@ -109,45 +109,60 @@ def run_continuity(ctx, variant: str, p: dict, out_dir: Path) -> tuple[RunRecord
     order_ok = [e["node"] for e in previews] == [f"preview#{i}" for i in range(p["segments"])]
     rec.add_check("side effect once per iteration, in order", order_ok and len(previews) == p["segments"],
                   error=float(len(previews)), tolerance=float(p["segments"]))
-    info = probe_media(result.output("save"))
-    want = {"frames": 1 + p["segments"] * p["segment_frames"], "width": p["width"], "height": p["height"],
-            "video_codec": "h264", "audio_codec": "aac", "sample_rate": SAMPLE_RATE, "channels": 2}
-    bad = {k: (info[k], v) for k, v in want.items() if info[k] != v}
-    rec.add_check("saved MP4 holds the frames and audio asked for", not bad, error=float(len(bad)), tolerance=0.0,
-                  mismatches=str(bad))
+    info = check_media(result.output("save"), frames=1 + p["segments"] * p["segment_frames"], fps=FPS,
+                       width=p["width"], height=p["height"], sample_rate=SAMPLE_RATE, channels=2)
+    rec.add_check("saved MP4 holds the frames and a non-silent 32 kHz stereo track of the clip's length", info["ok"],
+                  error=float(len(info["problems"])), tolerance=0.0, problems="; ".join(info["problems"]),
+                  audio_duration_s=info["audio_duration"], video_duration_s=info["video_duration"])
     return rec, {"metrics": m, "probe": info, "result": result, "clip": clip}
 
 
 def run_cache_experiment(ctx, p: dict, out_dir: Path) -> list[RunRecord]:
-    """Three runs in one executor — cold, the same workflow, one more segment — with
-    cache_iterations on and off. Each triple is repeated `repeats` times with a fresh executor, the
-    two settings alternating so that drift in the machine's load hits both alike; the median wall
-    time of each run is recorded. Returns the records `cache-on` and `cache-off`."""
+    """cache_iterations on and off, each in its own executor: one cold run, then `repeats` re-runs of
+    the same workflow (the two settings alternating, so drift in the machine's load hits both alike),
+    then one run with one more segment. The re-runs are the timed samples (`wall_same`, with every
+    sample kept for `measure.compare_timings`); node counts are exact. Returns `cache-on`, `cache-off`."""
+    from ..measure import Timing
+
     sizes = {k: p[k] for k in ("width", "height", "segment_frames", "steps")}
-    runs = {"cold": p["segments"], "same": p["segments"], "plus_one": p["segments"] + 1}
-    times = {flag: {k: [] for k in runs} for flag in (True, False)}
+    n = p["segments"]
+    wfs = {flag: loop_workflow("last-frame", segments=n, cache_iterations=flag, seed=ctx.seed, **sizes)
+           for flag in (True, False)}
+    grown = {flag: loop_workflow("last-frame", segments=n + 1, cache_iterations=flag, seed=ctx.seed, **sizes)
+             for flag in (True, False)}
+    executors = {flag: executor_for(ctx, out_dir) for flag in (True, False)}
+    times: dict = {True: {"cold": [], "same": [], "plus_one": []}, False: {"cold": [], "same": [], "plus_one": []}}
     counts: dict = {True: {}, False: {}}
+
+    def timed(flag, name, wf):
+        t0 = time.perf_counter()
+        r = executors[flag].run(wf)
+        times[flag][name].append(time.perf_counter() - t0)
+        counts[flag][name] = (len(r.ran) - len(r.side_effects), len(r.cached), len(r.side_effects))
+
+    for flag in (True, False):
+        timed(flag, "cold", wfs[flag])
     for _ in range(p["repeats"]):
         for flag in (True, False):
-            ex = executor_for(ctx, out_dir)
-            for name, n in runs.items():
-                wf = loop_workflow("last-frame", segments=n, cache_iterations=flag, seed=ctx.seed, **sizes)
-                t0 = time.perf_counter()
-                r = ex.run(wf)
-                times[flag][name].append(time.perf_counter() - t0)
-                counts[flag][name] = (len(r.ran) - len(r.side_effects), len(r.cached), len(r.side_effects))
+            timed(flag, "same", wfs[flag])
+    for flag in (True, False):
+        timed(flag, "plus_one", grown[flag])
     records = []
     phase = {"cold": "run 1: cold", "same": "run 2: same workflow", "plus_one": "run 3: one more segment"}
+    timer = "perf_counter around Executor.run (includes the MP4 save)"
     for flag in (True, False):
         label = "on" if flag else "off"
         rec = ctx.new_record(f"cache-{label}", variant=f"cache_iterations={label}",
                              workload=_workload(p, p["segments"]), topology={"ranks": 1})
         rec.set_backend("generator", f"torch eager on {ctx.device.type}", reason="toy generator, no kernel choice",
                         shapes={"frame": [p["height"], p["width"], 3]}, dtype="float32")
-        for name in runs:
+        for name in ("cold", "same", "plus_one"):
             xs = times[flag][name]
-            rec.add(f"wall_{name}", statistics.median(xs), "s", phase=phase[name], n=len(xs), min_s=min(xs),
-                    max_s=max(xs), timer="perf_counter around Executor.run (includes the MP4 save)")
+            if len(xs) > 1:
+                rec.add_timing(f"wall_{name}", Timing(f"wall_{name}", xs, "perf_counter", 0), phase=phase[name],
+                               note=timer)
+            else:
+                rec.add(f"wall_{name}", xs[0], "s", phase=phase[name], n=1, note=timer)
             ran, cached, side = counts[flag][name]
             rec.add(f"nodes_ran_{name}", ran, "nodes", phase=phase[name])
             rec.add(f"nodes_cached_{name}", cached, "nodes", phase=phase[name])
@@ -161,9 +176,10 @@ def measure(ctx, *, width, height, segments, segment_frames, steps, repeats) -> 
     p = dict(width=width, height=height, segments=segments, segment_frames=segment_frames, steps=steps,
              repeats=repeats)
     segments_mod.check_size(width, height)            # bad sizes fail here, before any work
-    for name in ("segments", "segment_frames", "steps", "repeats"):
-        if p[name] < 1:
-            raise UserError(f"parameter {name!r} must be >= 1, got {p[name]}")
+    limits = {"segments": (1, 100), "segment_frames": (1, 1000), "steps": (1, 10_000), "repeats": (2, 1000)}
+    for name, (lo, hi) in limits.items():
+        if not lo <= p[name] <= hi:
+            raise UserError(f"parameter {name!r} must be in [{lo}, {hi}], got {p[name]}")
     records = []
     with tempfile.TemporaryDirectory(prefix="inferbook-loops-") as tmp:
         for variant in WORKFLOWS:

@@ -121,7 +121,9 @@ def run(dit: TinyDiT, decode, latent_shape, *, steps: int, fps: float, out_path,
         path = media.write_mp4(Path(out_path), frames, fps, audio, sample_rate)
     secs = phases.as_dict()
     return {"seconds": {s: secs[s] for s in STAGES}, "total": sum(secs[s] for s in STAGES),
-            "probe": media.probe_media(path), "path": str(path), "frames": frames}
+            "probe": media.require_media(path, frames=frames.shape[0], fps=fps, width=frames.shape[2],
+                                         height=frames.shape[1], sample_rate=sample_rate, channels=2),
+            "path": str(path), "frames": frames}
 
 
 def amdahl(share: float, speedup: float) -> float:

@@ -16,11 +16,16 @@ typed inputs and outputs. `Executor.run(workflow)`:
 3. keys every output by a *signature*: a hash of the node's class, its literal inputs and the
    signatures of the outputs it links to, hence of all its ancestors. An unchanged sub-graph
    has an unchanged signature and is taken from the cache on the next run;
-4. always runs side-effect nodes (save, preview), never caching them.
+4. caches output (side-effect) nodes like any other, as ComfyUI's executor does: an unchanged
+   save or preview is not run again, and the events it recorded are re-emitted from the cache
+   (ComfyUI re-sends the cached UI output). A node whose spec is `fresh` (ComfyUI: a
+   `fingerprint_inputs` of NaN) gets a new signature every run, so it and its descendants run.
 
-A `StartLoop` node is not run: when its own inputs are ready the queue hands it to
-`loops.expand`, which projects every iteration into ordinary nodes with deterministic ids
-and puts them on the same queue (see `loops.py`).
+A `StartLoop` node is not run (and is always fresh): when its own inputs are ready the queue hands
+it to `loops.expand`, which projects every iteration into ordinary nodes with deterministic ids
+and puts them on the same queue (see `loops.py`). Bounds: integers fit in 64 bits, JSON nests at
+most `MAX_JSON_DEPTH` levels, one loop runs at most `max_iterations` and all loops of a run together
+at most `max_total_iterations` (checked from literals before anything runs, and again as loops expand).
 
 Nothing here evaluates code from a workflow: it is parsed with `json` and dispatched by
 class name through the registry.
@@ -32,7 +37,8 @@ import heapq
 import json
 import math
 import time
-from dataclasses import dataclass, field
+import uuid
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -43,7 +49,8 @@ from ..errors import UserError, choices
 
 # Value types a node input or output can have. ANY accepts and produces anything; LOOP is the
 # handle from StartLoop to its EndLoop and only those two nodes use it.
-TYPES = ("INT", "FLOAT", "STRING", "BOOLEAN", "LIST", "IMAGE", "AUDIO", "LATENT", "REFS", "MODEL", "LOOP", "ANY")
+TYPES = ("INT", "FLOAT", "STRING", "BOOLEAN", "LIST", "IMAGE", "AUDIO", "LATENT", "REFS", "MODEL", "LORA", "LOOP",
+         "ANY")
 # Types a literal in the JSON may have (the others must come from a link).
 LITERAL_TYPES = ("INT", "FLOAT", "STRING", "BOOLEAN", "LIST", "ANY")
 RESERVED = "#"  # projected loop nodes are named "<id>#<iteration>"; user ids may not contain it
@@ -103,7 +110,16 @@ class Input:
     optional: bool = False     # may be absent (the node receives None)
     choices: tuple | None = None
     min: float | None = None
+    max: float | None = None
     help: str = ""
+
+
+# Literal integers are bounded as ComfyUI's INT widgets are (signed 64-bit), so that a count, seed or
+# size of 10**30 is refused by validation instead of overflowing somewhere inside a node.
+INT_BOUND = 2 ** 63 - 1
+# JSON nesting deeper than this is refused (Python's json would raise RecursionError near 1000).
+MAX_JSON_DEPTH = 64
+_VARIADIC = Input("ANY", optional=True)
 
 
 @dataclass(frozen=True)
@@ -118,16 +134,25 @@ class NodeClass:
     internal: bool = False                  # made by the executor; a workflow file may not name it
     context: bool = False                   # fn also receives `run=` (a RunContext: output folder, events)
     help: str = ""
+    variadic: str | None = None             # inputs named <variadic><k> (k = 0, 1, ...) are accepted as optional ANY
 
     def required(self) -> list[str]:
         return [k for k, i in self.inputs.items() if i.default is None and not i.optional]
+
+    def input(self, name: str) -> Input | None:
+        """The declared input `name`, or the variadic ANY input it names, or None."""
+        if name in self.inputs:
+            return self.inputs[name]
+        if self.variadic and name.startswith(self.variadic) and name[len(self.variadic):].isdigit():
+            return _VARIADIC
+        return None
 
 
 REGISTRY: dict[str, NodeClass] = {}
 
 
 def node(name: str, *, inputs: dict[str, Input | str], outputs: tuple = (), side_effect: bool = False,
-         internal: bool = False, context: bool = False, registry: dict | None = None):
+         internal: bool = False, context: bool = False, registry: dict | None = None, variadic: str | None = None):
     """Register `fn` as node class `name`. `inputs`: name -> Input or a bare type name;
     `outputs`: (name, type) pairs. `fn(**inputs)` returns a tuple with one value per output."""
     reg = REGISTRY if registry is None else registry
@@ -141,7 +166,8 @@ def node(name: str, *, inputs: dict[str, Input | str], outputs: tuple = (), side
 
     def deco(fn):
         reg[name] = NodeClass(name=name, inputs=ins, outputs=tuple(outputs), fn=fn, side_effect=side_effect,
-                              internal=internal, context=context, help=(fn.__doc__ or "").strip().splitlines()[0] if fn.__doc__ else "")
+                              internal=internal, context=context, variadic=variadic,
+                              help=(fn.__doc__ or "").strip().splitlines()[0] if fn.__doc__ else "")
         return fn
     return deco
 
@@ -159,6 +185,10 @@ class Spec:
     after: tuple[str, ...] = ()      # scheduling-only dependencies (an inner StartLoop waits for its outer one)
     cache: bool = True                # False: never read from or written to the cache
     origin: str | None = None         # for a projected node: the id it was copied from
+    fresh: bool = False               # its signature is new on every run (ComfyUI: fingerprint_inputs -> NaN)
+    extra: dict = field(default_factory=dict)   # resolved values handed to fn but keyed by a literal input
+    loop_body: tuple[str, ...] | None = None    # StartLoop only: its body ids in file order (from the plan)
+    loop_end: str | None = None                 # StartLoop only: its EndLoop id
 
 
 def is_link(value: Any) -> bool:
@@ -177,11 +207,51 @@ def parse_workflow(text: str, *, source: str = "workflow") -> dict[str, Spec]:
     def no_constant(name):  # Python's json reads NaN and Infinity; JSON has neither
         raise WorkflowError(f"{source} contains {name}, which is not a JSON value")
 
+    depth = json_depth(text)
+    if depth > MAX_JSON_DEPTH:
+        raise WorkflowError(f"{source} nests JSON {depth} levels deep; at most {MAX_JSON_DEPTH} are allowed")
     try:
         data = json.loads(text, parse_constant=no_constant)
     except json.JSONDecodeError as e:
         raise WorkflowError(f"{source} is not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}") from None
+    except RecursionError:
+        raise WorkflowError(f"{source} nests JSON too deeply to parse") from None
     return workflow_from_dict(data, source=source)
+
+
+def json_depth(text: str) -> int:
+    """Deepest bracket nesting of JSON text (brackets inside strings ignored), without recursion."""
+    depth = best = 0
+    in_str = esc = False
+    for ch in text:
+        if in_str:
+            if esc:
+                esc = False
+            elif ch == "\\":
+                esc = True
+            elif ch == '"':
+                in_str = False
+        elif ch == '"':
+            in_str = True
+        elif ch in "[{":
+            depth += 1
+            best = max(best, depth)
+        elif ch in "]}":
+            depth -= 1
+    return best
+
+
+def value_depth(value: Any, limit: int = MAX_JSON_DEPTH) -> int:
+    """Nesting depth of a JSON-like value (lists and dicts), iteratively; stops counting past `limit`."""
+    best, todo = 0, [(value, 1)]
+    while todo:
+        v, d = todo.pop()
+        if isinstance(v, (list, tuple, dict)):
+            best = max(best, d)
+            if d > limit:
+                return d
+            todo.extend((x, d + 1) for x in (v.values() if isinstance(v, dict) else v))
+    return best
 
 
 def load_workflow(path: str | Path) -> dict[str, Spec]:
@@ -203,6 +273,9 @@ def workflow_from_dict(data: Any, *, source: str = "workflow") -> dict[str, Spec
         raise WorkflowError(f"{source} must be a JSON object of node id -> node, got {type(data).__name__}")
     if not data:
         raise WorkflowError(f"{source} has no nodes")
+    depth = value_depth(data)
+    if depth > MAX_JSON_DEPTH:
+        raise WorkflowError(f"{source} nests values more than {MAX_JSON_DEPTH} levels deep")
     graph = {}
     for nid, body in data.items():
         if RESERVED in nid:
@@ -227,9 +300,15 @@ def workflow_from_dict(data: Any, *, source: str = "workflow") -> dict[str, Spec
 def as_graph(workflow) -> dict[str, Spec]:
     """Accept a parsed graph, a dict in API format, a JSON string or a path."""
     if isinstance(workflow, dict) and workflow and all(isinstance(v, Spec) for v in workflow.values()):
-        return {k: Spec(v.class_type, dict(v.inputs), v.after, v.cache, v.origin) for k, v in workflow.items()}
+        return {k: replace(v, inputs=dict(v.inputs), extra=dict(v.extra)) for k, v in workflow.items()}
     if isinstance(workflow, dict):
-        return workflow_from_dict(json.loads(json.dumps(workflow)))  # deep copy, JSON values only
+        if value_depth(workflow) > MAX_JSON_DEPTH:
+            raise WorkflowError(f"workflow nests values more than {MAX_JSON_DEPTH} levels deep")
+        try:
+            copied = json.loads(json.dumps(workflow, allow_nan=False))  # deep copy, JSON values only
+        except (TypeError, ValueError) as e:
+            raise WorkflowError(f"workflow holds a value that is not JSON: {e}") from None
+        return workflow_from_dict(copied)
     if isinstance(workflow, Path):
         return load_workflow(workflow)
     if isinstance(workflow, str):
@@ -262,10 +341,11 @@ def validate(graph: dict[str, Spec], registry: dict[str, NodeClass] | None = Non
                 raise WorkflowError(f"{_where(nid, cls.name, name)} is missing (required, type {cls.inputs[name].type})",
                                     node=nid, input=name)
         for name, value in spec.inputs.items():
-            if name not in cls.inputs:
+            want = cls.input(name)
+            if want is None:
+                extra = f" and {cls.variadic}0, {cls.variadic}1, ..." if cls.variadic else ""
                 raise WorkflowError(f"{_where(nid, cls.name, name)} is not an input of {cls.name}; its inputs are "
-                                    f"{choices(list(cls.inputs))}", node=nid, input=name)
-            want = cls.inputs[name]
+                                    f"{choices(list(cls.inputs))}{extra}", node=nid, input=name)
             if is_link(value):
                 src, idx = value
                 if src not in graph:
@@ -295,14 +375,26 @@ def validate(graph: dict[str, Spec], registry: dict[str, NodeClass] | None = Non
                 if want.choices is not None and value not in want.choices:
                     raise WorkflowError(f"{_where(nid, cls.name, name)} must be one of {choices(want.choices)}, got "
                                         f"{value!r}", node=nid, input=name)
-                if want.min is not None and value < want.min:
-                    raise WorkflowError(f"{_where(nid, cls.name, name)} must be >= {want.min:g}, got {value!r}",
-                                        node=nid, input=name)
+                check_bounds(want, value, nid, cls.name, name)
     cycle = find_cycle(graph)
     if cycle:
         raise WorkflowError("the workflow has a cycle: " + " -> ".join(cycle + [cycle[0]]) +
                             " (a node cannot depend on its own output; use StartLoop/EndLoop to iterate)", node=cycle[0])
     return plan_loops(graph, reg)
+
+
+def check_bounds(want: Input, value: Any, nid: str, cls_name: str, name: str) -> None:
+    """min / max of a number, and the signed 64-bit range of every INT (a literal or a linked value)."""
+    if want.type == "INT" and isinstance(value, int) and not isinstance(value, bool) and abs(value) > INT_BOUND:
+        raise WorkflowError(f"{_where(nid, cls_name, name)} must fit in a signed 64-bit integer (|x| <= 2**63 - 1), "
+                            f"got {_describe(value)}", node=nid, input=name)
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return
+    if want.min is not None and value < want.min:
+        raise WorkflowError(f"{_where(nid, cls_name, name)} must be >= {want.min:g}, got {value!r}", node=nid, input=name)
+    if want.max is not None and value > want.max:
+        raise WorkflowError(f"{_where(nid, cls_name, name)} must be <= {want.max:g}, got {_describe(value)}",
+                            node=nid, input=name)
 
 
 def find_cycle(graph: dict[str, Spec]) -> list[str]:
@@ -354,6 +446,27 @@ def signature(spec: Spec, input_sigs: dict[str, tuple[str, int]]) -> str:
 
 # ---------------------------------------------------------------------------
 # Running
+
+
+class IterationBudget:
+    """Iterations and projected nodes one run may still create, across all loops (nested loops
+    multiply: a 1000-iteration loop inside a 1000-iteration loop asks for 1001000 iterations)."""
+
+    def __init__(self, max_iterations: int, max_nodes: int):
+        self.max_iterations, self.max_nodes = max_iterations, max_nodes
+        self.iterations = self.nodes = 0
+
+    def take(self, sid: str, iterations: int, nodes: int) -> None:
+        if self.iterations + iterations > self.max_iterations:
+            raise WorkflowError(f"{_where(sid, 'StartLoop')} would bring this run to {self.iterations + iterations} "
+                                f"loop iterations in total (nested loops multiply), more than the total limit of "
+                                f"{self.max_iterations} (the executor's max_total_iterations)", node=sid)
+        if self.nodes + nodes > self.max_nodes:
+            raise WorkflowError(f"{_where(sid, 'StartLoop')} would bring this run to {self.nodes + nodes} projected "
+                                f"nodes, more than the limit of {self.max_nodes} (the executor's max_projected_nodes)",
+                                node=sid)
+        self.iterations += iterations
+        self.nodes += nodes
 
 
 @dataclass
@@ -422,13 +535,16 @@ class Executor:
 
     `cache=False` disables caching altogether (every node runs every time).
     `max_iterations` caps the iterations one loop may project (a workflow can lower it
-    per loop with StartLoop's `max_iterations` input, not raise it).
+    per loop with StartLoop's `max_iterations` input, not raise it); `max_total_iterations`
+    caps the iterations of all loops of one run together (nested loops multiply), and
+    `max_projected_nodes` the nodes their projection may create.
     `sync` is called after every node (e.g. `torch.cuda.synchronize`) so node times are
     device times, not launch times.
     """
 
     def __init__(self, registry: dict[str, NodeClass] | None = None, *, cache: bool = True,
-                 max_iterations: int = 1000, sync: Callable[[], None] | None = None,
+                 max_iterations: int = 1000, max_total_iterations: int = 10_000,
+                 max_projected_nodes: int = 200_000, sync: Callable[[], None] | None = None,
                  output_dir: str | Path | None = None, input_dir: str | Path | None = None,
                  device: Any = "cpu", dtype: Any = None):
         from . import nodes  # noqa: F401  (registers the built-in node classes)
@@ -437,6 +553,8 @@ class Executor:
         self.use_cache = cache
         self.cache: dict[str, tuple] = {}
         self.max_iterations = max_iterations
+        self.max_total_iterations = max_total_iterations
+        self.max_projected_nodes = max_projected_nodes
         self.sync = sync or (lambda: None)
         self.output_dir = Path(output_dir) if output_dir is not None else None
         self.input_dir = Path(input_dir) if input_dir is not None else Path.cwd()
@@ -459,6 +577,7 @@ class Executor:
         graph = as_graph(workflow)
         plan = validate(graph, self.registry)
         plan.apply_schedule(graph)
+        plan.check_total(self.max_total_iterations, self.max_iterations, graph)
 
         order = {nid: i for i, nid in enumerate(graph)}   # file order breaks ties
         seq = len(order)
@@ -498,6 +617,7 @@ class Executor:
                     if not waiting[d]:
                         heapq.heappush(ready, (order[d], d))
 
+        budget = IterationBudget(self.max_total_iterations, self.max_projected_nodes)
         while ready:
             _, nid = heapq.heappop(ready)
             if nid not in waiting or waiting[nid]:
@@ -505,28 +625,31 @@ class Executor:
             del waiting[nid]
             spec = graph[nid]
             cls = self.registry[spec.class_type]
-            values = {}
+            values = dict(spec.extra)
             input_sigs = {}
             for name, v in spec.inputs.items():
                 if is_link(v):
                     src, idx = v
                     values[name] = outputs[src][idx]
                     input_sigs[name] = (sigs[src], idx)
-                    want = cls.inputs[name].type
-                    if not value_matches(want, values[name]):
-                        raise WorkflowError(f"{_where(nid, cls.name, name)} expects {want} but node {src!r} output "
+                    want = cls.input(name)
+                    if not value_matches(want.type, values[name]):
+                        raise WorkflowError(f"{_where(nid, cls.name, name)} expects {want.type} but node {src!r} output "
                                             f"{idx} produced {_describe(values[name])}", node=nid, input=name)
+                    check_bounds(want, values[name], nid, cls.name, name)
                 else:
                     values[name] = v
-            sig = signature(spec, input_sigs)
+            # ComfyUI's StartLoop (and LoopIteration with cache_iterations off) fingerprint as NaN: a key
+            # that never equals an earlier one, so they and everything downstream of them run again.
+            sig = uuid.uuid4().hex if (spec.fresh or spec.class_type == "StartLoop") else signature(spec, input_sigs)
 
             if spec.class_type == "StartLoop":
                 # The loop is not run but projected: new ordinary nodes go on this queue.
-                new_ids, info = expand(graph, nid, values, plan, self.registry, max_iterations=self.max_iterations)
+                new_ids, removed, info = expand(graph, nid, values, self.registry, max_iterations=self.max_iterations,
+                                                budget=budget)
                 loops_log.append(info)
-                removed = [k for k in list(waiting) if k not in graph]
-                for k in removed:
-                    del waiting[k]
+                for k in removed:           # the body as written: replaced by its copies
+                    waiting.pop(k, None)
                 for k in new_ids:
                     order[k] = seq
                     seq += 1
@@ -541,19 +664,26 @@ class Executor:
             for name, inp in cls.inputs.items():
                 if name not in values:
                     values[name] = inp.default
-            use_cache = self.use_cache and spec.cache and not cls.side_effect
+            # Output (side-effect) nodes are cached like any other node, as in ComfyUI's executor: an
+            # unchanged SaveVideo or Preview is not run again; what it showed is re-emitted from the cache.
+            use_cache = self.use_cache and spec.cache
             t0 = time.perf_counter()
             if use_cache and sig in self.cache:
-                outs, status = self.cache[sig], "cached"
+                outs, events = self.cache[sig]
+                status = "cached"
+                for e in events:
+                    run_ctx.events.append({**e, "node": nid, "cached": True})
             else:
                 if cls.context:
                     run_ctx.node_id = nid
                     values["run"] = run_ctx
+                first_event = len(run_ctx.events)
                 try:
                     outs = cls.fn(**values)
                 except WorkflowError:
                     raise
-                except (ValueError, TypeError, OSError, RuntimeError, KeyError, IndexError, ImportError) as e:
+                except (ValueError, TypeError, OSError, RuntimeError, KeyError, IndexError, ImportError,
+                        OverflowError, MemoryError) as e:
                     raise WorkflowError(f"{_where(nid, cls.name)} failed: {e}", node=nid) from e
                 self.sync()
                 if not isinstance(outs, tuple) or len(outs) != len(cls.outputs):
@@ -562,7 +692,7 @@ class Executor:
                                     f"expected a tuple of {len(cls.outputs)}")
                 status = "side_effect" if cls.side_effect else "ran"
                 if use_cache:
-                    self.cache[sig] = outs
+                    self.cache[sig] = (outs, [dict(e) for e in run_ctx.events[first_event:]])
             log.append(NodeRun(nid, cls.name, status, time.perf_counter() - t0, spec.origin))
             finish(nid, outs, sig)
 

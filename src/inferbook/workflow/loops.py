@@ -1,78 +1,135 @@
-"""Generic loops: paired StartLoop / EndLoop, projected into ordinary nodes.
+"""Generic loops: paired StartLoop / EndLoop, projected into ordinary nodes, as ComfyUI does them.
 
-ComfyUI v0.36.0's Generic Loops (#16227) pair a Start Loop with an End Loop, iterate a fixed
-number of times, over a range or over a list, and carry one value — which may be a mixed list
-of images and text — from each iteration to the next. Each iteration is projected into ordinary
-scheduled nodes run by the existing queue; `cache_iterations` decides whether iteration bodies
-may be reused from the cache; side effects (save, preview) must be wired to the end boundary
-so that each iteration completes. This module is our implementation of those rules.
+ComfyUI v0.36.0's Generic Loops (#16227, `comfy_extras/nodes_loop.py`) pair a Start Loop with an
+End Loop, iterate `num_iterations` times ("simple"), over `range(start_iteration_index,
+max_iteration, step)` ("For") or over a list ("List"), and carry one value from each iteration to
+the next. This module follows that code:
 
-The loop's *body* is every node that depends on the StartLoop and leads to its EndLoop (plus
-any inner loop whose EndLoop is in the body). When the StartLoop's own inputs are ready,
-`expand` replaces the body by one copy per iteration:
+- StartLoop outputs `iteration_index`, `is_first`, `is_last`, `list_item` and
+  `current_iteration_value` (ComfyUI's five outputs, same indices 0-4), plus output 5, `loop`: the
+  handle our EndLoop links to (ComfyUI pairs them by graph structure in `validate_loops`; we pair them
+  by this explicit link). `parent_iteration` takes an outer loop's `iteration_index` to nest a loop.
+- EndLoop has ComfyUI's separate inputs: `output_value` (what the loop returns: the last iteration's,
+  or every iteration's when `accumulate`), `next_iteration_value` (carried into the next iteration's
+  `current_iteration_value`), and `termination0`, `termination1`, ... : the outputs of side effects
+  (save, preview) that must run on every iteration; their values are not returned.
+- `cache_iterations` defaults to off. Off, every iteration's head gets a fresh cache key (ComfyUI's
+  `LoopIteration.fingerprint_inputs` returns NaN), so each body runs again. On, an iteration's key is
+  its index, its position flags, its own item and its carried value: adding an item re-runs only the
+  new iteration. As in ComfyUI, `is_first` / `is_last` are True only when some node reads them, so that
+  a loop that grows keeps its iterations' keys. The StartLoop itself is always fresh (NaN in ComfyUI),
+  so the EndLoop and what follows it run on every execution.
 
-    <start>#i   a _LoopHead: outputs (loop, value, index, item) for iteration i
+When the StartLoop's own inputs are ready, `expand` replaces the body (computed once, by
+`plan_loops`) by one copy per iteration:
+
+    <start>#i   a _LoopHead: ComfyUI's LoopIteration for iteration i
     <node>#i    a copy of each body node, its links re-pointed into iteration i
-    <end>#i     a _LoopTail: the value carried out of iteration i, and the list so far
-    <end>       becomes a _LoopExit: the last carried value and the list of all of them
+    <end>       becomes a _LoopExit: ComfyUI's LoopResult + EndLoop (the returned value)
 
 Ids are deterministic ("7#2" is body node 7 in iteration 2; "7#2#1" is the same node in
-iteration 1 of an inner loop inside outer iteration 2), and cache keys depend on content,
-not ids: a run with one more iteration reuses the iterations it already computed.
+iteration 1 of an inner loop inside outer iteration 2). Each iteration's head depends on the previous
+iteration's output, carried value and terminations, so iterations run in order.
 """
 from __future__ import annotations
 
+import hashlib
+import uuid
 from dataclasses import dataclass, field
 
 from .executor import Input, Spec, WorkflowError, _where, is_link, links, node
 
-MODES = ("count", "range", "list")
+MODES = ("simple", "For", "List")
+# StartLoop output indices (ComfyUI's order; the handle is ours, last)
+INDEX, IS_FIRST, IS_LAST, ITEM, VALUE, HANDLE = range(6)
+MAX_TERMINATIONS = 50          # ComfyUI's Autogrow max for EndLoop terminations
 
 
 @node("StartLoop", inputs={
-    "mode": Input("STRING", default="count", choices=MODES, help="count, range or list"),
-    "initial": Input("ANY", optional=True, help="the value carried into iteration 0 (may be a mixed list)"),
-    "count": Input("INT", optional=True, help="count mode: number of iterations"),
-    "start": Input("INT", default=0, help="range mode: first value"),
-    "stop": Input("INT", optional=True, help="range mode: stop (exclusive)"),
-    "step": Input("INT", default=1, help="range mode: step, not 0"),
-    "items": Input("LIST", optional=True, help="list mode: one iteration per item"),
-    "cache_iterations": Input("BOOLEAN", default=True, help="may iteration bodies be reused from the cache"),
-    "max_iterations": Input("INT", optional=True, min=0, help="refuse loops longer than this"),
-}, outputs=(("loop", "LOOP"), ("value", "ANY"), ("index", "INT"), ("item", "ANY")))
+    "mode": Input("STRING", default="simple", choices=MODES, help="simple, For or List (ComfyUI's names)"),
+    "num_iterations": Input("INT", default=4, min=0, help="simple mode: number of iterations"),
+    "start_iteration_index": Input("INT", default=0, help="For mode: first iteration_index"),
+    "max_iteration": Input("INT", default=4, help="For mode: exclusive stop of iteration_index"),
+    "step": Input("INT", default=1, min=1, help="For mode: step (ComfyUI allows >= 1 only)"),
+    "list": Input("LIST", optional=True, help="List mode: one iteration per item"),
+    "cache_iterations": Input("BOOLEAN", default=False, help="reuse unchanged iterations from earlier runs"),
+    "parent_iteration": Input("INT", optional=True, help="an outer StartLoop's iteration_index, to nest this loop"),
+    "initial_iteration_value": Input("ANY", optional=True, help="current_iteration_value on the first iteration"),
+    "max_iterations": Input("INT", optional=True, min=0, help="refuse loops longer than this (ours, not ComfyUI's)"),
+}, outputs=(("iteration_index", "INT"), ("is_first", "BOOLEAN"), ("is_last", "BOOLEAN"), ("list_item", "ANY"),
+            ("current_iteration_value", "ANY"), ("loop", "LOOP")))
 def start_loop(**_):
     """Opens a loop. Never run: the executor projects it (see `expand`)."""
     raise RuntimeError("StartLoop is projected by the executor, never run")
 
 
-@node("EndLoop", inputs={"loop": "LOOP", "value": "ANY"},
-      outputs=(("value", "ANY"), ("collected", "LIST")))
+@node("EndLoop", inputs={
+    "loop": "LOOP",
+    "output_value": Input("ANY", optional=True, help="returned: the last iteration's, or all with accumulate"),
+    "next_iteration_value": Input("ANY", optional=True, help="carried into the next iteration"),
+    "accumulate": Input("BOOLEAN", default=False, help="return output_value of every iteration (a list)"),
+}, outputs=(("outputs", "ANY"),), variadic="termination")
 def end_loop(**_):
-    """Closes the loop whose handle it receives; `value` is carried to the next iteration.
-    Outputs the last carried value and the list of the values of every iteration."""
+    """Closes the loop whose handle it receives. termination0, termination1, ...: side effects that
+    must run on every iteration (their values are not returned)."""
     raise RuntimeError("EndLoop is replaced by the executor, never run")
 
 
-@node("_LoopHead", inputs={"value": Input("ANY", optional=True), "index": "INT", "item": Input("ANY", optional=True),
-                           "items": Input("LIST", optional=True)},
-      outputs=(("loop", "ANY"), ("value", "ANY"), ("index", "INT"), ("item", "ANY")), internal=True)
-def loop_head(value, index, item, items):
-    """Iteration `index`: the carried value, the index and the current item."""
-    return None, value, index, (items[index] if items is not None else item)
+@node("_LoopHead", inputs={"index": "INT", "is_first": "BOOLEAN", "is_last": "BOOLEAN",
+                           "item_key": Input("STRING", optional=True), "value": Input("ANY", optional=True)},
+      outputs=(("iteration_index", "INT"), ("is_first", "BOOLEAN"), ("is_last", "BOOLEAN"), ("list_item", "ANY"),
+               ("current_iteration_value", "ANY"), ("loop", "ANY")), internal=True, variadic="dependency")
+def loop_head(index, is_first, is_last, item_key, value, item=None, **_dependencies):
+    """Iteration `index`: its position flags, its own item (keyed by `item_key`) and the carried value.
+    The dependency inputs only order the iterations (and enter the cache key)."""
+    return index, is_first, is_last, item, value, None
 
 
-@node("_LoopTail", inputs={"value": Input("ANY", optional=True), "collected": "LIST"},
-      outputs=(("value", "ANY"), ("collected", "LIST")), internal=True)
-def loop_tail(value, collected):
-    """The value carried out of one iteration, appended to those before it."""
-    return value, collected + [value]
+@node("_LoopExit", inputs={"start": Input("ANY", optional=True), "accumulate": "BOOLEAN"},
+      outputs=(("outputs", "ANY"),), internal=True, variadic="output")
+def loop_exit(start, accumulate, **outputs):
+    """What the EndLoop returns once every iteration has run: the list of every iteration's
+    output_value (accumulate), or the last one's (None when the loop ran no iteration)."""
+    ordered = [outputs[f"output{k}"] for k in range(len(outputs))]
+    if accumulate:
+        return (ordered,)
+    return (ordered[0] if ordered else None,)
 
 
-@node("_LoopExit", inputs={"value": Input("ANY", optional=True), "collected": "LIST"},
-      outputs=(("value", "ANY"), ("collected", "LIST")), internal=True)
-def loop_exit(value, collected):
-    """What the EndLoop outputs once every iteration has run."""
-    return value, collected
+def content_key(value) -> str:
+    """A hash of an item's content (JSON values, tensors, arrays, nested lists and dicts of them), so an
+    iteration's key depends on its own item even when the list arrives through a link. Anything else
+    gets a fresh key and is never reused (ComfyUI's to_hashable makes it Unhashable; ComfyUI does the
+    same to tensors, which we hash by dtype, shape and bytes instead)."""
+    import numpy as np
+    import torch
+
+    h = hashlib.sha256()
+    todo = [value]
+    while todo:
+        v = todo.pop()
+        if v is None or isinstance(v, (bool, int, float, str)):
+            h.update(f"{type(v).__name__}:{v!r};".encode())
+        elif isinstance(v, (list, tuple)):
+            h.update(f"{type(v).__name__}[{len(v)}];".encode())
+            todo.extend(reversed(v))
+        elif isinstance(v, dict):
+            keys = sorted(v, key=repr)
+            h.update(f"dict[{len(keys)}];".encode())
+            for k in reversed(keys):
+                todo.append(v[k])
+                todo.append(k)
+        elif isinstance(v, torch.Tensor):
+            t = v.detach().cpu().contiguous()
+            h.update(f"tensor:{t.dtype}:{tuple(t.shape)};".encode())
+            h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        elif isinstance(v, np.ndarray):
+            a = np.ascontiguousarray(v)
+            h.update(f"ndarray:{a.dtype}:{a.shape};".encode())
+            h.update(a.tobytes())
+        else:
+            h.update(uuid.uuid4().bytes)
+    return h.hexdigest()[:32]
 
 
 # ---------------------------------------------------------------------------
@@ -98,22 +155,36 @@ def _closure(start: str, step) -> set[str]:
     return seen
 
 
-def end_of(graph: dict[str, Spec], sid: str) -> str:
+def end_of(graph: dict[str, Spec], sid: str, ends_by_start: dict[str, list[str]] | None = None) -> str:
     """The EndLoop paired with StartLoop `sid` (exactly one must take its loop handle)."""
-    ends = [n for n, s in graph.items() if s.class_type == "EndLoop" and s.inputs.get("loop") == [sid, 0]]
+    if ends_by_start is None:
+        ends_by_start = _ends_by_start(graph)
+    ends = ends_by_start.get(sid, [])
     if not ends:
         raise WorkflowError(f"{_where(sid, 'StartLoop')} has no EndLoop: link an EndLoop's 'loop' input to "
-                            f"[{sid!r}, 0]", node=sid)
+                            f"[{sid!r}, {HANDLE}]", node=sid)
     if len(ends) > 1:
         raise WorkflowError(f"{_where(sid, 'StartLoop')} is closed by {len(ends)} EndLoops ({', '.join(map(repr, ends))}); "
                             "a loop has exactly one", node=sid)
     return ends[0]
 
 
-def loop_body(graph: dict[str, Spec], sid: str, rev: dict[str, set[str]] | None = None) -> tuple[str, set[str]]:
-    """(end id, body ids) of the loop opened by `sid` in the current graph."""
+def _ends_by_start(graph: dict[str, Spec]) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for n, s in graph.items():
+        v = s.inputs.get("loop") if s.class_type == "EndLoop" else None
+        if is_link(v):
+            out.setdefault(v[0], []).append(n)
+    return out
+
+
+def loop_body(graph: dict[str, Spec], sid: str, rev: dict[str, set[str]] | None = None,
+              ends_by_start: dict[str, list[str]] | None = None) -> tuple[str, set[str]]:
+    """(end id, body ids) of the loop opened by `sid`: what depends on the StartLoop and leads to the
+    EndLoop, plus every inner loop whose EndLoop is in it, whole."""
     rev = _reverse(graph) if rev is None else rev
-    eid = end_of(graph, sid)
+    ends_by_start = _ends_by_start(graph) if ends_by_start is None else ends_by_start
+    eid = end_of(graph, sid, ends_by_start)
     desc = _closure(sid, lambda n: rev.get(n, ()))
     anc = _closure(eid, lambda n: [s for s, _ in links(graph[n]).values() if s in graph])
     body = (desc & anc) - {sid, eid}
@@ -126,7 +197,7 @@ def loop_body(graph: dict[str, Spec], sid: str, rev: dict[str, set[str]] | None 
             if graph[n].class_type == "EndLoop":
                 inner = graph[n].inputs["loop"][0]
                 if inner not in body and inner != sid:
-                    _, inner_body = loop_body(graph, inner, rev)
+                    _, inner_body = loop_body(graph, inner, rev, ends_by_start)
                     body |= {inner} | inner_body
                     changed = True
     return eid, body
@@ -138,6 +209,7 @@ class Loop:
     end: str
     body: set[str]
     parent: str | None = None
+    count: int | None = None      # iterations, when the settings are literals
 
 
 @dataclass
@@ -145,32 +217,73 @@ class LoopPlan:
     loops: dict[str, Loop] = field(default_factory=dict)
 
     def apply_schedule(self, graph: dict[str, Spec]) -> None:
-        """An inner StartLoop waits for its outer one, so the outer loop is projected first."""
+        """An inner StartLoop waits for its outer one, so the outer loop is projected first; every
+        StartLoop carries its body (in file order) and end, so expanding it never scans the graph."""
+        position = {n: i for i, n in enumerate(graph)}
         for lp in self.loops.values():
-            if lp.parent is not None:
-                spec = graph[lp.start]
-                if lp.parent not in spec.after:
-                    spec.after = spec.after + (lp.parent,)
+            spec = graph[lp.start]
+            spec.loop_body = tuple(sorted(lp.body, key=position.__getitem__))
+            spec.loop_end = lp.end
+            if lp.parent is not None and lp.parent not in spec.after:
+                spec.after = spec.after + (lp.parent,)
+
+    def check_total(self, limit: int, per_loop: int, graph: dict[str, Spec]) -> None:
+        """Refuse, before anything runs, a literal loop longer than `per_loop` (or its own
+        max_iterations), and nested literal loops whose iterations together exceed `limit`
+        (a 1000-iteration loop inside a 1000-iteration loop is 1001000 iterations)."""
+        for lp in self.loops.values():
+            own = _literal(graph[lp.start].inputs, "max_iterations")
+            cap = per_loop if own is None else min(per_loop, own)
+            if lp.count is not None and lp.count > cap:
+                raise WorkflowError(f"{_where(lp.start, 'StartLoop')} would run {lp.count} iterations, more than the "
+                                    f"limit of {cap} (StartLoop 'max_iterations', or the executor's max_iterations)",
+                                    node=lp.start)
+        total = 0
+        for lp in self.loops.values():
+            product, cur = 1, lp
+            while cur is not None:
+                if cur.count is None:
+                    product = None
+                    break
+                product *= cur.count
+                cur = self.loops.get(cur.parent) if cur.parent else None
+            if product is None:
+                continue
+            total += product
+            if total > limit:
+                raise WorkflowError(f"{_where(lp.start, 'StartLoop')}: the loops of this workflow would run at least "
+                                    f"{total} iterations in total (nested loops multiply), more than the total limit of "
+                                    f"{limit} (the executor's max_total_iterations)", node=lp.start)
 
 
 def plan_loops(graph: dict[str, Spec], registry=None) -> LoopPlan:
     """Check every loop of a workflow before anything runs: pairs, crossings, what reads the
-    body from outside, and the literal iteration settings. Returns the nesting."""
+    body from outside, the EndLoop's inputs and the literal iteration settings. Returns the nesting."""
     rev = _reverse(graph)
+    ends_by_start = _ends_by_start(graph)
     plan = LoopPlan()
     starts = [n for n, s in graph.items() if s.class_type == "StartLoop"]
     for nid, spec in graph.items():
         if spec.class_type == "EndLoop":
             v = spec.inputs.get("loop")
-            if not (is_link(v) and graph.get(v[0]) is not None and graph[v[0]].class_type == "StartLoop"):
-                raise WorkflowError(f"{_where(nid, 'EndLoop', 'loop')} must link to output 0 of a StartLoop", node=nid,
-                                    input="loop")
+            if not (is_link(v) and graph.get(v[0]) is not None and graph[v[0]].class_type == "StartLoop"
+                    and v[1] == HANDLE):
+                raise WorkflowError(f"{_where(nid, 'EndLoop', 'loop')} must link to output {HANDLE} ('loop') of a "
+                                    "StartLoop", node=nid, input="loop")
+            for name in spec.inputs:
+                if name.startswith("termination") and int(name[len("termination"):]) >= MAX_TERMINATIONS:
+                    raise WorkflowError(f"{_where(nid, 'EndLoop', name)}: at most {MAX_TERMINATIONS} terminations "
+                                        f"(termination0 .. termination{MAX_TERMINATIONS - 1})", node=nid, input=name)
+            if is_link(spec.inputs.get("accumulate")):
+                raise WorkflowError(f"{_where(nid, 'EndLoop', 'accumulate')} must be a literal true or false here "
+                                    "(the loop's wiring depends on it)", node=nid, input="accumulate")
     for sid in starts:
-        check_literal_settings(sid, graph[sid])
-        eid, body = loop_body(graph, sid, rev)
-        plan.loops[sid] = Loop(sid, eid, body)
+        count = check_literal_settings(sid, graph[sid])
+        eid, body = loop_body(graph, sid, rev, ends_by_start)
+        plan.loops[sid] = Loop(sid, eid, body, count=count)
+    inside_of = {a.start: a.body | {a.start, a.end} for a in plan.loops.values()}
     for a in plan.loops.values():
-        inside = a.body | {a.start, a.end}
+        inside = inside_of[a.start]
         for n in a.body:                                   # a loop half inside another: crossed pairs
             if graph[n].class_type == "StartLoop" and plan.loops[n].end not in a.body:
                 raise WorkflowError(f"loops cross: StartLoop {n!r} is inside loop {a.start!r}..{a.end!r} but its "
@@ -179,17 +292,20 @@ def plan_loops(graph: dict[str, Spec], registry=None) -> LoopPlan:
             if b is not a and b.start in a.body and a.start in b.body:
                 raise WorkflowError(f"loops cross: {a.start!r}..{a.end!r} and {b.start!r}..{b.end!r} each contain the "
                                     "other's StartLoop", node=b.start)
-        for nid, spec in graph.items():                    # reading the body from outside it
-            if nid in inside:
+        for src in inside:                                 # reading the body from outside it
+            if src == a.end:
                 continue
-            for name, (src, _) in links(spec).items():
-                if src in inside and src != a.end:
-                    cls = spec.class_type
-                    raise WorkflowError(
-                        f"{_where(nid, cls, name)} reads node {src!r} inside loop {a.start!r}..{a.end!r} but does not "
-                        f"lead to EndLoop {a.end!r}: wire it into the end boundary (route its output into the EndLoop's "
-                        f"'value'; save and preview nodes pass their input through for this) or read the loop's result "
-                        f"from EndLoop {a.end!r}", node=nid, input=name)
+            for nid in rev.get(src, ()):
+                if nid in inside:
+                    continue
+                spec = graph[nid]
+                for name, (s2, _) in links(spec).items():
+                    if s2 == src:
+                        raise WorkflowError(
+                            f"{_where(nid, spec.class_type, name)} reads node {src!r} inside loop {a.start!r}..{a.end!r} "
+                            f"but does not lead to EndLoop {a.end!r}: wire side effects (save, preview) into the "
+                            f"EndLoop's termination inputs, carried values into 'next_iteration_value', or read the "
+                            f"loop's result from EndLoop {a.end!r}", node=nid, input=name)
     for b in plan.loops.values():                          # innermost enclosing loop
         enclosing = [a for a in plan.loops.values() if a is not b and b.start in a.body]
         if enclosing:
@@ -197,106 +313,163 @@ def plan_loops(graph: dict[str, Spec], registry=None) -> LoopPlan:
     return plan
 
 
-def check_literal_settings(sid: str, spec: Spec) -> None:
-    """Mode-specific rules for literal inputs (linked ones are checked when the loop expands)."""
+def _literal(ins: dict, name: str, default=None):
+    v = ins.get(name, default)
+    return None if is_link(v) else v
+
+
+def check_literal_settings(sid: str, spec: Spec) -> int | None:
+    """Mode-specific rules for literal inputs (linked ones are checked when the loop expands).
+    Returns the number of iterations when it is known from literals, else None."""
     ins = spec.inputs
-    mode = ins.get("mode", "count")
-
-    def literal(name):
-        v = ins.get(name)
-        return None if is_link(v) else v
-
-    if mode == "count":
-        if "count" not in ins or ins["count"] is None:
-            raise WorkflowError(f"{_where(sid, 'StartLoop', 'count')} is required in count mode", node=sid, input="count")
-        c = literal("count")
-        if c is not None and c < 0:
-            raise WorkflowError(f"{_where(sid, 'StartLoop', 'count')} must be >= 0, got {c}", node=sid, input="count")
-    elif mode == "range":
-        if "stop" not in ins or ins["stop"] is None:
-            raise WorkflowError(f"{_where(sid, 'StartLoop', 'stop')} is required in range mode", node=sid, input="stop")
-        if literal("step") == 0:
-            raise WorkflowError(f"{_where(sid, 'StartLoop', 'step')} must not be 0 (range mode)", node=sid, input="step")
-    elif mode == "list":
-        if "items" not in ins or ins["items"] is None:
-            raise WorkflowError(f"{_where(sid, 'StartLoop', 'items')} is required in list mode", node=sid, input="items")
+    mode = ins.get("mode", "simple")
+    if is_link(mode):
+        return None
+    if mode == "List":
+        if ins.get("list") is None:
+            raise WorkflowError(f"{_where(sid, 'StartLoop', 'list')} is required in List mode", node=sid, input="list")
+        items = _literal(ins, "list")
+        return len(items) if isinstance(items, list) else None
+    values = {k: _literal(ins, k) for k in ("num_iterations", "start_iteration_index", "max_iteration", "step")}
+    if any(values[k] is None and k in ins for k in values):
+        return None
+    return iteration_count(sid, {"mode": mode, **{k: v for k, v in values.items() if v is not None}})
 
 
-def iterations(sid: str, values: dict) -> tuple[range | list, bool]:
-    """The iteration items from StartLoop's resolved inputs (a range stays lazy, so a huge one
-    is refused by its length, not by building it). Errors name the node and input."""
-    mode = values.get("mode") or "count"
-    if mode == "count":
-        c = values.get("count")
-        if isinstance(c, bool) or not isinstance(c, int):
-            raise WorkflowError(f"{_where(sid, 'StartLoop', 'count')} must be an integer, got {c!r}", node=sid, input="count")
-        if c < 0:
-            raise WorkflowError(f"{_where(sid, 'StartLoop', 'count')} must be >= 0, got {c}", node=sid, input="count")
-        return range(c), False
-    if mode == "range":
-        start, stop, step = values.get("start", 0), values.get("stop"), values.get("step", 1)
-        for name, v in (("start", start), ("stop", stop), ("step", step)):
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise WorkflowError(f"{_where(sid, 'StartLoop', name)} must be an integer, got {v!r}", node=sid, input=name)
-        if step == 0:
-            raise WorkflowError(f"{_where(sid, 'StartLoop', 'step')} must not be 0 (range mode)", node=sid, input="step")
-        return range(start, stop, step), False
-    items = values.get("items")
-    if not isinstance(items, list):
-        raise WorkflowError(f"{_where(sid, 'StartLoop', 'items')} must be a list in list mode, got "
-                            f"{type(items).__name__}", node=sid, input="items")
-    return items, True
+def iteration_count(sid: str, values: dict) -> int:
+    """Iterations of a simple or For loop, computed arithmetically (len(range(10**30)) overflows)."""
+    mode = values.get("mode") or "simple"
+
+    def get(name, default):
+        v = values.get(name)
+        v = default if v is None else v
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise WorkflowError(f"{_where(sid, 'StartLoop', name)} must be an integer, got {v!r}", node=sid, input=name)
+        return v
+
+    if mode == "simple":
+        n = get("num_iterations", 4)
+        if n < 0:
+            raise WorkflowError(f"{_where(sid, 'StartLoop', 'num_iterations')} must be >= 0, got {n}", node=sid,
+                                input="num_iterations")
+        return n
+    start, stop, step = get("start_iteration_index", 0), get("max_iteration", 4), get("step", 1)
+    if step < 1:
+        raise WorkflowError(f"{_where(sid, 'StartLoop', 'step')} must be >= 1 (For mode), got {step}", node=sid,
+                            input="step")
+    return max(0, -(-(stop - start) // step))
 
 
-def expand(graph: dict[str, Spec], sid: str, values: dict, plan: LoopPlan, registry, *,
-           max_iterations: int) -> tuple[list[str], dict]:
-    """Project the loop opened by `sid` into ordinary nodes, in place. Returns the new ids (in
-    queue order) and a summary. `values` are the StartLoop's resolved inputs."""
-    eid, body = loop_body(graph, sid)
-    items, is_list = iterations(sid, values)
-    limit = max_iterations
-    if values.get("max_iterations") is not None:
-        limit = min(limit, values["max_iterations"])
-    n = len(items)
+def iterations(sid: str, values: dict, limit: int) -> tuple[range | list, bool]:
+    """The iteration values (iteration_index per iteration) and whether it is a List loop. The count is
+    checked against `limit` before anything is built. Errors name the node and input."""
+    mode = values.get("mode") or "simple"
+    if mode == "List":
+        items = values.get("list")
+        if not isinstance(items, list):
+            raise WorkflowError(f"{_where(sid, 'StartLoop', 'list')} must be a list in List mode, got "
+                                f"{type(items).__name__}", node=sid, input="list")
+        n = len(items)
+    else:
+        n = iteration_count(sid, values)
     if n > limit:
         raise WorkflowError(f"{_where(sid, 'StartLoop')} would run {n} iterations, more than the limit of {limit} "
                             "(StartLoop 'max_iterations', or the executor's max_iterations)", node=sid)
-    start_spec, end_spec = graph[sid], graph[eid]
-    flag = bool(values.get("cache_iterations", True))
-    items_link = start_spec.inputs.get("items") if is_list and is_link(start_spec.inputs.get("items")) else None
-    initial = start_spec.inputs.get("initial")
-    order = [b for b in graph if b in body]   # file order, so the queue's tie-break stays stable
+    if mode == "List":
+        return items, True
+    if mode == "simple":
+        return range(n), False
+    start = values.get("start_iteration_index")
+    start = 0 if start is None else start
+    step = values.get("step") or 1
+    return range(start, start + n * step, step), False
+
+
+def _termination_names(inputs: dict) -> list[str]:
+    names = [k for k in inputs if k.startswith("termination") and k[len("termination"):].isdigit()]
+    return sorted(names, key=lambda k: int(k[len("termination"):]))
+
+
+def expand(graph: dict[str, Spec], sid: str, values: dict, registry, *, max_iterations: int,
+           budget=None) -> tuple[list[str], list[str], dict]:
+    """Project the loop opened by `sid` into ordinary nodes, in place, touching only the loop's own
+    nodes (the body and end were planned before the run). Returns (new ids in queue order, the
+    removed body ids, a summary). `values` are the StartLoop's resolved inputs."""
+    start_spec = graph[sid]
+    eid, body_order = start_spec.loop_end, start_spec.loop_body
+    limit = max_iterations
+    if values.get("max_iterations") is not None:
+        limit = min(limit, values["max_iterations"])
+    items, is_list = iterations(sid, values, limit)
+    n = len(items)
+    if budget is not None:
+        budget.take(sid, n, n * (len(body_order) + 1) + 1)
+    end_spec = graph[eid]
+    close = end_spec.inputs
+    output_src, next_src = close.get("output_value"), close.get("next_iteration_value")
+    terminations = [close[k] for k in _termination_names(close) if is_link(close[k])]
+    accumulate = bool(close.get("accumulate", False))
+    flag = bool(values.get("cache_iterations", False))
+    body = set(body_order)
+    # Unused position flags stay False so that a change in loop length keeps the iterations' keys.
+    used = {v[1] for b in (*body_order, eid) for v in graph[b].inputs.values() if is_link(v) and v[0] == sid}
+    carry = start_spec.inputs.get("initial_iteration_value")
+    deps: list = []
+    exit_inputs: dict = {}
     new: list[str] = []
 
-    def rewrite(value, mapping):
-        return [mapping[value[0]], value[1]] if is_link(value) and value[0] in mapping else value
-
-    for i in range(n):
-        hid = f"{sid}#{i}"
-        head = {"value": initial if i == 0 else [f"{eid}#{i - 1}", 0], "index": i}
-        if items_link is not None:
-            head["items"] = items_link
-        else:
-            head["item"] = items[i]
-        graph[hid] = Spec("_LoopHead", head, cache=start_spec.cache and flag, origin=sid)
+    for pos, index in enumerate(items if not is_list else range(n)):
+        hid = f"{sid}#{pos}"
+        head = {"index": int(index), "is_first": IS_FIRST in used and pos == 0,
+                "is_last": IS_LAST in used and pos == n - 1}
+        extra = {}
+        if is_list:
+            head["item_key"] = content_key(items[pos])
+            extra["item"] = items[pos]
+        if carry is not None:
+            head["value"] = carry
+        for k, d in enumerate(deps):
+            head[f"dependency{k}"] = d
+        graph[hid] = Spec("_LoopHead", head, cache=start_spec.cache and flag, fresh=not flag, origin=sid, extra=extra)
         new.append(hid)
-        mapping = {sid: hid, **{b: f"{b}#{i}" for b in body}}
-        for b in order:
+        mapping = {b: f"{b}#{pos}" for b in body_order}
+
+        def rewrite(value, mapping=mapping, hid=hid):
+            if not is_link(value):
+                return value
+            if value[0] == sid:
+                return [hid, value[1]]
+            if value[0] in mapping:
+                return [mapping[value[0]], value[1]]
+            return value
+
+        for b in body_order:
             s = graph[b]
-            graph[mapping[b]] = Spec(s.class_type, {k: rewrite(v, mapping) for k, v in s.inputs.items()},
-                                     after=tuple(mapping.get(a, a) for a in s.after if a != sid),
-                                     cache=s.cache and flag, origin=s.origin or b)
+            copy = Spec(s.class_type, {k: rewrite(v) for k, v in s.inputs.items()},
+                        after=tuple(mapping.get(a, a) for a in s.after if a != sid),
+                        cache=s.cache and flag, fresh=s.fresh, origin=s.origin or b, extra=dict(s.extra))
+            if s.loop_body is not None:        # an inner loop: its plan, re-pointed into this iteration
+                copy.loop_body = tuple(mapping[x] for x in s.loop_body)
+                copy.loop_end = mapping[s.loop_end]
+            graph[mapping[b]] = copy
             new.append(mapping[b])
-        tid = f"{eid}#{i}"
-        graph[tid] = Spec("_LoopTail", {"value": rewrite(end_spec.inputs["value"], mapping),
-                                        "collected": [] if i == 0 else [f"{eid}#{i - 1}", 1]},
-                          cache=end_spec.cache and flag, origin=eid)
-        new.append(tid)
-    for b in body:
+        deps = []
+        if is_link(output_src):
+            out = rewrite(output_src)
+            if accumulate:
+                exit_inputs[f"output{pos}"] = out
+            elif pos == n - 1:
+                exit_inputs["output0"] = out
+            deps.append(out)
+        if is_link(next_src):
+            carry = rewrite(next_src)
+            deps.append(carry)
+        deps.extend(rewrite(t) for t in terminations)
+    for b in body_order:
         del graph[b]
-    graph[eid] = Spec("_LoopExit", {"value": [f"{eid}#{n - 1}", 0] if n else initial,
-                                    "collected": [f"{eid}#{n - 1}", 1] if n else []}, origin=eid)
+    graph[eid] = Spec("_LoopExit", {"start": [sid, HANDLE], "accumulate": accumulate, **exit_inputs},
+                      after=tuple(d[0] for d in deps), cache=False, origin=eid)
     new.append(eid)
     info = {"start": sid, "end": eid, "iterations": n, "body": sorted(body), "cache_iterations": flag,
             "projected_nodes": len(new)}
-    return new, info
+    return new, list(body_order), info

@@ -6,15 +6,15 @@
 - video and audio plumbing: LastFrames, ConcatFrames, EmptyAudio, ConcatAudio, AudioLength,
   LoadImage, LoadVideo, LoadAudio, SaveImage
 - the loop chapter's toy generator: ToyScene, GenerateSegment (`segments.py`)
-- the H3 workflows' toy service and stages: OmniModel, AddReference, H3Denoise, H3VAEDecode,
-  H3AudioDecode (models from `inferbook.diffusion.toy_pipeline`, random weights)
+- the H3 workflows' client nodes, shaped like vLLM-Omni's ComfyUI extension: OmniVideoReferences,
+  OmniRemoteLoRA, OmniGenerateVideo (one request to the toy server of `omni_server.py`, which owns
+  text encoding, denoising and both VAEs)
 
 Media are plain values: IMAGE is a float tensor [T, H, W, 3] in [0, 1] (ComfyUI's IMAGE batch),
 AUDIO is {"waveform": float tensor [C, N], "sample_rate": int}.
 """
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import numpy as np
@@ -22,9 +22,7 @@ import torch
 
 from . import loops as _loops  # noqa: F401  (registers StartLoop / EndLoop)
 from . import segments
-from ..errors import UserError
 from .executor import Input, node
-from .references import KINDS, Served, group_references, validate_references
 
 # ---------------------------------------------------------------------------
 # Values and lists
@@ -122,12 +120,14 @@ def to_uint8(images: torch.Tensor) -> np.ndarray:
     return (images.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).cpu().numpy()
 
 
-@node("SaveVideo", inputs={"images": "IMAGE", "fps": Input("INT", default=24, min=1),
+@node("SaveVideo", inputs={"images": "IMAGE", "fps": Input("INT", default=24, min=1, max=240),
                            "filename_prefix": Input("STRING", default="video"), "audio": Input("AUDIO", optional=True)},
       outputs=(("path", "STRING"),), side_effect=True, context=True)
 def save_video(images, fps, filename_prefix, audio, run):
     """H.264 (+ AAC when there is audio) in MP4, written atomically (`diffusion.media.write_mp4`),
-    then decoded again and checked: a file that does not hold what was asked for is removed."""
+    then decoded again whole and checked (`diffusion.media.check_media`: frames, size, fps, and a
+    non-silent audio track at the asked rate and channels whose duration matches the video's): a file
+    that does not hold what was asked for is removed."""
     from ..diffusion import media
 
     name = _safe_name(filename_prefix)
@@ -137,15 +137,12 @@ def save_video(images, fps, filename_prefix, audio, run):
         wav = audio["waveform"].detach().float().cpu().numpy().astype(np.float32)
         sr = int(audio["sample_rate"])
     media.write_mp4(path, to_uint8(images), fps, wav, sr)
-    info = media.probe_media(path)
-    expected = {"frames": int(images.shape[0]), "width": int(images.shape[2]), "height": int(images.shape[1])}
-    bad = {k: (info[k], v) for k, v in expected.items() if info[k] != v}
-    if audio is not None and (info["audio_codec"] != "aac" or info["sample_rate"] != sr
-                              or info["channels"] != wav.shape[0]):
-        bad["audio"] = ((info["audio_codec"], info["sample_rate"], info["channels"]), ("aac", sr, wav.shape[0]))
-    if bad:
+    info = media.check_media(path, frames=int(images.shape[0]), fps=fps, width=int(images.shape[2]),
+                             height=int(images.shape[1]), audio=audio is not None, sample_rate=sr,
+                             channels=None if wav is None else int(wav.shape[0]))
+    if not info["ok"]:
         path.unlink(missing_ok=True)
-        raise ValueError(f"{path.name} does not hold what was asked for ({bad}); removed")
+        raise ValueError(f"{path.name} does not hold what was asked for ({'; '.join(info['problems'])}); removed")
     run.event("save_video", path=str(path), **info)
     return (str(path),)
 
@@ -202,9 +199,17 @@ def _open_media(path: str, what: str):
         raise ValueError(f"{what} {path!r} is unreadable or truncated ({type(e).__name__}: {e})") from None
 
 
-def read_video(path: str, *, with_audio: bool = True, what: str = "video") -> tuple[np.ndarray, np.ndarray | None, int | None]:
-    """Decode every frame (uint8 [T, H, W, 3]) and the audio track (float32 [C, N], rate) of a file.
-    Raises ValueError naming the file when it cannot be opened, holds no frames or breaks mid-way."""
+# What one decoded input may hold in memory as float32 frames (IMAGE) when no max_frames is given:
+# a 127 KB mp4 can hold thousands of frames, and decoding it whole would take gigabytes.
+MAX_DECODE_BYTES = 1 << 30
+
+
+def read_video(path: str, *, with_audio: bool = True, what: str = "video", max_frames: int | None = None,
+               max_bytes: int = MAX_DECODE_BYTES) -> tuple[np.ndarray, np.ndarray | None, int | None]:
+    """Decode the frames (uint8 [T, H, W, 3]; the first `max_frames` when given, decoding stops there)
+    and the audio track (float32 [C, N], rate) of a file. Raises ValueError naming the file when it
+    cannot be opened, holds no frames, breaks mid-way, or would need more than `max_bytes` as float32
+    frames (then `max_frames` must be set)."""
     import av
 
     frames, chunks, rate = [], [], None
@@ -213,6 +218,12 @@ def read_video(path: str, *, with_audio: bool = True, what: str = "video") -> tu
             raise ValueError(f"{what} {path!r} has no video stream")
         try:
             for f in c.decode(video=0):
+                if max_frames and len(frames) >= max_frames:
+                    break
+                if (len(frames) + 1) * f.width * f.height * 3 * 4 > max_bytes:
+                    raise ValueError(f"{what} {path!r} holds more than {len(frames)} frames of {f.width}x{f.height}, "
+                                     f"which would need more than {max_bytes >> 20} MiB as float32 frames; set "
+                                     "max_frames to read only the first frames")
                 frames.append(f.to_ndarray(format="rgb24"))
         except av.FFmpegError as e:
             raise ValueError(f"{what} {path!r} is truncated or corrupt after {len(frames)} frame(s) "
@@ -263,13 +274,12 @@ def load_image(path, run):
     return (torch.from_numpy(frames[:1]).float() / 255,)
 
 
-@node("LoadVideo", inputs={"path": "STRING", "max_frames": Input("INT", default=0, min=0)},
+@node("LoadVideo", inputs={"path": "STRING", "max_frames": Input("INT", default=0, min=0, max=100_000)},
       outputs=(("images", "IMAGE"), ("frames", "INT")), context=True)
 def load_video(path, max_frames, run):
-    """Every frame of a video file (or the first `max_frames` when > 0) as IMAGE [T, H, W, 3]."""
-    frames, _, _ = read_video(_input_path(run, path), with_audio=False)
-    if max_frames:
-        frames = frames[:max_frames]
+    """Every frame of a video file (or the first `max_frames` when > 0: decoding stops there) as
+    IMAGE [T, H, W, 3]."""
+    frames, _, _ = read_video(_input_path(run, path), with_audio=False, max_frames=max_frames or None)
     return torch.from_numpy(frames).float() / 255, int(frames.shape[0])
 
 
@@ -284,7 +294,7 @@ def load_audio(path, run):
 # Frames and audio plumbing
 
 
-@node("LastFrames", inputs={"images": "IMAGE", "count": Input("INT", default=1, min=1)}, outputs=(("images", "IMAGE"),))
+@node("LastFrames", inputs={"images": "IMAGE", "count": Input("INT", default=1, min=1, max=100_000)}, outputs=(("images", "IMAGE"),))
 def last_frames(images, count):
     """The last `count` frames (fewer when the batch is shorter)."""
     return (images[-count:],)
@@ -298,7 +308,8 @@ def concat_frames(a, b):
     return (torch.cat([a, b]),)
 
 
-@node("EmptyAudio", inputs={"channels": Input("INT", default=2, min=1), "sample_rate": Input("INT", default=32000, min=1)},
+@node("EmptyAudio", inputs={"channels": Input("INT", default=2, min=1, max=8),
+                             "sample_rate": Input("INT", default=32000, min=1, max=384_000)},
       outputs=(("audio", "AUDIO"),))
 def empty_audio(channels, sample_rate):
     """Zero samples, to start an audio track that segments append to."""
@@ -324,7 +335,7 @@ def audio_length(audio):
 # The loop chapter's toy generator
 
 
-@node("ToyScene", inputs={"width": Input("INT", min=8), "height": Input("INT", min=8), "prompt": "STRING",
+@node("ToyScene", inputs={"width": Input("INT", min=8, max=8192), "height": Input("INT", min=8, max=8192), "prompt": "STRING",
                           "seed": Input("INT", default=0)}, outputs=(("image", "IMAGE"),), context=True)
 def toy_scene(width, height, prompt, seed, run):
     """A first frame from a prompt and seed (`segments.scene`), on the executor's device."""
@@ -332,9 +343,9 @@ def toy_scene(width, height, prompt, seed, run):
 
 
 @node("GenerateSegment", inputs={
-    "context": "IMAGE", "prompt": "STRING", "frames": Input("INT", min=1), "seed": Input("INT", default=0),
-    "index": Input("INT", default=0), "steps": Input("INT", default=8, min=1), "fps": Input("INT", default=24, min=1),
-    "sample_rate": Input("INT", default=32000, min=1),
+    "context": "IMAGE", "prompt": "STRING", "frames": Input("INT", min=1, max=10_000), "seed": Input("INT", default=0),
+    "index": Input("INT", default=0), "steps": Input("INT", default=8, min=1, max=10_000),
+    "fps": Input("INT", default=24, min=1, max=240), "sample_rate": Input("INT", default=32000, min=1, max=384_000),
     "audio_offset": Input("INT", optional=True)},
     outputs=(("images", "IMAGE"), ("audio", "AUDIO")))
 def generate_segment(context, prompt, frames, seed, index, steps, fps, sample_rate, audio_offset):
@@ -347,145 +358,60 @@ def generate_segment(context, prompt, frames, seed, index, steps, fps, sample_ra
 
 
 # ---------------------------------------------------------------------------
-# The H3 workflows: a toy served model and its stages
+# The H3 workflows: client nodes shaped like vLLM-Omni's ComfyUI extension, against a toy server
 
 
-# What our in-process toy "server" serves (a stand-in for a vLLM-Omni deployment; nothing leaves
-# the process). Model names say the toy sizes.
-TOY_ENDPOINT = "local://toy-omni"
-TOY_SERVED = (
-    Served(TOY_ENDPOINT, "toy-h3-tiny", ("loras/toy-style-a.safetensors",)),
-    Served(TOY_ENDPOINT, "toy-h3-small", ("loras/toy-style-a.safetensors",)),
-    Served(TOY_ENDPOINT, "toy-h3-base", ("loras/toy-style-a.safetensors",)),
-)
-TOY_SIZES = {
-    "toy-h3-tiny": dict(dit=dict(d_model=64, n_layers=1, n_heads=4), vae=(32, 32, 16, 16)),
-    "toy-h3-small": dict(dit=dict(d_model=128, n_layers=2, n_heads=4), vae=(64, 48, 32, 16)),
-    "toy-h3-base": dict(dit=dict(d_model=384, n_layers=6, n_heads=6), vae=(384, 384, 192, 96)),
-}
-VAE_SPATIAL, VAE_TEMPORAL = 8, 4      # latent -> video: 8x in H and W, frames = 1 + 4 (T - 1)
+@node("OmniVideoReferences", inputs={
+    **{f"image_{k}": Input("IMAGE", optional=True) for k in range(1, 10)},
+    **{f"video_{k}": Input("IMAGE", optional=True) for k in range(1, 4)},
+    **{f"audio_{k}": Input("AUDIO", optional=True) for k in range(1, 4)},
+    "video_fps": Input("INT", default=24, min=1, max=240, help="frame rate of the video references"),
+}, outputs=(("references", "REFS"),))
+def omni_video_references(video_fps, **slots):
+    """`VLLMOmniVideoReferences`: slots numbered per kind (image_1..9, video_1..3, audio_1..3); empty
+    slots are skipped; references go out in the order images, videos, audios, each video and audio
+    with its length in seconds (a video keeps its own soundtrack; only standalone audio counts as audio)."""
+    refs = []
+    for kind, n in (("image", 9), ("video", 3), ("audio", 3)):
+        for k in range(1, n + 1):
+            media = slots.get(f"{kind}_{k}")
+            if media is None:
+                continue
+            if kind == "image":
+                refs.append(("image", media))
+            elif kind == "video":
+                refs.append(("video", media, media.shape[0] / video_fps))
+            else:
+                refs.append(("audio", media, media["waveform"].shape[1] / media["sample_rate"]))
+    return (refs,)
 
 
-@node("OmniModel", inputs={"endpoint": "STRING", "model": "STRING", "lora_path": Input("STRING", default=""),
-                           "seed": Input("INT", default=0)}, outputs=(("model", "MODEL"),), context=True)
-def omni_model(endpoint, model, lora_path, seed, run):
-    """Connects to the toy service: the (endpoint, model, LoRA) triple must be served, as on a real
-    vLLM-Omni server. Weights are random from `seed` (+ a low-rank LoRA delta when one is named)."""
-    from ..diffusion.toy_pipeline import DiTConfig, init_dit
-    from ..diffusion.vae import VAEConfig, init_decoder
-
-    row = next((s for s in TOY_SERVED if s.endpoint == endpoint and s.model == model), None)
-    if row is None:
-        raise ValueError(f"model {model!r} is not served at {endpoint!r}")
-    if lora_path and lora_path not in row.loras:
-        raise ValueError(f"LoRA {lora_path!r} is not on the server for {model!r}")
-    size = TOY_SIZES[model]
-    device, dtype = run.device, run.dtype
-    dit = init_dit(DiTConfig(**size["dit"]), seed, device=device, dtype=dtype)
-    if lora_path:
-        g = torch.Generator().manual_seed(segments.prompt_seed(lora_path))
-        w = dit.out.weight
-        a, b = torch.randn(w.shape[0], 4, generator=g), torch.randn(4, w.shape[1], generator=g)
-        with torch.no_grad():
-            w += (0.02 * a @ b / 4).to(device=device, dtype=dtype)
-    vae = init_decoder(VAEConfig(channels=size["vae"], temporal_up=(True, True, False)), seed + 1,
-                       device=device, dtype=dtype)
-    return ({"name": model, "lora": lora_path or None, "dit": dit, "vae": vae, "device": device, "dtype": dtype},)
+@node("OmniRemoteLoRA", inputs={"local_path": "STRING", "name": Input("STRING", default=""),
+                                "scale": Input("FLOAT", default=1.0)}, outputs=(("lora", "LORA"),))
+def omni_remote_lora(local_path, name, scale):
+    """`VLLMOmniRemoteLoRA`: a LoRA already on the server, named by its server-side path."""
+    if not local_path:
+        raise ValueError("local_path must name the LoRA's path on the server")
+    return ({"local_path": local_path, "name": name, "scale": float(scale)},)
 
 
-@node("AddReference", inputs={"kind": Input("STRING", choices=KINDS), "media": "ANY",
-                              "references": Input("REFS", optional=True)}, outputs=(("references", "REFS"),))
-def add_reference(kind, media, references):
-    """Appends one reference (image, video or audio) to a reference list."""
-    ok = isinstance(media, dict) and "waveform" in media if kind == "audio" else isinstance(media, torch.Tensor)
-    if not ok:
-        raise ValueError(f"a {kind} reference needs {'AUDIO' if kind == 'audio' else 'IMAGE'} media, got "
-                         f"{type(media).__name__}")
-    return (list(references or []) + [(kind, media)],)
+@node("OmniGenerateVideo", inputs={
+    "url": "STRING", "model": "STRING", "prompt": "STRING",
+    "width": Input("INT", min=16, max=8192), "height": Input("INT", min=16, max=8192),
+    "frames": Input("INT", min=1, max=10_000), "fps": Input("INT", default=24, min=1, max=240),
+    "steps": Input("INT", default=5, min=1, max=10_000), "seed": Input("INT", default=0),
+    "references": Input("REFS", optional=True), "lora": Input("LORA", optional=True),
+    "reference_strength": Input("FLOAT", default=0.5),
+}, outputs=(("images", "IMAGE"), ("audio", "AUDIO")), context=True)
+def omni_generate_video(url, model, prompt, width, height, frames, fps, steps, seed, references, lora,
+                        reference_strength, run):
+    """`VLLMOmniGenerateVideo`: one request to the (toy, in-process) server, T2VA without references and
+    Ref2VA with them. Text encoding, denoising and both VAEs run on the server; the client sees the
+    request's round trip. The server's own stage times are logged as a `server_stages` event."""
+    from .omni_server import Request, server_for
 
-
-def latent_shape(width: int, height: int, frames: int) -> tuple[int, int, int, int]:
-    """(B, T, h, w) of the latent that decodes to `frames` frames of width x height."""
-    unit = VAE_SPATIAL * 2   # 8x VAE, then the DiT's 2x2 patches
-    if width % unit or height % unit:
-        raise UserError(f"width and height must be multiples of {unit}, got {width}x{height}")
-    if frames < 1 or (frames - 1) % VAE_TEMPORAL:
-        raise UserError(f"frames must be 1 + {VAE_TEMPORAL} k (the VAE's temporal factor), got {frames}")
-    return 1, (frames - 1) // VAE_TEMPORAL + 1, height // VAE_SPATIAL, width // VAE_SPATIAL
-
-
-def reference_latent(refs: dict, shape, z_dim: int, seed: int, device, dtype) -> torch.Tensor | None:
-    """Images and video frames resized to the latent grid, projected to z_dim channels by a fixed
-    random map and averaged: what the toy conditions on (None without visual references)."""
-    import torch.nn.functional as F
-
-    _, T, h, w = shape
-    pics = [m[-1:] for m in refs["image"]] + [m for m in refs["video"]]
-    if not pics:
-        return None
-    g = torch.Generator().manual_seed(seed + 17)
-    proj = torch.randn(z_dim, 3, generator=g)
-    acc = torch.zeros(z_dim, h, w)
-    for p in pics:
-        x = F.interpolate(p.float().permute(0, 3, 1, 2), size=(h, w), mode="area").mean(0)   # [3, h, w]
-        acc += torch.einsum("zc,chw->zhw", proj, (x - 0.5) * 2)
-    ref = acc / len(pics)
-    return ref[None, :, None].expand(1, z_dim, T, h, w).to(device=device, dtype=dtype)
-
-
-@node("H3Denoise", inputs={"model": "MODEL", "prompt": "STRING", "width": Input("INT", min=16),
-                           "height": Input("INT", min=16), "frames": Input("INT", min=1), "steps": Input("INT", min=1),
-                           "seed": Input("INT", default=0), "references": Input("REFS", optional=True),
-                           "reference_strength": Input("FLOAT", default=0.5)},
-      outputs=(("latent", "LATENT"),))
-def h3_denoise(model, prompt, width, height, frames, steps, seed, references, reference_strength):
-    """`steps` flow-matching Euler steps of the toy DiT. With references (Ref2VA) the reference rules
-    are checked first, and the start is mixed toward the references' latent (image-to-video style)."""
-    from ..diffusion.toy_pipeline import denoise
-
-    shape = latent_shape(width, height, frames)
-    seed = seed + segments.prompt_seed(prompt) % 100_000   # the toy's "text encoder": the prompt moves the seed
-    dit = model["dit"]
-    if references is None:
-        return ({"latent": denoise(dit, shape, steps, seed, device=model["device"], dtype=model["dtype"]),
-                 "references": None},)
-    refs = group_references(references)
-    counts = validate_references(refs["image"], refs["video"], refs["audio"])
-    ref = reference_latent(refs, shape, dit.cfg.z_dim, seed, model["device"], model["dtype"])
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(1, dit.cfg.z_dim, *shape[1:], generator=g).to(device=model["device"], dtype=model["dtype"])
-    if ref is not None:
-        x = (1 - reference_strength) * x + reference_strength * ref
-    with torch.no_grad():
-        for i in range(steps):
-            t = 1.0 - i / steps
-            x = x - dit(x, t) / steps
-    return ({"latent": x, "references": counts, "audio_refs": refs["audio"]},)
-
-
-@node("H3VAEDecode", inputs={"model": "MODEL", "latent": "LATENT"}, outputs=(("images", "IMAGE"),))
-def h3_vae_decode(model, latent):
-    """The toy causal video VAE (`diffusion.vae`, eager backend): latent -> frames in [0, 1]."""
-    with torch.no_grad():
-        video = model["vae"](latent["latent"])          # [1, 3, T', H, W] roughly in [-1, 1]
-    return (((video[0].float().clamp(-1, 1) + 1) / 2).permute(1, 2, 3, 0).contiguous(),)
-
-
-@node("H3AudioDecode", inputs={"latent": "LATENT", "frames": Input("INT", min=1), "fps": Input("INT", min=1),
-                               "sample_rate": Input("INT", default=32000, min=8000)},
-      outputs=(("audio", "AUDIO"),))
-def h3_audio_decode(latent, frames, fps, sample_rate):
-    """Stereo audio lasting frames / fps seconds (`toy_pipeline.synth_audio`), with any audio
-    references mixed in at a quarter of their level."""
-    from ..diffusion.toy_pipeline import synth_audio
-
-    wav = torch.from_numpy(synth_audio(latent["latent"], frames, fps, sample_rate))
-    for ref in latent.get("audio_refs") or ():
-        r = ref["waveform"].float()
-        if ref["sample_rate"] != sample_rate:
-            n = int(round(r.shape[1] * sample_rate / ref["sample_rate"]))
-            r = torch.nn.functional.interpolate(r[None], size=max(n, 1), mode="linear", align_corners=False)[0]
-        r = r.expand(2, -1) if r.shape[0] == 1 else r[:2]
-        reps = math.ceil(wav.shape[1] / max(r.shape[1], 1))
-        wav = wav + 0.25 * r.repeat(1, reps)[:, :wav.shape[1]]
-    return ({"waveform": wav.clamp(-1, 1), "sample_rate": sample_rate},)
+    req = Request(url=url, model=model, prompt=prompt, width=width, height=height, frames=frames, fps=fps,
+                  steps=steps, seed=seed, references=references, lora=lora, reference_strength=reference_strength)
+    out = server_for(run.device, run.dtype).generate(req)
+    run.event("server_stages", mode=out["mode"], references=out["references"], seconds=out["server_seconds"])
+    return out["video"], out["audio"]

@@ -9,7 +9,9 @@ segment only through what the workflow wires into it:
   model sees its conditioning frame through its latent space; fine detail does not survive.
 - the segment's content: the decoded latent plus a fine texture synthesised from noise drawn
   from (prompt, seed + index) by `steps` passes of a small fixed conv net (the toy's "denoiser",
-  where its time goes), so each segment re-invents the detail.
+  where its time goes), so each segment re-invents the detail. Inside a segment the texture drifts
+  between two such fields (`EVOLVE` radians per frame), so consecutive frames are not pure pixel
+  shifts: the motion-compensated residual inside a segment is small but not zero.
 - motion: a whole-frame pan of `velocity` pixels per frame, drawn from the segment's seed unless
   the context holds at least two frames: then the pan is estimated from the last two and continued.
 - audio: a tone at a pitch set by the prompt; its phase starts at 0 unless `audio_offset`
@@ -33,6 +35,8 @@ LATENT_DOWN = 4          # the "VAE" downsampling factor of the toy's latent
 DETAIL_CHANNELS = 8
 DETAIL_AMPLITUDE = 0.06
 MAX_SPEED = 2            # pan speed range (pixels per frame), per axis
+EVOLVE = 0.15            # radians per frame: how fast a segment's fine texture drifts between its two fields
+DRIFT_SEED = 7_777_777   # seed offset of the second texture field
 
 
 def prompt_seed(prompt: str) -> int:
@@ -133,8 +137,13 @@ def generate_segment(context: torch.Tensor, prompt: str, frames: int, seed: int,
         velocity = (0, 0)
         while velocity == (0, 0):
             velocity = tuple(int(v) for v in torch.randint(-MAX_SPEED, MAX_SPEED + 1, (2,), generator=g))
-    content = decode(encode(first)) + detail(H, W, prompt, seg_seed, steps, device=first.device)   # [3, H, W]
-    out = torch.stack([torch.roll(content, (velocity[0] * t, velocity[1] * t), dims=(1, 2))
+    coarse = decode(encode(first))                                                    # [3, H, W]
+    # Two texture fields the segment drifts between, so that frames inside a segment are not pure
+    # pixel shifts of each other (the texture evolves by EVOLVE radians per frame).
+    d1 = detail(H, W, prompt, seg_seed, steps, device=first.device)
+    d2 = detail(H, W, prompt, seg_seed + DRIFT_SEED, steps, device=first.device)
+    out = torch.stack([torch.roll(coarse + math.cos(EVOLVE * t) * d1 + math.sin(EVOLVE * t) * d2,
+                                  (velocity[0] * t, velocity[1] * t), dims=(1, 2))
                        for t in range(1, frames + 1)])
     video = out.clamp(0, 1).permute(0, 2, 3, 1).contiguous()
     n = int(round(frames / fps * sample_rate))
