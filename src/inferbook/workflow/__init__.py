@@ -12,7 +12,7 @@
 """
 from __future__ import annotations
 
-from .executor import REGISTRY, Executor, RunResult, WorkflowError, load_workflow, parse_workflow, run_workflow, validate
+from .executor import REGISTRY, Executor, describe_inputs, RunResult, WorkflowError, load_workflow, parse_workflow, run_workflow, validate
 from . import loops, nodes  # noqa: F401,E402  (register node classes)
 from .references import check_service_mapping, validate_references
 

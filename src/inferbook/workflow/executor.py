@@ -191,6 +191,12 @@ class Spec:
     loop_end: str | None = None                 # StartLoop only: its EndLoop id
 
 
+def describe_inputs(inputs: dict) -> str:
+    """A node's inputs as a reader reads them: literals as values, a link as `node.slot` (the JSON
+    `["node", slot]` of a workflow file)."""
+    return ", ".join(f"{name}={f'{v[0]}.{v[1]}' if is_link(v) else v}" for name, v in inputs.items())
+
+
 def is_link(value: Any) -> bool:
     """`[node_id, output_index]` (ComfyUI's link form). A literal list shaped like this is a link."""
     return (isinstance(value, list) and len(value) == 2 and isinstance(value[0], str)

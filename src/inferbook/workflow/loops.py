@@ -34,6 +34,7 @@ iteration's output, carried value and terminations, so iterations run in order.
 from __future__ import annotations
 
 import hashlib
+import json
 import uuid
 from dataclasses import dataclass, field
 
@@ -162,7 +163,7 @@ def end_of(graph: dict[str, Spec], sid: str, ends_by_start: dict[str, list[str]]
     ends = ends_by_start.get(sid, [])
     if not ends:
         raise WorkflowError(f"{_where(sid, 'StartLoop')} has no EndLoop: link an EndLoop's 'loop' input to "
-                            f"[{sid!r}, {HANDLE}]", node=sid)
+                            f"{json.dumps([sid, HANDLE])}", node=sid)
     if len(ends) > 1:
         raise WorkflowError(f"{_where(sid, 'StartLoop')} is closed by {len(ends)} EndLoops ({', '.join(map(repr, ends))}); "
                             "a loop has exactly one", node=sid)
