@@ -89,16 +89,24 @@ def save_draft(draft: HiddenStateDraft, path: str | Path, extra: dict | None = N
 
 
 def load_draft(path: str | Path, target: TinyDecoder) -> HiddenStateDraft:
+    """The draft from its safetensors file, loaded strictly: missing, renamed, extra or wrongly
+    shaped tensors are refused with their names (a partly loaded draft would keep random layers
+    while its metadata still says how many steps it was trained)."""
     from safetensors import safe_open
-    from safetensors.torch import load_file
 
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata() or {}
-    fields = DraftConfig.__dataclass_fields__
-    cfg = DraftConfig(**{k: (float(v) if fields[k].type == "float" else int(v)) for k, v in meta.items() if k in fields})
+    from .weights import config_from_metadata, load_strict
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+    except FileNotFoundError:
+        raise UserError(f"draft model file {path} does not exist") from None
+    except Exception as e:
+        raise UserError(f"draft model file {path} cannot be read as safetensors: {e}") from None
+    cfg = config_from_metadata(DraftConfig, meta, path, "draft model", required=("d_model", "vocab", "n_layers", "ffn"))
     p = next(target.parameters())
     draft = HiddenStateDraft(cfg, target)
-    draft.load_state_dict({k: v.float() for k, v in load_file(str(path)).items()}, strict=False)
+    load_strict(draft, path, "draft model")
     return draft.to(device=p.device, dtype=torch.float32).eval()
 
 
