@@ -21,6 +21,7 @@ from torch import nn
 
 from ..errors import UserError
 from .model import RMSNorm, TinyDecoder
+from .sampler import exponential_race_sample
 
 MAX_DRAFT_LAYERS = 5
 
@@ -131,21 +132,34 @@ class HiddenStateDrafter:
         if temperature < 0:
             raise UserError(f"draft temperature={temperature!r} must be >= 0")
         self.draft, self.vocab, self.temperature = draft, draft.cfg.vocab, temperature
-        self.generator = torch.Generator().manual_seed(seed)
+        self.seed = seed
+        self.generator: torch.Generator | None = None   # on the draft's device, made at first use
+
+    def _generator(self, device) -> torch.Generator:
+        if self.generator is None or self.generator.device != torch.device(device):
+            self.generator = torch.Generator(device=device).manual_seed(self.seed)
+        return self.generator
 
     @torch.no_grad()
-    def propose(self, seqs, k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    def propose(self, seqs, k: int, device) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """-> (draft tokens [n, k] int64, draft probabilities [n, k, V], or None when greedy: one-hot).
+
+        Everything stays on the draft's device: no `.cpu()`, `.item()` or host-side sampling per
+        position, so on a GPU the k positions are queued without a host sync. Sampling draws an
+        exact categorical sample as argmax(p / E), E ~ Exp(1) i.i.d. (the exponential race, as
+        vLLM's sampler does), from a generator on the same device."""
         h = torch.stack([s.draft_hidden for s in seqs]).float()
-        x = torch.tensor([s.token_ids[-1] for s in seqs], dtype=torch.long, device=h.device)
+        x = torch.tensor([s.token_ids[-1] for s in seqs], dtype=torch.long).to(h.device, non_blocking=True)
         tokens, probs = [], []
+        gen = self._generator(h.device) if self.temperature > 0 else None
         for _ in range(k):
             h, logits = self.draft(h, x)
             if self.temperature == 0:
                 x = logits.argmax(-1)
-                probs.append(F.one_hot(x, self.vocab).float())
             else:
                 p = torch.softmax(logits / self.temperature, dim=-1)
-                x = torch.multinomial(p.cpu(), 1, generator=self.generator).squeeze(-1).to(h.device)
+                x = exponential_race_sample(p, gen)
                 probs.append(p)
             tokens.append(x)
-        return torch.stack(tokens, dim=1).to(device), torch.stack(probs, dim=1).to(device)
+        toks = torch.stack(tokens, dim=1).to(device)
+        return toks, (torch.stack(probs, dim=1).to(device) if probs else None)
