@@ -420,3 +420,27 @@ def overhead_rows(records: list[RunRecord]) -> list[dict]:
                      "overhead ms (approx.)": significant(1e3 * step * share),
                      "runs": len(r.get("overhead_share")["runs"])})
     return rows
+
+
+def drafter_timings(n_requests: int, context: int, k: int, vocab: int, seed: int = 0) -> dict:
+    """Host time of one drafting call for `n_requests` requests of `context` random tokens: the
+    vectorised `NgramDrafter` against the same rule as a per-token Python loop (`ngram_reference`,
+    what the engine ran before). Random tokens rarely match, so both scan the whole context for
+    every n: the worst case. Returns {'vectorised': Timing, 'loop': Timing, 'equal': bool}."""
+    from ..measure import benchmark
+    from ..serving.speculative import ngram_reference
+
+    g = torch.Generator().manual_seed(seed + 23)
+
+    class _Request:   # the drafter reads only `token_ids`
+        def __init__(self, ids):
+            self.token_ids = ids
+
+    reqs = [_Request(torch.randint(vocab, (context,), generator=g).tolist()) for _ in range(n_requests)]
+    drafter = NgramDrafter(vocab)
+    cpu = torch.device("cpu")
+    vec = benchmark(lambda: drafter.propose(reqs, k, cpu), cpu, label="n-gram, vectorised", warmup=2, min_reps=7)
+    loop = benchmark(lambda: [ngram_reference(r.token_ids, k) for r in reqs], cpu, label="n-gram, per-token loop",
+                     warmup=1, min_reps=7, min_time_s=0.1)
+    equal = drafter.propose(reqs, k, cpu)[0].tolist() == [ngram_reference(r.token_ids, k) for r in reqs]
+    return {"vectorised": vec, "loop": loop, "equal": equal, "n_requests": n_requests, "context": context}
