@@ -31,7 +31,7 @@ def tiny_pipeline(tmp_path_factory):
     """A tiny target (a few steps), its hidden-state shards, and a draft trained from them via the CLI."""
     d = tmp_path_factory.mktemp("dspark")
     target = d / "target.safetensors"
-    train.train_target(target, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn=64, max_seq=96, seq_len=32,
+    train.train_target(target, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, ffn=64, max_seq=96, seq_len=32,
                        batch=6, steps=3, log=lambda *_: None)
     shards = d / "shards"
     train.main(["extract", "--target", str(target), "--shards", str(shards), "--windows-per-task", "4",
@@ -120,3 +120,31 @@ def test_exponential_race_draws_from_the_distribution():
     toks = exponential_race_sample(p.expand(n, 6), torch.Generator().manual_seed(1))
     freq = torch.bincount(toks, minlength=6).float() / n
     assert 0.5 * float((freq - p).abs().sum()) < 0.02   # uniform noise instead of Exp(1) gives ~0.07
+
+
+def test_the_draft_reads_several_target_layers_and_the_runner_hands_them_over(tiny_pipeline):
+    target_path, shards, draft_path = tiny_pipeline
+    target = load_weights(target_path, "cpu").requires_grad_(False)
+    draft = load_draft(draft_path, target)
+    assert draft.cfg.layers_read == (1, 2) and draft.cfg.n_features == 2      # low and last of a 2-layer target
+    features, layers = train.load_features(shards)
+    H, X = train.load_shards(shards)
+    assert layers == "1,2" and features.shape[-1] == 2 * 32
+    assert torch.equal(features[..., 32:], H)                                 # the last part is the final hidden
+    # the engine's runner returns the same features as a dense forward, at the rows it returns
+    from inferbook.serving.model_runner import ModelRunner
+    runner = ModelRunner(target, num_blocks=8, block_size=16)
+    runner.feature_layers = (1, 2)
+    prompt = X[0, :20].tolist()
+    _, got = runner.forward(runner.prepare([(prompt, 0, list(range(8)), False)]))
+    k, v = target.new_cache(1)
+    h = target.embed(torch.tensor([prompt]))
+    outs = []
+    for j, layer in enumerate(target.layers):
+        h = layer(h, torch.arange(20), target.cos, target.sin, k[j], v[j])
+        outs.append(h)
+    ref = torch.cat([outs[0][0, -1], target.norm(outs[1])[0, -1]])
+    assert got.shape == (1, 64)
+    assert float((got[0] - ref).abs().max()) <= 1e-4 * max(1.0, float(ref.abs().max()))
+    # the shards (fp16) hold the same features for that window
+    assert float((features[0, 19] - ref).abs().max()) <= 2e-3 * max(1.0, float(ref.abs().max()))

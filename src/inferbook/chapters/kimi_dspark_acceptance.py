@@ -5,7 +5,8 @@ mean acceptance length 6.42 on math reasoning, 4.96 on HumanEval, 3.28 on QA —
 distribution changes acceptance — and warns that choosing a draft by acceptance alone, without
 measuring per-round time, can pick a larger draft that is not faster.
 
-Here a small byte-level target and two hidden-state drafts (`draft.py`; 1 and 3 layers) were
+Here a small byte-level target and two hidden-state drafts (`draft.py`; 1 and 3 layers, each reading
+three target layers as EAGLE-3 does) were
 trained on three corpora (`corpora.py`: math, code, qa) by `train.py`, hidden-state extraction and
 draft training in separate processes; the weights are committed in `data/models/`. `measure`
 generates from held-out prompts of each task with k = 8 draft positions and returns records of
@@ -242,7 +243,8 @@ def _measure(ctx, *, num_spec_tokens, prompts_per_task, code_prompt_chars, outpu
             spread = cost_spread(steps, acc.accepted, k, seed=ctx.seed)
             meta = draft_metadata(paths[name])
             rec = ctx.new_record(f"{name}-{task}", variant=f"draft {name}", workload={
-                **common, "draft": f"hidden-state draft, {draft.cfg.n_layers} layer(s), ffn {draft.cfg.ffn} "
+                **common, "draft": f"hidden-state draft, {draft.cfg.n_layers} layer(s), ffn {draft.cfg.ffn}, reads "
+                                   f"target layers {draft.cfg.feature_layers or target.cfg.n_layers} "
                                    f"({draft.cfg.n_params() / 1e6:.2f}M params)",
                 "draft_revision": f"sha256:{sha(paths[name])[:16]} (trained {meta.get('steps', '?')} steps from "
                                   f"{meta.get('trained_from', '?')})"}, topology={"ranks": 1})

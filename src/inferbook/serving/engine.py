@@ -67,6 +67,8 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(cfg, self.block_manager)
         self.runner = ModelRunner(model, num_blocks, cfg.block_size)
+        # a multi-layer draft (EAGLE-3 style) reads several target layers: the runner hands them over
+        self.runner.feature_layers = getattr(self.drafter, "feature_layers", None)
         self.device = self.runner.device
         self.clock = clock
         self.generator = torch.Generator(device="cpu").manual_seed(cfg.seed)

@@ -38,6 +38,8 @@ class ModelRunner:
         shape = (cfg.n_layers, num_blocks * block_size, cfg.n_kv_heads, cfg.head_dim)
         self.k_cache = torch.zeros(shape, dtype=p.dtype, device=p.device)
         self.v_cache = torch.zeros(shape, dtype=p.dtype, device=p.device)
+        # target layers (1-based) whose outputs a multi-layer draft reads (EAGLE-3); None: final hidden only
+        self.feature_layers: tuple[int, ...] | None = None
 
     def prepare(self, items: list[tuple[list[int], int, list[int], bool]]) -> Batch:
         """items: (tokens, start position, block table, wants logits for every row (else last row only)).
@@ -64,12 +66,15 @@ class ModelRunner:
 
     @torch.no_grad()
     def forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (logits [R, vocab] fp32, final hidden states [R, d_model]) for `batch.logit_rows`."""
+        """-> (logits [R, vocab] fp32, draft features [R, d_model x layers read]) for `batch.logit_rows`:
+        the final (normed) hidden state, or with `feature_layers` set, the outputs of those layers
+        (the last one normed, as the final hidden state) concatenated."""
         m, cfg = self.model, self.model.cfg
         T = batch.tokens.shape[0]
         H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         cos, sin = m.cos[batch.positions], m.sin[batch.positions]
         x = m.embed(batch.tokens)                                        # [T, d]
+        features = []
         for i, layer in enumerate(m.layers):
             a = layer.attn
             h = layer.attn_norm(x)
@@ -85,8 +90,11 @@ class ModelRunner:
             x = x + a.wo(out.transpose(0, 1).reshape(T, cfg.d_model))
             h = layer.mlp_norm(x)
             x = x + layer.w_down(F.silu(layer.w_gate(h)) * layer.w_up(h))
+            if self.feature_layers and i + 1 in self.feature_layers[:-1]:
+                features.append(x[batch.logit_rows])
         hidden = m.norm(x[batch.logit_rows])
-        return m.lm_head(hidden).float(), hidden
+        logits = m.lm_head(hidden).float()
+        return logits, (torch.cat(features + [hidden], dim=-1) if self.feature_layers else hidden)
 
 
 def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, kv_slots: torch.Tensor,

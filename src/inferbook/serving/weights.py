@@ -71,7 +71,8 @@ def config_from_metadata(cls, meta: dict, path: str | Path, what: str, required:
         if k not in fields:
             continue
         try:
-            values[k] = float(v) if fields[k].type == "float" else int(v)
+            kind = fields[k].type
+            values[k] = float(v) if kind == "float" else (str(v) if kind == "str" else int(v))
         except ValueError:
             raise UserError(f"{what} file {path}: metadata {k}={v!r} is not a number") from None
     return cls(**values)
