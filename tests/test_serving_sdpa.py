@@ -52,3 +52,22 @@ def test_record_entry():
     rec = sdpa_record(q, k, v, True)
     assert rec["kernel"] == observed_sdpa_kernel(q, k, v, True) and rec["shapes"]["q"] == [1, 2, 8, 16]
     assert rec["device"] == "cpu" and rec["dtype"] == "float32"
+
+
+def test_paged_attention_runs_the_kernel_observed_for_its_shapes():
+    from torch.profiler import ProfilerActivity, profile
+
+    from inferbook.serving.model import TinyConfig
+    from inferbook.serving.model_runner import observed_paged_kernels, paged_attention
+
+    cfg = TinyConfig(vocab=64, d_model=64, n_heads=4, n_kv_heads=2, max_seq=64)
+    observed = observed_paged_kernels(cfg, torch.float32, torch.device("cpu"), prefill_len=12, context_len=20, k=3)
+    assert set(observed) == {"prefill", "decode", "verify"}
+    pool = torch.randn(40, 2, 16)
+    slots = torch.randperm(40)[:20]
+    for case, n in (("verify", 4), ("decode", 1)):
+        q = torch.randn(4, n, 16)
+        with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof:
+            paged_attention(q, pool, pool, slots, torch.arange(20 - n, 20))
+        ops = [e.name for e in prof.events() if e.name.startswith("aten::_scaled_dot_product")]
+        assert ops and ops[0] == observed[case]["op"], (case, ops, observed[case])

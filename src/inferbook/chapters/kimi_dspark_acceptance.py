@@ -31,6 +31,7 @@ from ..serving.draft import HiddenStateDrafter, draft_metadata, load_draft
 from ..serving.engine import LLMEngine
 from ..serving.metrics import run_closed_loop
 from ..serving.model import load_weights
+from ..serving.model_runner import observed_paged_kernels, paged_kernels_label
 from ..serving.sequence import SamplingParams
 from .kimi_spec_budget import torch_threads
 from ..serving.speculative import leviathan_expected_length
@@ -202,6 +203,8 @@ def _measure(ctx, *, num_spec_tokens, prompts_per_task, code_prompt_chars, outpu
     target = load_weights(paths["target"], ctx.device)
     drafts = {name: load_draft(paths[name], target) for name in DRAFTS}
     target_sha = sha(paths["target"])
+    kernels = observed_paged_kernels(target.cfg, torch.float32, ctx.device, prefill_len=code_prompt_chars,
+                                     context_len=code_prompt_chars + output_len, k=k)
     records = []
     for task in TASKS:
         prompts = task_prompts(task, prompts_per_task, code_prompt_chars)
@@ -248,7 +251,8 @@ def _measure(ctx, *, num_spec_tokens, prompts_per_task, code_prompt_chars, outpu
                                    f"({draft.cfg.n_params() / 1e6:.2f}M params)",
                 "draft_revision": f"sha256:{sha(paths[name])[:16]} (trained {meta.get('steps', '?')} steps from "
                                   f"{meta.get('trained_from', '?')})"}, topology={"ranks": 1})
-            rec.set_backend("attention", "paged sdpa, one call per request", reason="PyTorch path of this engine")
+            rec.set_backend("attention", paged_kernels_label(kernels),
+                            reason="PyTorch path of this engine; SDPA kernel observed on its call shapes")
             rec.add("mean_acceptance_length", tau, "tokens per round", phase="decode", rounds=acc.rounds,
                     stderr=tau_err)
             for i, (cum, cond) in enumerate(zip(acc.cumulative(), acc.conditional()), start=1):

@@ -31,6 +31,7 @@ from ..record import RunRecord
 from ..serving.config import EngineConfig
 from ..serving.engine import LLMEngine
 from ..serving.metrics import run_closed_loop
+from ..serving.model_runner import observed_paged_kernels, paged_kernels_label
 from ..serving.model import TinyConfig, TinyDecoder, init_weights, save_weights, load_weights
 from ..serving.sequence import SamplingParams
 from ..serving.speculative import NgramDrafter
@@ -282,6 +283,8 @@ def _measure(ctx, *, d_model, n_layers, n_heads, n_kv_heads, ffn, vocab, dtype, 
                 expected = [expected_reservation(policy, s, max_num_seqs=max_num_seqs,
                                                  num_spec_tokens=num_spec_tokens) for s in engine.steps]
                 reserve_ok[key] = reserve_ok.get(key, True) and expected == [s.reserved for s in engine.steps]
+    kernels = observed_paged_kernels(cfg, getattr(torch, dtype), ctx.device, prefill_len=input_len,
+                                     context_len=input_len + output_len, k=num_spec_tokens)
     records = []
     for conc in concurrencies:
         for policy in POLICIES:
@@ -299,10 +302,12 @@ def _measure(ctx, *, d_model, n_layers, n_heads, n_kv_heads, ffn, vocab, dtype, 
                 "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
                 "timer": TIMER_LABELS[timer],
             }, topology={"ranks": 1, "tp": 1})
-            rec.set_backend("attention", "paged sdpa, one call per request",
-                            reason="PyTorch reference path of this engine", dtype=dtype,
+            rec.set_backend("attention", paged_kernels_label(kernels),
+                            reason="PyTorch reference path of this engine; SDPA kernel observed on its call shapes",
+                            dtype=dtype,
                             shapes={"kv_pool": [n_layers, engine.block_manager.num_blocks * engine.config.block_size,
                                                 n_kv_heads, cfg.head_dim], "block_size": engine.config.block_size})
+            rec.backends["attention"]["kernels"] = {c: {"kernel": r["kernel"], "op": r["op"]} for c, r in kernels.items()}
             rec.set_backend("spec_budget", policy, reason="the variant under study",
                             shapes={"reserve": {"static": f"{max_num_seqs}*(1+k)", "adaptive": "running*(1+k)",
                                                 "decode-only": "decoding*(1+k)"}[policy]})

@@ -113,3 +113,30 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     if n > 1:
         mask = torch.arange(kv_slots.shape[0], device=q.device)[None, :] <= q_pos[:, None]   # [n, ctx]
     return F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask)[0]
+
+
+def observed_paged_kernels(cfg, dtype, device, *, prefill_len: int, context_len: int, k: int = 0) -> dict:
+    """The SDPA kernel `paged_attention` runs, observed (`sdpa.sdpa_record`) on its own call shapes:
+    a prefill chunk (prefill_len queries over as many keys, boolean causal mask), a verification
+    (1 + k queries over context_len keys, mask) when k > 0, and a plain decode (1 query, no mask).
+    -> {case: sdpa_record dict}."""
+    from .sdpa import sdpa_record
+
+    g = torch.Generator().manual_seed(0)
+    H, D = cfg.n_heads, cfg.head_dim
+    cases = {"prefill": (prefill_len, prefill_len), "decode": (1, context_len)}
+    if k:
+        cases["verify"] = (1 + k, context_len)
+    out = {}
+    for name, (n, ctx) in cases.items():
+        q = torch.randn(1, H, n, D, generator=g).to(device=device, dtype=dtype)
+        kv = torch.randn(1, H, ctx, D, generator=g).to(device=device, dtype=dtype)
+        q_pos = torch.arange(ctx - n, ctx, device=device)
+        mask = (torch.arange(ctx, device=device)[None, :] <= q_pos[:, None]) if n > 1 else None
+        out[name] = sdpa_record(q, kv, kv, attn_mask=mask)
+    return out
+
+
+def paged_kernels_label(observed: dict) -> str:
+    """'paged sdpa, one call per request: flash (prefill), flash (decode), flash (verify)'."""
+    return "paged sdpa, one call per request: " + ", ".join(f"{r['kernel']} ({c})" for c, r in observed.items())

@@ -63,9 +63,11 @@ def rejection_sample(target_probs: torch.Tensor, draft_probs: torch.Tensor | Non
     rows = torch.arange(n, device=device)
     p_next = target_probs[rows, num_accepted].float()                  # [n, V]
     if one_hot:   # q_next is one-hot at the rejected draft token (zero at the bonus position)
-        residual = p_next.clone()
-        rejected = num_accepted < k
-        residual[rows[rejected], draft_tokens[rows[rejected], num_accepted[rejected]]] = 0.0
+        # zero p at the rejected draft token; rows that accepted all k keep p (no boolean indexing:
+        # no host sync on a GPU)
+        at = draft_tokens.gather(1, num_accepted.clamp_max(k - 1)[:, None])          # [n, 1]
+        keep = (num_accepted >= k)[:, None].to(p_next.dtype)
+        residual = p_next.scatter(1, at, p_next.gather(1, at) * keep)
     else:
         q_next = torch.nn.functional.pad(draft_probs, (0, 0, 0, 1))[rows, num_accepted].float()  # 0 at the bonus position
         residual = (p_next - q_next).clamp_min(0)
