@@ -31,7 +31,7 @@ def tiny_pipeline(tmp_path_factory):
     """A tiny target (a few steps), its hidden-state shards, and a draft trained from them via the CLI."""
     d = tmp_path_factory.mktemp("dspark")
     target = d / "target.safetensors"
-    train.train_target(target, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn=64, max_seq=96, seq_len=32,
+    train.train_target(target, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, ffn=64, max_seq=96, seq_len=32,
                        batch=6, steps=3, log=lambda *_: None)
     shards = d / "shards"
     train.main(["extract", "--target", str(target), "--shards", str(shards), "--windows-per-task", "4",
@@ -70,7 +70,37 @@ def test_draft_proposals_and_greedy_equality(tiny_pipeline, k):
     assert engine.acceptance.rounds > 0
     seqs = engine.finished[:2]
     toks, probs = HiddenStateDrafter(draft).propose(seqs, k, "cpu")
-    assert toks.shape == (2, k) and probs.shape == (2, k, 256) and torch.equal(probs.argmax(-1), toks)
+    assert toks.shape == (2, k) and probs is None        # greedy: one-hot, not materialised
+    sampled, q = HiddenStateDrafter(draft, temperature=1.0, seed=3).propose(seqs, k, "cpu")
+    assert sampled.shape == (2, k) and q.shape == (2, k, 256) and torch.allclose(q.sum(-1), torch.ones(2, k))
+
+
+def test_sampled_proposals_follow_the_drafts_softmax_without_host_syncs(tiny_pipeline, monkeypatch):
+    target_path, _, draft_path = tiny_pipeline
+    target = load_weights(target_path, "cpu")
+    draft = load_draft(draft_path, target)
+
+    class Req:
+        def __init__(self, h, last):
+            self.draft_hidden, self.token_ids = h, [last]
+
+    g = torch.Generator().manual_seed(torch.randint(1 << 30, ()).item())
+    h = torch.randn(32, generator=g)
+    n = 4000
+    seqs = [Req(h, 7)] * n                                # the same state n times: n samples of position 1
+    drafter = HiddenStateDrafter(draft, temperature=1.5, seed=1)
+    for name in ("cpu", "item", "tolist", "numpy"):       # any of these inside propose would be a host sync
+        def refuse(*a, _name=name, **kw):
+            raise AssertionError(f"propose called Tensor.{_name}")
+        monkeypatch.setattr(torch.Tensor, name, refuse)
+    toks, q = drafter.propose(seqs, 2, "cpu")
+    monkeypatch.undo()
+    freq = torch.bincount(toks[:, 0], minlength=256).float() / n
+    tv = 0.5 * float((freq - q[0, 0]).abs().sum())
+    # total variation of n samples from the true distribution: about sqrt(support / n) / 2 at most
+    support = int((q[0, 0] > 1e-4).sum())
+    assert tv <= 1.5 * (support / n) ** 0.5 / 2 + 0.01, (tv, support)
+    assert torch.equal(q[0, 0], q[-1, 0])                 # position 1 sees the same state in every row
 
 
 def test_draft_must_fit_target(tiny_pipeline):
@@ -79,3 +109,42 @@ def test_draft_must_fit_target(tiny_pipeline):
         HiddenStateDraft(DraftConfig(d_model=48, vocab=256), target)
     with pytest.raises(UserError, match="n_layers"):
         DraftConfig(d_model=32, vocab=256, n_layers=6)
+
+
+def test_exponential_race_draws_from_the_distribution():
+    from inferbook.serving.sampler import exponential_race_sample
+
+    g = torch.Generator().manual_seed(torch.randint(1 << 30, ()).item())
+    p = torch.softmax(torch.randn(6, generator=g), -1)
+    n = 40000
+    toks = exponential_race_sample(p.expand(n, 6), torch.Generator().manual_seed(1))
+    freq = torch.bincount(toks, minlength=6).float() / n
+    assert 0.5 * float((freq - p).abs().sum()) < 0.02   # uniform noise instead of Exp(1) gives ~0.07
+
+
+def test_the_draft_reads_several_target_layers_and_the_runner_hands_them_over(tiny_pipeline):
+    target_path, shards, draft_path = tiny_pipeline
+    target = load_weights(target_path, "cpu").requires_grad_(False)
+    draft = load_draft(draft_path, target)
+    assert draft.cfg.layers_read == (1, 2) and draft.cfg.n_features == 2      # low and last of a 2-layer target
+    features, layers = train.load_features(shards)
+    H, X = train.load_shards(shards)
+    assert layers == "1,2" and features.shape[-1] == 2 * 32
+    assert torch.equal(features[..., 32:], H)                                 # the last part is the final hidden
+    # the engine's runner returns the same features as a dense forward, at the rows it returns
+    from inferbook.serving.model_runner import ModelRunner
+    runner = ModelRunner(target, num_blocks=8, block_size=16)
+    runner.feature_layers = (1, 2)
+    prompt = X[0, :20].tolist()
+    _, got = runner.forward(runner.prepare([(prompt, 0, list(range(8)), False)]))
+    k, v = target.new_cache(1)
+    h = target.embed(torch.tensor([prompt]))
+    outs = []
+    for j, layer in enumerate(target.layers):
+        h = layer(h, torch.arange(20), target.cos, target.sin, k[j], v[j])
+        outs.append(h)
+    ref = torch.cat([outs[0][0, -1], target.norm(outs[1])[0, -1]])
+    assert got.shape == (1, 64)
+    assert float((got[0] - ref).abs().max()) <= 1e-4 * max(1.0, float(ref.abs().max()))
+    # the shards (fp16) hold the same features for that window
+    assert float((features[0, 19] - ref).abs().max()) <= 2e-3 * max(1.0, float(ref.abs().max()))

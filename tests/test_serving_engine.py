@@ -89,7 +89,7 @@ def test_chunked_prefill_same_tokens(model, budget, seqs, temperature):
     assert max(len(o) for o in out) == 12
 
 
-@pytest.mark.parametrize("policy", ["static", "adaptive"])
+@pytest.mark.parametrize("policy", ["static", "adaptive", "decode-only"])
 @pytest.mark.parametrize("k", [1, 4, 8])
 def test_budget_never_exceeded_and_reservation(model, policy, k):
     max_seqs, budget = 4, 4 * 9 + 7
@@ -99,8 +99,10 @@ def test_budget_never_exceeded_and_reservation(model, policy, k):
     assert all(len(o) == 9 for o in out)
     for s in engine.steps:
         assert s.num_tokens <= budget
-        assert s.reserved == (max_seqs * k if policy == "static" else s.num_running * k)
-        assert s.num_decode * k <= s.reserved
+        expected = {"static": max_seqs, "adaptive": s.num_running, "decode-only": s.num_decode}[policy] * (1 + k)
+        assert s.reserved == expected
+        assert s.num_decode * (1 + k) <= s.reserved
+        assert s.num_prefill_tokens <= budget - s.reserved
 
 
 def test_static_reservation_splits_a_prefill_that_adaptive_keeps_whole(model):

@@ -37,7 +37,7 @@ def test_ngram_drafter_proposes_the_continuation_of_the_last_match():
     class S:
         token_ids = [5, 6, 7, 8, 9, 1, 5, 6, 7]
     toks, probs = NgramDrafter(16).propose([S()], 4, "cpu")
-    assert toks.tolist() == [[8, 9, 1, 5]] and probs.sum(-1).eq(1).all()
+    assert toks.tolist() == [[8, 9, 1, 5]] and probs is None   # None: one-hot at the tokens
 
 
 @pytest.mark.parametrize("text,ok", [("1,4,16", (1, 4, 16)), (" 2 ", (2,)), ("0,4", None), ("a", None), ("", None)])

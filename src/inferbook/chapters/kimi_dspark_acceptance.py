@@ -5,7 +5,8 @@ mean acceptance length 6.42 on math reasoning, 4.96 on HumanEval, 3.28 on QA —
 distribution changes acceptance — and warns that choosing a draft by acceptance alone, without
 measuring per-round time, can pick a larger draft that is not faster.
 
-Here a small byte-level target and two hidden-state drafts (`draft.py`; 1 and 3 layers) were
+Here a small byte-level target and two hidden-state drafts (`draft.py`; 1 and 3 layers, each reading
+three target layers as EAGLE-3 does) were
 trained on three corpora (`corpora.py`: math, code, qa) by `train.py`, hidden-state extraction and
 draft training in separate processes; the weights are committed in `data/models/`. `measure`
 generates from held-out prompts of each task with k = 8 draft positions and returns records of
@@ -21,6 +22,7 @@ from pathlib import Path
 import torch
 
 from ..errors import UserError
+from ..measure import significant
 from ..presets import Param
 from ..record import RunRecord
 from ..serving.config import EngineConfig
@@ -29,6 +31,7 @@ from ..serving.draft import HiddenStateDrafter, draft_metadata, load_draft
 from ..serving.engine import LLMEngine
 from ..serving.metrics import run_closed_loop
 from ..serving.model import load_weights
+from ..serving.model_runner import observed_paged_kernels, paged_kernels_label
 from ..serving.sequence import SamplingParams
 from .kimi_spec_budget import torch_threads
 from ..serving.speculative import leviathan_expected_length
@@ -122,6 +125,63 @@ def run_task(target, prompts, params: SamplingParams, k: int, drafter=None, time
     return engine, run_closed_loop(engine, prompts, params, 1)
 
 
+def quantile(xs, q: float) -> float:
+    return float(torch.quantile(torch.tensor(xs, dtype=torch.float64), q))
+
+
+def per_request_rates(run) -> list[float]:
+    """Decode tokens per second of each request: (output tokens - 1) / (end-to-end - TTFT)."""
+    return [(r.output_len - 1) / (r.e2e_s - r.ttft_s) for r in run.requests if r.output_len > 1 and r.e2e_s > r.ttft_s]
+
+
+def cost_spread(steps, accepted: list[int], k: int, *, seed: int = 0, n_boot: int = 2000,
+                confidence: float = 0.9) -> dict:
+    """Per-round samples and bootstrap intervals of what a draft choice rests on.
+
+    `steps` are the decode steps (batch 1: one verification round each) and `accepted` the accepted
+    drafts of each round, in order. Returns the draft and verify time of each round, the mean
+    acceptance length with its interval, and the expected rate sum(accepted + 1) / sum(round time)
+    with its interval, both by resampling rounds (percentile bootstrap)."""
+    n = min(len(steps), len(accepted))
+    if n < 2:
+        raise UserError(f"only {n} verification round(s) were measured; raise output_len or prompts_per_task")
+    steps, accepted = steps[-n:], accepted[-n:]   # a round per decode step; both in order
+    a = torch.tensor(accepted, dtype=torch.float64) + 1
+    t = torch.tensor([s.total_s for s in steps], dtype=torch.float64)
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(n, (n_boot, n), generator=g)
+    tail = (1 - confidence) / 2
+    qs = torch.tensor([tail, 1 - tail], dtype=torch.float64)
+    tau_lo, tau_hi = torch.quantile(a[idx].mean(1), qs).tolist()
+    rate_lo, rate_hi = torch.quantile(a[idx].sum(1) / t[idx].sum(1), qs).tolist()
+    return {"draft_s": [s.draft_s for s in steps], "verify_s": [s.forward_s for s in steps],
+            "tau_lo": tau_lo, "tau_hi": tau_hi, "rate": float(a.sum() / t.sum()), "rate_lo": rate_lo,
+            "rate_hi": rate_hi}
+
+
+def recommend(records: list[RunRecord], a: str = "small", b: str = "large") -> list[dict]:
+    """Per task, and over all tasks pooled: which draft gives more decode tokens per second, by more
+    than the noise. Samples are the requests' own decode rates (`request_tokens_per_s` runs);
+    `compare_timings(higher_is_better=True)` gives the verdict. 'cannot tell' where the interval of
+    the ratio contains 1."""
+    from ..measure import compare_timings
+
+    rates = {(r.variant, r.workload["task"]): r.get("request_tokens_per_s")["runs"]
+             for r in records if r.variant.startswith("draft ")}
+    tasks = sorted({t for _, t in rates}, key=TASKS.index)
+    rows = []
+    for task in tasks + ["all tasks"]:
+        pick = (lambda d: rates[(f"draft {d}", task)]) if task != "all tasks" else (
+            lambda d: [x for t in tasks for x in rates[(f"draft {d}", t)]])
+        xa, xb = pick(a), pick(b)
+        cmp = compare_timings(xb, xa, higher_is_better=True)
+        choice = {True: b, False: a, None: "cannot tell"}[cmp.a_better]
+        rows.append({"task": task, "recommended": choice, f"{b} / {a} tokens/s": cmp.ratio, "lo": cmp.lo,
+                     "hi": cmp.hi, "requests": f"{len(xb)} and {len(xa)}", "sentence": cmp.sentence(
+                         f"the {b} draft", f"the {a} draft"), "_cmp": cmp})
+    return rows
+
+
 def measure(ctx, *, cpu_threads, **params) -> list[RunRecord]:
     with torch_threads(ctx.device, cpu_threads) as threads:
         records = _measure(ctx, **params)
@@ -143,6 +203,8 @@ def _measure(ctx, *, num_spec_tokens, prompts_per_task, code_prompt_chars, outpu
     target = load_weights(paths["target"], ctx.device)
     drafts = {name: load_draft(paths[name], target) for name in DRAFTS}
     target_sha = sha(paths["target"])
+    kernels = observed_paged_kernels(target.cfg, torch.float32, ctx.device, prefill_len=code_prompt_chars,
+                                     context_len=code_prompt_chars + output_len, k=k)
     records = []
     for task in TASKS:
         prompts = task_prompts(task, prompts_per_task, code_prompt_chars)
@@ -165,6 +227,8 @@ def _measure(ctx, *, num_spec_tokens, prompts_per_task, code_prompt_chars, outpu
                              topology={"ranks": 1})
         rec.add("time_per_token", plain_tpot, "s", phase="decode", steps=len(plain_steps),
                 definition="mean decode step time (one token per step)")
+        rec.add("request_tokens_per_s", statistics.median(per_request_rates(plain)), "tokens/s", phase="decode",
+                runs=per_request_rates(plain), definition="per request: (output tokens - 1) / decode time")
         records.append(rec)
         greedy = SamplingParams(max_tokens=min(32, output_len))
         greedy_plain = run_task(target, prompts[:2], greedy, k)[1].outputs
@@ -179,13 +243,16 @@ def _measure(ctx, *, num_spec_tokens, prompts_per_task, code_prompt_chars, outpu
             tau = acc.mean_acceptance_length()
             tau_err = statistics.stdev(acc.accepted) / len(acc.accepted) ** 0.5 if acc.rounds > 1 else float("inf")
             measured_tpot = sum(s.total_s for s in steps) / sum(a + 1 for a in acc.accepted)
+            spread = cost_spread(steps, acc.accepted, k, seed=ctx.seed)
             meta = draft_metadata(paths[name])
             rec = ctx.new_record(f"{name}-{task}", variant=f"draft {name}", workload={
-                **common, "draft": f"hidden-state draft, {draft.cfg.n_layers} layer(s), ffn {draft.cfg.ffn} "
+                **common, "draft": f"hidden-state draft, {draft.cfg.n_layers} layer(s), ffn {draft.cfg.ffn}, reads "
+                                   f"target layers {draft.cfg.feature_layers or target.cfg.n_layers} "
                                    f"({draft.cfg.n_params() / 1e6:.2f}M params)",
                 "draft_revision": f"sha256:{sha(paths[name])[:16]} (trained {meta.get('steps', '?')} steps from "
                                   f"{meta.get('trained_from', '?')})"}, topology={"ranks": 1})
-            rec.set_backend("attention", "paged sdpa, one call per request", reason="PyTorch path of this engine")
+            rec.set_backend("attention", paged_kernels_label(kernels),
+                            reason="PyTorch path of this engine; SDPA kernel observed on its call shapes")
             rec.add("mean_acceptance_length", tau, "tokens per round", phase="decode", rounds=acc.rounds,
                     stderr=tau_err)
             for i, (cum, cond) in enumerate(zip(acc.cumulative(), acc.conditional()), start=1):
@@ -209,6 +276,20 @@ def _measure(ctx, *, num_spec_tokens, prompts_per_task, code_prompt_chars, outpu
             rec.add("time_per_token", measured_tpot, "s", phase="decode",
                     definition="total decode step time / tokens emitted, measured")
             rec.add("speedup_vs_plain", plain_tpot / measured_tpot, "x", phase="decode")
+            # the numbers the choice rests on, each with its spread from this run
+            rec.add("acceptance_length_ci", tau, "tokens per round", phase="decode", lo=spread["tau_lo"],
+                    hi=spread["tau_hi"], definition="mean acceptance length, 90 % bootstrap interval over rounds")
+            rec.add("draft_time_per_step", statistics.median(spread["draft_s"]), "s", phase="decode",
+                    samples_s=spread["draft_s"], p10_s=quantile(spread["draft_s"], 0.1),
+                    p90_s=quantile(spread["draft_s"], 0.9), definition=f"draft time of one round ({k} positions)")
+            rec.add("verify_time_per_step", statistics.median(spread["verify_s"]), "s", phase="decode",
+                    samples_s=spread["verify_s"], p10_s=quantile(spread["verify_s"], 0.1),
+                    p90_s=quantile(spread["verify_s"], 0.9), definition=f"target forward over 1 + k = {k + 1} tokens")
+            rec.add("expected_tokens_per_s", spread["rate"], "tokens/s", phase="decode", lo=spread["rate_lo"],
+                    hi=spread["rate_hi"], definition="sum(accepted + 1) / sum(round time) over rounds, 90 % "
+                                                     "bootstrap interval resampling rounds")
+            rec.add("request_tokens_per_s", statistics.median(per_request_rates(run)), "tokens/s", phase="decode",
+                    runs=per_request_rates(run), definition="per request: (output tokens - 1) / decode time")
             # exactness, on two prompts: greedy speculation with this draft must give plain greedy's tokens
             greedy_spec = run_task(target, prompts[:2], greedy, k, HiddenStateDrafter(draft))[1].outputs
             rec.add_check("greedy speculative output equals plain greedy", greedy_spec == greedy_plain,
@@ -256,16 +337,21 @@ def cost_rows(records: list[RunRecord]) -> list[dict]:
         if not r.name.startswith(tuple(DRAFTS)):
             continue
         task = r.workload["task"]
+        ci = r.get("acceptance_length_ci")
+        dr, vr = r.get("draft_time_per_step"), r.get("verify_time_per_step")
+        er = r.get("expected_tokens_per_s")
         rows.append({"task": task, "draft": r.variant,
                      "acceptance length": round(r.value("mean_acceptance_length"), 2),
-                     "draft ms / position": round(1e3 * r.value("draft_time_per_position"), 3),
-                     "verify ms": round(1e3 * r.value("verify_time"), 3),
-                     "round ms (draft x k + verify)": round(1e3 * r.value("round_time_model"), 3),
-                     "round ms (measured)": round(1e3 * r.value("round_time"), 3),
-                     "ms / token (model)": round(1e3 * r.value("time_per_token_model"), 3),
-                     "ms / token (measured)": round(1e3 * r.value("time_per_token"), 3),
-                     "ms / token, no speculation": round(1e3 * plain[task], 3),
-                     "speed-up": round(r.value("speedup_vs_plain"), 2)})
+                     "acceptance 90 % interval": f"{significant(ci['lo'])}–{significant(ci['hi'])}",
+                     "draft ms / round (p10–p90)": f"{significant(1e3 * dr['value'])} "
+                                                   f"({significant(1e3 * dr['p10_s'])}–{significant(1e3 * dr['p90_s'])})",
+                     "verify ms / round (p10–p90)": f"{significant(1e3 * vr['value'])} "
+                                                    f"({significant(1e3 * vr['p10_s'])}–{significant(1e3 * vr['p90_s'])})",
+                     "expected tok/s (90 % interval)": f"{significant(er['value'])} "
+                                                       f"({significant(er['lo'])}–{significant(er['hi'])})",
+                     "ms / token (measured)": significant(1e3 * r.value("time_per_token")),
+                     "ms / token, no speculation": significant(1e3 * plain[task]),
+                     "speed-up": significant(r.value("speedup_vs_plain"))})
     return rows
 
 

@@ -8,6 +8,11 @@ and steady state apart, and TTFT, decode and total apart. This module runs a tin
 - `eager` and `compiled` (torch.compile): comparable — same weights, backend, quantization;
 - `int8`: INT8 weight-only — `compare()` refuses it against `eager` (quantization differs);
 - `math-attention`: explicit-softmax attention — refused too (attention backend differs).
+
+The attention backend recorded is the kernel that ran, not the one configured: for the `sdpa`
+model, `serving.sdpa.sdpa_record` runs SDPA on the prefill's and decode's own shapes, dtype, mask
+and device, restricted to each backend in priority order, and records the first that runs
+(flash / efficient / math / cuDNN) with the ATen op the profiler saw.
 """
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ from ..presets import Param
 from ..record import RunRecord
 from ..serving.model import (TinyConfig, TinyDecoder, generate, init_weights, load_weights, quantize_int8_,
                     reference_logits, save_weights)
+from ..serving.sdpa import sdpa_record
 
 PARAMETERS = {
     "d_model": Param(int, help="model width"),
@@ -88,6 +94,26 @@ def cache_consistency_error(model: TinyDecoder, prompt, new_tokens: int) -> tupl
     return float((last - ref).abs().max()), float(ref.abs().max())
 
 
+def observed_attention(cfg: TinyConfig, batch: int, prompt_len: int, dtype, device) -> dict:
+    """The SDPA kernel the tiny decoder's attention runs in prefill and in decode, observed on
+    inputs of its own shapes: q [B, H, S, D] against the whole static cache [B, H, max_seq, D]
+    (after the GQA repeat) with a boolean causal mask [S, max_seq], as `model.Attention` calls it."""
+    g = torch.Generator().manual_seed(0)
+    out = {}
+    for phase, S in (("prefill", prompt_len), ("decode", 1)):
+        q = torch.randn(batch, cfg.n_heads, S, cfg.head_dim, generator=g).to(device=device, dtype=dtype)
+        kv = torch.randn(batch, cfg.n_heads, cfg.max_seq, cfg.head_dim, generator=g).to(device=device, dtype=dtype)
+        positions = torch.arange(S, device=device) + (prompt_len if phase == "decode" else 0)
+        mask = torch.arange(cfg.max_seq, device=device)[None, :] <= positions[:, None]
+        out[phase] = sdpa_record(q, kv, kv, attn_mask=mask)
+    return out
+
+
+def attention_label(observed: dict) -> str:
+    """'torch sdpa: flash (prefill), flash (decode)' from `observed_attention`."""
+    return "torch sdpa: " + ", ".join(f"{r['kernel']} ({phase})" for phase, r in observed.items())
+
+
 def _run_variant(ctx, *, name: str, variant: str, path: str, sha: str, dtype, attention: str, int8: bool,
                  compiled: bool, prompt, new_tokens: int, reps: int, eager_tokens=None) -> tuple[RunRecord, torch.Tensor]:
     phases = PhaseTimer(ctx.device)
@@ -110,10 +136,20 @@ def _run_variant(ctx, *, name: str, variant: str, path: str, sha: str, dtype, at
         "quantization": model.quantization,
         "input_len": S, "output_len": new_tokens, "batch": B, "dtype": str(dtype).replace("torch.", ""),
     }, topology={"ranks": 1, "tp": 1})
-    rec.set_backend("attention", {"sdpa": "torch sdpa", "math": "explicit softmax (math)"}[attention],
-                    reason="chosen by configuration", shapes={"q": [B, cfg.n_heads, S, cfg.head_dim],
-                                                              "kv_cache": [B, cfg.n_kv_heads, cfg.max_seq, cfg.head_dim]},
-                    dtype=str(dtype).replace("torch.", ""))
+    if attention == "sdpa":
+        observed = observed_attention(cfg, B, S, dtype, ctx.device)
+        rec.set_backend("attention", attention_label(observed), reason="observed: SDPA run restricted to each "
+                        "backend in priority order, first that runs", dtype=str(dtype).replace("torch.", ""),
+                        shapes={"q": [B, cfg.n_heads, S, cfg.head_dim],
+                                "kv_cache": [B, cfg.n_kv_heads, cfg.max_seq, cfg.head_dim]})
+        rec.backends["attention"]["kernels"] = {phase: {"kernel": r["kernel"], "op": r["op"]}
+                                                for phase, r in observed.items()}
+        rec.backends["attention"]["priority"] = observed["prefill"]["priority"]
+    else:
+        rec.set_backend("attention", "explicit softmax (math)", reason="chosen by configuration: no SDPA call",
+                        dtype=str(dtype).replace("torch.", ""),
+                        shapes={"q": [B, cfg.n_heads, S, cfg.head_dim],
+                                "kv_cache": [B, cfg.n_kv_heads, cfg.max_seq, cfg.head_dim]})
     rec.set_backend("linear", "int8 dequantize + F.linear" if int8 else "F.linear",
                     shapes={"qkv_in": [B * S, cfg.d_model], "ffn": [cfg.d_model, cfg.ffn]})
     rec.add("load", phases.seconds("load"), "s", phase="load")
@@ -122,7 +158,7 @@ def _run_variant(ctx, *, name: str, variant: str, path: str, sha: str, dtype, at
         xs = [getattr(r, f"{phase}_s") for r in runs]
         q = statistics.quantiles(xs, n=10, method="inclusive") if len(xs) > 1 else [xs[0]] * 9
         rec.add(phase, statistics.median(xs), "s", phase=phase, p10_s=q[0], p90_s=q[-1], n=len(xs),
-                timer="perf_counter + device sync")
+                samples_s=xs, timer="perf_counter + device sync")
     decode_med = rec.value("decode")
     if new_tokens > 1 and decode_med > 0:
         rec.add("decode_throughput", B * (new_tokens - 1) / decode_med, "output tok/s", phase="decode")

@@ -3,10 +3,21 @@
 `max_num_batched_tokens` is the per-step token budget (prefill chunks + decode tokens +
 speculative tokens); `max_num_seqs` caps the requests in flight. With speculation on
 (`num_spec_tokens` = k > 0), each decoding request verifies 1 + k tokens per step, and the
-scheduler reserves budget for the k speculative ones:
+scheduler reserves budget for them, 1 + k tokens per reserved request, before it spends the rest
+on prompts:
 
-- `spec_budget="static"`: reserve `max_num_seqs * k`, however few requests are running;
-- `spec_budget="adaptive"`: reserve `len(running) * k` (the seed's vLLM #51725).
+- `spec_budget="static"`: reserve `max_num_seqs * (1 + k)`, however few requests are running (vLLM
+  before #51725, which took `max_num_seqs` x the drafting slots off `max_num_scheduled_tokens` in
+  `VllmConfig._set_max_num_scheduled_tokens`; FastDeploy #7438);
+- `spec_budget="adaptive"`: reserve `len(running) * (1 + k)` (the seed's vLLM #51725);
+- `spec_budget="decode-only"`: reserve `num_decoding * (1 + k)`, only for running requests that have
+  finished their prompt (FastDeploy #7499, `num_running_decode_reqs * tokens_per_seq`): a request
+  still prefilling verifies nothing this step.
+
+Where vLLM differs: its reservation covers the slots the *drafter* inserts, and each decoding
+request's 1 + k verify tokens (`num_tokens_with_spec`) are charged to the token budget as it is
+scheduled. Here, as in FastDeploy #7499, the decode tokens are paid from the reservation, so the
+three policies differ only in how many requests they reserve for.
 """
 from __future__ import annotations
 
@@ -14,7 +25,7 @@ from dataclasses import dataclass
 
 from ..errors import UserError, choices
 
-SPEC_BUDGETS = ("static", "adaptive")
+SPEC_BUDGETS = ("static", "adaptive", "decode-only")
 MAX_SPEC_TOKENS = 8
 
 
@@ -63,10 +74,14 @@ class EngineConfig:
     def speculative(self) -> bool:
         return self.num_spec_tokens > 0
 
-    def spec_reservation(self, num_running: int) -> int:
-        """Tokens of the step budget held back for speculative tokens."""
+    def spec_reservation(self, num_running: int, num_decoding: int | None = None) -> int:
+        """Tokens of the step budget held back for decoding requests' 1 + k verify tokens.
+        `num_decoding` (running requests past their prompt) defaults to `num_running`."""
         if not self.speculative:
             return 0
+        per_request = 1 + self.num_spec_tokens
         if self.spec_budget == "static":
-            return self.max_num_seqs * self.num_spec_tokens
-        return num_running * self.num_spec_tokens
+            return self.max_num_seqs * per_request
+        if self.spec_budget == "adaptive":
+            return num_running * per_request
+        return (num_running if num_decoding is None else num_decoding) * per_request

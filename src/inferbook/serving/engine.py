@@ -38,6 +38,7 @@ class StepStats:
     num_decode: int
     num_running: int
     reserved: int
+    draft_on_host: bool = False   # a model-free drafter (n-gram lookup) is the engine's own CPU work
 
     @property
     def total_s(self) -> float:
@@ -45,8 +46,9 @@ class StepStats:
 
     @property
     def overhead_s(self) -> float:
-        """The engine's own work: scheduling, building the batch, updating request state."""
-        return self.schedule_s + self.prepare_s + self.update_s
+        """The engine's own work: scheduling, building the batch, updating request state, and
+        drafting when the drafter is host code rather than a model (`draft_on_host`)."""
+        return self.schedule_s + self.prepare_s + self.update_s + (self.draft_s if self.draft_on_host else 0.0)
 
 
 class LLMEngine:
@@ -65,6 +67,8 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(cfg, self.block_manager)
         self.runner = ModelRunner(model, num_blocks, cfg.block_size)
+        # a multi-layer draft (EAGLE-3 style) reads several target layers: the runner hands them over
+        self.runner.feature_layers = getattr(self.drafter, "feature_layers", None)
         self.device = self.runner.device
         self.clock = clock
         self.generator = torch.Generator(device="cpu").manual_seed(cfg.seed)
@@ -134,7 +138,8 @@ class LLMEngine:
         self.steps.append(StepStats(schedule_s=t1 - t0, draft_s=t2 - t1, prepare_s=t3 - t2, forward_s=t4 - t3,
                                     sample_s=t5 - t4, update_s=t6 - t5, num_tokens=out.num_tokens,
                                     num_prefill_tokens=out.num_prefill_tokens, num_decode=out.num_decode,
-                                    num_running=num_running, reserved=out.reserved))
+                                    num_running=num_running, reserved=out.reserved,
+                                    draft_on_host=bool(spec) and getattr(self.drafter, "runs_on_host", False)))
         return finished
 
     @staticmethod
@@ -184,7 +189,8 @@ class LLMEngine:
                 if not idx:
                     continue
                 sel = torch.tensor(idx, device=self.device)
-                toks, acc = rejection_sample(probs_from_logits(target[sel], temp), dprob[sel], dtok[sel], gen)
+                toks, acc = rejection_sample(probs_from_logits(target[sel], temp),
+                                             None if dprob is None else dprob[sel], dtok[sel], gen)
                 for i, t, a in zip(idx, toks.tolist(), acc.tolist()):
                     sid = verify[i][0].seq.seq_id
                     new_tokens[sid], accepted[sid] = t[:a + 1], a

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..device import synchronize
+from ..errors import UserError
 
 ATTENTION_BACKENDS = ("sdpa", "math")
 
@@ -38,9 +39,9 @@ class TinyConfig:
 
     def __post_init__(self):
         if self.d_model % self.n_heads:
-            raise ValueError(f"d_model={self.d_model} must be a multiple of n_heads={self.n_heads}")
+            raise UserError(f"d_model={self.d_model} must be a multiple of n_heads={self.n_heads}")
         if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")
+            raise UserError(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")
 
     @property
     def head_dim(self) -> int:
@@ -211,17 +212,23 @@ def save_weights(model: TinyDecoder, path: str | Path) -> str:
 
 
 def load_weights(path: str | Path, device, dtype=torch.float32, attention: str = "sdpa") -> TinyDecoder:
-    """Build the model from a safetensors file's config metadata and load its weights."""
+    """Build the model from a safetensors file's config metadata and load its weights strictly:
+    a file with missing, renamed, extra or wrongly shaped tensors is refused with their names."""
     from safetensors import safe_open
-    from safetensors.torch import load_file
 
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata() or {}
-    fields = TinyConfig.__dataclass_fields__
-    # metadata values are strings; the annotation says which number type each field is
-    cfg = TinyConfig(**{k: (float(v) if fields[k].type == "float" else int(v)) for k, v in meta.items() if k in fields})
+    from .weights import config_from_metadata, load_strict
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+    except FileNotFoundError:
+        raise UserError(f"target model file {path} does not exist") from None
+    except Exception as e:
+        raise UserError(f"target model file {path} cannot be read as safetensors: {e}") from None
+    cfg = config_from_metadata(TinyConfig, meta, path, "target model",
+                               required=("vocab", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn", "max_seq"))
     model = TinyDecoder(cfg, attention)
-    model.load_state_dict(load_file(str(path)), strict=True)
+    load_strict(model, path, "target model")
     return model.to(device=device, dtype=dtype).eval()
 
 

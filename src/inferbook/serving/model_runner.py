@@ -38,6 +38,8 @@ class ModelRunner:
         shape = (cfg.n_layers, num_blocks * block_size, cfg.n_kv_heads, cfg.head_dim)
         self.k_cache = torch.zeros(shape, dtype=p.dtype, device=p.device)
         self.v_cache = torch.zeros(shape, dtype=p.dtype, device=p.device)
+        # target layers (1-based) whose outputs a multi-layer draft reads (EAGLE-3); None: final hidden only
+        self.feature_layers: tuple[int, ...] | None = None
 
     def prepare(self, items: list[tuple[list[int], int, list[int], bool]]) -> Batch:
         """items: (tokens, start position, block table, wants logits for every row (else last row only)).
@@ -64,12 +66,15 @@ class ModelRunner:
 
     @torch.no_grad()
     def forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (logits [R, vocab] fp32, final hidden states [R, d_model]) for `batch.logit_rows`."""
+        """-> (logits [R, vocab] fp32, draft features [R, d_model x layers read]) for `batch.logit_rows`:
+        the final (normed) hidden state, or with `feature_layers` set, the outputs of those layers
+        (the last one normed, as the final hidden state) concatenated."""
         m, cfg = self.model, self.model.cfg
         T = batch.tokens.shape[0]
         H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         cos, sin = m.cos[batch.positions], m.sin[batch.positions]
         x = m.embed(batch.tokens)                                        # [T, d]
+        features = []
         for i, layer in enumerate(m.layers):
             a = layer.attn
             h = layer.attn_norm(x)
@@ -85,8 +90,11 @@ class ModelRunner:
             x = x + a.wo(out.transpose(0, 1).reshape(T, cfg.d_model))
             h = layer.mlp_norm(x)
             x = x + layer.w_down(F.silu(layer.w_gate(h)) * layer.w_up(h))
+            if self.feature_layers and i + 1 in self.feature_layers[:-1]:
+                features.append(x[batch.logit_rows])
         hidden = m.norm(x[batch.logit_rows])
-        return m.lm_head(hidden).float(), hidden
+        logits = m.lm_head(hidden).float()
+        return logits, (torch.cat(features + [hidden], dim=-1) if self.feature_layers else hidden)
 
 
 def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, kv_slots: torch.Tensor,
@@ -105,3 +113,30 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     if n > 1:
         mask = torch.arange(kv_slots.shape[0], device=q.device)[None, :] <= q_pos[:, None]   # [n, ctx]
     return F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask)[0]
+
+
+def observed_paged_kernels(cfg, dtype, device, *, prefill_len: int, context_len: int, k: int = 0) -> dict:
+    """The SDPA kernel `paged_attention` runs, observed (`sdpa.sdpa_record`) on its own call shapes:
+    a prefill chunk (prefill_len queries over as many keys, boolean causal mask), a verification
+    (1 + k queries over context_len keys, mask) when k > 0, and a plain decode (1 query, no mask).
+    -> {case: sdpa_record dict}."""
+    from .sdpa import sdpa_record
+
+    g = torch.Generator().manual_seed(0)
+    H, D = cfg.n_heads, cfg.head_dim
+    cases = {"prefill": (prefill_len, prefill_len), "decode": (1, context_len)}
+    if k:
+        cases["verify"] = (1 + k, context_len)
+    out = {}
+    for name, (n, ctx) in cases.items():
+        q = torch.randn(1, H, n, D, generator=g).to(device=device, dtype=dtype)
+        kv = torch.randn(1, H, ctx, D, generator=g).to(device=device, dtype=dtype)
+        q_pos = torch.arange(ctx - n, ctx, device=device)
+        mask = (torch.arange(ctx, device=device)[None, :] <= q_pos[:, None]) if n > 1 else None
+        out[name] = sdpa_record(q, kv, kv, attn_mask=mask)
+    return out
+
+
+def paged_kernels_label(observed: dict) -> str:
+    """'paged sdpa, one call per request: flash (prefill), flash (decode), flash (verify)'."""
+    return "paged sdpa, one call per request: " + ", ".join(f"{r['kernel']} ({c})" for c, r in observed.items())

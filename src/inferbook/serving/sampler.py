@@ -22,3 +22,11 @@ def sample(logits: torch.Tensor, temperature: float, generator: torch.Generator 
     probs = probs_from_logits(logits, temperature)
     return torch.multinomial(probs.cpu() if generator is not None and generator.device.type == "cpu" else probs,
                              1, generator=generator).squeeze(-1).to(logits.device)
+
+
+def exponential_race_sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """probs [n, V] -> tokens [n] int64, one exact categorical draw per row: argmax(p / E) with
+    E ~ Exp(1) i.i.d. (the 'exponential race'; vLLM's sampler uses it). Runs where `probs` lives,
+    with `generator` on the same device, so a GPU caller needs no host sync."""
+    race = torch.empty_like(probs, dtype=torch.float32).exponential_(generator=generator)
+    return (probs.float() / race).argmax(-1)

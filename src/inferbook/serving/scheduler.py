@@ -3,9 +3,10 @@
 Each step the scheduler spends at most `max_num_batched_tokens` tokens:
 
 1. it holds back the speculative reservation (`EngineConfig.spec_reservation`: static
-   `max_num_seqs * k`, or adaptive `len(running) * k`);
-2. running requests go first, decoding ones before prefilling ones: a decoding request takes 1 token (plus its k
-   speculative tokens, paid from the reservation); a request still prefilling takes the next
+   `max_num_seqs * (1 + k)`, adaptive `len(running) * (1 + k)`, decode-only
+   `num_decoding * (1 + k)`);
+2. running requests go first, decoding ones before prefilling ones: a decoding request takes its 1 + k
+   verify tokens from the reservation (as FastDeploy #7499 pre-deducts them); a request still prefilling takes the next
    chunk of its prompt, as much as the budget left allows (chunked prefill);
 3. waiting requests are admitted, first come first served, while there is budget, a free seat
    (`max_num_seqs`) and KV blocks for the whole request.
@@ -71,13 +72,17 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         cfg = self.config
         k = cfg.num_spec_tokens
-        reserved = cfg.spec_reservation(len(self.running))
+        num_decoding = sum(1 for s in self.running if not s.is_prefill)
+        reserved = cfg.spec_reservation(len(self.running), num_decoding)
         out = SchedulerOutput(reserved=reserved, budget=cfg.max_num_batched_tokens)
+        # without speculation nothing is reserved and each decode token is paid from the budget
         left = cfg.max_num_batched_tokens - reserved
+        decode_cost = 0 if cfg.speculative else 1
 
-        # decoding requests first (one token each: their latency is the user's), then prefills
+        # decoding requests first (their latency is the user's), then prefills; with speculation a
+        # decode is paid from the reservation, so only prompt chunks are limited by what is left
         for seq in [s for s in self.running if not s.is_prefill] + [s for s in self.running if s.is_prefill]:
-            if left <= 0:
+            if left <= 0 and (seq.is_prefill or not cfg.speculative):
                 break
             if seq.is_prefill:
                 n = seq.num_prompt_tokens - seq.num_computed_tokens
@@ -89,7 +94,7 @@ class Scheduler:
                 left -= n
             else:
                 out.chunks.append(ScheduledChunk(seq, 1, k, False))
-                left -= 1
+                left -= decode_cost
 
         while self.waiting and left > 0 and len(self.running) < cfg.max_num_seqs:
             seq = self.waiting[0]

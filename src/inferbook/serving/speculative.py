@@ -14,6 +14,7 @@ and the mean acceptance length: tokens emitted per verification round (accepted 
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -22,25 +23,29 @@ from ..errors import UserError
 from .config import check_spec_tokens
 
 
-def rejection_sample(target_probs: torch.Tensor, draft_probs: torch.Tensor, draft_tokens: torch.Tensor,
+def rejection_sample(target_probs: torch.Tensor, draft_probs: torch.Tensor | None, draft_tokens: torch.Tensor,
                      generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Verify k draft tokens for n requests.
 
     target_probs [n, k+1, V] (the target at each draft position, plus the bonus position),
-    draft_probs [n, k, V], draft_tokens [n, k] int64 ->
+    draft_probs [n, k, V] or None for a deterministic draft (one-hot q, as vLLM's rejection sampler
+    takes `draft_probs=None` for n-gram proposals; no [n, k, V] tensor is built), draft_tokens [n, k] int64 ->
     (tokens [n, k+1] int64: accepted drafts then one target token, padded with -1; num_accepted [n]).
     """
-    if target_probs.dim() != 3 or draft_probs.dim() != 3 or draft_tokens.dim() != 2:
-        raise UserError(f"expected target_probs [n, k+1, V], draft_probs [n, k, V], draft_tokens [n, k]; got shapes "
-                        f"{tuple(target_probs.shape)}, {tuple(draft_probs.shape)}, {tuple(draft_tokens.shape)}")
+    one_hot = draft_probs is None
+    if target_probs.dim() != 3 or (not one_hot and draft_probs.dim() != 3) or draft_tokens.dim() != 2:
+        raise UserError(f"expected target_probs [n, k+1, V], draft_probs [n, k, V] or None, draft_tokens [n, k]; "
+                        f"got shapes {tuple(target_probs.shape)}, "
+                        f"{None if one_hot else tuple(draft_probs.shape)}, {tuple(draft_tokens.shape)}")
     n, k = draft_tokens.shape
     check_spec_tokens(k)
     V = target_probs.shape[-1]
-    if draft_probs.shape[-1] != V:
-        raise UserError(f"draft vocabulary ({draft_probs.shape[-1]}) differs from the target's ({V})")
-    if tuple(target_probs.shape) != (n, k + 1, V) or tuple(draft_probs.shape) != (n, k, V):
+    draft_shape = (n, k, V) if one_hot else tuple(draft_probs.shape)
+    if draft_shape[-1] != V:
+        raise UserError(f"draft vocabulary ({draft_shape[-1]}) differs from the target's ({V})")
+    if tuple(target_probs.shape) != (n, k + 1, V) or draft_shape != (n, k, V):
         raise UserError(f"shapes disagree: target_probs {tuple(target_probs.shape)} should be {(n, k + 1, V)}, "
-                        f"draft_probs {tuple(draft_probs.shape)} should be {(n, k, V)}")
+                        f"draft_probs {draft_shape} should be {(n, k, V)}")
     if draft_tokens.dtype not in (torch.int64, torch.int32):
         raise UserError(f"draft_tokens must be an integer tensor, got {draft_tokens.dtype}")
     if n and (int(draft_tokens.min()) < 0 or int(draft_tokens.max()) >= V):
@@ -50,14 +55,22 @@ def rejection_sample(target_probs: torch.Tensor, draft_probs: torch.Tensor, draf
     draft_tokens = draft_tokens.long()
     idx = draft_tokens.unsqueeze(-1)
     p = target_probs[:, :k].gather(-1, idx).squeeze(-1).float()       # [n, k] p_i(x_i)
-    q = draft_probs.gather(-1, idx).squeeze(-1).float()               # [n, k] q_i(x_i)
+    q = (torch.ones(n, k, device=device) if one_hot
+         else draft_probs.gather(-1, idx).squeeze(-1).float())          # [n, k] q_i(x_i)
     u = torch.rand(n, k, generator=generator, device=generator.device if generator is not None else device).to(device)
     accept = u * q < p                       # P(u < p/q) = min(1, p/q); q = 0 < p accepts, p = 0 rejects
     num_accepted = accept.long().cumprod(dim=1).sum(dim=1)             # [n] in 0..k
     rows = torch.arange(n, device=device)
     p_next = target_probs[rows, num_accepted].float()                  # [n, V]
-    q_next = torch.nn.functional.pad(draft_probs, (0, 0, 0, 1))[rows, num_accepted].float()  # 0 at the bonus position
-    residual = (p_next - q_next).clamp_min(0)
+    if one_hot:   # q_next is one-hot at the rejected draft token (zero at the bonus position)
+        # zero p at the rejected draft token; rows that accepted all k keep p (no boolean indexing:
+        # no host sync on a GPU)
+        at = draft_tokens.gather(1, num_accepted.clamp_max(k - 1)[:, None])          # [n, 1]
+        keep = (num_accepted >= k)[:, None].to(p_next.dtype)
+        residual = p_next.scatter(1, at, p_next.gather(1, at) * keep)
+    else:
+        q_next = torch.nn.functional.pad(draft_probs, (0, 0, 0, 1))[rows, num_accepted].float()  # 0 at the bonus position
+        residual = (p_next - q_next).clamp_min(0)
     mass = residual.sum(-1, keepdim=True)
     # mass == 0 only if p == q, where a rejection has probability 0; fall back to p for safety
     residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p_next)
@@ -119,24 +132,76 @@ class NgramDrafter:
     """A model-free draft (prompt lookup): find the latest earlier occurrence of the last n
     tokens (n = max_ngram down to 1) and propose the k tokens that followed it. Its proposals
     are deterministic, so its probabilities are one-hot. When nothing matches it proposes the
-    last token k times (speculation still costs k verified tokens: the budget is what we study)."""
+    last token k times (speculation still costs k verified tokens: the budget is what we study).
+
+    Vectorised over the batch and the context, like vLLM's `NgramProposer` (numpy + numba over the
+    requests' token arrays): each request's tokens live in a growing int64 buffer that takes only
+    the tokens added since the last call, the batch is one right-aligned [n, L] tensor, and each n
+    is one `unfold` + compare + max over all windows — no Python loop over tokens or positions.
+    Runs on the host (`runs_on_host`), so the engine counts its time as its own overhead.
+    Differs from vLLM: vLLM searches `prompt_lookup_max` down to `prompt_lookup_min` with a KMP
+    scan for the longest match; here the latest match of the longest n wins."""
 
     name = "n-gram prompt lookup"
+    runs_on_host = True
 
     def __init__(self, vocab: int, max_ngram: int = 3):
         self.vocab, self.max_ngram = vocab, max_ngram
+        self._buffers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # Sequence -> [ids tensor, length]
 
-    def _propose_one(self, ids: list[int], k: int) -> list[int]:
-        L = len(ids)
+    def _tokens(self, seq) -> torch.Tensor:
+        """The request's token ids as an int64 tensor, appending only what is new since last call."""
+        ids = seq.token_ids
+        entry = self._buffers.get(seq)
+        if entry is None or entry[1] > len(ids):
+            buf = torch.empty(max(64, 2 * len(ids)), dtype=torch.long)
+            buf[:len(ids)] = torch.tensor(ids, dtype=torch.long)
+            entry = self._buffers[seq] = [buf, len(ids)]
+        buf, n = entry
+        if n < len(ids):
+            if len(ids) > buf.numel():
+                grown = torch.empty(2 * len(ids), dtype=torch.long)
+                grown[:n] = buf[:n]
+                buf = entry[0] = grown
+            buf[n:len(ids)] = torch.tensor(ids[n:], dtype=torch.long)
+            entry[1] = len(ids)
+        return buf[:len(ids)]
+
+    def propose_ids(self, token_lists: list[torch.Tensor], k: int) -> torch.Tensor:
+        """token_lists: n int64 tensors (each request's ids) -> proposals [n, k] int64 (CPU)."""
+        n_req = len(token_lists)
+        L = max(t.numel() for t in token_lists)
+        ids = torch.full((n_req, L), -1, dtype=torch.long)         # right-aligned; -1 never matches a token
+        for i, t in enumerate(token_lists):
+            ids[i, L - t.numel():] = t
+        lengths = torch.tensor([t.numel() for t in token_lists])
+        found = torch.zeros(n_req, dtype=torch.bool)
+        follow_at = torch.full((n_req,), L - 1, dtype=torch.long)   # no match: repeat the last token
         for n in range(min(self.max_ngram, L - 1), 0, -1):
-            tail = ids[L - n:]
-            for start in range(L - n - 1, -1, -1):
-                if ids[start:start + n] == tail:
-                    follow = ids[start + n:start + n + k]
-                    return follow + [follow[-1]] * (k - len(follow))
-        return [ids[-1]] * k
+            windows = ids.unfold(1, n, 1)[:, :L - n]                   # [n_req, L-n, n]: starts 0..L-n-1, not the tail
+            tail = ids[:, L - n:]                                      # [n_req, n]
+            match = (windows == tail[:, None, :]).all(-1) & (lengths[:, None] > n)   # [n_req, L-n]
+            starts = torch.arange(match.shape[1])
+            latest = torch.where(match, starts, -1).max(dim=1).values  # latest earlier occurrence, -1: none
+            new = (latest >= 0) & ~found
+            follow_at = torch.where(new, latest + n, follow_at)
+            found |= new
+        pos = (follow_at[:, None] + torch.arange(k)).clamp_max(L - 1)  # past the end: the last token (as a pad)
+        return ids.gather(1, pos)
 
     def propose(self, seqs, k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> draft tokens [n, k] int64, draft probabilities [n, k, V] (one-hot)."""
-        toks = torch.tensor([self._propose_one(s.token_ids, k) for s in seqs], dtype=torch.long, device=device)
-        return toks, torch.nn.functional.one_hot(toks, self.vocab).float()
+        """-> (draft tokens [n, k] int64, None: the probabilities are one-hot at the tokens)."""
+        toks = self.propose_ids([self._tokens(s) for s in seqs], k).to(device)
+        return toks, None    # deterministic proposals: one-hot q, never materialised
+
+
+def ngram_reference(ids: list[int], k: int, max_ngram: int = 3) -> list[int]:
+    """The drafter's rule written as plain loops over one request's ids: the tests' reference."""
+    L = len(ids)
+    for n in range(min(max_ngram, L - 1), 0, -1):
+        tail = ids[L - n:]
+        for start in range(L - n - 1, -1, -1):
+            if ids[start:start + n] == tail:
+                follow = ids[start + n:start + n + k]
+                return follow + [follow[-1]] * (k - len(follow))
+    return [ids[-1]] * k

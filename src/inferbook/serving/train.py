@@ -35,6 +35,11 @@ DRAFTS = {  # name -> (layers, ffn): the small one is cheap; the large one accep
 }
 
 
+def feature_layers_for(n_layers: int) -> str:
+    """The target layers a draft reads, EAGLE-3 style: a low, a middle and the last one (1-based)."""
+    return ",".join(str(v) for v in sorted({1, max(1, n_layers // 2), n_layers}))
+
+
 def draft_file(name: str) -> str:
     return f"dspark-draft-{name}.safetensors"
 
@@ -96,8 +101,9 @@ def train_target(out: Path, *, d_model=128, n_layers=4, n_heads=4, n_kv_heads=2,
 @torch.no_grad()
 def extract_hidden(target_path: Path, shards: Path, *, windows_per_task=96, seq_len=128, per_shard=64, seed=1,
                    log=print) -> dict:
-    """Run the target once over training windows; write `hidden` [N, S, d] (fp16) and `tokens` [N, S]
-    (int16) shards. This is the only step that runs the target."""
+    """Run the target once over training windows; write `hidden` [N, S, d] (the final normed hidden
+    state), `features` [N, S, F x d] (the outputs of `feature_layers_for(n_layers)`, the last normed;
+    fp16) and `tokens` [N, S] (int16) shards. This is the only step that runs the target."""
     from safetensors.torch import save_file
 
     model = load_weights(target_path, "cpu")
@@ -112,13 +118,20 @@ def extract_hidden(target_path: Path, shards: Path, *, windows_per_task=96, seq_
         chunk = x[i:i + per_shard]
         k, v = model.new_cache(len(chunk))
         h = model.embed(chunk)
+        read = [int(v) for v in feature_layers_for(model.cfg.n_layers).split(",")]
+        outs = []
         for j, layer in enumerate(model.layers):
             h = layer(h, pos, model.cos, model.sin, k[j], v[j])
+            if j + 1 in read[:-1]:
+                outs.append(h)
         hidden = model.norm(h)
+        features = torch.cat(outs + [hidden], dim=-1)
         path = shards / f"hidden-{i // per_shard:04d}.safetensors"
-        save_file({"hidden": hidden.half().contiguous(), "tokens": chunk.to(torch.int16).contiguous()}, str(path))
+        save_file({"hidden": hidden.half().contiguous(), "features": features.half().contiguous(),
+                   "tokens": chunk.to(torch.int16).contiguous()}, str(path))
         files.append(path.name)
     info = {"target": str(target_path), "windows": len(x), "seq_len": seq_len, "files": files,
+            "feature_layers": feature_layers_for(model.cfg.n_layers),
             "seconds": time.perf_counter() - t0}
     (shards / "index.json").write_text(json.dumps(info, indent=1))
     log(f"extracted {len(x)} windows of {seq_len} tokens into {len(files)} shards ({info['seconds']:.1f} s)")
@@ -133,13 +146,22 @@ def load_shards(shards: Path) -> tuple[torch.Tensor, torch.Tensor]:
     return (torch.cat([p["hidden"] for p in parts]).float(), torch.cat([p["tokens"] for p in parts]).long())
 
 
+def load_features(shards: Path) -> tuple[torch.Tensor, str]:
+    """The shards' multi-layer features [N, S, F x d] and the layers they hold ('1,2,4')."""
+    from safetensors.torch import load_file
+
+    info = json.loads((shards / "index.json").read_text())
+    parts = [load_file(str(shards / f)) for f in info["files"]]
+    return torch.cat([p["features"] for p in parts]).float(), info["feature_layers"]
+
+
 def draft_loss(draft: HiddenStateDraft, H: torch.Tensor, X: torch.Tensor, rows: torch.Tensor, t: torch.Tensor,
-               unroll: int) -> torch.Tensor:
+               unroll: int, features: torch.Tensor | None = None) -> torch.Tensor:
     """H [N, S, d] target hidden states, X [N, S] tokens; (rows, t) [R] pick R start positions.
-    From (H[t], X[t+1]) predict H[t+1] and the target's distribution for X[t+2]; then continue
-    `unroll - 1` steps from the draft's own predicted hidden state (what it sees at inference),
-    teacher-forcing the tokens."""
-    h = H[rows, t]
+    From (features[t] (or H[t]), X[t+1]) predict H[t+1] and the target's distribution for X[t+2];
+    then continue `unroll - 1` steps from the draft's own predicted hidden state (what it sees at
+    inference), teacher-forcing the tokens."""
+    h = (features if features is not None else H)[rows, t]
     total = 0.0
     for j in range(unroll):
         x_next = X[rows, t + 1 + j]
@@ -157,10 +179,11 @@ def train_draft(shards: Path, target_path: Path, out: Path, *, name="small", ste
     torch.manual_seed(seed)
     n_layers, ffn = DRAFTS[name]
     target = load_weights(target_path, "cpu")           # only its embedding and LM head are used
-    draft = HiddenStateDraft(DraftConfig(d_model=target.cfg.d_model, vocab=target.cfg.vocab, n_layers=n_layers,
-                                         ffn=ffn), target)
-    del target
     H, X = load_shards(shards)
+    features, layers = load_features(shards)
+    draft = HiddenStateDraft(DraftConfig(d_model=target.cfg.d_model, vocab=target.cfg.vocab, n_layers=n_layers,
+                                         ffn=ffn, feature_layers=layers), target)
+    del target
     opt = torch.optim.AdamW(draft.parameters(), lr=lr, weight_decay=0.0)
     g = torch.Generator().manual_seed(seed)
     t0, losses = time.perf_counter(), []
@@ -169,7 +192,7 @@ def train_draft(shards: Path, target_path: Path, out: Path, *, name="small", ste
             group["lr"] = lr_at(step, steps, lr)
         rows = torch.randint(len(H), (batch,), generator=g)
         t = torch.randint(H.shape[1] - 1 - unroll, (batch,), generator=g)
-        loss = draft_loss(draft, H, X, rows, t, unroll)
+        loss = draft_loss(draft, H, X, rows, t, unroll, features)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
