@@ -179,8 +179,15 @@ def cmd_results(args) -> int:
     return 0
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """Usage errors are user errors too: one line (the usage stays in --help), exit 2."""
+
+    def error(self, message):
+        self.exit(2, f"inferbook: error: {message} (see '{self.prog} --help')\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="inferbook", description="Execute, measure and render the inferbook chapters.")
+    ap = _OneLineParser(prog="inferbook", description="Execute, measure and render the inferbook chapters.")
     sub = ap.add_subparsers(dest="command", required=True)
     sub.add_parser("list", help="chapters and whether their executed copy is cached, stale or failed").set_defaults(fn=cmd_list)
     p = sub.add_parser("run", help="execute one chapter notebook (papermill) into _build/executed/")

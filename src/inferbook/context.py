@@ -162,6 +162,23 @@ def reference_records(chapter: str) -> dict[str, list[RunRecord]]:
     return out
 
 
+SEED_MAX = 2**32 - 1
+
+
+def check_chapter_params(slug: str, module: ModuleType, params: dict) -> None:
+    """The chapter's own relations between parameters (`check_params(params)` in its measure module),
+    before any work. A ValueError there is a bad user value too: it becomes a one-line UserError."""
+    check = getattr(module, "check_params", None)
+    if check is None:
+        return
+    try:
+        check(dict(params))
+    except UserError:
+        raise
+    except (ValueError, TypeError, KeyError) as e:
+        raise UserError(f"chapter {slug!r}: {e}") from None
+
+
 def setup(chapter: str, device: str = "auto", preset: str = "auto", seed: int = 0, **params) -> Context:
     """Resolve device, preset and parameters for `chapter` and seed the RNGs.
 
@@ -172,8 +189,11 @@ def setup(chapter: str, device: str = "auto", preset: str = "auto", seed: int = 
     preset = _presets.resolve_preset(preset, dev.type)
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise UserError(f"seed must be an int, got {seed!r}")
+    if not 0 <= seed <= SEED_MAX:  # torch, numpy and every per-stream offset must accept it
+        raise UserError(f"seed must be in [0, {SEED_MAX}], got {seed}")
     module = toc.load_module(info)
     resolved = _presets.resolve_params(info.slug, module.PARAMETERS, module.PRESETS, preset, params)
+    check_chapter_params(info.slug, module, resolved)
     random.seed(seed)
     torch.manual_seed(seed)
     try:

@@ -43,7 +43,7 @@ PARAMETERS = {
     "retrain": Param(bool, False, help="train target and drafts again in this run (minutes on CPU)"),
     "target_steps": Param(int, 600, help="target training steps when retraining"),
     "draft_steps": Param(int, 400, help="draft training steps when retraining"),
-    "cpu_threads": Param(int, 1, help="torch threads on CPU during the measurement (0: leave as is)"),
+    "cpu_threads": Param(int, 1, min=0, help="torch threads on CPU during the measurement (0: leave as is)"),
     "timer": Param(str, help="'wall' (perf_counter, device synchronised) or 'process' (CPU seconds of this "
                              "process: on a shared CPU machine, excludes time spent waiting for a core)",
                    choices=("wall", "process")),
