@@ -169,14 +169,30 @@ def cmd_results(args) -> int:
             print(f"# {line}")
         print(cmp.table().to_string(index=False) if hasattr(cmp.table(), "to_string") else cmp.rows)
         return 0
+    from .errors import UserError
+
+    root = book.paths()["root"]
     files = sorted(book.paths()["results"].glob("*.json")) + sorted(reference_dir().glob("*/*.json"))
     for f in files:
         if args.chapter and f.stem != args.chapter:
             continue
-        for r in load_records(f):
-            print(f"{str(f.relative_to(book.paths()['root'])):52} {r.name:24} {r.variant:12} "
-                  f"{hardware_label(r.hardware):40} {r.created}")
+        try:
+            records = load_records(f)
+        except UserError as e:  # one bad file does not hide the others
+            print(f"inferbook: skipping {e}", file=sys.stderr)
+            continue
+        shown = _shown_path(f, root)
+        for r in records:
+            print(f"{shown:52} {r.name:24} {r.variant:12} {hardware_label(r.hardware):40} {r.created}")
     return 0
+
+
+def _shown_path(path: Path, root: Path) -> str:
+    """Relative to the checkout when inside it (a build dir elsewhere is shown in full)."""
+    try:
+        return str(path.resolve().relative_to(root.resolve()))
+    except ValueError:
+        return str(path)
 
 
 class _OneLineParser(argparse.ArgumentParser):

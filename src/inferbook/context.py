@@ -120,10 +120,11 @@ class Context:
         """A record pre-filled with git, packages, hardware, chapter and parameters."""
         # The machine's load when the record was made: on a shared CPU, times swing with it.
         hardware = {**self.hardware, "load_average_1m": _load_average()}
+        runtime = {**runtime_settings(self.device), **dict(fields.pop("runtime", None) or {})}
         return RunRecord(chapter=self.chapter.slug, name=name, variant=variant, git=git_state(),
                          packages=package_versions(), hardware=hardware, device=str(self.device),
                          preset=self.preset, parameters={"seed": self.seed, **self.params},
-                         workload=dict(workload or {}), topology=dict(topology or {}), **fields)
+                         workload=dict(workload or {}), topology=dict(topology or {}), runtime=runtime, **fields)
 
     def measure(self) -> list[RunRecord]:
         """Run the chapter's `measure(ctx, **params)`, save its records, return them."""
@@ -146,6 +147,19 @@ class Context:
     def references(self) -> dict[str, list[RunRecord]]:
         """Committed reference runs of this chapter, by hardware slug."""
         return reference_records(self.chapter.slug)
+
+
+def runtime_settings(device: torch.device) -> dict:
+    """Process-wide settings that change results, as they are when a record is made: PyTorch's
+    determinism switches and, on CUDA, cuDNN autotuning and TF32. A chapter adds its own
+    (`cuda_graphs`, `prefix_caching`, `attention_backend`) with `new_record(..., runtime={...})`;
+    `compare` refuses a pair that differs in any of them."""
+    out = {"deterministic_algorithms": torch.are_deterministic_algorithms_enabled()}
+    if device.type == "cuda":
+        out.update(cudnn_deterministic=bool(torch.backends.cudnn.deterministic),
+                   cudnn_benchmark=bool(torch.backends.cudnn.benchmark),
+                   tf32_matmul=bool(torch.backends.cuda.matmul.allow_tf32))
+    return out
 
 
 def _load_average() -> float | None:

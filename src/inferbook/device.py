@@ -168,16 +168,26 @@ def _slug(text: str) -> str:
 
 def hardware_label(info: dict) -> str:
     """Human label for charts and tables, e.g. 'NVIDIA H200' or 'CPU: AMD EPYC 9B14 (2 cores)'."""
+    info = info or {}
     if info.get("device_type") == "cuda":
-        return info["gpu_name"]
-    return f"CPU: {info['cpu_model']} ({info['cpu_cores']} cores)"
+        return str(info.get("gpu_name") or "").strip() or "unnamed CUDA GPU"
+    return f"CPU: {info.get('cpu_model') or 'unknown model'} ({info.get('cpu_cores', '?')} cores)"
 
 
 def hardware_slug(info: dict) -> str:
-    """Folder name for reference results: 'nvidia-h200', 'cpu-amd-epyc-9b14-2c'."""
+    """Folder name for reference results: 'nvidia-h200', 'cpu-amd-epyc-9b14-2c'. Never empty, never
+    a path: a name that reduces to nothing (e.g. '(TM)') becomes 'gpu-unnamed-sm90' / 'cpu-unknown-2c',
+    so no record is written into `data/results/` itself."""
+    info = info or {}
     if info.get("device_type") == "cuda":
-        return _slug(info["gpu_name"])
-    return f"cpu-{_slug(info['cpu_model'])}-{info['cpu_cores']}c"
+        slug = _slug(str(info.get("gpu_name") or ""))
+        if not slug:
+            cap = _slug(str(info.get("gpu_capability") or "")).replace("-", "")
+            slug = "gpu-unnamed" + (f"-sm{cap}" if cap else "")
+        return slug
+    cores = info.get("cpu_cores")
+    cores = f"{cores}c" if isinstance(cores, int) else "unknown-cores"
+    return f"cpu-{_slug(str(info.get('cpu_model') or '')) or 'unknown'}-{cores}"
 
 
 def synchronize(device: torch.device) -> None:

@@ -99,9 +99,10 @@ def task_prompts(task: str, n: int, code_chars: int) -> list[list[int]]:
 
 
 def sha(path: Path) -> str:
-    import hashlib
+    """The weights' revision: a hash of the tensors (names, dtypes, shapes, bytes), not of the file."""
+    from ..record import safetensors_revision
 
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+    return safetensors_revision(path)
 
 
 def decode_steps(engine) -> list:
