@@ -2,10 +2,11 @@
 
     inferbook list
     inferbook run CHAPTER [-p NAME VALUE]... [--device D] [--preset P] [--seed N] [--save-reference]
-    inferbook measure CHAPTER [-p NAME VALUE]... [--device D] [--preset P] [--save-reference]
+    inferbook measure CHAPTER [-p NAME VALUE]... [--device D] [--preset P] [--budget S|none] [--save-reference]
     inferbook book [--force] [--keep-going] [--chapters SLUG ...]
     inferbook results [--chapter C] [--compare A B]
     inferbook ceilings [--device D] [--save-reference]
+    inferbook budgets [--preset P]
     inferbook workflow run FILE.json [--output-dir D] [--input-dir D] [--device D] [--no-cache]
     inferbook workflow validate FILE.json
 
@@ -91,8 +92,9 @@ def cmd_measure(args) -> int:
     from . import book
 
     typed = book._typed_for_notebook(args.chapter, params)
-    ctx = setup(args.chapter, device=args.device, preset=args.preset, seed=args.seed, **typed)
-    print(f"{args.chapter}: measuring on {ctx.hardware_label} (preset {ctx.preset})", flush=True)
+    ctx = setup(args.chapter, device=args.device, preset=args.preset, seed=args.seed, budget_s=args.budget, **typed)
+    budget = f", budget {ctx.budget_s:g} s" if ctx.budget_s is not None else ""
+    print(f"{args.chapter}: measuring on {ctx.hardware_label} (preset {ctx.preset}{budget})", flush=True)
     records = ctx.measure()
     for r in records:
         print(f"  {r.name}: {len(r.measurements)} measurements, {sum(c['passed'] for c in r.checks)}/{len(r.checks)} checks passed")
@@ -123,6 +125,27 @@ def cmd_ceilings(args) -> int:
     print(f"  record: {save_records(results_dir() / 'device-ceilings.json', [r])}")
     if args.save_reference:
         print(f"  reference: {save_records(reference_dir() / hardware_slug(info) / 'device-ceilings.json', [r])}")
+    return 0
+
+
+def cmd_budgets(args) -> int:
+    """Each chapter's time budget at a preset, and the hard timeout `scripts/gpu_measure.sh` gives it:
+    one line per chapter, `SLUG MEASURE_S COMPILE_S TIMEOUT_S`, then the total."""
+    from . import presets, toc
+    from .errors import UserError
+
+    if args.preset not in presets.PRESETS:
+        raise UserError(f"unknown preset {args.preset!r}; choose {', '.join(presets.PRESETS)}")
+    total = presets.CEILINGS_S + presets.PACKING_S
+    for slug in toc.CHAPTERS:
+        b = presets.budget_for(slug, args.preset)
+        if b is None:
+            continue
+        timeout = int(round(sum(b) + presets.STARTUP_ALLOWANCE_S))
+        total += timeout
+        print(f"{slug} {b[0]:g} {b[1]:g} {timeout}")
+    print(f"# total {total:g} s of {presets.GPU_RUN_TOTAL_S} s (ceilings {presets.CEILINGS_S} s, "
+          f"{presets.STARTUP_ALLOWANCE_S} s start-up per chapter, packing {presets.PACKING_S} s)")
     return 0
 
 
@@ -211,7 +234,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_run)
     p = sub.add_parser("measure", help="run one chapter's measurements without Jupyter (for bare GPU images)")
     _add_run_args(p)
+    p.add_argument("--budget", default=None, metavar="S|none",
+                   help="seconds the measurements may take (default: the preset's table; gpu only), or none")
     p.set_defaults(fn=cmd_measure)
+    p = sub.add_parser("budgets", help="each chapter's time budget and hard timeout at a preset")
+    p.add_argument("--preset", default="gpu")
+    p.set_defaults(fn=cmd_budgets)
     p = sub.add_parser("ceilings", help="measure this device's copy bandwidth and matmul rate")
     p.add_argument("--device", default="auto")
     p.add_argument("--save-reference", action="store_true")

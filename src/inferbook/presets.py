@@ -209,3 +209,57 @@ def check_relations(params: dict[str, Any]) -> None:
         a, b = params.get(small), params.get(big)
         if isinstance(a, int) and isinstance(b, int) and a > 0 and b % a:
             raise UserError(f"parameter {small!r} = {a} must divide {big!r} = {b}")
+
+
+# ---------------------------------------------------------------------------
+# Time budgets: what each chapter may spend at --preset gpu on one H200, so that
+# `scripts/gpu_measure.sh` runs all sixteen in GPU_RUN_TOTAL_S. A chapter's budget is
+# (measure_s, compile_s): benchmarks share the sum (`measure.time_budget`); compile_s is the part
+# set aside for compilation (torch.compile, Triton autotuning) that compile-heavy chapters read as
+# `ctx.compile_budget_s`. The script gives each chapter budget + STARTUP_ALLOWANCE_S before it
+# kills it; a test asserts that all of it, with the ceilings run, fits GPU_RUN_TOTAL_S.
+
+GPU_RUN_TOTAL_S = 720
+STARTUP_ALLOWANCE_S = 12   # interpreter start, imports, CUDA context, setup: before any budget runs
+CEILINGS_S = 20            # `inferbook ceilings` before the chapters
+PACKING_S = 5              # the tarball at the end
+
+BUDGETS_S: dict[str, dict[str, tuple[float, float]]] = {"gpu": {
+    "h3-vae-fusion": (25, 35),            # torch.compile of the decoder and the toy DiT
+    "h3-tiled-decode": (20, 0),
+    "comfy-generic-loops": (20, 0),
+    "omni-h3-workflows": (20, 0),
+    "kimi-spec-budget": (40, 0),          # 8K-token prompts through the engine, two policies
+    "kimi-dspark-acceptance": (30, 0),
+    "kimi-topk-tail-fusion": (25, 5),
+    "chord-w4a16": (30, 8),               # Triton W4A16 kernels at every decode M
+    "minimax-m3-moe": (25, 5),
+    "tiered-kv-offload": (30, 0),
+    "sglang-fused-comm": (30, 0),
+    "deterministic-attention": (25, 5),
+    "te-mxfp8-recipes": (20, 5),
+    "gdn-backward-check": (15, 5),
+    "attention-test-matrix": (25, 35),    # one Triton flash compile per head dim x layout x dtype
+    "upgrade-record": (10, 5),
+}}
+
+
+def budget_for(chapter: str, preset: str) -> tuple[float, float] | None:
+    """(measure_s, compile_s) for `chapter` at `preset`, or None where the preset has no budgets."""
+    return BUDGETS_S.get(preset, {}).get(chapter)
+
+
+def parse_budget(text: str | float | None) -> float | None:
+    """A --budget / INFERBOOK_BUDGET_S value: seconds (> 0), or 'none' for no budget."""
+    if text is None or isinstance(text, (int, float)) and not isinstance(text, bool):
+        value = text
+    elif str(text).strip().lower() in ("none", "off", "0", ""):
+        return None
+    else:
+        try:
+            value = float(text)
+        except ValueError:
+            raise UserError(f"budget must be seconds or 'none', got {text!r}") from None
+    if value is not None and (not math.isfinite(value) or value <= 0 or value > 86400):
+        raise UserError(f"budget must be in (0, 86400] seconds or 'none', got {text!r}")
+    return value

@@ -101,6 +101,12 @@ class RunRecord:
     schema: int = SCHEMA
 
     # -- filling in -------------------------------------------------------------
+    def _changed(self) -> None:
+        """Tell the context that made this record (it saves records as they fill in)."""
+        listener = self.__dict__.get("_on_change")
+        if listener is not None:
+            listener(self)
+
     def set_backend(self, op: str, backend: str, *, reason: str = "", shapes: dict | None = None,
                     dtype: str | None = None) -> None:
         """Record the backend actually selected for `op` and the local tensor shapes it saw."""
@@ -108,6 +114,7 @@ class RunRecord:
         if dtype is not None:
             entry["dtype"] = dtype
         self.backends[op] = entry
+        self._changed()
 
     def add(self, name: str, value: float, unit: str, *, phase: str = "steady", lifecycle: str | None = None,
             **extra) -> None:
@@ -120,6 +127,7 @@ class RunRecord:
             raise ValueError(f"lifecycle {lifecycle!r} is not one of {LIFECYCLE}")
         self.measurements.append({"name": name, "value": float(value), "unit": unit, "phase": phase,
                                   **phase_axes(phase, lifecycle), **_jsonable(extra)})
+        self._changed()
 
     def select(self, *, lifecycle: str | None = None, request_phase: str | None = None) -> list[dict]:
         """Measurements on one or both phase axes (derived for records older than the axes)."""
@@ -141,6 +149,7 @@ class RunRecord:
                   tolerance: float | None = None, **extra) -> None:
         self.checks.append({"name": name, "passed": bool(passed), "error": error, "tolerance": tolerance,
                             **_jsonable(extra)})
+        self._changed()
 
     def get(self, name: str, phase: str | None = None) -> dict:
         for m in self.measurements:
@@ -282,11 +291,14 @@ class _suppress:
         return True
 
 
-def save_records(path: str | os.PathLike, records: Iterable[RunRecord]) -> Path:
+def save_records(path: str | os.PathLike, records: Iterable[RunRecord], *, complete: bool = True) -> Path:
+    """Write a results file atomically. `complete=False` marks the records of a run still in progress
+    (saved as each measurement arrives, so a killed run keeps what it measured)."""
     records = list(records)
     chapters = {r.chapter for r in records}
     return write_json_atomic(path, {"inferbook_results": SCHEMA,
                                     "chapter": chapters.pop() if len(chapters) == 1 else None,
+                                    "complete": bool(complete),
                                     "records": [r.to_dict() for r in records]})
 
 

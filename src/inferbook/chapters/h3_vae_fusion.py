@@ -26,6 +26,9 @@ from ..diffusion.fused import (BackendLog, Norm, Ops, add_norm_silu_pad_eager, e
 from ..diffusion.vae import (VAEConfig, compiled_decoder, decoder_fp64_reference, init_decoder, make_latent,
                   quantize_decoder_int8)
 
+# Optional packages this chapter cannot run without (`setup` says so in one line when missing).
+REQUIRES = {"av": "PyAV: the toy pipeline saves its video as H.264 + AAC in MP4"}
+
 PARAMETERS = {
     "channels": Param(str, help="decoder stage widths, bottleneck first, comma-separated (e.g. 384,384,192,96)"),
     "z_dim": Param(int, help="latent channels"),
