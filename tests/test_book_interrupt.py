@@ -126,6 +126,12 @@ def test_interrupted_run_keeps_the_good_notebook(checkout, tmp_path, sig):
                                  text=True, timeout=120)
         assert removed.returncode == 0, removed.stderr
         assert not list(executed.glob(".*.tmp*"))
+    # the next build reuses the good notebook: its meta still vouches for it
+    status = subprocess.run([sys.executable, "-c", "from inferbook import book; "
+                             "print(book.chapter_status('upgrade-record', book.run_parameters('cpu', 'smoke')))"],
+                            cwd=checkout, env=_env(checkout, tmp_path / "m3", False), capture_output=True, text=True,
+                            timeout=120)
+    assert status.stdout.strip() == "cached", status.stdout + status.stderr
 
 
 def test_torn_notebook_with_valid_meta_is_not_reused(tmp_path, monkeypatch):

@@ -181,6 +181,9 @@ def test_budget_sizes_repetitions():
     assert measure.BUDGET_FLOOR_REPS <= t.n < 20 and t.budget_limited
     t = measure.benchmark(slow, CPU, warmup=0, min_reps=4, min_time_s=0.0)
     assert t.n == 4 and not t.budget_limited and measure.budget_left() is None
+    with measure.time_budget(0.0):  # the ceilings are exempt: every roofline divides by them
+        t = measure.benchmark(slow, CPU, warmup=0, min_reps=6, min_time_s=0.0, budgeted=False)
+    assert t.n == 6 and not t.budget_limited
     with measure.time_budget(100.0):
         with measure.time_budget(1.0):
             assert measure.budget_left() <= 1.0

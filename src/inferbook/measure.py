@@ -2,7 +2,10 @@
 
 - `benchmark(fn, device)` times a callable: CUDA events on a GPU, `perf_counter` on a CPU,
   after warm-up, and returns the median with p10/p90 and the sample count (never a mean
-  dressed as a median).
+  dressed as a median). On a GPU it measures the kernel, not the cache or Python: L2 is
+  flushed before each sample (opt out with `flush_l2=False`), the stream is held while the
+  host enqueues so launch overhead is not timed, and microsecond calls that need no flush run
+  back to back within a sample. Inside `time_budget(s)` it sizes its repetitions to what is left.
 - `PhaseTimer` keeps named phases apart (cold start, load, steady state; TTFT, decode, total).
 - `ceilings(device)` measures this device's copy bandwidth and matmul rate once per process;
   `roofline(...)` states an achieved rate as a fraction of those measured ceilings.
@@ -212,7 +215,7 @@ def hold_cycles(host_s: float, cycles_per_s: float, *, margin: float = 1.5, floo
 def benchmark(fn: Callable[[], object], device: torch.device, *, label: str = "",
               warmup: int = 3, min_reps: int = 5, max_reps: int = 200,
               min_time_s: float = 0.2, uses_triton: bool = False, flush_l2: bool | None = None,
-              inner: int | None = None, hide_launch: bool = True) -> Timing:
+              inner: int | None = None, hide_launch: bool = True, budgeted: bool = True) -> Timing:
     """Time `fn()`: `warmup` untimed calls, then at least `min_reps` timed samples and until
     `min_time_s` of samples (capped at `max_reps`), all within the current `time_budget`.
 
@@ -221,13 +224,15 @@ def benchmark(fn: Callable[[], object], device: torch.device, *, label: str = ""
     with `hide_launch`, the stream is held while the host enqueues, so launch overhead is not
     timed. Without a flush, microsecond calls run `inner` times back to back per sample (chosen
     from a first timed call unless given). Samples are seconds per call. On CPU: `perf_counter`
-    around each call, as before.
+    around each call, as before. `budgeted=False` exempts a timing from the current `time_budget`
+    (the device ceilings every roofline divides by).
     """
     if uses_triton and triton_interpreted() and device.type != "cuda":
         raise InterpreterTimingError(
             f"refusing to time {label or fn!r}: it runs a Triton kernel in the Triton interpreter, "
             "whose times say nothing about kernel speed; time the PyTorch paths on CPU instead")
-    plan = _budget_plan(warmup, min_reps, max_reps, min_time_s)
+    plan = _budget_plan(warmup, min_reps, max_reps, min_time_s) if budgeted else \
+        _Plan(warmup, min_reps, max_reps, min_time_s, None, min_reps, False)
     t_start = time.perf_counter()
     for _ in range(plan.warmup):
         fn()
@@ -362,12 +367,13 @@ def _ceilings(device_str: str) -> Ceilings:
     src = torch.empty(copy_bytes // 4, dtype=torch.float32, device=device).uniform_()
     dst = torch.empty_like(src)
     # 1 GiB on a GPU dwarfs any L2; flushing it too keeps the ceiling a true HBM copy rate
-    t_copy = benchmark(lambda: dst.copy_(src), device, label="copy", warmup=2, min_reps=5, min_time_s=0.3)
+    t_copy = benchmark(lambda: dst.copy_(src), device, label="copy", warmup=2, min_reps=5, min_time_s=0.3,
+                       budgeted=False)
     copy_gbps = 2 * copy_bytes / t_copy.median_s / 1e9
     del src, dst
     a = torch.randn(mm_n, mm_n, device=device).to(mm_dtype)
     b = torch.randn(mm_n, mm_n, device=device).to(mm_dtype)
-    t_mm = benchmark(lambda: a @ b, device, label="matmul", warmup=2, min_reps=5, min_time_s=0.3)
+    t_mm = benchmark(lambda: a @ b, device, label="matmul", warmup=2, min_reps=5, min_time_s=0.3, budgeted=False)
     tflops = 2 * mm_n**3 / t_mm.median_s / 1e12
     return Ceilings(copy_gbps=copy_gbps, matmul_tflops=tflops, matmul_dtype=str(mm_dtype).replace("torch.", ""),
                     copy_bytes=2 * copy_bytes, matmul_shape=(mm_n, mm_n, mm_n), timer=t_copy.timer)
