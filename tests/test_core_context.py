@@ -120,3 +120,21 @@ def test_git_state_from_the_environment_without_git(tmp_path, monkeypatch):
         assert context.git_state()["commit"] == "fedcba"
     finally:
         context.git_state.cache_clear()
+
+
+def test_records_made_after_measure_do_not_replace_the_saved_run(tmp_path, monkeypatch):
+    monkeypatch.setenv("INFERBOOK_RESULTS", str(tmp_path))
+    monkeypatch.delenv("INFERBOOK_SAVE_REFERENCE", raising=False)
+    monkeypatch.setattr(context, "AUTOSAVE_INTERVAL_S", 0.0)
+    ctx = inferbook.setup("upgrade-record", device="cpu", preset="smoke")
+
+    def one(c, **params):
+        r = c.new_record("kept")
+        r.add("x", 1.0, "s")
+        return [r]
+
+    monkeypatch.setattr(ctx.module, "measure", one)
+    ctx.measure()
+    before = ctx.results_path().read_text()
+    ctx.new_record("page's own").add("y", 2.0, "s")
+    assert ctx.results_path().read_text() == before and json.loads(before)["complete"] is True

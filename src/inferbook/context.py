@@ -134,6 +134,7 @@ class Context:
     _live: list[RunRecord] = field(default_factory=list, repr=False)
     _last_autosave: float = field(default=0.0, repr=False)
     _autosave_failed: bool = field(default=False, repr=False)
+    _measuring: bool = field(default=False, repr=False)
 
     @property
     def interpreted(self) -> bool:
@@ -176,12 +177,15 @@ class Context:
         most every AUTOSAVE_INTERVAL_S, so a run killed by a timeout keeps what it had measured."""
         from .measure import time_budget
 
+        self._live, self._measuring = [], True
         try:
             with time_budget(self.budget_s):
                 records = self.module.measure(self, **self.params)
         except BaseException:
             self._autosave(force=True)
             raise
+        finally:
+            self._measuring = False
         self.save(records)
         return records
 
@@ -198,7 +202,8 @@ class Context:
         import time
 
         now = time.monotonic()
-        if not self._live or (not force and now - self._last_autosave < AUTOSAVE_INTERVAL_S):
+        # only while `measure` runs: a record made afterwards (a page's own) must not replace the saved run
+        if not self._measuring or not self._live or (not force and now - self._last_autosave < AUTOSAVE_INTERVAL_S):
             return
         self._last_autosave = now
         try:
