@@ -27,7 +27,7 @@ from pathlib import Path
 
 from . import toc
 from .context import build_dir, repo_root, results_dir
-from .errors import UserError
+from .errors import MissingRequirement, UserError
 from .record import write_json_atomic
 
 DEFAULT_CELL_TIMEOUT_S = 1800
@@ -226,9 +226,9 @@ def execute(slug: str, *, device: str = "auto", preset: str = "auto", seed: int 
     clean_orphans(executed_dir)
     results_dir = Path(results_dir or paths()["results"])
     out_nb = executed_dir / f"{slug}.ipynb"
-    # papermill writes its output as it goes: it writes into a temporary beside the good notebook,
-    # which is replaced only once the run ended (ok, or a cell failed: then notebook and meta agree).
-    # Ctrl-C or SIGKILL leaves the last good notebook and its meta as they were.
+    # papermill saves its output notebook cell by cell, so it writes into a temporary beside the good
+    # notebook; that is replaced only once the run has ended (ok, or a cell failed: then notebook and
+    # meta agree). Ctrl-C or SIGKILL leaves the last good notebook and its meta as they were.
     tag = f".{slug}.{os.getpid()}"
     in_nb = executed_dir / f"{tag}.input.tmp.ipynb"
     tmp_nb = executed_dir / f"{tag}.output.tmp.ipynb"
@@ -455,14 +455,26 @@ def build_book(*, chapters: list[str] | None = None, force: bool = False, keep_g
             if s not in built:
                 raise UserError(f"chapter {s!r} has no source yet; built chapters are {', '.join(built)}")
     run_params = run_parameters(device, preset)
+    missing: dict[str, str] = {}
     for slug in (chapters or built):  # validate all before executing any
-        validate(slug, run_params)
+        try:
+            validate(slug, run_params)
+        except MissingRequirement as e:  # an environment without an optional package: with
+            if not keep_going:             # --keep-going, the other chapters still build
+                raise
+            missing[slug] = str(e)
     clean_orphans()
     metas: dict[str, dict | None] = {}
     failures: list[ChapterFailed] = []
     for i, slug in enumerate(built, 1):
         st = chapter_status(slug, run_params)
         selected = chapters is None or slug in chapters
+        if slug in missing and (force or st != "cached"):
+            log(f"[{i}/{len(built)}] {slug}: not executed: {missing[slug]}")
+            failures.append(ChapterFailed(slug, None, "MissingRequirement", missing[slug]))
+            meta = read_meta(slug)
+            metas[slug] = meta if executed_ok(slug, meta) else None
+            continue
         if selected and (force or st != "cached"):
             log(f"[{i}/{len(built)}] {slug}: executing ({st}) ...")
             try:

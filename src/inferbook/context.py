@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from . import toc, device as _device, presets as _presets
-from .errors import UserError
+from .errors import MissingRequirement, UserError
 from .record import RunRecord, load_records, save_records
 
 
@@ -275,7 +275,7 @@ def check_requirements(slug: str, module: ModuleType) -> None:
     for name, why in dict(getattr(module, "REQUIRES", {}) or {}).items():
         if importlib.util.find_spec(name) is None:
             pip = {"av": "av"}.get(name, name)
-            raise UserError(f"chapter {slug!r} needs the Python package {name!r} ({why}), which is not installed "
+            raise MissingRequirement(f"chapter {slug!r} needs the Python package {name!r} ({why}), which is not installed "
                             f"here; install it (pip install {pip}) or run another chapter")
 
 
