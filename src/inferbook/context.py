@@ -162,9 +162,9 @@ class Context:
         hardware = {**self.hardware, "load_average_1m": _load_average()}
         runtime = {**runtime_settings(self.device), **dict(fields.pop("runtime", None) or {})}
         rec = RunRecord(chapter=self.chapter.slug, name=name, variant=variant, git=git_state(),
-                         packages=package_versions(), hardware=hardware, device=str(self.device),
-                         preset=self.preset, parameters={"seed": self.seed, **self.params},
-                         workload=dict(workload or {}), topology=dict(topology or {}), runtime=runtime, **fields)
+                        packages=package_versions(), hardware=hardware, device=str(self.device),
+                        preset=self.preset, parameters={"seed": self.seed, **self.params},
+                        workload=dict(workload or {}), topology=dict(topology or {}), runtime=runtime, **fields)
         rec._on_change = self._record_changed
         self._live.append(rec)
         self._autosave(force=True)
