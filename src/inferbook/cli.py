@@ -183,7 +183,7 @@ def cmd_results(args) -> int:
     from . import book
     from .context import reference_dir
     from .device import hardware_label
-    from .record import compare, load_records
+    from .record import compare, load_records, results_complete
 
     if args.compare:
         a, b = (_resolve_record(s) for s in args.compare)
@@ -205,8 +205,9 @@ def cmd_results(args) -> int:
             print(f"inferbook: skipping {e}", file=sys.stderr)
             continue
         shown = _shown_path(f, root)
+        partial = "" if results_complete(f) else "  (incomplete: the run was stopped)"
         for r in records:
-            print(f"{shown:52} {r.name:24} {r.variant:12} {hardware_label(r.hardware):40} {r.created}")
+            print(f"{shown:52} {r.name:24} {r.variant:12} {hardware_label(r.hardware):40} {r.created}{partial}")
     return 0
 
 

@@ -334,6 +334,16 @@ def load_records(path: str | os.PathLike) -> list[RunRecord]:
     raise UserError(f"results file {name!r} holds neither a record nor a list of records")
 
 
+def results_complete(path: str | os.PathLike) -> bool:
+    """False for a results file saved while its run was still going (and never finished: the run was
+    stopped or killed); True otherwise, also for files written before the flag existed."""
+    try:
+        data = json.loads(Path(path).read_bytes().decode("utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return True
+    return not (isinstance(data, dict) and data.get("complete") is False)
+
+
 def tensors_revision(tensors) -> str:
     """`model_revision` of a set of weights: sha256 over each tensor's name, dtype, shape and bytes,
     names in sorted order. Unlike a hash of the safetensors file, it does not change with the file's
