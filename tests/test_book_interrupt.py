@@ -154,6 +154,7 @@ def test_torn_notebook_with_valid_meta_is_not_reused(tmp_path, monkeypatch):
 
 
 def test_orphans_of_dead_writers_are_removed(tmp_path):
+    assert book.clean_orphans(tmp_path / "absent") == []
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     mine = tmp_path / f".x.{os.getpid()}.output.tmp.ipynb"

@@ -464,6 +464,7 @@ def build_book(*, chapters: list[str] | None = None, force: bool = False, keep_g
                 raise
             missing[slug] = str(e)
     clean_orphans()
+    clean_orphans(paths()["results"])  # temporaries of records written by a killed run
     metas: dict[str, dict | None] = {}
     failures: list[ChapterFailed] = []
     for i, slug in enumerate(built, 1):
