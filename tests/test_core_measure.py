@@ -195,3 +195,26 @@ def test_roofline_names_the_ceiling_it_divided_by():
                             matmul_shape=(1, 1, 1), timer="cuda-events")
     r = measure.roofline(bytes_moved=43e9, flops=0.0, seconds=0.02, ceil=ceil)
     assert r["ceiling_copy_gbps"] == 4300.0 and r["frac_copy"] == pytest.approx(0.5)
+
+
+def test_rotating_inputs_run_back_to_back_without_flush(fake_cuda, monkeypatch):
+    gpu = fake_cuda(2e-6)
+    seen = []
+
+    def kernel(i):
+        seen.append(i)
+        gpu.fn()
+
+    t = measure.benchmark(kernel, CUDA, warmup=0, min_reps=3, min_time_s=0.0, rotate=4)
+    assert t.flush_bytes == 0 and t.inner == 50 and "flush" not in gpu.log
+    assert seen[:9] == [0, 1, 2, 3, 0, 1, 2, 3, 0]
+
+    class Props:
+        L2_cache_size = 60 << 20
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: Props())
+    assert measure.l2_rotations(16 << 20, CUDA) == 8 and measure.l2_rotations(1 << 30, CUDA) == 1
+    assert measure.l2_rotations(16 << 20, CPU) == 1
+    calls = []
+    measure.benchmark(lambda i: calls.append(i), CPU, warmup=1, min_reps=3, min_time_s=0.0, rotate=2)
+    assert calls == [0, 1, 0, 1]

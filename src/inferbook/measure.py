@@ -191,6 +191,14 @@ def _sleep_cycles_per_s(device_str: str) -> float:
     return cycles / s if s > 0 else 1.5e9
 
 
+def l2_rotations(bytes_per_call: float, device: torch.device) -> int:
+    """Input sets a `benchmark(..., rotate=k)` needs so that k calls' inputs are twice the L2 size
+    (1 on CPU, where no flush is done either)."""
+    if device.type != "cuda":
+        return 1
+    return max(1, math.ceil(l2_flush_bytes(device) / max(float(bytes_per_call), 1.0)))
+
+
 def plan_inner(call_s: float, *, flush: bool, inner: int | None, min_sample_s: float = MIN_SAMPLE_S) -> int:
     """Calls per sample: `inner` when given; 1 when flushing (each call must find a cold L2);
     else enough back-to-back calls that a sample lasts `min_sample_s` (at most MAX_INNER)."""
@@ -215,7 +223,8 @@ def hold_cycles(host_s: float, cycles_per_s: float, *, margin: float = 1.5, floo
 def benchmark(fn: Callable[[], object], device: torch.device, *, label: str = "",
               warmup: int = 3, min_reps: int = 5, max_reps: int = 200,
               min_time_s: float = 0.2, uses_triton: bool = False, flush_l2: bool | None = None,
-              inner: int | None = None, hide_launch: bool = True, budgeted: bool = True) -> Timing:
+              inner: int | None = None, hide_launch: bool = True, budgeted: bool = True,
+              rotate: int | None = None) -> Timing:
     """Time `fn()`: `warmup` untimed calls, then at least `min_reps` timed samples and until
     `min_time_s` of samples (capped at `max_reps`), all within the current `time_budget`.
 
@@ -226,7 +235,25 @@ def benchmark(fn: Callable[[], object], device: torch.device, *, label: str = ""
     from a first timed call unless given). Samples are seconds per call. On CPU: `perf_counter`
     around each call, as before. `budgeted=False` exempts a timing from the current `time_budget`
     (the device ceilings every roofline divides by).
+
+    `rotate=k`: the other way to a cold L2, for microsecond memory-bound kernels that a flush would
+    leave timed one call per sample: `fn(i)` takes an input-set index and the calls cycle through
+    i = 0..k-1, k sets together larger than L2 (`l2_rotations(bytes_per_call, device)` says how many).
+    Then no flush is needed (default off) and calls run back to back, each on inputs L2 has not seen
+    since k calls ago.
     """
+    if rotate is not None:
+        if rotate < 1:
+            raise ValueError(f"rotate must be >= 1, got {rotate}")
+        user_fn, counter = fn, [0]
+
+        def fn():
+            i = counter[0] % rotate
+            counter[0] += 1
+            return user_fn(i)
+
+        if flush_l2 is None:
+            flush_l2 = False
     if uses_triton and triton_interpreted() and device.type != "cuda":
         raise InterpreterTimingError(
             f"refusing to time {label or fn!r}: it runs a Triton kernel in the Triton interpreter, "
