@@ -13,13 +13,18 @@
 #
 #   INFERBOOK_GIT_COMMIT=$(git rev-parse HEAD) INFERBOOK_GIT_DIRTY=$(git diff --quiet HEAD && echo 0 || echo 1) bash scripts/gpu_measure.sh
 #
-# and through the device tool, where `$(...)` would run on the device (no git there), paste the values:
-#   run(command="INFERBOOK_GIT_COMMIT=<40-hex from git rev-parse HEAD> INFERBOOK_GIT_DIRTY=<0|1> bash scripts/gpu_measure.sh", timeout_s=780)
+# and through the device tool, where `$(...)` would run on the device (no git there), paste the values;
+# one device command may run 600 s at most, so the run is two calls of about 6 minutes:
+#   run(command="INFERBOOK_GIT_COMMIT=<40-hex from git rev-parse HEAD> INFERBOOK_GIT_DIRTY=<0|1> PART=1/2 bash scripts/gpu_measure.sh", timeout_s=600)
+#   run(command="INFERBOOK_GIT_COMMIT=<same> INFERBOOK_GIT_DIRTY=<0|1> PART=2/2 bash scripts/gpu_measure.sh", timeout_s=600)
+# (each returns $OUT/results-partK.tar.gz; unpack both over the checkout and commit data/results/).
 # Records also carry git.tree_sha256 (src/inferbook, chapters, scripts), which identifies the code even
 # when the commit is not given or the tree was dirty.
 #
 #   usage: bash scripts/gpu_measure.sh [SLUG ...]
-#   env:   DEVICE (cuda), PRESET (gpu), TOTAL_S (720), PER_CHAPTER_TIMEOUT (only for presets without
+#   env:   DEVICE (cuda), PRESET (gpu), PART (K/N: the K-th of N parts), TOTAL_S (720; 590 with PART),
+#          CEILINGS_TIMEOUT (20), KILL_GRACE (3),
+#          PER_CHAPTER_TIMEOUT (only for presets without
 #          budgets, default 150 s), PYTHON (python3), OUT (/tmp/inferbook-out), LOG_DIR (logs),
 #          INFERBOOK_REFERENCE_DIR (data/results)
 #   a dry run on a CPU machine (a test in the suite runs it):
@@ -27,7 +32,10 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 START=$(date +%s)
-DEVICE="${DEVICE:-cuda}"; PRESET="${PRESET:-gpu}"; TOTAL_S="${TOTAL_S:-720}"; PY="${PYTHON:-python3}"
+DEVICE="${DEVICE:-cuda}"; PRESET="${PRESET:-gpu}"; PY="${PYTHON:-python3}"
+# One device command may run at most 600 s: PART=1/2 and PART=2/2 split the sixteen chapters into two
+# calls of about 6 minutes each (`inferbook budgets --part K/N` lists them), each within its own total.
+TOTAL_S="${TOTAL_S:-$([ -n "${PART:-}" ] && echo 590 || echo 720)}"
 OUT="${OUT:-/tmp/inferbook-out}"; LOG_DIR="${LOG_DIR:-logs}"; REF="${INFERBOOK_REFERENCE_DIR:-data/results}"
 mkdir -p "$OUT" "$LOG_DIR"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 INFERBOOK_REFERENCE_DIR="$REF"
@@ -53,7 +61,10 @@ if ! "$PY" -c 'import av' 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
 fi
 
 slugs=("$@")
-if [ ${#slugs[@]} -eq 0 ]; then
+PART="${PART:-}"
+if [ ${#slugs[@]} -eq 0 ] && [ -n "$PART" ]; then
+  mapfile -t slugs < <("$PY" -m inferbook.cli budgets --preset "$PRESET" --part "$PART" | grep -v '^#' | cut -d' ' -f1)
+elif [ ${#slugs[@]} -eq 0 ]; then
   mapfile -t slugs < <("$PY" -c "from inferbook import book; print('\n'.join(c.slug for c in book.built_chapters()))")
 fi
 declare -A TIMEOUT=()
@@ -61,12 +72,13 @@ while read -r slug m c t; do [ "${slug:0:1}" = "#" ] || TIMEOUT[$slug]=$t; done 
   < <("$PY" -m inferbook.cli budgets --preset "$PRESET" 2>/dev/null)
 
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 || echo "no nvidia-smi"; } > "$LOG_DIR/nvidia-smi.txt"
-timeout -s INT -k 5 "${CEILINGS_TIMEOUT:-60}" "$PY" -m inferbook.cli ceilings --device "$DEVICE" --save-reference \
+timeout -s INT -k 3 "${CEILINGS_TIMEOUT:-20}" "$PY" -m inferbook.cli ceilings --device "$DEVICE" --save-reference \
   > "$LOG_DIR/ceilings.log" 2>&1
 echo "ceilings: exit $? ($(tail -n 1 "$LOG_DIR/ceilings.log")) at $(elapsed) s"
 printf "chapter\texit\tseconds\tlast line\n" > "$LOG_DIR/summary.tsv"
+GRACE="${KILL_GRACE:-3}"   # inferbook.presets.KILL_GRACE_S
 for slug in "${slugs[@]}"; do
-  left=$(( TOTAL_S - 5 - $(elapsed) ))
+  left=$(( TOTAL_S - 5 - GRACE - $(elapsed) ))   # 5 s to pack the tarball
   t="${TIMEOUT[$slug]:-${PER_CHAPTER_TIMEOUT:-150}}"
   [ "$t" -gt "$left" ] && t="$left"
   if [ "$t" -lt 10 ]; then
@@ -74,15 +86,18 @@ for slug in "${slugs[@]}"; do
     echo "== $slug: skipped, out of time"; continue
   fi
   t0=$(date +%s)
-  # SIGINT first: Python saves the partial records and exits; SIGKILL 5 s later if it does not.
-  timeout -s INT -k 5 "$t" "$PY" -m inferbook.cli measure "$slug" --device "$DEVICE" --preset "$PRESET" \
+  # SIGINT first: Python saves the partial records and exits; SIGKILL $GRACE s later if it does not.
+  timeout -s INT -k "$GRACE" "$t" "$PY" -m inferbook.cli measure "$slug" --device "$DEVICE" --preset "$PRESET" \
     --save-reference > "$LOG_DIR/$slug.log" 2>&1
   rc=$?
   last="$(tail -n 1 "$LOG_DIR/$slug.log" | tr '\t' ' ')"
-  [ $rc -eq 124 ] && last="stopped at its ${t} s timeout; records so far kept ($last)"
+  if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then
+    last="stopped at its ${t} s timeout; what it had measured is kept, marked incomplete ($last)"
+  fi
   printf "%s\t%s\t%s\t%s\n" "$slug" "$rc" "$(( $(date +%s) - t0 ))" "$last" >> "$LOG_DIR/summary.tsv"
   echo "== $slug: exit $rc in $(( $(date +%s) - t0 )) s (limit $t s): $last"
 done
 echo "total $(elapsed) s of $TOTAL_S s"
-tar czf "$OUT/results.tar.gz" "$REF" "$LOG_DIR" 2>/dev/null || tar czf "$OUT/results.tar.gz" "$LOG_DIR"
-echo "bundle: $OUT/results.tar.gz"
+BUNDLE="$OUT/results${PART:+-part${PART%/*}}.tar.gz"
+tar czf "$BUNDLE" "$REF" "$LOG_DIR" 2>/dev/null || tar czf "$BUNDLE" "$LOG_DIR"
+echo "bundle: $BUNDLE"

@@ -136,16 +136,27 @@ def cmd_budgets(args) -> int:
 
     if args.preset not in presets.PRESETS:
         raise UserError(f"unknown preset {args.preset!r}; choose {', '.join(presets.PRESETS)}")
-    total = presets.CEILINGS_S + presets.PACKING_S
-    for slug in toc.CHAPTERS:
+    chosen = list(toc.CHAPTERS)
+    if args.part:
+        try:
+            k, n = (int(x) for x in args.part.split("/"))
+        except ValueError:
+            raise UserError(f"--part must be K/N, e.g. 1/2, got {args.part!r}") from None
+        if not 1 <= k <= n:
+            raise UserError(f"--part {args.part!r}: K must be in 1..N")
+        chosen = presets.budget_parts(args.preset, n)[k - 1]
+    part_s = presets.CEILINGS_S + presets.PACKING_S
+    for slug in chosen:
         b = presets.budget_for(slug, args.preset)
         if b is None:
             continue
-        timeout = int(round(sum(b) + presets.STARTUP_ALLOWANCE_S))
-        total += timeout
-        print(f"{slug} {b[0]:g} {b[1]:g} {timeout}")
-    print(f"# total {total:g} s of {presets.GPU_RUN_TOTAL_S} s (ceilings {presets.CEILINGS_S} s, "
-          f"{presets.STARTUP_ALLOWANCE_S} s start-up per chapter, packing {presets.PACKING_S} s)")
+        part_s += sum(b) + presets.STARTUP_ALLOWANCE_S + presets.KILL_GRACE_S
+        print(f"{slug} {b[0]:g} {b[1]:g} {int(round(sum(b) + presets.STARTUP_ALLOWANCE_S))}")
+    if args.part:
+        print(f"# part {args.part}: worst case {part_s:g} s")
+    print(f"# worst case {presets.worst_case_total_s(args.preset):g} s of {presets.GPU_RUN_TOTAL_S} s "
+          f"(ceilings {presets.CEILINGS_S} s, {presets.STARTUP_ALLOWANCE_S} s start-up and {presets.KILL_GRACE_S} s "
+          f"kill grace per chapter, packing {presets.PACKING_S} s)")
     return 0
 
 
@@ -240,6 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_measure)
     p = sub.add_parser("budgets", help="each chapter's time budget and hard timeout at a preset")
     p.add_argument("--preset", default="gpu")
+    p.add_argument("--part", metavar="K/N", help="only the K-th of N parts of about equal time (one device call each)")
     p.set_defaults(fn=cmd_budgets)
     p = sub.add_parser("ceilings", help="measure this device's copy bandwidth and matmul rate")
     p.add_argument("--device", default="auto")
