@@ -122,3 +122,22 @@ def test_status_page_lists_every_planned_chapter():
     for slug in toc.CHAPTERS:
         assert slug in page
     assert "| ok | CPU: X (2 cores) | cpu | 1.5 | 2026-11-29 10:00:00+00:00 |" in page
+
+
+def test_missing_optional_package_refuses_or_keeps_going(fake_book, monkeypatch, tmp_path):
+    from inferbook.errors import MissingRequirement
+
+    mods = tmp_path / "mods"
+    (mods / "fakeneeds.py").write_text("REQUIRES = {'no_such_package_xyz': 'writing MP4'}\n"
+                                       "PARAMETERS = {}\nPRESETS = {}\ndef measure(ctx):\n    return []\n")
+    monkeypatch.setitem(toc.CHAPTERS, "bad", ChapterInfo("bad", "upgrade", "Bad", "-", "fakeneeds"))
+    with pytest.raises(MissingRequirement, match="needs the Python package 'no_such_package_xyz'"):
+        book.build_book(device="cpu", preset="smoke", progress=False, log=lambda *_: None)
+    assert not (fake_book / "_build" / "executed").exists(), "refused before executing anything"
+    logs = []
+    with pytest.raises(book.ChapterFailed, match="MissingRequirement"):
+        book.build_book(device="cpu", preset="smoke", keep_going=True, progress=False, log=logs.append)
+    html = fake_book / "_build" / "html"
+    assert "answer 42" in (html / "chapters" / "good.html").read_text()
+    assert "was not executed" in (html / "chapters" / "bad.html").read_text()
+    assert any("bad: not executed" in line for line in logs), logs

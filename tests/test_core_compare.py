@@ -41,7 +41,8 @@ def test_rates_flip_the_sense():
 def test_record_measurements_keep_samples_and_compare():
     ta = Timing("a", _noisy(1.0, 0.02, 10, 9), "perf_counter", 1)
     tb = Timing("b", _noisy(2.0, 0.02, 10, 10), "perf_counter", 1)
-    ra, rb = RunRecord(chapter="x", name="a"), RunRecord(chapter="x", name="b")
+    hw = {"device_type": "cpu", "cpu_model": "T", "cpu_cores": 2}
+    ra, rb = RunRecord(chapter="x", name="a", hardware=hw), RunRecord(chapter="x", name="b", hardware=hw)
     ra.add_timing("t", ta)
     rb.add_timing("t", tb)
     rb2 = RunRecord.from_dict(rb.to_dict())

@@ -103,3 +103,52 @@ def test_setup_context(results_env):
     a = torch.rand(3, generator=ctx.generator())
     b = torch.rand(3, generator=ctx.generator())
     assert torch.equal(a, b)
+
+
+def test_bounds_derived_from_presets_and_declared():
+    declared = {"n": Param(int), "k": Param(int, min=0), "f": Param(float), "cap": Param(int, max=10),
+                "ts": Param(tuple), "v": Param(str, check=lambda v: int(v))}
+    presets = {"smoke": {"n": 4, "k": 2, "f": 0.5, "cap": 2, "ts": (1, 8), "v": "3"}, "gpu": {"n": 64, "k": 8, "f": 0.5,
+                                                                                             "cap": 4, "ts": (1, 8, 64), "v": "4"}}
+    ok = resolve_params("c", declared, presets, "smoke", {"n": "1", "k": "0", "f": "0", "ts": "2,16", "cap": "10"})
+    assert ok["n"] == 1 and ok["k"] == 0 and ok["ts"] == (2, 16) and ok["cap"] == 10
+    for given, match in [({"n": "0"}, "'n' must be >= 1, got 0"), ({"n": str(64 * 64 + 1)}, "'n' must be <= 4096"),
+                         ({"k": "-1"}, "'k' must be >= 0"), ({"f": "-0.1"}, "'f' must be >= 0"),
+                         ({"f": "nan"}, "finite"), ({"cap": "11"}, "'cap' must be <= 10, got 11$"),
+                         ({"ts": "1,0"}, "'ts' must be >= 1, got 0"), ({"ts": "1,a"}, "comma-separated int"),
+                         ({"v": "x"}, "parameter 'v': invalid literal"), ({"n": str(2**40)}, "out of range")]:
+        with pytest.raises(UserError, match=match):
+            resolve_params("c", declared, presets, "smoke", given)
+
+
+def test_relations_and_chapter_checks_run_in_setup(results_env):
+    with pytest.raises(UserError, match="'n_heads' = 3 must divide 'd_model' = 64"):
+        inferbook.setup("upgrade-record", preset="smoke", n_heads=3)
+    with pytest.raises(UserError, match="axis 'head_dim' got"):
+        inferbook.setup("attention-test-matrix", preset="smoke", head_dims="7")
+    with pytest.raises(UserError, match="seed must be in"):
+        inferbook.setup("upgrade-record", preset="smoke", seed=2**70)
+    assert not results_env.exists()
+
+
+def test_every_preset_of_every_chapter_passes_its_own_checks():
+    from inferbook import toc
+    from inferbook.context import check_chapter_params
+
+    for info in toc.CHAPTERS.values():
+        module = toc.load_module(info)
+        for preset in ("smoke", "cpu", "gpu"):
+            params = resolve_params(info.slug, module.PARAMETERS, module.PRESETS, preset, {})
+            check_chapter_params(info.slug, module, params)
+
+
+def test_sdpa_backend_is_observed_not_configured():
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q = torch.randn(1, 2, 8, 16)
+    auto = dev.observed_sdpa_backend(q, q, q)
+    assert auto in ("flash (cpu)", "math")  # what this CPU build dispatches to
+    with sdpa_kernel([SDPBackend.MATH]):
+        assert dev.observed_sdpa_backend(q, q, q) == "math"
+    with sdpa_kernel([SDPBackend.MATH]):
+        assert dev.observed_sdpa_backend(q, q, q, is_causal=True) == "math"

@@ -93,6 +93,6 @@ def test_decoder_rejects_wrong_latent():
                                           (dict(norms="group", channels="40,32,32"), "divisible by 32"),
                                           (dict(check_latent="2,3"), "check_latent")])
 def test_chapter_measure_bad_parameters(params, match):
-    ctx = inferbook.setup("h3-vae-fusion", device="cpu", preset="smoke", **params)
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ValueError, match=match):  # setup's check_params refuses most before any work
+        ctx = inferbook.setup("h3-vae-fusion", device="cpu", preset="smoke", **params)
         ctx.module.measure(ctx, **ctx.params)

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from . import reader, toc
 from .context import build_dir, repo_root, results_dir
-from .errors import UserError
+from .errors import MissingRequirement, UserError
 from .record import write_json_atomic
 
 DEFAULT_CELL_TIMEOUT_S = 1800
@@ -94,14 +94,74 @@ def read_meta(slug: str, executed: Path | None = None) -> dict | None:
         return None
 
 
+def notebook_sha256(path: Path) -> str | None:
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError:
+        return None
+
+
+def executed_ok(slug: str, meta: dict | None, executed: Path | None = None) -> bool:
+    """The executed notebook is the one its meta describes: the bytes hash to the meta's
+    `notebook_sha256` (metas older than that field: the notebook at least parses as JSON).
+    A notebook torn by a crash, or replaced without its meta, is not reused."""
+    nb = (executed or paths()["executed"]) / f"{slug}.ipynb"
+    if meta is None or not nb.is_file():
+        return False
+    want = meta.get("notebook_sha256")
+    if want is not None:
+        return notebook_sha256(nb) == want
+    try:
+        return isinstance(json.loads(nb.read_bytes()).get("cells"), list)
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def chapter_status(slug: str, run_params: dict) -> str:
-    """'cached', 'stale', 'failed' or 'not executed'."""
+    """'cached', 'stale', 'failed' or 'not executed' (a notebook its meta does not vouch for: 'stale')."""
     meta = read_meta(slug)
     if meta is None or not (paths()["executed"] / f"{slug}.ipynb").is_file():
         return "not executed"
+    if not executed_ok(slug, meta):
+        return "stale"
     if meta.get("status") == "failed":
         return "failed" if meta.get("hash") == input_hash(slug, run_params) else "stale"
     return "cached" if meta.get("hash") == input_hash(slug, run_params) else "stale"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError):
+        return True
+    return True
+
+
+ORPHAN_AGE_S = 600   # a `write_json_atomic` temporary lives milliseconds; one this old was orphaned
+
+
+def clean_orphans(executed: Path | None = None) -> list[Path]:
+    """Remove temporaries an interrupted or killed run left in the executed folder: ours carry the
+    writer's pid (`.<slug>.<pid>.*.tmp.ipynb`) and go when that process is gone; anonymous ones (from
+    `write_json_atomic`) when older than ORPHAN_AGE_S. Returns what was removed."""
+    folder = executed or paths()["executed"]
+    removed = []
+    if not folder.is_dir():
+        return removed
+    now = time.time()
+    for f in [*folder.glob(".*.tmp"), *folder.glob(".*.tmp.ipynb")]:
+        parts = f.name.split(".")
+        pid = next((int(x) for x in parts[2:3] if x.isdigit()), None)
+        try:
+            orphan = (not _pid_alive(pid)) if pid is not None else now - f.stat().st_mtime > ORPHAN_AGE_S
+            if orphan:
+                f.unlink()
+                removed.append(f)
+        except OSError:
+            pass
+    return removed
 
 
 @dataclass
@@ -132,10 +192,12 @@ def _typed_for_notebook(slug: str, run_params: dict) -> dict:
     """CLI values arrive as strings; give papermill the declared types."""
     info = toc.get_chapter(slug)
     module = toc.load_module(info)
+    from .presets import coerce_param
+
     out = {}
     for k, v in run_params.items():
         if k in module.PARAMETERS and v is not None:
-            v = module.PARAMETERS[k].coerce(k, v)
+            v = coerce_param(module.PARAMETERS, module.PRESETS, k, v)
         out[k] = v
     return out
 
@@ -161,9 +223,15 @@ def execute(slug: str, *, device: str = "auto", preset: str = "auto", seed: int 
 
     executed_dir = Path(executed_dir or paths()["executed"])
     executed_dir.mkdir(parents=True, exist_ok=True)
+    clean_orphans(executed_dir)
     results_dir = Path(results_dir or paths()["results"])
     out_nb = executed_dir / f"{slug}.ipynb"
-    in_nb = executed_dir / f".{slug}.input.ipynb"
+    # papermill saves its output notebook cell by cell, so it writes into a temporary beside the good
+    # notebook; that is replaced only once the run has ended (ok, or a cell failed: then notebook and
+    # meta agree). Ctrl-C or SIGKILL leaves the last good notebook and its meta as they were.
+    tag = f".{slug}.{os.getpid()}"
+    in_nb = executed_dir / f"{tag}.input.tmp.ipynb"
+    tmp_nb = executed_dir / f"{tag}.output.tmp.ipynb"
     nb = jupytext.read(src)
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     jupytext.write(nb, in_nb, fmt="ipynb")
@@ -175,20 +243,28 @@ def execute(slug: str, *, device: str = "auto", preset: str = "auto", seed: int 
     meta = {"chapter": slug, "title": info.title, "parameters": run_params, "hash": input_hash(slug, run_params),
             "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
     try:
-        papermill.execute_notebook(str(in_nb), str(out_nb), parameters=run_params, kernel_name="python3",
-                                   execution_timeout=cell_timeout, progress_bar=progress, cwd=str(repo_root()),
-                                   log_output=False, report_mode=False)
-    except papermill.PapermillExecutionError as e:
-        cell = _source_code_cell(out_nb, e.cell_index)
-        meta.update(status="failed", seconds=round(time.perf_counter() - started, 2), cell=cell,
-                    error=f"{e.ename}: {_first_line(e.evalue)}", device=_device_of_run(results_dir, slug))
-        write_json_atomic(meta_path(slug, executed_dir), meta)
-        raise ChapterFailed(slug, cell, e.ename, _first_line(e.evalue)) from None
-    except Exception as e:  # kernel died, timeout, bad notebook
-        meta.update(status="failed", seconds=round(time.perf_counter() - started, 2), cell=None,
-                    error=f"{type(e).__name__}: {e}", device=None)
-        write_json_atomic(meta_path(slug, executed_dir), meta)
-        raise ChapterFailed(slug, None, type(e).__name__, _first_line(str(e))) from None
+        try:
+            papermill.execute_notebook(str(in_nb), str(tmp_nb), parameters=run_params, kernel_name="python3",
+                                       execution_timeout=cell_timeout, progress_bar=progress, cwd=str(repo_root()),
+                                       log_output=False, report_mode=False)
+        except papermill.PapermillExecutionError as e:
+            cell = _source_code_cell(tmp_nb, e.cell_index)
+            meta.update(status="failed", seconds=round(time.perf_counter() - started, 2), cell=cell,
+                        error=f"{e.ename}: {_first_line(e.evalue)}", device=_device_of_run(results_dir, slug))
+            _commit_execution(tmp_nb, out_nb, meta, slug, executed_dir)
+            raise ChapterFailed(slug, cell, e.ename, _first_line(e.evalue)) from None
+        except Exception as e:  # kernel died, timeout, bad notebook
+            meta.update(status="failed", seconds=round(time.perf_counter() - started, 2), cell=None,
+                        error=f"{type(e).__name__}: {e}", device=None)
+            if tmp_nb.is_file() and _parses(tmp_nb):  # what ran, with its meta
+                _commit_execution(tmp_nb, out_nb, meta, slug, executed_dir)
+            elif not out_nb.is_file():  # nothing to keep: the meta says why
+                write_json_atomic(meta_path(slug, executed_dir), meta)
+            # else: the last good notebook and its meta stay as they were
+            raise ChapterFailed(slug, None, type(e).__name__, _first_line(str(e))) from None
+        meta.update(status="ok", seconds=round(time.perf_counter() - started, 2),
+                    device=_device_of_run(results_dir, slug))
+        _commit_execution(tmp_nb, out_nb, meta, slug, executed_dir)
     finally:
         for k, v in env_backup.items():
             if v is None:
@@ -196,10 +272,26 @@ def execute(slug: str, *, device: str = "auto", preset: str = "auto", seed: int 
             else:
                 os.environ[k] = v
         in_nb.unlink(missing_ok=True)
-    meta.update(status="ok", seconds=round(time.perf_counter() - started, 2),
-                device=_device_of_run(results_dir, slug))
-    write_json_atomic(meta_path(slug, executed_dir), meta)
+        tmp_nb.unlink(missing_ok=True)
     return meta
+
+
+def _parses(nb: Path) -> bool:
+    try:
+        return isinstance(json.loads(nb.read_bytes()).get("cells"), list)
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _commit_execution(tmp_nb: Path, out_nb: Path, meta: dict, slug: str, executed_dir: Path) -> None:
+    """Replace the executed notebook and its meta as one step: the meta carries the notebook's
+    sha256 and is written last, so a crash between the two replaces leaves a meta that does not
+    vouch for the notebook beside it (`executed_ok` is False: re-executed, never reused)."""
+    with open(tmp_nb, "rb") as f:
+        os.fsync(f.fileno())
+    meta["notebook_sha256"] = notebook_sha256(tmp_nb)
+    os.replace(tmp_nb, out_nb)
+    write_json_atomic(meta_path(slug, executed_dir), meta)
 
 
 def _source_code_cell(executed_nb: Path, cell_index: int) -> int | None:
@@ -382,13 +474,27 @@ def build_book(*, chapters: list[str] | None = None, force: bool = False, keep_g
             if s not in built:
                 raise UserError(f"chapter {s!r} has no source yet; built chapters are {', '.join(built)}")
     run_params = run_parameters(device, preset)
+    missing: dict[str, str] = {}
     for slug in (chapters or built):  # validate all before executing any
-        validate(slug, run_params)
+        try:
+            validate(slug, run_params)
+        except MissingRequirement as e:  # an environment without an optional package: with
+            if not keep_going:             # --keep-going, the other chapters still build
+                raise
+            missing[slug] = str(e)
+    clean_orphans()
+    clean_orphans(paths()["results"])  # temporaries of records written by a killed run
     metas: dict[str, dict | None] = {}
     failures: list[ChapterFailed] = []
     for i, slug in enumerate(built, 1):
         st = chapter_status(slug, run_params)
         selected = chapters is None or slug in chapters
+        if slug in missing and (force or st != "cached"):
+            log(f"[{i}/{len(built)}] {slug}: not executed: {missing[slug]}")
+            failures.append(ChapterFailed(slug, None, "MissingRequirement", missing[slug]))
+            meta = read_meta(slug)
+            metas[slug] = meta if executed_ok(slug, meta) else None
+            continue
         if selected and (force or st != "cached"):
             log(f"[{i}/{len(built)}] {slug}: executing ({st}) ...")
             try:
@@ -402,7 +508,11 @@ def build_book(*, chapters: list[str] | None = None, force: bool = False, keep_g
                 meta = read_meta(slug)
         else:
             meta = read_meta(slug)
-            log(f"[{i}/{len(built)}] {slug}: {st}, reused")
+            if executed_ok(slug, meta):
+                log(f"[{i}/{len(built)}] {slug}: {st}, reused")
+            else:  # not selected, and its notebook is missing or torn: a placeholder, never a broken page
+                meta = None
+                log(f"[{i}/{len(built)}] {slug}: {st}, no usable executed notebook")
         metas[slug] = meta
     p = paths()
     stage_dir = stage(metas)

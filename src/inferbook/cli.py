@@ -2,10 +2,11 @@
 
     inferbook list
     inferbook run CHAPTER [-p NAME VALUE]... [--device D] [--preset P] [--seed N] [--save-reference]
-    inferbook measure CHAPTER [-p NAME VALUE]... [--device D] [--preset P] [--save-reference]
+    inferbook measure CHAPTER [-p NAME VALUE]... [--device D] [--preset P] [--budget S|none] [--save-reference]
     inferbook book [--force] [--keep-going] [--chapters SLUG ...]
     inferbook results [--chapter C] [--compare A B]
     inferbook ceilings [--device D] [--save-reference]
+    inferbook budgets [--preset P]
     inferbook workflow run FILE.json [--output-dir D] [--input-dir D] [--device D] [--no-cache]
     inferbook workflow validate FILE.json
 
@@ -91,8 +92,9 @@ def cmd_measure(args) -> int:
     from . import book
 
     typed = book._typed_for_notebook(args.chapter, params)
-    ctx = setup(args.chapter, device=args.device, preset=args.preset, seed=args.seed, **typed)
-    print(f"{args.chapter}: measuring on {ctx.hardware_label} (preset {ctx.preset})", flush=True)
+    ctx = setup(args.chapter, device=args.device, preset=args.preset, seed=args.seed, budget_s=args.budget, **typed)
+    budget = f", budget {ctx.budget_s:g} s" if ctx.budget_s is not None else ""
+    print(f"{args.chapter}: measuring on {ctx.hardware_label} (preset {ctx.preset}{budget})", flush=True)
     records = ctx.measure()
     for r in records:
         print(f"  {r.name}: {len(r.measurements)} measurements, {sum(c['passed'] for c in r.checks)}/{len(r.checks)} checks passed")
@@ -123,6 +125,38 @@ def cmd_ceilings(args) -> int:
     print(f"  record: {save_records(results_dir() / 'device-ceilings.json', [r])}")
     if args.save_reference:
         print(f"  reference: {save_records(reference_dir() / hardware_slug(info) / 'device-ceilings.json', [r])}")
+    return 0
+
+
+def cmd_budgets(args) -> int:
+    """Each chapter's time budget at a preset, and the hard timeout `scripts/gpu_measure.sh` gives it:
+    one line per chapter, `SLUG MEASURE_S COMPILE_S TIMEOUT_S`, then the total."""
+    from . import presets, toc
+    from .errors import UserError
+
+    if args.preset not in presets.PRESETS:
+        raise UserError(f"unknown preset {args.preset!r}; choose {', '.join(presets.PRESETS)}")
+    chosen = list(toc.CHAPTERS)
+    if args.part:
+        try:
+            k, n = (int(x) for x in args.part.split("/"))
+        except ValueError:
+            raise UserError(f"--part must be K/N, e.g. 1/2, got {args.part!r}") from None
+        if not 1 <= k <= n:
+            raise UserError(f"--part {args.part!r}: K must be in 1..N")
+        chosen = presets.budget_parts(args.preset, n)[k - 1]
+    part_s = presets.CEILINGS_S + presets.PACKING_S
+    for slug in chosen:
+        b = presets.budget_for(slug, args.preset)
+        if b is None:
+            continue
+        part_s += sum(b) + presets.STARTUP_ALLOWANCE_S + presets.KILL_GRACE_S
+        print(f"{slug} {b[0]:g} {b[1]:g} {int(round(sum(b) + presets.STARTUP_ALLOWANCE_S))}")
+    if args.part:
+        print(f"# part {args.part}: worst case {part_s:g} s")
+    print(f"# worst case {presets.worst_case_total_s(args.preset):g} s of {presets.GPU_RUN_TOTAL_S} s "
+          f"(ceilings {presets.CEILINGS_S} s, {presets.STARTUP_ALLOWANCE_S} s start-up and {presets.KILL_GRACE_S} s "
+          f"kill grace per chapter, packing {presets.PACKING_S} s)")
     return 0
 
 
@@ -160,7 +194,7 @@ def cmd_results(args) -> int:
     from . import book
     from .context import reference_dir
     from .device import hardware_label
-    from .record import compare, load_records
+    from .record import compare, load_records, results_complete
 
     if args.compare:
         a, b = (_resolve_record(s) for s in args.compare)
@@ -169,18 +203,42 @@ def cmd_results(args) -> int:
             print(f"# {line}")
         print(cmp.table().to_string(index=False) if hasattr(cmp.table(), "to_string") else cmp.rows)
         return 0
+    from .errors import UserError
+
+    root = book.paths()["root"]
     files = sorted(book.paths()["results"].glob("*.json")) + sorted(reference_dir().glob("*/*.json"))
     for f in files:
         if args.chapter and f.stem != args.chapter:
             continue
-        for r in load_records(f):
-            print(f"{str(f.relative_to(book.paths()['root'])):52} {r.name:24} {r.variant:12} "
-                  f"{hardware_label(r.hardware):40} {r.created}")
+        try:
+            records = load_records(f)
+        except UserError as e:  # one bad file does not hide the others
+            print(f"inferbook: skipping {e}", file=sys.stderr)
+            continue
+        shown = _shown_path(f, root)
+        partial = "" if results_complete(f) else "  (incomplete: the run was stopped)"
+        for r in records:
+            print(f"{shown:52} {r.name:24} {r.variant:12} {hardware_label(r.hardware):40} {r.created}{partial}")
     return 0
 
 
+def _shown_path(path: Path, root: Path) -> str:
+    """Relative to the checkout when inside it (a build dir elsewhere is shown in full)."""
+    try:
+        return str(path.resolve().relative_to(root.resolve()))
+    except ValueError:
+        return str(path)
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """Usage errors are user errors too: one line (the usage stays in --help), exit 2."""
+
+    def error(self, message):
+        self.exit(2, f"inferbook: error: {message} (see '{self.prog} --help')\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="inferbook", description="Execute, measure and render the inferbook chapters.")
+    ap = _OneLineParser(prog="inferbook", description="Execute, measure and render the inferbook chapters.")
     sub = ap.add_subparsers(dest="command", required=True)
     sub.add_parser("list", help="chapters and whether their executed copy is cached, stale or failed").set_defaults(fn=cmd_list)
     p = sub.add_parser("run", help="execute one chapter notebook (papermill) into _build/executed/")
@@ -188,7 +246,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_run)
     p = sub.add_parser("measure", help="run one chapter's measurements without Jupyter (for bare GPU images)")
     _add_run_args(p)
+    p.add_argument("--budget", default=None, metavar="S|none",
+                   help="seconds the measurements may take (default: the preset's table; gpu only), or none")
     p.set_defaults(fn=cmd_measure)
+    p = sub.add_parser("budgets", help="each chapter's time budget and hard timeout at a preset")
+    p.add_argument("--preset", default="gpu")
+    p.add_argument("--part", metavar="K/N", help="only the K-th of N parts of about equal time (one device call each)")
+    p.set_defaults(fn=cmd_budgets)
     p = sub.add_parser("ceilings", help="measure this device's copy bandwidth and matmul rate")
     p.add_argument("--device", default="auto")
     p.add_argument("--save-reference", action="store_true")

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from . import toc, device as _device, presets as _presets
-from .errors import UserError
+from .errors import MissingRequirement, UserError
 from .record import RunRecord, load_records, save_records
 
 
@@ -53,18 +53,52 @@ def reference_dir() -> Path:
 
 @functools.lru_cache(maxsize=1)
 def git_state() -> dict:
-    """Commit and dirty flag of the checkout (INFERBOOK_GIT_COMMIT where there is no .git)."""
+    """Commit and dirty flag of the checkout, and a hash of the code that ran.
+
+    Where there is no .git (a copy of the working tree on a lent GPU machine), the commit comes
+    from $INFERBOOK_GIT_COMMIT (and $INFERBOOK_GIT_DIRTY), which `scripts/gpu_measure.sh` documents,
+    or from a `.git-commit` file; `tree_sha256` (src/inferbook, chapters, scripts) identifies the
+    code either way, dirty or not."""
     root = repo_root()
+    tree = tree_sha256()
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
                                 timeout=10).stdout.strip()
         if commit:
             status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
                                     capture_output=True, text=True, timeout=10).stdout
-            return {"commit": commit, "dirty": bool(status.strip())}
+            return {"commit": commit, "dirty": bool(status.strip()), "from": "git", "tree_sha256": tree}
     except (OSError, subprocess.SubprocessError):
         pass
-    return {"commit": os.environ.get("INFERBOOK_GIT_COMMIT", "unknown"), "dirty": None}
+    env = os.environ.get("INFERBOOK_GIT_COMMIT", "").strip()
+    dirty = {"1": True, "true": True, "0": False, "false": False}.get(
+        os.environ.get("INFERBOOK_GIT_DIRTY", "").strip().lower())
+    if env and env != "unknown":
+        return {"commit": env, "dirty": dirty, "from": "INFERBOOK_GIT_COMMIT", "tree_sha256": tree}
+    try:
+        text = (root / ".git-commit").read_text().split()
+        if text:
+            return {"commit": text[0], "dirty": dirty, "from": ".git-commit", "tree_sha256": tree}
+    except OSError:
+        pass
+    return {"commit": "unknown", "dirty": None, "from": "none", "tree_sha256": tree}
+
+
+def tree_sha256() -> str:
+    """sha256 over the paths and bytes of src/inferbook, chapters and scripts (bytecode skipped)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    root = repo_root()
+    for folder in ("src/inferbook", "chapters", "scripts"):
+        base = root / folder
+        if not base.is_dir():
+            continue
+        for f in sorted(base.rglob("*")):
+            if f.is_file() and "__pycache__" not in f.parts and f.suffix != ".pyc":
+                h.update(str(f.relative_to(root)).encode() + b"\0")
+                h.update(f.read_bytes())
+    return h.hexdigest()
 
 
 @functools.lru_cache(maxsize=1)
@@ -95,6 +129,12 @@ class Context:
     params: dict[str, Any]
     hardware: dict
     records: list[RunRecord] = field(default_factory=list)
+    budget_s: float | None = None          # wall seconds this run's measurements may take (None: no budget)
+    compile_budget_s: float = 0.0          # the part of budget_s set aside for compilation
+    _live: list[RunRecord] = field(default_factory=list, repr=False)
+    _last_autosave: float = field(default=0.0, repr=False)
+    _autosave_failed: bool = field(default=False, repr=False)
+    _measuring: bool = field(default=False, repr=False)
 
     @property
     def interpreted(self) -> bool:
@@ -120,16 +160,60 @@ class Context:
         """A record pre-filled with git, packages, hardware, chapter and parameters."""
         # The machine's load when the record was made: on a shared CPU, times swing with it.
         hardware = {**self.hardware, "load_average_1m": _load_average()}
-        return RunRecord(chapter=self.chapter.slug, name=name, variant=variant, git=git_state(),
-                         packages=package_versions(), hardware=hardware, device=str(self.device),
-                         preset=self.preset, parameters={"seed": self.seed, **self.params},
-                         workload=dict(workload or {}), topology=dict(topology or {}), **fields)
+        runtime = {**runtime_settings(self.device), **dict(fields.pop("runtime", None) or {})}
+        rec = RunRecord(chapter=self.chapter.slug, name=name, variant=variant, git=git_state(),
+                        packages=package_versions(), hardware=hardware, device=str(self.device),
+                        preset=self.preset, parameters={"seed": self.seed, **self.params},
+                        workload=dict(workload or {}), topology=dict(topology or {}), runtime=runtime, **fields)
+        rec._on_change = self._record_changed
+        self._live.append(rec)
+        self._autosave(force=True)
+        return rec
 
     def measure(self) -> list[RunRecord]:
-        """Run the chapter's `measure(ctx, **params)`, save its records, return them."""
-        records = self.module.measure(self, **self.params)
+        """Run the chapter's `measure(ctx, **params)` within `budget_s`, save its records, return them.
+
+        Records made with `new_record` are saved (atomically, marked incomplete) as they fill in, at
+        most every AUTOSAVE_INTERVAL_S, so a run killed by a timeout keeps what it had measured."""
+        from .measure import time_budget
+
+        self._live, self._measuring = [], True
+        try:
+            with time_budget(self.budget_s):
+                records = self.module.measure(self, **self.params)
+        except BaseException:
+            self._autosave(force=True)
+            raise
+        finally:
+            self._measuring = False
         self.save(records)
         return records
+
+    def budget_left(self) -> float | None:
+        """Seconds left of this run's budget while `measure` runs (None without one)."""
+        from .measure import budget_left
+
+        return budget_left()
+
+    def _record_changed(self, rec: RunRecord) -> None:
+        self._autosave()
+
+    def _autosave(self, force: bool = False) -> None:
+        import time
+
+        now = time.monotonic()
+        # only while `measure` runs: a record made afterwards (a page's own) must not replace the saved run
+        if not self._measuring or not self._live or (not force and now - self._last_autosave < AUTOSAVE_INTERVAL_S):
+            return
+        self._last_autosave = now
+        try:
+            self._write(self._live, complete=False)
+        except Exception as e:  # never let saving a partial result break the measurement itself
+            if not self._autosave_failed:
+                import sys
+
+                print(f"inferbook: warning: could not save partial records: {type(e).__name__}: {e}", file=sys.stderr)
+            self._autosave_failed = True
 
     def results_path(self) -> Path:
         return results_dir() / f"{self.chapter.slug}.json"
@@ -138,14 +222,31 @@ class Context:
         """Write records atomically to `_build/results/`, and with INFERBOOK_SAVE_REFERENCE=1
         also to `data/results/<hardware-slug>/<chapter>.json` (committed reference runs)."""
         self.records = list(records)
-        paths = [save_records(self.results_path(), self.records)]
+        return self._write(self.records, complete=True)
+
+    def _write(self, records: list[RunRecord], *, complete: bool) -> list[Path]:
+        paths = [save_records(self.results_path(), records, complete=complete)]
         if os.environ.get("INFERBOOK_SAVE_REFERENCE", "0") not in ("", "0"):
-            paths.append(save_records(reference_dir() / self.hardware_slug / f"{self.chapter.slug}.json", self.records))
+            paths.append(save_records(reference_dir() / self.hardware_slug / f"{self.chapter.slug}.json", records,
+                                      complete=complete))
         return paths
 
     def references(self) -> dict[str, list[RunRecord]]:
         """Committed reference runs of this chapter, by hardware slug."""
         return reference_records(self.chapter.slug)
+
+
+def runtime_settings(device: torch.device) -> dict:
+    """Process-wide settings that change results, as they are when a record is made: PyTorch's
+    determinism switches and, on CUDA, cuDNN autotuning and TF32. A chapter adds its own
+    (`cuda_graphs`, `prefix_caching`, `attention_backend`) with `new_record(..., runtime={...})`;
+    `compare` refuses a pair that differs in any of them."""
+    out = {"deterministic_algorithms": torch.are_deterministic_algorithms_enabled()}
+    if device.type == "cuda":
+        out.update(cudnn_deterministic=bool(torch.backends.cudnn.deterministic),
+                   cudnn_benchmark=bool(torch.backends.cudnn.benchmark),
+                   tf32_matmul=bool(torch.backends.cuda.matmul.allow_tf32))
+    return out
 
 
 def _load_average() -> float | None:
@@ -162,7 +263,51 @@ def reference_records(chapter: str) -> dict[str, list[RunRecord]]:
     return out
 
 
-def setup(chapter: str, device: str = "auto", preset: str = "auto", seed: int = 0, **params) -> Context:
+SEED_MAX = 2**32 - 1
+AUTOSAVE_INTERVAL_S = 1.0
+
+
+def check_requirements(slug: str, module: ModuleType) -> None:
+    """A chapter's optional packages (`REQUIRES = {"av": "why"}` in its measure module) are
+    importable, else one UserError line naming them, before any work."""
+    import importlib.util
+
+    for name, why in dict(getattr(module, "REQUIRES", {}) or {}).items():
+        if importlib.util.find_spec(name) is None:
+            pip = {"av": "av"}.get(name, name)
+            raise MissingRequirement(f"chapter {slug!r} needs the Python package {name!r} ({why}), which is not installed "
+                            f"here; install it (pip install {pip}) or run another chapter")
+
+
+def resolve_budget(slug: str, preset: str, budget_s=None) -> tuple[float | None, float]:
+    """(budget_s, compile_budget_s): `budget_s` given (seconds or 'none'), else $INFERBOOK_BUDGET_S,
+    else the preset's table (`presets.BUDGETS_S`: the gpu preset), else no budget."""
+    given = budget_s if budget_s is not None else os.environ.get("INFERBOOK_BUDGET_S")
+    table = _presets.budget_for(slug, preset)
+    if given is not None:
+        value = _presets.parse_budget(given)
+        return value, (min(table[1], value) if table and value else 0.0)
+    if table is None:
+        return None, 0.0
+    return float(sum(table)), float(table[1])
+
+
+def check_chapter_params(slug: str, module: ModuleType, params: dict) -> None:
+    """The chapter's own relations between parameters (`check_params(params)` in its measure module),
+    before any work. A ValueError there is a bad user value too: it becomes a one-line UserError."""
+    check = getattr(module, "check_params", None)
+    if check is None:
+        return
+    try:
+        check(dict(params))
+    except UserError:
+        raise
+    except (ValueError, TypeError, KeyError) as e:
+        raise UserError(f"chapter {slug!r}: {e}") from None
+
+
+def setup(chapter: str, device: str = "auto", preset: str = "auto", seed: int = 0, *, budget_s=None,
+          **params) -> Context:
     """Resolve device, preset and parameters for `chapter` and seed the RNGs.
 
     Raises `UserError` (one line: the bad value and what is allowed) before any work.
@@ -172,8 +317,13 @@ def setup(chapter: str, device: str = "auto", preset: str = "auto", seed: int = 
     preset = _presets.resolve_preset(preset, dev.type)
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise UserError(f"seed must be an int, got {seed!r}")
+    if not 0 <= seed <= SEED_MAX:  # torch, numpy and every per-stream offset must accept it
+        raise UserError(f"seed must be in [0, {SEED_MAX}], got {seed}")
     module = toc.load_module(info)
     resolved = _presets.resolve_params(info.slug, module.PARAMETERS, module.PRESETS, preset, params)
+    check_chapter_params(info.slug, module, resolved)
+    check_requirements(info.slug, module)
+    budget, compile_budget = resolve_budget(info.slug, preset, budget_s)
     random.seed(seed)
     torch.manual_seed(seed)
     try:
@@ -182,4 +332,4 @@ def setup(chapter: str, device: str = "auto", preset: str = "auto", seed: int = 
     except ImportError:
         pass
     return Context(chapter=info, module=module, device=dev, preset=preset, seed=seed, params=resolved,
-                   hardware=_device.hardware_info(dev))
+                   hardware=_device.hardware_info(dev), budget_s=budget, compile_budget_s=compile_budget)

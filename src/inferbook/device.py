@@ -168,16 +168,59 @@ def _slug(text: str) -> str:
 
 def hardware_label(info: dict) -> str:
     """Human label for charts and tables, e.g. 'NVIDIA H200' or 'CPU: AMD EPYC 9B14 (2 cores)'."""
+    info = info or {}
     if info.get("device_type") == "cuda":
-        return info["gpu_name"]
-    return f"CPU: {info['cpu_model']} ({info['cpu_cores']} cores)"
+        return str(info.get("gpu_name") or "").strip() or "unnamed CUDA GPU"
+    return f"CPU: {info.get('cpu_model') or 'unknown model'} ({info.get('cpu_cores', '?')} cores)"
 
 
 def hardware_slug(info: dict) -> str:
-    """Folder name for reference results: 'nvidia-h200', 'cpu-amd-epyc-9b14-2c'."""
+    """Folder name for reference results: 'nvidia-h200', 'cpu-amd-epyc-9b14-2c'. Never empty, never
+    a path: a name that reduces to nothing (e.g. '(TM)') becomes 'gpu-unnamed-sm90' / 'cpu-unknown-2c',
+    so no record is written into `data/results/` itself."""
+    info = info or {}
     if info.get("device_type") == "cuda":
-        return _slug(info["gpu_name"])
-    return f"cpu-{_slug(info['cpu_model'])}-{info['cpu_cores']}c"
+        slug = _slug(str(info.get("gpu_name") or ""))
+        if not slug:
+            cap = _slug(str(info.get("gpu_capability") or "")).replace("-", "")
+            slug = "gpu-unnamed" + (f"-sm{cap}" if cap else "")
+        return slug
+    cores = info.get("cpu_cores")
+    cores = f"{cores}c" if isinstance(cores, int) else "unknown-cores"
+    return f"cpu-{_slug(str(info.get('cpu_model') or '')) or 'unknown'}-{cores}"
+
+
+_SDPA_OPS = (("_scaled_dot_product_flash_attention_for_cpu", "flash (cpu)"),
+             ("_scaled_dot_product_cudnn_attention", "cudnn"),
+             ("_scaled_dot_product_flash_attention", "flash"),
+             ("_scaled_dot_product_efficient_attention", "efficient"),
+             ("_scaled_dot_product_fused_attention_overrideable", "overrideable"))
+
+
+def observed_sdpa_backend(q, k, v, **kwargs) -> str:
+    """Which kernel `F.scaled_dot_product_attention(q, k, v, **kwargs)` actually runs here, observed by
+    running it once under a dispatch spy (not what was configured): 'flash', 'efficient', 'cudnn',
+    'flash (cpu)', or 'math' (the composite path, which dispatches as matmuls and a softmax).
+    Respects an enclosing `torch.nn.attention.sdpa_kernel(...)`; the output is discarded."""
+    import torch.nn.functional as F
+    try:
+        from torch.utils._python_dispatch import TorchDispatchMode
+    except ImportError:  # a private torch API: without it, say so rather than guess
+        return "unknown"
+
+    seen: list[str] = []
+
+    class _Spy(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kw=None):
+            seen.append(str(func))
+            return func(*args, **(kw or {}))
+
+    with torch.no_grad(), _Spy():
+        F.scaled_dot_product_attention(q, k, v, **kwargs)
+    for op, name in _SDPA_OPS:
+        if any(f"aten.{op}." in s or s == f"aten.{op}" for s in seen):
+            return name
+    return "math" if any("softmax" in s for s in seen) else "unknown"
 
 
 def synchronize(device: torch.device) -> None:

@@ -6,6 +6,10 @@ class UserError(ValueError):
     """Bad input from the person running the book: names the value and what is allowed."""
 
 
+class MissingRequirement(UserError):
+    """A chapter needs an optional package (e.g. PyAV) that this environment lacks."""
+
+
 class IncomparableRecords(UserError):
     """`compare()` refused: the records differ in something that makes a ratio meaningless."""
 

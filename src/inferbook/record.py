@@ -26,7 +26,7 @@ SCHEMA = 1
 # The seed's checklist, as workload fields. Values are free-form but named the same everywhere.
 CHECKLIST = {
     "model": "model name or architecture (ours are small, defined here)",
-    "model_revision": "weights file hash or training command",
+    "model_revision": "hash of the weights' tensors (record.tensors_revision) or the init/training command",
     "quantization": "weight/activation format, e.g. 'none (bf16)', 'w4a16 g32', 'int8 weight-only'",
     "input_len": "prompt tokens per request",
     "output_len": "generated tokens per request",
@@ -38,7 +38,32 @@ CHECKLIST = {
 }
 # Fields whose difference makes two records incomparable.
 _COMPARABILITY_WORKLOAD = ("model", "model_revision", "quantization", "input_len", "output_len",
-                           "batch", "frames", "resolution", "steps", "audio", "dtype", "shapes")
+                           "batch", "frames", "resolution", "steps", "audio", "dtype", "shapes",
+                           # settings that change results, wherever a chapter records them in its workload
+                           "determinism", "deterministic", "prefix_caching", "cuda_graphs", "attention_backend")
+# Run-time settings (`RunRecord.runtime`, filled by Context.new_record) that change results: a pair that
+# differs in one is refused. A key one side lacks (records older than the field) is not compared.
+_COMPARABILITY_RUNTIME = ("deterministic_algorithms", "cudnn_deterministic", "cudnn_benchmark",
+                          "tf32_matmul", "cuda_graphs", "prefix_caching", "attention_backend")
+# Machine facts beyond the device name that change results on a GPU (driver and CUDA version).
+_COMPARABILITY_HARDWARE = ("driver", "cuda_runtime")
+
+# Two axes of phases, as the seed names them: where in the process's life a number was taken
+# (cold start, model load, steady state), and within the steady state which part of a request
+# (time to first token, decode, total). `add(phase=...)` keeps the chapter's own phase name and
+# derives both axes from it; records written before the axes existed get them derived on load.
+LIFECYCLE = ("cold_start", "load", "steady")
+REQUEST_PHASES = ("ttft", "prefill", "decode", "total")
+_LIFECYCLE_OF = {"cold_start": "cold_start", "compile": "cold_start", "load": "load"}
+
+
+def phase_axes(phase: str, lifecycle: str | None = None) -> dict:
+    """{'lifecycle': ..., 'request_phase': ...} for a measurement's `phase` (request_phase only
+    for ttft / prefill / decode / total)."""
+    out = {"lifecycle": lifecycle or _LIFECYCLE_OF.get(phase, "steady")}
+    if phase in REQUEST_PHASES:
+        out["request_phase"] = phase
+    return out
 
 
 def _now() -> str:
@@ -68,6 +93,7 @@ class RunRecord:
     workload: dict = field(default_factory=dict)     # CHECKLIST keys, plus chapter-specific ones
     topology: dict = field(default_factory=dict)     # {"tp": 4, "ep": 1, "ranks": 1, ...}
     backends: dict = field(default_factory=dict)     # op -> {"backend", "reason", "shapes", "dtype"}
+    runtime: dict = field(default_factory=dict)      # settings that change results: determinism, CUDA graphs, ...
     measurements: list = field(default_factory=list)  # [{"name", "value", "unit", "phase", ...}]
     checks: list = field(default_factory=list)        # [{"name", "passed", "error", "tolerance"}]
     source: str = "measured"                          # or "quoted: <where>" for a seed's numbers
@@ -75,20 +101,46 @@ class RunRecord:
     schema: int = SCHEMA
 
     # -- filling in -------------------------------------------------------------
+    def _changed(self) -> None:
+        """Tell the context that made this record (it saves records as they fill in)."""
+        listener = self.__dict__.get("_on_change")
+        if listener is not None:
+            listener(self)
+
     def set_backend(self, op: str, backend: str, *, reason: str = "", shapes: dict | None = None,
-                    dtype: str | None = None) -> None:
-        """Record the backend actually selected for `op` and the local tensor shapes it saw."""
+                    dtype: str | None = None, observed: bool | None = None) -> None:
+        """Record the backend actually selected for `op` and the local tensor shapes it saw.
+        `observed=True`: seen running (e.g. `device.observed_sdpa_backend`), not taken from configuration."""
         entry = {"backend": backend, "reason": reason, "shapes": _jsonable(shapes or {})}
+        if observed is not None:
+            entry["observed"] = bool(observed)
         if dtype is not None:
             entry["dtype"] = dtype
         self.backends[op] = entry
+        self._changed()
 
-    def add(self, name: str, value: float, unit: str, *, phase: str = "steady", **extra) -> None:
-        """Add one measured number. `phase`: cold_start, load, steady, ttft, decode, total, ..."""
+    def add(self, name: str, value: float, unit: str, *, phase: str = "steady", lifecycle: str | None = None,
+            **extra) -> None:
+        """Add one measured number. `phase`: cold_start, load, steady, ttft, decode, total, or a chapter's
+        own name; `lifecycle` (cold_start / load / steady) defaults to what `phase` implies, so the TTFT
+        of the first request after load is `add("ttft", t, "s", phase="ttft", lifecycle="cold_start")`."""
         if isinstance(value, float) and math.isnan(value):
             raise ValueError(f"measurement {name!r} is NaN")
+        if lifecycle is not None and lifecycle not in LIFECYCLE:
+            raise ValueError(f"lifecycle {lifecycle!r} is not one of {LIFECYCLE}")
         self.measurements.append({"name": name, "value": float(value), "unit": unit, "phase": phase,
-                                  **_jsonable(extra)})
+                                  **phase_axes(phase, lifecycle), **_jsonable(extra)})
+        self._changed()
+
+    def select(self, *, lifecycle: str | None = None, request_phase: str | None = None) -> list[dict]:
+        """Measurements on one or both phase axes (derived for records older than the axes)."""
+        out = []
+        for m in self.measurements:
+            axes = {**phase_axes(m["phase"]), **{k: m[k] for k in ("lifecycle", "request_phase") if k in m}}
+            if (lifecycle is None or axes["lifecycle"] == lifecycle) and \
+                    (request_phase is None or axes.get("request_phase") == request_phase):
+                out.append(m)
+        return out
 
     def add_timing(self, name: str, timing, *, phase: str = "steady", **extra) -> None:
         """Add a `measure.Timing` as seconds (median) with its p10/p90/n and the samples themselves,
@@ -100,6 +152,7 @@ class RunRecord:
                   tolerance: float | None = None, **extra) -> None:
         self.checks.append({"name": name, "passed": bool(passed), "error": error, "tolerance": tolerance,
                             **_jsonable(extra)})
+        self._changed()
 
     def get(self, name: str, phase: str | None = None) -> dict:
         for m in self.measurements:
@@ -115,17 +168,74 @@ class RunRecord:
         return _jsonable(asdict(self))
 
     @classmethod
-    def from_dict(cls, d: dict) -> "RunRecord":
+    def from_dict(cls, d: dict, where: str = "") -> "RunRecord":
+        """A record from its JSON object, every field's type checked: one UserError line naming the
+        field (and `where`, e.g. 'r.json record 2') for anything malformed."""
+        at = f"{where}: " if where else ""
         if not isinstance(d, dict):
-            raise UserError(f"a run record must be a JSON object, got {type(d).__name__}")
+            raise UserError(f"{at}a run record must be a JSON object, got {type(d).__name__}")
         schema = d.get("schema")
-        if schema != SCHEMA:
-            raise UserError(f"run record schema {schema!r} is not supported (this inferbook reads schema {SCHEMA})")
+        if schema != SCHEMA or isinstance(schema, bool):
+            raise UserError(f"{at}run record schema {schema!r} is not supported (this inferbook reads schema {SCHEMA})")
         known = {f.name for f in fields(cls)}
         missing = {"chapter", "name"} - d.keys()
         if missing:
-            raise UserError(f"run record lacks required field(s) {sorted(missing)}")
+            raise UserError(f"{at}run record lacks required field(s) {sorted(missing)}")
+        _validate(d, at)
         return cls(**{k: v for k, v in d.items() if k in known})
+
+
+_STR_FIELDS = ("chapter", "name", "variant", "created", "device", "preset", "source", "notes")
+_DICT_FIELDS = ("git", "packages", "hardware", "parameters", "workload", "topology", "backends", "runtime")
+
+
+def _validate(d: dict, at: str) -> None:
+    def bad(what: str, value, want: str):
+        shown = repr(value)
+        shown = shown if len(shown) <= 40 else shown[:37] + "..."
+        raise UserError(f"{at}run record field {what} must be {want}, got {shown} ({type(value).__name__})")
+
+    for k in _STR_FIELDS:
+        if k in d and not isinstance(d[k], str):
+            bad(repr(k), d[k], "a string")
+    if not d["chapter"] or not d["name"]:
+        raise UserError(f"{at}run record fields 'chapter' and 'name' must not be empty")
+    for k in _DICT_FIELDS:
+        if k in d and not isinstance(d[k], dict):
+            bad(repr(k), d[k], "an object")
+    hw = d.get("hardware")
+    if hw is not None and d.get("source", "measured") == "measured":
+        dt = hw.get("device_type")
+        if dt not in ("cpu", "cuda"):
+            bad("'hardware.device_type'", dt, "'cpu' or 'cuda'")
+        need = ("gpu_name",) if dt == "cuda" else ("cpu_model",)
+        for k in need:
+            if not isinstance(hw.get(k), str) or not hw.get(k):
+                bad(f"'hardware.{k}'", hw.get(k), "a non-empty string")
+    elif hw is not None and "device_type" in hw and hw["device_type"] not in ("cpu", "cuda"):
+        bad("'hardware.device_type'", hw["device_type"], "'cpu' or 'cuda'")
+    for op, e in (d.get("backends") or {}).items():
+        if not isinstance(e, dict) or not isinstance(e.get("backend"), str):
+            bad(f"'backends.{op}'", e, "an object with a string 'backend'")
+    for key, item_fields in (("measurements", {"name": str, "unit": str, "phase": str}),
+                             ("checks", {"name": str, "passed": bool})):
+        items = d.get(key, [])
+        if not isinstance(items, list):
+            bad(repr(key), items, "a list")
+        for i, m in enumerate(items):
+            if not isinstance(m, dict):
+                bad(f"'{key}[{i}]'", m, "an object")
+            for f, t in item_fields.items():
+                if not isinstance(m.get(f), t):
+                    bad(f"'{key}[{i}].{f}'", m.get(f), f"a {'boolean' if t is bool else 'string'}")
+            if key == "measurements":
+                v = m.get("value")
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                    bad(f"'measurements[{i}].value'", v, "a finite number")
+                if "samples_s" in m and not (isinstance(m["samples_s"], list) and all(
+                        isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+                        for x in m["samples_s"])):
+                    bad(f"'measurements[{i}].samples_s'", m["samples_s"], "a list of finite numbers")
 
 
 def _jsonable(x: Any) -> Any:
@@ -148,6 +258,9 @@ def _jsonable(x: Any) -> Any:
 # ---------------------------------------------------------------------------
 # Files: one results file = a list of records. Written atomically.
 
+RESULT_FILE_MODE = 0o644
+
+
 def write_json_atomic(path: str | os.PathLike, obj: Any) -> Path:
     """Write JSON so a reader sees the old file or the new one, never a torn one.
 
@@ -159,6 +272,7 @@ def write_json_atomic(path: str | os.PathLike, obj: Any) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, RESULT_FILE_MODE)  # mkstemp makes 0600; results are shared, committed, served
         with os.fdopen(fd, "w") as f:
             json.dump(obj, f, indent=1, allow_nan=False)
             f.write("\n")
@@ -180,27 +294,80 @@ class _suppress:
         return True
 
 
-def save_records(path: str | os.PathLike, records: Iterable[RunRecord]) -> Path:
+def save_records(path: str | os.PathLike, records: Iterable[RunRecord], *, complete: bool = True) -> Path:
+    """Write a results file atomically. `complete=False` marks the records of a run still in progress
+    (saved as each measurement arrives, so a killed run keeps what it measured)."""
     records = list(records)
     chapters = {r.chapter for r in records}
     return write_json_atomic(path, {"inferbook_results": SCHEMA,
                                     "chapter": chapters.pop() if len(chapters) == 1 else None,
+                                    "complete": bool(complete),
                                     "records": [r.to_dict() for r in records]})
 
 
 def load_records(path: str | os.PathLike) -> list[RunRecord]:
+    """The records of a results file (or a file holding one record). Every failure is one UserError
+    line naming the file: missing, unreadable, not UTF-8, not JSON, or a record with a malformed field."""
     path = Path(path)
+    name = str(path)
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_bytes().decode("utf-8"))
     except FileNotFoundError:
-        raise UserError(f"no results file at {str(path)!r}") from None
+        raise UserError(f"no results file at {name!r}") from None
+    except IsADirectoryError:
+        raise UserError(f"results path {name!r} is a folder, not a file") from None
+    except OSError as e:
+        raise UserError(f"cannot read results file {name!r}: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise UserError(f"results file {name!r} is not UTF-8 text (byte {e.start})") from None
     except json.JSONDecodeError as e:
-        raise UserError(f"results file {str(path)!r} is not valid JSON (line {e.lineno}, column {e.colno}): {e.msg}") from None
+        raise UserError(f"results file {name!r} is not valid JSON (line {e.lineno}, column {e.colno}): {e.msg}") from None
+    except (ValueError, RecursionError) as e:
+        raise UserError(f"results file {name!r} is not valid JSON: {type(e).__name__}") from None
     if isinstance(data, dict) and "records" in data:
-        return [RunRecord.from_dict(d) for d in data["records"]]
+        records = data["records"]
+        if not isinstance(records, list):
+            raise UserError(f"results file {name!r}: 'records' must be a list, got {type(records).__name__}")
+        return [RunRecord.from_dict(d, f"{name} record {i + 1}") for i, d in enumerate(records)]
     if isinstance(data, dict):
-        return [RunRecord.from_dict(data)]
-    raise UserError(f"results file {str(path)!r} holds neither a record nor a list of records")
+        return [RunRecord.from_dict(data, name)]
+    raise UserError(f"results file {name!r} holds neither a record nor a list of records")
+
+
+def results_complete(path: str | os.PathLike) -> bool:
+    """False for a results file saved while its run was still going (and never finished: the run was
+    stopped or killed); True otherwise, also for files written before the flag existed."""
+    try:
+        data = json.loads(Path(path).read_bytes().decode("utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return True
+    return not (isinstance(data, dict) and data.get("complete") is False)
+
+
+def tensors_revision(tensors) -> str:
+    """`model_revision` of a set of weights: sha256 over each tensor's name, dtype, shape and bytes,
+    names in sorted order. Unlike a hash of the safetensors file, it does not change with the file's
+    metadata order or header padding, so two identical runs compare.
+
+    `tensors`: a mapping name -> torch.Tensor (a state dict), on any device. Returns the hex digest
+    (records write it as 'sha256:<first 16>')."""
+    import hashlib
+
+    import torch
+
+    h = hashlib.sha256(b"inferbook tensors v1\0")
+    for name in sorted(tensors):
+        t = tensors[name].detach().contiguous().cpu()
+        h.update(f"{name}\0{str(t.dtype).replace('torch.', '')}\0{list(t.shape)}\0".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def safetensors_revision(path: str | os.PathLike) -> str:
+    """`tensors_revision` of the tensors in a safetensors file (its metadata is not hashed)."""
+    from safetensors.torch import load_file
+
+    return tensors_revision(load_file(str(path)))
 
 
 # ---------------------------------------------------------------------------
@@ -225,6 +392,14 @@ def comparability(a: RunRecord, b: RunRecord) -> list[str]:
         if va != vb:
             label = "quantization" if key == "quantization" else f"workload {key!r}"
             reasons.append(f"{label} differs: {va!r} vs {vb!r}")
+    if a.hardware.get("device_type") == "cuda" or b.hardware.get("device_type") == "cuda":
+        for key in _COMPARABILITY_HARDWARE:
+            va, vb = a.hardware.get(key), b.hardware.get(key)
+            if va != vb:
+                reasons.append(f"{'driver' if key == 'driver' else 'CUDA version'} differs: {va!r} vs {vb!r}")
+    for key in _COMPARABILITY_RUNTIME:
+        if key in a.runtime and key in b.runtime and a.runtime[key] != b.runtime[key]:
+            reasons.append(f"runtime setting {key!r} differs: {a.runtime[key]!r} vs {b.runtime[key]!r}")
     if a.topology != b.topology:
         diff = sorted(k for k in set(a.topology) | set(b.topology) if a.topology.get(k) != b.topology.get(k))
         reasons.append("topology differs: " + ", ".join(f"{k} {a.topology.get(k)!r} vs {b.topology.get(k)!r}" for k in diff))
@@ -236,9 +411,9 @@ def comparability(a: RunRecord, b: RunRecord) -> list[str]:
             reasons.append(f"backend for {op!r} differs: {ea.get('backend')!r} vs {eb.get('backend')!r}")
         elif ea.get("shapes") != eb.get("shapes"):
             reasons.append(f"local shapes for {op!r} differ: {ea.get('shapes')} vs {eb.get('shapes')}")
-    units_a = {(m["name"], m["phase"]): m["unit"] for m in a.measurements}
+    units_a = {_key(m): m["unit"] for m in a.measurements}
     for m in b.measurements:
-        ua = units_a.get((m["name"], m["phase"]))
+        ua = units_a.get(_key(m))
         if ua is not None and ua != m["unit"]:
             reasons.append(f"unit of {m['name']!r} differs: {ua!r} vs {m['unit']!r}")
     if a.source != "measured" or b.source != "measured":
@@ -263,6 +438,20 @@ class Comparison:
         return pd.DataFrame(self.rows)
 
 
+def _key(m: dict) -> tuple:
+    """A measurement's identity across two records: name, phase and lifecycle (derived when absent)."""
+    return m["name"], m["phase"], m.get("lifecycle") or phase_axes(m["phase"])["lifecycle"]
+
+
+def column_names(a: RunRecord, b: RunRecord) -> tuple[str, str]:
+    """Value-column names for a and b, always two distinct ones: 'a: eager', 'b: compiled' (two
+    records sharing a variant name must not collapse into one column)."""
+    la, lb = a.variant or a.name, b.variant or b.name
+    if la == lb:
+        la, lb = f"{la} ({a.name})", f"{lb} ({b.name})"
+    return f"a: {la}", f"b: {lb}"
+
+
 def compare(a: RunRecord, b: RunRecord) -> Comparison:
     """Side-by-side measurements of two comparable records; `IncomparableRecords` otherwise.
 
@@ -273,14 +462,16 @@ def compare(a: RunRecord, b: RunRecord) -> Comparison:
     if reasons:
         raise IncomparableRecords(reasons)
     rows = []
-    b_by_key = {(m["name"], m["phase"]): m for m in b.measurements}
+    col_a, col_b = column_names(a, b)
+    b_by_key = {_key(m): m for m in b.measurements}
     for m in a.measurements:
-        mb = b_by_key.get((m["name"], m["phase"]))
+        mb = b_by_key.get(_key(m))
         if mb is None:
             continue
         ratio = mb["value"] / m["value"] if m["value"] else math.nan
-        rows.append({"metric": m["name"], "phase": m["phase"], "unit": m["unit"],
-                     a.variant or a.name: m["value"], b.variant or b.name: mb["value"], "b/a": ratio})
+        rows.append({"metric": m["name"], "phase": m["phase"], "lifecycle": phase_axes(m["phase"]).get("lifecycle")
+                     if "lifecycle" not in m else m["lifecycle"], "unit": m["unit"],
+                     col_a: m["value"], col_b: mb["value"], "b/a": ratio})
     context = []
     if a.variant != b.variant:
         context.append(f"variant: {a.variant!r} vs {b.variant!r}")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from .. import measure as _measure
+from ..errors import UserError
 from ..presets import Param
 from ..record import RunRecord
 from ..attention import flash, matrix
@@ -56,7 +57,17 @@ def _split(name: str, text: str, cast=str) -> tuple:
     try:
         return tuple(cast(x.strip()) for x in text.split(",") if x.strip())
     except ValueError:
-        raise ValueError(f"parameter {name!r} must be a comma list, got {text!r}") from None
+        raise UserError(f"parameter {name!r} must be a comma list, got {text!r}") from None
+
+
+def check_params(P: dict) -> None:
+    """The matrix axes exist (head dims, KV layouts, shapes), before any work (`setup` calls this)."""
+    try:
+        axes_from(P)
+    except UserError:
+        raise
+    except ValueError as e:
+        raise UserError(str(e)) from None
 
 
 def axes_from(params: dict) -> dict:

@@ -21,6 +21,7 @@ import statistics
 import torch
 
 from ..measure import benchmark, ceilings, roofline
+from ..errors import UserError
 from ..presets import Param
 from ..record import RunRecord
 from ..moe import fused_moe as FM, routing as R, w4a16 as W
@@ -61,10 +62,26 @@ def parse_ints(text: str, name: str) -> list[int]:
     try:
         vals = [int(v) for v in str(text).split(",") if v.strip()]
     except ValueError:
-        raise ValueError(f"{name} must be comma-separated positive ints, got {text!r}") from None
+        raise UserError(f"{name} must be comma-separated positive ints, got {text!r}") from None
     if not vals or any(v <= 0 for v in vals):
-        raise ValueError(f"{name} must be comma-separated positive ints, got {text!r}")
+        raise UserError(f"{name} must be comma-separated positive ints, got {text!r}")
     return vals
+
+
+def check_moe_shape(hidden: int, inter: int, experts: int, top_k: int) -> None:
+    """Group size 32 along the packed dims and 1 <= top_k <= experts (UserError otherwise)."""
+    if hidden % 32 or inter % 32:
+        raise UserError(f"hidden and inter must be multiples of the group size 32, got {hidden} and {inter}")
+    if not 1 <= top_k <= experts:
+        raise UserError(f"top_k must be in [1, experts={experts}], got {top_k}")
+
+
+def check_params(P: dict) -> None:
+    """Sweeps parse and shapes fit the kernels, before any work (`setup` calls this)."""
+    parse_ints(P["m_sweep"], "m_sweep")
+    check_moe_shape(P["hidden"], P["inter"], P["experts"], P["top_k"])
+    if P["gemm_k"] % 32:
+        raise UserError(f"gemm_k must be a multiple of 32, got {P['gemm_k']}")
 
 
 # ---------------------------------------------------------------------------

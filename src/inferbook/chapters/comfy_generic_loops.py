@@ -32,6 +32,9 @@ from ..workflow import segments
 from ..workflow import segments as segments_mod   # `segments` is also a parameter name in measure()
 from ..workflow.executor import Executor
 
+# Optional packages this chapter cannot run without (`setup` says so in one line when missing).
+REQUIRES = {"av": "PyAV: the workflow's SaveVideo node writes and probes MP4 files"}
+
 PARAMETERS = {
     "width": Param(int, help="frame width (multiple of 4)"),
     "height": Param(int, help="frame height (multiple of 4)"),

@@ -15,6 +15,7 @@ import torch
 
 from ..device import triton_backend_for
 from ..measure import benchmark, ceilings
+from ..errors import UserError
 from ..presets import Param
 from ..record import RunRecord
 from ..numerics import gdn, small_op_threads
@@ -49,9 +50,9 @@ def parse_ints(name: str, text: str) -> tuple[int, ...]:
     try:
         vals = tuple(int(v) for v in text.split(",") if v.strip())
     except ValueError:
-        raise ValueError(f"{name} must be comma-separated positive ints, got {text!r}") from None
+        raise UserError(f"{name} must be comma-separated positive ints, got {text!r}") from None
     if not vals or any(v < 1 for v in vals):
-        raise ValueError(f"{name} must be comma-separated positive ints, got {text!r}")
+        raise UserError(f"{name} must be comma-separated positive ints, got {text!r}")
     return vals
 
 
@@ -59,8 +60,16 @@ def parse_choices(name: str, text: str, allowed) -> tuple[str, ...]:
     vals = tuple(v.strip() for v in text.split(",") if v.strip())
     bad = [v for v in vals if v not in allowed]
     if bad or not vals:
-        raise ValueError(f"{name} {text!r}: {bad or 'empty'} not allowed; choose from {list(allowed)}")
+        raise UserError(f"{name} {text!r}: {bad or 'empty'} not allowed; choose from {list(allowed)}")
     return vals
+
+
+def check_params(P: dict) -> None:
+    """Every list parameter parses, before any work (`setup` calls this)."""
+    parse_ints("head_dims", P["head_dims"])
+    parse_ints("lengths", P["lengths"])
+    parse_choices("gates", P["gates"], gdn.GATES)
+    parse_choices("dtypes", P["dtypes"], DTYPES)
 
 
 TRITON_FWD = "triton fused recurrent (forward only)"

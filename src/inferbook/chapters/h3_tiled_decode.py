@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..measure import benchmark
+from ..errors import UserError
 from ..presets import Param
 from ..record import RunRecord
 from ..diffusion.fused import Ops
@@ -32,7 +33,7 @@ PARAMETERS = {
     "norm": Param(str, "rms", help="decoder norm", choices=("rms", "group")),
     "dtype": Param(str, help="weights and activations", choices=("float32", "bfloat16", "float16")),
     "tile": Param(int, help="tile size in latent pixels"),
-    "overlap": Param(int, help="overlap of neighbouring tiles in latent pixels (budget sweep)"),
+    "overlap": Param(int, min=0, help="overlap of neighbouring tiles in latent pixels (budget sweep)"),
     "overlaps": Param(str, help="overlaps for the seam-error sweep, comma-separated (0 allowed)"),
     "max_batch": Param(int, 4, help="most tiles decoded together (the seed: four)"),
     "reps": Param(int, help="minimum timed repetitions"),
@@ -80,6 +81,20 @@ def seam_errors(decoder, latent, tile: int, overlap: int, full: torch.Tensor) ->
     rest = float(err[~mask].max()) if (~mask).any() else 0.0
     return {"seam_rel": band / scale, "interior_rel": rest / scale, "max_rel": float(err.max()) / scale,
             "tiles": info["tiles"], "finite": bool(torch.isfinite(video).all())}
+
+
+def check_params(P: dict) -> None:
+    """Decoder widths, tile and overlaps, before any work (`setup` calls this)."""
+    config_from(dict(channels=P["channels"], z_dim=P["z_dim"]), P["norm"])
+    tile = P["tile"]
+    if not 0 <= P["overlap"] < tile:
+        raise UserError(f"overlap must be in [0, tile={tile}), got {P['overlap']}")
+    try:
+        ov = tuple(int(v) for v in P["overlaps"].split(",") if v.strip())
+    except ValueError:
+        raise UserError(f"overlaps must be comma-separated integers, got {P['overlaps']!r}") from None
+    if not ov or any(o < 0 or o >= tile for o in ov):
+        raise UserError(f"overlaps must each be in [0, tile={tile}), got {P['overlaps']!r}")
 
 
 def measure(ctx, *, channels, z_dim, latent_frames, latent_h, latent_w, norm, dtype, tile, overlap, overlaps,

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from ..measure import benchmark, ceilings
+from ..errors import UserError
 from ..presets import Param
 from ..record import RunRecord
 from ..diffusion import toy_pipeline
@@ -24,6 +25,9 @@ from ..diffusion.fused import (BackendLog, Norm, Ops, add_norm_silu_pad_eager, e
                     fused_bytes_moved, norm_silu_pad_eager, norm_silu_pad_triton, triton_usable)
 from ..diffusion.vae import (VAEConfig, compiled_decoder, decoder_fp64_reference, init_decoder, make_latent,
                   quantize_decoder_int8)
+
+# Optional packages this chapter cannot run without (`setup` says so in one line when missing).
+REQUIRES = {"av": "PyAV: the toy pipeline saves its video as H.264 + AAC in MP4"}
 
 PARAMETERS = {
     "channels": Param(str, help="decoder stage widths, bottleneck first, comma-separated (e.g. 384,384,192,96)"),
@@ -54,16 +58,25 @@ def parse_ints(name: str, text: str, n: int | None = None) -> tuple[int, ...]:
     try:
         vals = tuple(int(v) for v in str(text).split(",") if v.strip())
     except ValueError:
-        raise ValueError(f"{name} must be comma-separated integers, got {text!r}") from None
+        raise UserError(f"{name} must be comma-separated integers, got {text!r}") from None
     if not vals or any(v <= 0 for v in vals) or (n is not None and len(vals) != n):
-        raise ValueError(f"{name} must be {n or 'some'} positive integers, got {text!r}")
+        raise UserError(f"{name} must be {n or 'some'} positive integers, got {text!r}")
     return vals
+
+
+def check_params(P: dict) -> None:
+    """Decoder widths and latent sizes, before any work (`setup` calls this)."""
+    config_from(P, "rms")
+    parse_ints("check_latent", P["check_latent"], 3)
+    if P["latent_h"] % 2 or P["latent_w"] % 2:
+        raise UserError(f"latent_h and latent_w must be even (the toy DiT's 2x2 patches), "
+                        f"got {P['latent_h']}x{P['latent_w']}")
 
 
 def config_from(params: dict, norm: str) -> VAEConfig:
     ch = parse_ints("channels", params["channels"])
     if len(ch) < 2:
-        raise ValueError(f"channels needs at least two stages, got {params['channels']!r}")
+        raise UserError(f"channels needs at least two stages, got {params['channels']!r}")
     ups = len(ch) - 1
     # temporal 2x at all but the last upsampling, at most two (Wan: 4x in time, 8x in space)
     temporal = tuple((i < min(2, ups - 1)) if ups > 1 else True for i in range(ups))

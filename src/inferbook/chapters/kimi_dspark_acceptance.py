@@ -46,7 +46,7 @@ PARAMETERS = {
     "retrain": Param(bool, False, help="train target and drafts again in this run (minutes on CPU)"),
     "target_steps": Param(int, 600, help="target training steps when retraining"),
     "draft_steps": Param(int, 400, help="draft training steps when retraining"),
-    "cpu_threads": Param(int, 1, help="torch threads on CPU during the measurement (0: leave as is)"),
+    "cpu_threads": Param(int, 1, min=0, help="torch threads on CPU during the measurement (0: leave as is)"),
     "timer": Param(str, help="'wall' (perf_counter, device synchronised) or 'process' (CPU seconds of this "
                              "process: on a shared CPU machine, excludes time spent waiting for a core)",
                    choices=("wall", "process")),
@@ -102,9 +102,10 @@ def task_prompts(task: str, n: int, code_chars: int) -> list[list[int]]:
 
 
 def sha(path: Path) -> str:
-    import hashlib
+    """The weights' revision: a hash of the tensors (names, dtypes, shapes, bytes), not of the file."""
+    from ..record import safetensors_revision
 
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+    return safetensors_revision(path)
 
 
 def decode_steps(engine) -> list:

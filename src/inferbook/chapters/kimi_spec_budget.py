@@ -53,7 +53,7 @@ PARAMETERS = {
     "max_num_seqs": Param(int, help="engine's configured maximum of requests in flight"),
     "max_num_batched_tokens": Param(int, help="per-step token budget"),
     "num_spec_tokens": Param(int, help="draft tokens per round, k (the seed: 8)"),
-    "cpu_threads": Param(int, 1, help="torch threads on CPU during the measurement (0: leave as is)"),
+    "cpu_threads": Param(int, 1, min=0, help="torch threads on CPU during the measurement (0: leave as is)"),
     "timer": Param(str, help="'wall' (perf_counter, device synchronised) or 'process' (CPU seconds of this "
                              "process: on a shared CPU machine, leaves out time spent waiting for a core)",
                    choices=("wall", "process")),
@@ -103,6 +103,13 @@ def parse_concurrencies(text) -> tuple[int, ...]:
     if not values or min(values) < 1:
         raise UserError(f"concurrencies={text!r} must be comma-separated positive ints, e.g. '1,4,16'")
     return values
+
+
+def check_params(P: dict) -> None:
+    """Concurrency levels parse and fit the engine, before any work (`setup` calls this)."""
+    conc = parse_concurrencies(P["concurrencies"])
+    if max(conc) > P["max_num_seqs"]:
+        raise UserError(f"concurrency {max(conc)} exceeds max_num_seqs={P['max_num_seqs']}")
 
 
 def config_from(params: dict) -> TinyConfig:

@@ -24,6 +24,7 @@ import math
 import torch
 
 from ..measure import benchmark
+from ..errors import UserError
 from ..presets import Param
 from ..record import RunRecord
 from ..moe import fused_moe as FM, mxfp4 as MXF, w4a16 as W
@@ -55,8 +56,18 @@ def parse_formats(text: str) -> list[str]:
     vals = [v.strip() for v in str(text).split(",") if v.strip()]
     bad = [v for v in vals if v not in FORMATS]
     if not vals or bad:
-        raise ValueError(f"formats must be a comma-separated subset of {', '.join(FORMATS)}, got {text!r}")
+        raise UserError(f"formats must be a comma-separated subset of {', '.join(FORMATS)}, got {text!r}")
     return vals
+
+
+def check_params(P: dict) -> None:
+    """Token counts and formats parse, shapes fit the kernels, before any work (`setup` calls this)."""
+    parse_ints(P["tokens"], "tokens")
+    parse_formats(P["formats"])
+    if P["inter"] % 32:
+        raise UserError(f"inter must be a multiple of the group size 32, got {P['inter']}")
+    if not 1 <= P["top_k"] <= P["experts"]:
+        raise UserError(f"top_k must be in [1, experts={P['experts']}], got {P['top_k']}")
 
 
 def make_tail(ctx, hidden, inter, experts, top_k, T, fmt):

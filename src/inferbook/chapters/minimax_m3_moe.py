@@ -17,6 +17,7 @@ import math
 import torch
 
 from ..measure import benchmark
+from ..errors import UserError
 from ..presets import Param
 from ..record import RunRecord
 from ..moe import backends as B, fused_moe as FM, w4a16 as W
@@ -42,6 +43,19 @@ PRESETS = {
     "cpu": dict(hidden=256, inter=128, experts=16, top_k=4, concurrency="1,8,32,128", tps="1,2,4,8", reps=5),
     "gpu": dict(hidden=6144, inter=1536, experts=64, top_k=8, concurrency="1,8,32,128", tps="1,2,4,8", reps=30),
 }
+
+
+def check_params(P: dict) -> None:
+    """Concurrencies and TP sizes parse, shapes fit the kernels, before any work (`setup` calls this)."""
+    from .chord_w4a16 import check_moe_shape
+
+    parse_ints(P["concurrency"], "concurrency")
+    for tp in parse_ints(P["tps"], "tps"):
+        try:
+            B.local_shapes(B.MINIMAX_M3_LIKE, tp)
+        except ValueError as e:
+            raise UserError(str(e)) from None
+    check_moe_shape(P["hidden"], P["inter"], P["experts"], P["top_k"])
 
 
 # ---------------------------------------------------------------------------

@@ -34,6 +34,9 @@ from ..workflow import nodes, omni_server, segments
 from ..workflow.executor import Executor
 from ..workflow.references import check_service_mapping
 
+# Optional packages this chapter cannot run without (`setup` says so in one line when missing).
+REQUIRES = {"av": "PyAV: the workflows write, read and probe MP4 video and audio"}
+
 PARAMETERS = {
     "model": Param(str, help="toy served model (size)", choices=("toy-h3-tiny", "toy-h3-small", "toy-h3-base")),
     "width": Param(int, help="video width (multiple of 16)"),

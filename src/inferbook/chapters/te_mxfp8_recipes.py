@@ -19,6 +19,7 @@ import math
 import torch
 
 from ..measure import benchmark, ceilings, roofline
+from ..errors import UserError
 from ..presets import Param
 from ..record import RunRecord
 from ..numerics import graphs, grouped, mx, small_op_threads
@@ -62,8 +63,13 @@ def selected_recipes(names: str) -> dict[str, mx.Recipe]:
     chosen = [s.strip() for s in names.split(",") if s.strip()]
     unknown = [c for c in chosen if c not in allr]
     if unknown or not chosen:
-        raise ValueError(f"unknown recipe(s) {unknown or names!r}; choose from {sorted(allr)} or 'all'")
+        raise UserError(f"unknown recipe(s) {unknown or names!r}; choose from {sorted(allr)} or 'all'")
     return {c: allr[c] for c in chosen}
+
+
+def check_params(P: dict) -> None:
+    """The recipe names exist, before any work (`setup` calls this)."""
+    selected_recipes(P["recipes"])
 
 
 def edge_input(m: int, n: int, generator: torch.Generator, device) -> torch.Tensor:

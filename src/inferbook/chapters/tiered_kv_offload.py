@@ -65,7 +65,7 @@ PARAMETERS = {
     "file_total_mb": Param(int, help="MB written through the file tier in the filesystem benchmark"),
     "use_peer": Param(bool, help="add the remote-peer tier (a second process on 127.0.0.1)"),
     "repeats": Param(int, help="runs of each engine configuration, interleaved; times are the median"),
-    "cpu_threads": Param(int, 1, help="torch threads on CPU during the measurement (0: leave as is)"),
+    "cpu_threads": Param(int, 1, min=0, help="torch threads on CPU during the measurement (0: leave as is)"),
 }
 
 PRESETS = {

@@ -129,7 +129,9 @@ def save_draft(draft: HiddenStateDraft, path: str | Path, extra: dict | None = N
     state = {k: v.detach().contiguous().cpu() for k, v in draft.state_dict().items()}
     meta = {k: str(v) for k, v in asdict(draft.cfg).items()} | {k: str(v) for k, v in (extra or {}).items()}
     save_file(state, str(path), metadata=meta)
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+    from ..record import tensors_revision
+
+    return tensors_revision(state)  # of the tensors, not the file: its header order may vary
 
 
 def load_draft(path: str | Path, target: TinyDecoder) -> HiddenStateDraft:

@@ -200,7 +200,7 @@ def quantize_int8_(model: TinyDecoder) -> TinyDecoder:
 
 
 def save_weights(model: TinyDecoder, path: str | Path) -> str:
-    """Save with safetensors; returns the sha256 of the file (the 'model revision')."""
+    """Save with safetensors; returns the 'model revision': `record.tensors_revision` of the weights."""
     from safetensors.torch import save_file
 
     path = Path(path)
@@ -208,7 +208,9 @@ def save_weights(model: TinyDecoder, path: str | Path) -> str:
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     meta = {k: str(v) for k, v in asdict(model.cfg).items()}
     save_file(state, str(path), metadata=meta)
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+    from ..record import tensors_revision
+
+    return tensors_revision(state)  # of the tensors, not the file: its header order may vary
 
 
 def load_weights(path: str | Path, device, dtype=torch.float32, attention: str = "sdpa") -> TinyDecoder:
