@@ -141,14 +141,3 @@ def test_every_preset_of_every_chapter_passes_its_own_checks():
             params = resolve_params(info.slug, module.PARAMETERS, module.PRESETS, preset, {})
             check_chapter_params(info.slug, module, params)
 
-
-def test_sdpa_backend_is_observed_not_configured():
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    q = torch.randn(1, 2, 8, 16)
-    auto = dev.observed_sdpa_backend(q, q, q)
-    assert auto in ("flash (cpu)", "math")  # what this CPU build dispatches to
-    with sdpa_kernel([SDPBackend.MATH]):
-        assert dev.observed_sdpa_backend(q, q, q) == "math"
-    with sdpa_kernel([SDPBackend.MATH]):
-        assert dev.observed_sdpa_backend(q, q, q, is_causal=True) == "math"

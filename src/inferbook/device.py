@@ -190,39 +190,6 @@ def hardware_slug(info: dict) -> str:
     return f"cpu-{_slug(str(info.get('cpu_model') or '')) or 'unknown'}-{cores}"
 
 
-_SDPA_OPS = (("_scaled_dot_product_flash_attention_for_cpu", "flash (cpu)"),
-             ("_scaled_dot_product_cudnn_attention", "cudnn"),
-             ("_scaled_dot_product_flash_attention", "flash"),
-             ("_scaled_dot_product_efficient_attention", "efficient"),
-             ("_scaled_dot_product_fused_attention_overrideable", "overrideable"))
-
-
-def observed_sdpa_backend(q, k, v, **kwargs) -> str:
-    """Which kernel `F.scaled_dot_product_attention(q, k, v, **kwargs)` actually runs here, observed by
-    running it once under a dispatch spy (not what was configured): 'flash', 'efficient', 'cudnn',
-    'flash (cpu)', or 'math' (the composite path, which dispatches as matmuls and a softmax).
-    Respects an enclosing `torch.nn.attention.sdpa_kernel(...)`; the output is discarded."""
-    import torch.nn.functional as F
-    try:
-        from torch.utils._python_dispatch import TorchDispatchMode
-    except ImportError:  # a private torch API: without it, say so rather than guess
-        return "unknown"
-
-    seen: list[str] = []
-
-    class _Spy(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kw=None):
-            seen.append(str(func))
-            return func(*args, **(kw or {}))
-
-    with torch.no_grad(), _Spy():
-        F.scaled_dot_product_attention(q, k, v, **kwargs)
-    for op, name in _SDPA_OPS:
-        if any(f"aten.{op}." in s or s == f"aten.{op}" for s in seen):
-            return name
-    return "math" if any("softmax" in s for s in seen) else "unknown"
-
-
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -110,7 +110,7 @@ class RunRecord:
     def set_backend(self, op: str, backend: str, *, reason: str = "", shapes: dict | None = None,
                     dtype: str | None = None, observed: bool | None = None) -> None:
         """Record the backend actually selected for `op` and the local tensor shapes it saw.
-        `observed=True`: seen running (e.g. `device.observed_sdpa_backend`), not taken from configuration."""
+        `observed=True`: seen running (e.g. `inferbook.sdpa.observed_sdpa_kernel`), not taken from configuration."""
         entry = {"backend": backend, "reason": reason, "shapes": _jsonable(shapes or {})}
         if observed is not None:
             entry["observed"] = bool(observed)

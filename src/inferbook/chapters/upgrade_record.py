@@ -10,7 +10,7 @@ and steady state apart, and TTFT, decode and total apart. This module runs a tin
 - `math-attention`: explicit-softmax attention — refused too (attention backend differs).
 
 The attention backend recorded is the kernel that ran, not the one configured: for the `sdpa`
-model, `serving.sdpa.sdpa_record` runs SDPA on the prefill's and decode's own shapes, dtype, mask
+model, `inferbook.sdpa.sdpa_record` runs SDPA on the prefill's and decode's own shapes, dtype, mask
 and device, restricted to each backend in priority order, and records the first that runs
 (flash / efficient / math / cuDNN) with the ATen op the profiler saw.
 """
@@ -25,7 +25,7 @@ from ..presets import Param
 from ..record import RunRecord
 from ..serving.model import (TinyConfig, TinyDecoder, generate, init_weights, load_weights, quantize_int8_,
                     reference_logits, save_weights)
-from ..serving.sdpa import sdpa_record
+from ..sdpa import sdpa_record
 
 PARAMETERS = {
     "d_model": Param(int, help="model width"),

@@ -120,7 +120,7 @@ def observed_paged_kernels(cfg, dtype, device, *, prefill_len: int, context_len:
     a prefill chunk (prefill_len queries over as many keys, boolean causal mask), a verification
     (1 + k queries over context_len keys, mask) when k > 0, and a plain decode (1 query, no mask).
     -> {case: sdpa_record dict}."""
-    from .sdpa import sdpa_record
+    from ..sdpa import sdpa_record
 
     g = torch.Generator().manual_seed(0)
     H, D = cfg.n_heads, cfg.head_dim

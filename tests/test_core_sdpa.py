@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from inferbook.serving.sdpa import observed_sdpa_kernel, priority_order, profiled_sdpa_op, sdpa_record
+from inferbook.sdpa import observed_sdpa_kernel, priority_order, profiled_sdpa_op, sdpa_record
 
 OP_OF = {"flash": ("flash",), "math": ("math",), "efficient": ("efficient",), "cudnn": ("cudnn",)}
 
