@@ -142,6 +142,27 @@ def test_triton_bit_exact(fmt, rule, layout):
     assert torch.equal(a.elements, b.elements.cpu())
 
 
+@pytest.mark.parametrize("block", [(128, 128), (64, 128), (128, 32)])
+@pytest.mark.parametrize("fmt", ["e4m3", "e2m1"])
+def test_triton_large_tiles_read_in_slabs_stay_bit_exact(fmt, block):
+    """The GPU launch's exact constexprs (mx._tile) for tiles above MAX_TILE_ELEMENTS, which the kernel
+    reads in row slabs: a block's maximum and its NaN sit in the last slab, partial blocks at the
+    edges; the running maximum over slabs must equal the reference's one-shot maximum."""
+    sr, sc = block
+    nbr, nbc = mx._tile(sr, sc)
+    assert nbr * sr * nbc * sc > mx.MAX_TILE_ELEMENTS and nbr == 1, "this case must take the slab path"
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(sr * 2 + 5, sc * 2 - 3, generator=g) * torch.logspace(-2, 2, sc * 2 - 3)[None, :]
+    x[sr - 3, 2] = 3e4          # the first block's amax, in its last slab
+    x[sr + sr - 1, sc + 1] = float("nan")
+    x[5, sc] = -0.0
+    for rule in RULES:
+        a = mx.quantize_reference(x, fmt, block=block, scale_rounding=rule)
+        b = mx.quantize_triton(x.to(DEV), fmt, block=block, scale_rounding=rule)
+        assert torch.equal(a.scales, b.scales.cpu()) and torch.equal(a.elements, b.elements.cpu())
+    assert a.scales[1, 1] == 255
+
+
 @pytest.mark.parametrize("case", ["non-contiguous", "transposed", "bf16", "fp16", "3d-middle-axis", "1d",
                                   "empty", "single"])
 def test_triton_shapes_and_strides(case):

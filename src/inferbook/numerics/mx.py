@@ -266,7 +266,40 @@ def quantize_reference(x: torch.Tensor, fmt: str = "e4m3", axis: int = -1, block
 # Triton kernel: one program quantizes an (NBR*SR) x (NBC*SC) tile holding NBR x NBC scale blocks.
 # Row-wise blocks are (1, 32), column-wise (32, 1), 2-D weight tiles (32, 32) or (128, 128).
 
+# A tile above MAX_TILE_ELEMENTS (a 2-D 128x128 or 128x64 weight block) is not held in registers at
+# once: at 128 threads that is >= 64 fp32 values per thread per live tensor, and ptxas spilled
+# 2.5 KB per thread on sm_90. Such a tile is one block tall (NBR == 1); the kernel reads it in
+# slabs of MAX_TILE_ELEMENTS // TC rows, first for the block maxima (max is exact in any order),
+# then again to encode (the second read of a 64 KB tile comes mostly from L2). Bits do not change.
+MAX_TILE_ELEMENTS = 4096
+
 if triton is not None:
+    @triton.jit
+    def _mx_load_abs(x_ptr, rows, cols, M, N, sxm, sxn):
+        """fp32 x of a [R, C] slab (0 outside the tensor: padding cannot raise a block's amax),
+        |x| with NaN/Inf set to 0, and the NaN/Inf flags (tracked apart: max() need not propagate NaN,
+        and Inf must not become a scale)."""
+        mask = (rows[:, None] < M) & (cols[None, :] < N)
+        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * sxm + cols[None, :].to(tl.int64) * sxn,
+                    mask=mask, other=0.0).to(tl.float32)
+        a = tl.abs(x)
+        bad = ((a != a) | (a == float("inf"))).to(tl.int32)
+        return x, tl.where(bad != 0, 0.0, a), bad, mask
+
+    @triton.jit
+    def _mx_encode(x, inv, nbad, EMIN: tl.constexpr, MBITS: tl.constexpr, SIGN_SHIFT: tl.constexpr,
+                   MAX_NORMAL: tl.constexpr, NAN_CODE: tl.constexpr):
+        """Element codes of fp32 x given its block's 2**-s (`inv`) and NaN/Inf flag, broadcast to x."""
+        y = x * inv                                                  # exact: a power-of-two scaling
+        sign = (y.to(tl.int32, bitcast=True) >> 31) & 1
+        av = tl.minimum(tl.abs(y), MAX_NORMAL)                       # saturate
+        e = tl.maximum(((av.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, EMIN)
+        v = av * ((127 + MBITS - e) << 23).to(tl.float32, bitcast=True)   # units of the last mantissa bit
+        k = ((v + 8388608.0) - 8388608.0).to(tl.int32)               # round half to even via fp32 add
+        code = ((e - EMIN) << MBITS) + k                             # carry into the exponent is free
+        code = code | (sign << SIGN_SHIFT)
+        return tl.where(nbad != 0, NAN_CODE, code)
+
     @triton.jit
     def mx_quantize_kernel(x_ptr, e_ptr, s_ptr, M, N, MB, NB, sxm, sxn, sem, sen, ssm, ssn,
                            SR: tl.constexpr, SC: tl.constexpr, NBR: tl.constexpr, NBC: tl.constexpr,
@@ -275,20 +308,25 @@ if triton is not None:
                            NAN_CODE: tl.constexpr, ROUND_UP: tl.constexpr):
         TR: tl.constexpr = NBR * SR
         TC: tl.constexpr = NBC * SC
+        # slab rows: the whole tile when it is small, else MAX_TILE_ELEMENTS // TC rows of a tile
+        # that is one block tall (see MAX_TILE_ELEMENTS)
+        SLAB: tl.constexpr = TR if TR * TC <= 4096 or NBR > 1 else 4096 // TC
         pid_r = tl.program_id(0)
         pid_c = tl.program_id(1)
-        rows = pid_r * TR + tl.arange(0, TR)
         cols = pid_c * TC + tl.arange(0, TC)
-        mask = (rows[:, None] < M) & (cols[None, :] < N)
-        # Padding reads 0: it cannot raise a block's amax, so partial blocks scale by their valid elements.
-        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * sxm + cols[None, :].to(tl.int64) * sxn,
-                    mask=mask, other=0.0).to(tl.float32)
-        a = tl.abs(x)
-        # NaN/Inf are tracked apart: max() need not propagate NaN, and Inf must not become a scale.
-        bad = ((a != a) | (a == float("inf"))).to(tl.int32)
-        a = tl.where(bad != 0, 0.0, a)
-        amax = tl.max(tl.max(tl.reshape(a, (NBR, SR, NBC, SC)), axis=3), axis=1)        # [NBR, NBC]
-        nbad = tl.max(tl.max(tl.reshape(bad, (NBR, SR, NBC, SC)), axis=3), axis=1)
+        if SLAB == TR:
+            rows = pid_r * TR + tl.arange(0, TR)
+            x, a, bad, mask = _mx_load_abs(x_ptr, rows, cols, M, N, sxm, sxn)
+            amax = tl.max(tl.max(tl.reshape(a, (NBR, SR, NBC, SC)), axis=3), axis=1)    # [NBR, NBC]
+            nbad = tl.max(tl.max(tl.reshape(bad, (NBR, SR, NBC, SC)), axis=3), axis=1)
+        else:
+            amax = tl.zeros((1, NBC), dtype=tl.float32)
+            nbad = tl.zeros((1, NBC), dtype=tl.int32)
+            for r0 in range(0, TR, SLAB):
+                rows = pid_r * TR + r0 + tl.arange(0, SLAB)
+                x, a, bad, mask = _mx_load_abs(x_ptr, rows, cols, M, N, sxm, sxn)
+                amax = tl.maximum(amax, tl.max(tl.max(tl.reshape(a, (1, SLAB, NBC, SC)), axis=3), axis=1))
+                nbad = tl.maximum(nbad, tl.max(tl.max(tl.reshape(bad, (1, SLAB, NBC, SC)), axis=3), axis=1))
         abits = amax.to(tl.int32, bitcast=True)
         s = ((abits >> 23) & 0xFF) - 127 - EMAX                      # floor(log2(amax)) - emax
         if ROUND_UP:
@@ -302,19 +340,21 @@ if triton is not None:
 
         # Broadcast each block's 2**-s (a normal fp32, built from bits) back over its elements.
         inv = ((127 - s) << 23).to(tl.float32, bitcast=True)
-        inv = tl.reshape(tl.broadcast_to(tl.reshape(inv, (NBR, 1, NBC, 1)), (NBR, SR, NBC, SC)), (TR, TC))
-        nbad = tl.reshape(tl.broadcast_to(tl.reshape(nbad, (NBR, 1, NBC, 1)), (NBR, SR, NBC, SC)), (TR, TC))
-        y = x * inv                                                  # exact: a power-of-two scaling
-        sign = (y.to(tl.int32, bitcast=True) >> 31) & 1
-        av = tl.minimum(tl.abs(y), MAX_NORMAL)                       # saturate
-        e = tl.maximum(((av.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, EMIN)
-        v = av * ((127 + MBITS - e) << 23).to(tl.float32, bitcast=True)   # units of the last mantissa bit
-        k = ((v + 8388608.0) - 8388608.0).to(tl.int32)               # round half to even via fp32 add
-        code = ((e - EMIN) << MBITS) + k                             # carry into the exponent is free
-        code = code | (sign << SIGN_SHIFT)
-        code = tl.where(nbad != 0, NAN_CODE, code)
-        tl.store(e_ptr + rows[:, None].to(tl.int64) * sem + cols[None, :].to(tl.int64) * sen,
-                 code.to(tl.uint8), mask=mask)
+        if SLAB == TR:
+            inv_t = tl.reshape(tl.broadcast_to(tl.reshape(inv, (NBR, 1, NBC, 1)), (NBR, SR, NBC, SC)), (TR, TC))
+            bad_t = tl.reshape(tl.broadcast_to(tl.reshape(nbad, (NBR, 1, NBC, 1)), (NBR, SR, NBC, SC)), (TR, TC))
+            code = _mx_encode(x, inv_t, bad_t, EMIN, MBITS, SIGN_SHIFT, MAX_NORMAL, NAN_CODE)
+            tl.store(e_ptr + rows[:, None].to(tl.int64) * sem + cols[None, :].to(tl.int64) * sen,
+                     code.to(tl.uint8), mask=mask)
+        else:
+            inv_t = tl.reshape(tl.broadcast_to(tl.reshape(inv, (1, 1, NBC, 1)), (1, SLAB, NBC, SC)), (SLAB, TC))
+            bad_t = tl.reshape(tl.broadcast_to(tl.reshape(nbad, (1, 1, NBC, 1)), (1, SLAB, NBC, SC)), (SLAB, TC))
+            for r0 in range(0, TR, SLAB):
+                rows = pid_r * TR + r0 + tl.arange(0, SLAB)
+                x, a, bad, mask = _mx_load_abs(x_ptr, rows, cols, M, N, sxm, sxn)
+                code = _mx_encode(x, inv_t, bad_t, EMIN, MBITS, SIGN_SHIFT, MAX_NORMAL, NAN_CODE)
+                tl.store(e_ptr + rows[:, None].to(tl.int64) * sem + cols[None, :].to(tl.int64) * sen,
+                         code.to(tl.uint8), mask=mask)
 
 
 def _tile(sr: int, sc: int) -> tuple[int, int]:
