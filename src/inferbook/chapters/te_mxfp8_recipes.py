@@ -8,6 +8,8 @@ Records (one each):
 - `quantize-speed`: time per quantize pass (row-wise, column-wise, 2-D) — the Triton kernel on
   a GPU, with achieved GB/s against the measured copy ceiling; the PyTorch reference on a CPU
   (labelled CPU, never the interpreter);
+- `mx-gemm-paths`: what an MXFP8 forward GEMM costs where it runs — BF16 GEMM, quantize, and
+  dequantize + BF16 GEMM (Hopper has no MX tensor-core GEMM; that needs sm_100);
 - `grouped-gemm-check`: the grouped GEMM checker on our Triton kernel and on a kernel with an
   injected fault (which must fail);
 - `cuda-graph-retained-grads`: GPU only (CUDA Graphs do not exist on CPU).
@@ -188,10 +190,11 @@ def quantize_speed(ctx, quant_m: int, quant_k: int) -> RunRecord:
     x = torch.randn(quant_m, quant_k, generator=g, device=ctx.device).to(torch.bfloat16)
     ceil = ceilings(ctx.device) if is_gpu else None
     fn = mx.quantize_triton if chosen == "triton" else mx.quantize_reference
+    # enough samples a side that a real 10 % difference separates in compare_timings
+    reps = dict(warmup=3 if is_gpu else 1, min_reps=20 if is_gpu else 12, max_reps=200 if is_gpu else 20,
+                min_time_s=0.3 if is_gpu else 0.1)
     for layout, kw in list(LAYOUTS.items())[:3]:
-        t = benchmark(lambda: fn(x, "e4m3", **kw), ctx.device, label=layout, uses_triton=chosen == "triton",
-                      warmup=2 if is_gpu else 1, min_reps=5 if is_gpu else 3, max_reps=100 if is_gpu else 8,
-                      min_time_s=0.2 if is_gpu else 0.05)
+        t = benchmark(lambda: fn(x, "e4m3", **kw), ctx.device, label=layout, uses_triton=chosen == "triton", **reps)
         blocks = x.numel() // (kw["block"][0] * kw["block"][1] if isinstance(kw["block"], tuple) else kw["block"])
         nbytes = x.numel() * 2 + x.numel() + blocks  # read bf16, write 1-byte codes, write scales
         rec.add_timing(f"quantize {layout}", t, bytes=nbytes)
@@ -202,6 +205,56 @@ def quantize_speed(ctx, quant_m: int, quant_k: int) -> RunRecord:
     if is_gpu:  # the PyTorch reference on the same GPU, for scale
         t = benchmark(lambda: mx.quantize_reference(x, "e4m3"), ctx.device, label="torch reference row-wise")
         rec.add_timing("torch reference row-wise 1x32", t)
+    return rec
+
+
+def mx_gemm_support(device: torch.device) -> dict:
+    """What this device can do with MX operands. MX (block-scaled) tensor-core GEMMs are an sm_100
+    feature (Blackwell `tcgen05.mma` with `kind::mxf8f6f4` and E8M0 scale operands); Hopper (sm_90)
+    has FP8 `wgmma` with one scale per tensor or per row, no block scales: there an MXFP8 tensor
+    is dequantized (or re-scaled) before the GEMM, and only the cast and a BF16 GEMM run."""
+    if device.type != "cuda":
+        return {"capability": None, "mx_tensor_core_gemm": False,
+                "runs_here": "quantize and dequantized GEMM in PyTorch on the CPU (reference, not the kernels)"}
+    cap = torch.cuda.get_device_capability(device)
+    native = cap[0] >= 10
+    return {"capability": f"sm_{cap[0]}{cap[1]}", "mx_tensor_core_gemm": native,
+            "runs_here": ("quantize; a native MX GEMM is possible on this device (not built in this chapter)"
+                          if native else "quantize and dequantize + BF16 GEMM; MX tensor-core GEMMs need sm_100")}
+
+
+def gemm_paths(ctx, m: int, k: int, n: int) -> RunRecord:
+    """Time what runs of an MXFP8 forward GEMM y = x W^T on this device: the BF16 GEMM alone, the
+    quantize of x and W (row-wise 1x32 E4M3), and dequantize-to-BF16 followed by the BF16 GEMM
+    (the path a GPU without MX tensor cores takes). On a CPU: the PyTorch reference, labelled."""
+    support = mx_gemm_support(ctx.device)
+    is_gpu = ctx.device.type == "cuda"
+    chosen, reason = mx.pick_backend(ctx.device, "auto")
+    rec = ctx.new_record("mx-gemm-paths", variant=chosen, workload={
+        "shapes": {"x": [m, k], "w": [n, k]}, "dtype": "bfloat16", "quantization": "MXFP8 E4M3 1x32 (floor)"})
+    rec.set_backend("mx_quantize", "triton kernel" if chosen == "triton" else "torch reference (CPU)", reason=reason)
+    rec.set_backend("gemm", "torch.matmul bf16 (cuBLAS)" if is_gpu else "torch.matmul float32 (CPU)",
+                    reason=support["runs_here"])
+    rec.notes = f"MX tensor-core GEMM on this device: {support['mx_tensor_core_gemm']} ({support['capability']})"
+    g = ctx.generator(4)
+    gemm_dtype = torch.bfloat16 if is_gpu else torch.float32
+    x = torch.randn(m, k, generator=g, device=ctx.device).to(torch.bfloat16)
+    w = (torch.randn(n, k, generator=g, device=ctx.device) / math.sqrt(k)).to(torch.bfloat16)
+    fn = mx.quantize_triton if chosen == "triton" else mx.quantize_reference
+    qx, qw = fn(x, "e4m3"), fn(w, "e4m3")
+    xd, wd = x.to(gemm_dtype), w.to(gemm_dtype)
+    reps = dict(warmup=3 if is_gpu else 1, min_reps=20 if is_gpu else 8, max_reps=200 if is_gpu else 12,
+                min_time_s=0.3 if is_gpu else 0.1)
+    paths = {
+        "BF16 GEMM" if is_gpu else "float32 GEMM (CPU)": (lambda: xd @ wd.T, False),
+        "quantize x and W (MXFP8)": (lambda: (fn(x, "e4m3"), fn(w, "e4m3")), chosen == "triton"),
+        "dequantize + GEMM": (lambda: mx.dequantize(qx).to(gemm_dtype) @ mx.dequantize(qw).to(gemm_dtype).T, False),
+    }
+    for name, (f, uses_triton) in paths.items():
+        t = benchmark(f, ctx.device, label=name, uses_triton=uses_triton, **reps)
+        rec.add_timing(name, t, flops=2.0 * m * n * k)
+    rec.add("mx_tensor_core_gemm", float(support["mx_tensor_core_gemm"]), "bool", phase="derived",
+            capability=support["capability"], runs_here=support["runs_here"])
     return rec
 
 
@@ -260,6 +313,7 @@ def measure(ctx, *, m, k, n, outlier_scale, recipes, d_in, d_hidden, train_batch
                                      d_hidden=d_hidden, train_batch=train_batch, train_steps=train_steps, lr=lr,
                                      backend=backend, reason=reason))
     records.append(quantize_speed(ctx, quant_m, quant_k))
+    records.append(gemm_paths(ctx, m, k, n))
     records.append(grouped_record(ctx, n_groups, max_rows))
     g = graph_record(ctx)
     if g is not None:
