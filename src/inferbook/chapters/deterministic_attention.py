@@ -205,22 +205,35 @@ def engine_dtype(device: torch.device):
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
+# The engine configurations compared end to end. The first two differ in attention alone, as
+# SGLang #37740 changed attention alone (Lean Attention off under deterministic inference): the same
+# F.linear, the same chunked prefill, the same greedy sampling. The third fixes every batch-dependent
+# choice this engine has, to show what a bitwise guarantee needs beyond attention.
+ENGINE_MODES = {
+    "adaptive": dict(deterministic_attention=False, fixed_linear=False, chunked_prefill=True),
+    "deterministic attention": dict(deterministic_attention=True, fixed_linear=False, chunked_prefill=True),
+    "all batch-invariant": dict(deterministic_attention=True, fixed_linear=True, chunked_prefill=False),
+}
+
+
 def _switchable_runner_class():
-    """A `ModelRunner` whose forward takes the determinism switch: linear layers through F.linear
-    (the engine's own) or the fixed-tile matmul; the decode rows' attention batched through
-    `decode_attention` (adaptive or fixed split). Prefill chunks keep the engine's attention,
-    which already runs one request at a time."""
+    """A `ModelRunner` whose forward takes the switches: linear layers through F.linear (the
+    engine's own) or the fixed-tile matmul (`fixed_linear`); the decode rows' attention batched
+    through `decode_attention` (adaptive or fixed split: `deterministic`). Prefill chunks keep the
+    engine's attention, which already runs one request at a time."""
     from ..serving.model import apply_rope
     from ..serving.model_runner import ModelRunner, paged_attention
 
     class SwitchableRunner(ModelRunner):
-        def __init__(self, model, num_blocks, block_size, *, deterministic: bool, split_size: int, sms):
+        def __init__(self, model, num_blocks, block_size, *, deterministic: bool, split_size: int, sms,
+                     fixed_linear: bool = False):
             super().__init__(model, num_blocks, block_size)
             self.deterministic, self.split_size, self.sms = deterministic, split_size, sms
+            self.fixed_linear = fixed_linear
             self.decode_plans: list[dict] = []
 
         def lin(self, mod, x):
-            return decode.batch_invariant_matmul(x, mod.weight) if self.deterministic else F.linear(x, mod.weight)
+            return decode.batch_invariant_matmul(x, mod.weight) if self.fixed_linear else F.linear(x, mod.weight)
 
         @torch.no_grad()
         def forward(self, batch):
@@ -267,8 +280,9 @@ def _switchable_runner_class():
     return SwitchableRunner
 
 
-def run_engine(model, *, deterministic: bool, requests: int, new_tokens: int, seed: int, split_size: int, sms,
-               max_num_seqs: int = 16, max_steps: int = 100_000) -> dict:
+def run_engine(model, *, deterministic_attention: bool, requests: int, new_tokens: int, seed: int, split_size: int,
+               sms, fixed_linear: bool = False, chunked_prefill: bool = True, max_num_seqs: int = 16,
+               max_steps: int = 100_000) -> dict:
     """`requests` copies of one greedy request, arriving in waves among random other requests
     (random prompt and output lengths), so each copy runs in different batches. Returns the
     copies' completions, their last hidden states' bit patterns, the step batch sizes seen and
@@ -281,13 +295,14 @@ def run_engine(model, *, deterministic: bool, requests: int, new_tokens: int, se
     from ..serving.sequence import SamplingParams
 
     cfg = model.cfg
-    # deterministic mode also prefills each prompt in one piece: where chunk boundaries fall
-    # depends on the other requests, and a chunk boundary changes a prompt's arithmetic
+    # chunked_prefill=False prefills each prompt in one piece: where chunk boundaries fall depends
+    # on the other requests, and a chunk boundary can change a prompt's arithmetic
     engine = LLMEngine(model, EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=256, block_size=16,
-                                           chunked_prefill=not deterministic))
+                                           chunked_prefill=chunked_prefill))
     Runner = _switchable_runner_class()
     engine.runner = Runner(model, engine.block_manager.num_blocks, engine.config.block_size,
-                           deterministic=deterministic, split_size=split_size, sms=sms)
+                           deterministic=deterministic_attention, split_size=split_size, sms=sms,
+                           fixed_linear=fixed_linear)
     rng = random.Random(seed)
     g = torch.Generator().manual_seed(seed)
     prompt_max = cfg.max_seq - new_tokens
@@ -318,8 +333,8 @@ def run_engine(model, *, deterministic: bool, requests: int, new_tokens: int, se
 
 
 def engine_record(ctx, *, requests: int, new_tokens: int, layers: int, split_size: int, sms) -> RunRecord:
-    """Both modes of the engine on the same arrivals: distinct completions and hidden-state bit
-    patterns among the identical requests; on a GPU, the wall time of each run."""
+    """The engine in each of `ENGINE_MODES` on the same arrivals: distinct completions and
+    hidden-state bit patterns among the identical requests; on a GPU, the wall time of each run."""
     import time
 
     from ..device import synchronize
@@ -328,32 +343,31 @@ def engine_record(ctx, *, requests: int, new_tokens: int, layers: int, split_siz
     dtype = engine_dtype(ctx.device)
     cfg = TinyConfig(max_seq=64 + new_tokens, n_layers=layers)
     model = init_weights(TinyDecoder(cfg), ctx.seed).to(ctx.device, dtype).eval()
-    rec = ctx.new_record("engine-determinism", variant="adaptive vs deterministic", workload={
+    rec = ctx.new_record("engine-determinism", variant="attention switched alone; everything fixed", workload={
         "model": f"tiny-decoder L{cfg.n_layers} d{cfg.d_model} (random init, seed {ctx.seed})",
         "quantization": f"none ({str(dtype)[6:]})", "output_len": new_tokens, "batch": "varying (waves)",
-        "requests": requests, "dtype": str(dtype)[6:]}, topology={"ranks": 1})
+        "requests": requests, "dtype": str(dtype)[6:], "modes": ENGINE_MODES}, topology={"ranks": 1})
     backend, why = decode.select_backend(ctx.device)
     rec.set_backend("engine decode attention", "decode_attention (" + backend + ")", reason=why)
-    rec.set_backend("engine linear", "F.linear (adaptive) / batch_invariant_matmul (deterministic)")
-    for det in (False, True):
+    rec.set_backend("engine linear", "F.linear, except batch_invariant_matmul in 'all batch-invariant'")
+    for mode, flags in ENGINE_MODES.items():
         synchronize(ctx.device)
         t0 = time.perf_counter()
-        res = run_engine(model, deterministic=det, requests=requests, new_tokens=new_tokens, seed=ctx.seed,
-                         split_size=split_size, sms=sms)
+        res = run_engine(model, requests=requests, new_tokens=new_tokens, seed=ctx.seed, split_size=split_size,
+                         sms=sms, **flags)
         synchronize(ctx.device)
         wall = time.perf_counter() - t0
-        mode = "deterministic" if det else "adaptive"
         n_comp, n_hidden = len(set(res["completions"])), len(set(res["hidden_bits"]))
-        rec.add("distinct_completions", n_comp, "completions", mode=mode, deterministic=det, requests=requests,
+        rec.add("distinct_completions", n_comp, "completions", mode=mode, **flags, requests=requests,
                 steps=res["steps"], decode_batches=res["decode_batches"], decode_split_lens=res["decode_split_lens"])
-        rec.add("distinct_hidden_bits", n_hidden, "patterns", mode=mode, deterministic=det, requests=requests)
+        rec.add("distinct_hidden_bits", n_hidden, "patterns", mode=mode, **flags, requests=requests)
         if ctx.device.type == "cuda":
-            rec.add("engine_wall", wall, "s", phase="total", mode=mode, deterministic=det, steps=res["steps"])
-        if det:
-            rec.add_check("deterministic engine: one completion for all identical requests", n_comp == 1,
+            rec.add("engine_wall", wall, "s", phase="total", mode=mode, **flags, steps=res["steps"])
+        if mode == "all batch-invariant":
+            rec.add_check("all batch-invariant engine: one completion for all identical requests", n_comp == 1,
                           error=n_comp, tolerance=1)
-            rec.add_check("deterministic engine: one hidden-state bit pattern", n_hidden == 1,
+            rec.add_check("all batch-invariant engine: one hidden-state bit pattern", n_hidden == 1,
                           error=n_hidden, tolerance=1)
     if ctx.device.type != "cuda":
-        rec.notes = "No engine times on CPU: both modes run Triton kernels in the interpreter."
+        rec.notes = "No engine times on CPU: every mode runs Triton kernels in the interpreter."
     return rec
