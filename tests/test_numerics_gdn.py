@@ -144,6 +144,29 @@ def test_harness_flags_a_finite_but_wrong_backend_and_one_that_raises():
     assert not r["passed"] and "no kernel" in r["reason"]
 
 
+def test_bf16_tolerance_rejects_a_bf16_state_and_noise_on_o():
+    """The BF16 tolerance is anchored to an fp32-state recurrence in the same input precision: a
+    backend that keeps its state in BF16, or adds 1 % noise to o, fails; the chunked form passes.
+    (With the old BF16-state baseline, both wrong backends passed.)"""
+    reports = gdn.check_backends({"chunked": lambda *a, **kw: gdn.chunked(*a, chunk_size=8, **kw),
+                                  "bf16 state": gdn.bf16_state_recurrent,
+                                  "noisy o": gdn.noisy_output(lambda *a, **kw: gdn.chunked(*a, chunk_size=8, **kw))},
+                                 head_dims=(32,), lengths=(45,), gates=("random",), dtypes=(torch.bfloat16,))
+    assert reports["chunked"].passed, reports["chunked"].failures()
+    (s_row,), (n_row,) = reports["bf16 state"].rows, reports["noisy o"].rows
+    assert not s_row["passed"] and s_row["nonfinite"] == "", s_row
+    assert not n_row["passed"] and "o:" in n_row["reason"], n_row
+
+
+def test_forward_only_rows_have_no_gradient_errors_and_nonfinite_has_no_number():
+    rep = gdn.check_backends({"fwd": gdn.chunked, "nan@32": gdn.inject_backward_nan(gdn.chunked, 32)},
+                             head_dims=(32,), lengths=(9,), gates=("random",), dtypes=(torch.float32,),
+                             forward_only=("fwd",))
+    (f,), (n,) = rep["fwd"].rows, rep["nan@32"].rows
+    assert "err_dq" not in f and f["passed"]
+    assert n["err_dq"] is None and "dq" in n["nonfinite"] and not n["passed"]
+
+
 def test_harness_catches_exp_before_mask_only_with_extreme_gates():
     def buggy(q, k, v, g, beta, scale=None, initial_state=None):
         return gdn.chunked(q, k, v, g, beta, chunk_size=8, scale=scale, initial_state=initial_state,

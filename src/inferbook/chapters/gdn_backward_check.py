@@ -64,6 +64,8 @@ def parse_choices(name: str, text: str, allowed) -> tuple[str, ...]:
 
 
 TRITON_FWD = "triton fused recurrent (forward only)"
+BF16_STATE = "recurrent, state kept in BF16 (must fail)"
+NOISY = "chunked + 1 % noise on o (must fail)"
 
 
 def backends(chunk_size: int, device=None) -> dict:
@@ -76,7 +78,9 @@ def backends(chunk_size: int, device=None) -> dict:
 
     out = {"recurrent": gdn.recurrent, f"chunked (C={chunk_size})": chunked,
            "chunked + NaN in dq at K=32 (injected)": gdn.inject_backward_nan(chunked, 32),
-           "chunked, exp before mask (bug)": exp_before_mask}
+           "chunked, exp before mask (bug)": exp_before_mask,
+           BF16_STATE: gdn.bf16_state_recurrent,
+           NOISY: gdn.noisy_output(chunked, 0.01)}
     if device is not None and triton_backend_for(device)[0]:
         out[TRITON_FWD] = gdn.recurrent_triton
     return out
@@ -84,7 +88,7 @@ def backends(chunk_size: int, device=None) -> dict:
 
 def is_demo(name: str) -> bool:
     """Backends that are *meant* to fail: the harness must flag them."""
-    return "injected" in name or "(bug)" in name
+    return "injected" in name or "(bug)" in name or "must fail" in name
 
 
 def harness_records(ctx, reports: dict, sweep: dict) -> list[RunRecord]:
@@ -110,7 +114,8 @@ def harness_records(ctx, reports: dict, sweep: dict) -> list[RunRecord]:
         for dt in sweep["dtypes"]:
             rows = [r for r in rep.rows if r["dtype"] == dt and r["passed"]]
             for key in ("o", "dq", "dk", "dv", "dg", "dbeta"):
-                errs = [r[f"err_{key}"] for r in rows if math.isfinite(r.get(f"err_{key}", math.nan))]
+                errs = [r[f"err_{key}"] for r in rows if r.get(f"err_{key}") is not None
+                        and math.isfinite(r[f"err_{key}"])]
                 if errs:
                     rec.add(f"max rel-RMS err {key} ({dt})", max(errs), "relative", phase="check")
         if injected:
@@ -138,8 +143,9 @@ def speed_record(ctx, name: str, fn, *, B, T, H, K) -> RunRecord:
         torch.autograd.grad(o.float().sum() + S.sum(), leaves)
 
     is_gpu = ctx.device.type == "cuda"
-    t = benchmark(step, ctx.device, label=name, warmup=1 if not is_gpu else 2, min_reps=3 if not is_gpu else 5,
-                  max_reps=20, min_time_s=0.1 if not is_gpu else 0.5)
+    # enough samples a side for compare_timings to separate a real 10 % difference
+    t = benchmark(step, ctx.device, label=name, warmup=1 if not is_gpu else 2, min_reps=10 if not is_gpu else 20,
+                  max_reps=30, min_time_s=0.1 if not is_gpu else 0.5)
     algo = name.split(" ")[0]
     rec = ctx.new_record(f"speed:{algo}", variant=algo, workload={
         "model": "Gated DeltaNet (one layer's recurrence)", "batch": B, "input_len": T,
@@ -180,6 +186,11 @@ def measure(ctx, *, head_dims, lengths, gates, dtypes, batch, heads, chunk_size,
             expected = {"very_negative"} & set(gs)
             rec.add_check("exp-before-mask fails exactly the very negative gate cases", bad == expected,
                           error=float(len(rep.failures())))
+        elif "must fail" in name:
+            # wrong but finite: only a tolerance anchored to an fp32-state reference catches these
+            low = [r for r in rep.rows if r["dtype"] == "bfloat16"] or rep.rows
+            missed = [r for r in low if r["passed"]]
+            rec.add_check(f"harness rejects every {low[0]['dtype']} case", not missed, error=float(len(missed)))
         else:
             rec.add_check("all harness cases pass", rep.passed, error=float(len(rep.failures())))
     for name, fn in list(fns.items())[:2]:
