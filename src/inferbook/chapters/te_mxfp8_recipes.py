@@ -10,6 +10,10 @@ Records (one each):
   (labelled CPU, never the interpreter);
 - `mx-gemm-paths`: what an MXFP8 forward GEMM costs where it runs — BF16 GEMM, quantize, and
   dequantize + BF16 GEMM (Hopper has no MX tensor-core GEMM; that needs sm_100);
+- `rowcol-one-pass`: both MX copies of one tensor in one pass against two passes (bytes; bits;
+  times on a GPU);
+- `mxfp8-dispatch`: an MXFP8 dispatch/combine over torch.distributed (gloo), bit-exact against
+  quantizing after the exchange, with bytes and loopback times per payload;
 - `grouped-gemm-check`: the grouped GEMM checker on our Triton kernel and on a kernel with an
   injected fault (which must fail);
 - `cuda-graph-retained-grads`: GPU only (CUDA Graphs do not exist on CPU).
@@ -42,15 +46,26 @@ PARAMETERS = {
     "quant_k": Param(int, help="columns of the timed quantize input"),
     "n_groups": Param(int, help="groups in the grouped-GEMM check"),
     "max_rows": Param(int, help="largest group in the grouped-GEMM check"),
+    "ep_ranks": Param(int, help="ranks (gloo on CPU) of the MXFP8 dispatch/combine"),
+    "ep_tokens": Param(int, help="tokens per rank in the MXFP8 dispatch/combine"),
+    "ep_hidden": Param(int, help="hidden size H (multiple of 32) of the dispatched tokens"),
+    "ep_inter": Param(int, help="expert GEMM output features N"),
+    "ep_experts": Param(int, help="experts (a multiple of ep_ranks)"),
+    "ep_topk": Param(int, help="experts per token"),
+    "ep_reps": Param(int, help="timed dispatches per payload"),
 }
 
 PRESETS = {
     "smoke": dict(m=64, k=128, n=96, d_in=32, d_hidden=64, train_batch=64, train_steps=12, check_m=37,
-                  check_n=70, quant_m=128, quant_k=256, n_groups=3, max_rows=24),
+                  check_n=70, quant_m=128, quant_k=256, n_groups=3, max_rows=24,
+                  ep_ranks=2, ep_tokens=16, ep_hidden=128, ep_inter=64, ep_experts=4, ep_topk=2, ep_reps=5),
     "cpu": dict(m=512, k=1024, n=768, d_in=64, d_hidden=256, train_batch=256, train_steps=150, check_m=67,
-                check_n=133, quant_m=1024, quant_k=2048, n_groups=6, max_rows=48),
+                check_n=133, quant_m=1024, quant_k=2048, n_groups=6, max_rows=48,
+                ep_ranks=2, ep_tokens=256, ep_hidden=1024, ep_inter=256, ep_experts=8, ep_topk=2, ep_reps=15),
+    # the EP ranks run on CPU with gloo on every preset (the chapter's GPU part is the quantize kernels)
     "gpu": dict(m=4096, k=4096, n=4096, d_in=256, d_hidden=1024, train_batch=1024, train_steps=300, check_m=1031,
-                check_n=2053, quant_m=8192, quant_k=8192, n_groups=16, max_rows=300),
+                check_n=2053, quant_m=8192, quant_k=8192, n_groups=16, max_rows=300,
+                ep_ranks=4, ep_tokens=512, ep_hidden=2048, ep_inter=512, ep_experts=16, ep_topk=4, ep_reps=15),
 }
 
 LAYOUTS = {"row-wise 1x32": dict(axis=-1, block=32), "column-wise 32x1": dict(axis=0, block=32),
@@ -208,6 +223,75 @@ def quantize_speed(ctx, quant_m: int, quant_k: int) -> RunRecord:
     return rec
 
 
+def rowcol_record(ctx, quant_m: int, quant_k: int) -> RunRecord:
+    """Both MX copies of one tensor: one pass (one read of x, both directions written) against two
+    passes (row-wise, then column-wise). Bytes on every device; times of the Triton kernels on a GPU,
+    and bit-exactness of the one-pass kernel against two reference passes wherever Triton runs."""
+    from ..device import triton_backend_for
+
+    ok, why = triton_backend_for(ctx.device)
+    is_gpu = ctx.device.type == "cuda"
+    rec = ctx.new_record("rowcol-one-pass", variant="one pass vs two", workload={
+        "shapes": [quant_m, quant_k], "dtype": "bfloat16", "quantization": "MXFP8 E4M3 1x32 and 32x1 (floor)"})
+    rec.set_backend("mx_quantize_rowcol", "triton" + ("" if is_gpu else " (interpreter: checked, not timed)")
+                    if ok else "torch reference only", reason=why, shapes={"x": [quant_m, quant_k]})
+    rec.add("bytes_one_pass", mx.rowcol_bytes(quant_m, quant_k, passes=1), "bytes", phase="derived",
+            note="model: one BF16 read of x, both copies' codes and scales written")
+    rec.add("bytes_two_passes", mx.rowcol_bytes(quant_m, quant_k, passes=2), "bytes", phase="derived",
+            note="model: two BF16 reads of x")
+    if ok:  # bits, at a small shape with edge values (the interpreter on CPU)
+        g = ctx.generator(8)
+        xs = edge_input(67, 133, g, ctx.device)
+        rows, cols = mx.quantize_rowcol_reference(xs, "e4m3")
+        r, c = mx.quantize_rowcol_triton(xs, "e4m3")
+        mism = sum(int((a.elements != b.elements).sum() + (a.scales != b.scales).sum())
+                   for a, b in ((rows, r), (cols, c)))
+        rec.add_check("one-pass kernel == two reference passes, every code and scale byte", mism == 0,
+                      error=float(mism), tolerance=0.0)
+    if is_gpu and ok:
+        x = torch.randn(quant_m, quant_k, generator=ctx.generator(9), device=ctx.device).to(torch.bfloat16)
+        reps = dict(warmup=3, min_reps=20, max_reps=200, min_time_s=0.3, uses_triton=True)
+        t1 = benchmark(lambda: mx.quantize_rowcol_triton(x, "e4m3"), ctx.device, label="one pass", **reps)
+        t2 = benchmark(lambda: (mx.quantize_triton(x, "e4m3", axis=-1), mx.quantize_triton(x, "e4m3", axis=0)),
+                       ctx.device, label="two passes", **reps)
+        ceil = ceilings(ctx.device)
+        for name, t, passes in (("one pass", t1, 1), ("two passes", t2, 2)):
+            nbytes = mx.rowcol_bytes(quant_m, quant_k, passes=passes)
+            rf = roofline(bytes_moved=nbytes, flops=0, seconds=t.median_s, ceil=ceil)
+            rec.add_timing(f"row+column {name}", t, bytes=nbytes, achieved_gbps=rf["achieved_gbps"],
+                           frac_of_copy=rf["frac_copy"])
+    return rec
+
+
+def dispatch_record(ctx, *, ep_ranks, ep_tokens, ep_hidden, ep_inter, ep_experts, ep_topk, ep_reps) -> RunRecord:
+    """MXFP8 dispatch/combine over gloo: checks (bits against quantize-after-exchange and against the
+    no-communication layer), bytes per payload, and dispatch times per payload on loopback."""
+    from ..numerics import mx_ep
+
+    prob = dict(tokens=ep_tokens, hidden=ep_hidden, inter=ep_inter, experts=ep_experts, topk=ep_topk, seed=ctx.seed)
+    results = mx_ep.launch(ep_ranks, **prob, reps=ep_reps, timeout_s=300)
+    rec = ctx.new_record("mxfp8-dispatch", variant="mxfp8 vs bf16 payload", workload={
+        "model": f"MoE expert layer: {ep_experts} experts, top-{ep_topk}, H={ep_hidden}, N={ep_inter}",
+        "batch": ep_tokens, "dtype": "bfloat16 tokens, MXFP8 E4M3 1x32 payload", "quantization": "MXFP8 E4M3 (floor)"},
+        topology={"ranks": ep_ranks, "ep": ep_ranks, "backend": "gloo", "rank_device": "cpu",
+                  "run_label": f"gloo on CPU, {ep_ranks} ranks on loopback: bytes and order are real, speed is not NVLink"})
+    rec.set_backend("dispatch/combine", "torch.distributed all_to_all_single (gloo)", shapes={"ranks": ep_ranks})
+    rec.set_backend("expert GEMM", "grouped GEMM (torch per-group matmul, fp32 accumulate) on pre-quantized rows")
+    for row in mx_ep.check(results, **prob):
+        rec.add_check(row["check"], row["passed"], detail=row["detail"])
+    for pl in mx_ep.PAYLOADS:
+        sent = sum(r["results"][pl]["bytes_sent"] for r in results)
+        rec.add(f"bytes_sent_{pl}", sent, "bytes", phase="derived", payload=pl,
+                note="dispatch + combine-backward payloads, all ranks")
+    if ep_reps:
+        slowest = {pl: max((r["times"][pl] for r in results), key=lambda xs: sorted(xs)[len(xs) // 2])
+                   for pl in mx_ep.PAYLOADS}
+        for pl, xs in slowest.items():
+            rec.add(f"dispatch_time_{pl}", sorted(xs)[len(xs) // 2], "s", payload=pl, samples_s=xs, n=len(xs),
+                    timer="perf_counter (gloo loopback, slowest rank)")
+    return rec
+
+
 def mx_gemm_support(device: torch.device) -> dict:
     """What this device can do with MX operands. MX (block-scaled) tensor-core GEMMs are an sm_100
     feature (Blackwell `tcgen05.mma` with `kind::mxf8f6f4` and E8M0 scale operands); Hopper (sm_90)
@@ -304,7 +388,11 @@ def graph_record(ctx) -> RunRecord | None:
 
 
 def measure(ctx, *, m, k, n, outlier_scale, recipes, d_in, d_hidden, train_batch, train_steps, lr, check_m, check_n,
-            quant_m, quant_k, n_groups, max_rows) -> list[RunRecord]:
+            quant_m, quant_k, n_groups, max_rows, ep_ranks=2, ep_tokens=16, ep_hidden=128, ep_inter=64, ep_experts=4,
+            ep_topk=2, ep_reps=5) -> list[RunRecord]:
+    from ..numerics import mx_ep
+
+    mx_ep.check_layout(ep_ranks, ep_experts, ep_topk, ep_hidden)  # bad input: one line, before any work
     chosen = selected_recipes(recipes)
     backend, reason = mx.pick_backend(ctx.device, "auto")
     records = [check_bit_exact(ctx, check_m, check_n)]
@@ -314,6 +402,9 @@ def measure(ctx, *, m, k, n, outlier_scale, recipes, d_in, d_hidden, train_batch
                                      backend=backend, reason=reason))
     records.append(quantize_speed(ctx, quant_m, quant_k))
     records.append(gemm_paths(ctx, m, k, n))
+    records.append(rowcol_record(ctx, quant_m, quant_k))
+    records.append(dispatch_record(ctx, ep_ranks=ep_ranks, ep_tokens=ep_tokens, ep_hidden=ep_hidden, ep_inter=ep_inter,
+                                   ep_experts=ep_experts, ep_topk=ep_topk, ep_reps=ep_reps))
     records.append(grouped_record(ctx, n_groups, max_rows))
     g = graph_record(ctx)
     if g is not None:

@@ -393,6 +393,109 @@ def quantize_triton(x: torch.Tensor, fmt: str = "e4m3", axis: int = -1, block=32
                     x.dtype, "triton")
 
 
+# ---------------------------------------------------------------------------
+# Row-wise and column-wise in one pass (what a training step's forward needs for x: the row-wise copy
+# for y = x W^T now, the column-wise copy for wgrad later). Transformer Engine's MXFP8 cast kernel
+# (`cast_mxfp8_2D_kernel`, sm_100) loads 32-row buffers of a 64x64 chunk into shared memory by TMA and
+# writes both directions from there; here one program holds a BLOCK x TC register tile and writes
+# both codes and both scale arrays. The high-precision tensor is read once instead of twice.
+
+ROWCOL_TILE_COLS = 128  # BLOCK (32) rows x 128 columns = 4096 elements per program: no spills
+
+if triton is not None:
+    @triton.jit
+    def _mx_scale(amax, nbad, EMAX: tl.constexpr, MAX_MANT: tl.constexpr, ROUND_UP: tl.constexpr):
+        """(s, biased E8M0 byte) of a block from its finite amax and NaN/Inf flag (module docstring)."""
+        abits = amax.to(tl.int32, bitcast=True)
+        s = ((abits >> 23) & 0xFF) - 127 - EMAX
+        if ROUND_UP:
+            s = s + ((abits & 0x7FFFFF) > MAX_MANT).to(tl.int32)
+        s = tl.minimum(tl.maximum(s, -127), 127)
+        return s, tl.where(nbad != 0, 255, s + 127)
+
+    @triton.jit
+    def mx_quantize_rowcol_kernel(x_ptr, er_ptr, sr_ptr, ec_ptr, sc_ptr, M, N, NBN, MBM, sxm, sxn,
+                                  BLOCK: tl.constexpr, TC: tl.constexpr,
+                                  EMAX: tl.constexpr, EMIN: tl.constexpr, MBITS: tl.constexpr,
+                                  SIGN_SHIFT: tl.constexpr, MAX_NORMAL: tl.constexpr, MAX_MANT: tl.constexpr,
+                                  NAN_CODE: tl.constexpr, ROUND_UP: tl.constexpr):
+        """One program: rows [BLOCK*pid_r, +BLOCK) x columns [TC*pid_c, +TC). Row-wise: 1 x BLOCK blocks
+        (scales sr [M, NBN]); column-wise: BLOCK x 1 blocks (scales sc [MBM, N]); codes er, ec [M, N]."""
+        NB: tl.constexpr = TC // BLOCK
+        pid_r = tl.program_id(0)
+        pid_c = tl.program_id(1)
+        rows = pid_r * BLOCK + tl.arange(0, BLOCK)
+        cols = pid_c * TC + tl.arange(0, TC)
+        x, a, bad, mask = _mx_load_abs(x_ptr, rows, cols, M, N, sxm, sxn)
+        off = rows[:, None].to(tl.int64) * N + cols[None, :].to(tl.int64)
+        # row-wise blocks: along the columns
+        amax_r = tl.max(tl.reshape(a, (BLOCK, NB, BLOCK)), axis=2)                  # [BLOCK rows, NB]
+        bad_r = tl.max(tl.reshape(bad, (BLOCK, NB, BLOCK)), axis=2)
+        s_r, b_r = _mx_scale(amax_r, bad_r, EMAX, MAX_MANT, ROUND_UP)
+        sb = pid_c * NB + tl.arange(0, NB)
+        tl.store(sr_ptr + rows[:, None] * NBN + sb[None, :], b_r.to(tl.uint8),
+                 mask=(rows[:, None] < M) & (sb[None, :] < NBN))
+        inv_r = ((127 - s_r) << 23).to(tl.float32, bitcast=True)
+        inv_r = tl.reshape(tl.broadcast_to(tl.reshape(inv_r, (BLOCK, NB, 1)), (BLOCK, NB, BLOCK)), (BLOCK, TC))
+        bad_rt = tl.reshape(tl.broadcast_to(tl.reshape(bad_r, (BLOCK, NB, 1)), (BLOCK, NB, BLOCK)), (BLOCK, TC))
+        code_r = _mx_encode(x, inv_r, bad_rt, EMIN, MBITS, SIGN_SHIFT, MAX_NORMAL, NAN_CODE)
+        tl.store(er_ptr + off, code_r.to(tl.uint8), mask=mask)
+        # column-wise blocks: the tile's BLOCK rows of each column are one block
+        amax_c = tl.max(a, axis=0)                                                   # [TC]
+        bad_c = tl.max(bad, axis=0)
+        s_c, b_c = _mx_scale(amax_c, bad_c, EMAX, MAX_MANT, ROUND_UP)
+        tl.store(sc_ptr + pid_r * N + cols, b_c.to(tl.uint8), mask=cols < N)   # grid: pid_r < MBM
+        inv_c = ((127 - s_c) << 23).to(tl.float32, bitcast=True)
+        code_c = _mx_encode(x, tl.broadcast_to(inv_c[None, :], (BLOCK, TC)),
+                            tl.broadcast_to(bad_c[None, :], (BLOCK, TC)), EMIN, MBITS, SIGN_SHIFT, MAX_NORMAL,
+                            NAN_CODE)
+        tl.store(ec_ptr + off, code_c.to(tl.uint8), mask=mask)
+
+
+def quantize_rowcol_reference(x: torch.Tensor, fmt: str = "e4m3", block: int = 32,
+                              scale_rounding: str = "floor") -> tuple[MXTensor, MXTensor]:
+    """Two passes of the reference: (row-wise 1 x block, column-wise block x 1) of a 2-D x."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        raise ValueError(f"row+column quantization needs a 2-D tensor, got {getattr(x, 'shape', type(x).__name__)}")
+    return (quantize_reference(x, fmt, axis=-1, block=block, scale_rounding=scale_rounding),
+            quantize_reference(x, fmt, axis=0, block=block, scale_rounding=scale_rounding))
+
+
+def quantize_rowcol_triton(x: torch.Tensor, fmt: str = "e4m3", block: int = 32,
+                           scale_rounding: str = "floor") -> tuple[MXTensor, MXTensor]:
+    """One pass over x [M, N]: both MX copies, bit-exact with `quantize_rowcol_reference`."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        raise ValueError(f"row+column quantization needs a 2-D tensor, got {getattr(x, 'shape', type(x).__name__)}")
+    _check_args(x, fmt, -1, block, scale_rounding)
+    if block > ROWCOL_TILE_COLS:
+        raise ValueError(f"one-pass row+column quantization supports block <= {ROWCOL_TILE_COLS}, got {block}")
+    if triton is None:
+        raise RuntimeError("triton is not installed; use quantize_rowcol_reference")
+    f = FORMATS[fmt]
+    M, N = x.shape
+    NBN, MBM = -(-N // block), -(-M // block)
+    dev = x.device
+    er = torch.empty((M, N), dtype=torch.uint8, device=dev)
+    ec = torch.empty((M, N), dtype=torch.uint8, device=dev)
+    sr = torch.empty((M, NBN), dtype=torch.uint8, device=dev)
+    sc = torch.empty((MBM, N), dtype=torch.uint8, device=dev)
+    if x.numel():
+        tc = ROWCOL_TILE_COLS
+        grid = (MBM, triton.cdiv(N, tc))
+        mx_quantize_rowcol_kernel[grid](x, er, sr, ec, sc, M, N, NBN, MBM, x.stride(0), x.stride(1),
+                                        BLOCK=block, TC=tc, EMAX=f.emax, EMIN=f.emin, MBITS=f.mbits,
+                                        SIGN_SHIFT=f.sign_shift, MAX_NORMAL=f.max_normal, MAX_MANT=f.max_mant,
+                                        NAN_CODE=f.nan_code, ROUND_UP=scale_rounding == "up")
+    return (MXTensor(er, sr, fmt, 1, block, scale_rounding, x.dtype, "triton"),
+            MXTensor(ec, sc, fmt, 0, block, scale_rounding, x.dtype, "triton"))
+
+
+def rowcol_bytes(M: int, N: int, hp_bytes: int = 2, block: int = 32, passes: int = 1) -> int:
+    """Bytes a row+column quantize moves: `passes` reads of the high-precision x, plus both copies'
+    1-byte codes and E8M0 scales (MXFP8). One pass reads x once; two passes read it twice."""
+    return passes * M * N * hp_bytes + 2 * M * N + M * (-(-N // block)) + (-(-M // block)) * N
+
+
 def pick_backend(device: torch.device, backend: str = "auto") -> tuple[str, str]:
     """('torch' | 'triton', reason). auto: Triton on CUDA, the PyTorch reference elsewhere
     (the interpreter is for correctness checks, which call `quantize_triton` explicitly)."""
