@@ -8,6 +8,9 @@ grouping changes with the batch size).
   FlashAttention's tolerance rule (at most twice PyTorch's own error in the same precision).
 - `batch-invariance` — one request placed in batches of each size: distinct output bit patterns
   per mode (the switch `deterministic` is in the record's workload).
+- `lean-invariance` — a Lean-Attention-like stream-K kernel (`attention.lean`) whose cuts depend on
+  the whole batch, against the fixed-split path: one request first / middle / last in batches of
+  each size, distinct bit patterns per kernel.
 - `matmul-invariance` — `F.linear` (what the serving engine's linear layers call) and the fixed-tile
   Triton matmul: is mm(a[:1], w) == mm(a, w)[:1] in bits for every M?
 - `decode-time` (GPU only) — both modes over batch sizes: the time cost of determinism.
@@ -23,7 +26,7 @@ import torch.nn.functional as F
 from ..measure import benchmark
 from ..presets import Param
 from ..record import RunRecord
-from ..attention import decode
+from ..attention import decode, lean
 
 PARAMETERS = {
     "batch_sizes": Param(tuple, help="batch sizes the same request is placed in (comma list)"),
@@ -95,6 +98,27 @@ def correctness_rows(device, dtype, seed: int, split_size: int, sms: int | None)
     return rows
 
 
+def lean_correctness_rows(device, dtype, seed: int, ctas: int) -> list[dict]:
+    """The stream-K kernel against the fp32 definition on the correctness shapes (GQA, MHA, lengths 0
+    and 1), FlashAttention's rule: 2 x PyTorch's error in `dtype` + a rounding floor."""
+    rows = []
+    g = torch.Generator().manual_seed(seed + 13)
+    for B, H, Hk, D, S in ((4, 4, 2, 32, 77), (3, 6, 6, 40, 64)):
+        q = torch.randn(B, H, D, generator=g).to(dtype).to(device)
+        k = torch.randn(B, S, Hk, D, generator=g).to(dtype).to(device)
+        v = torch.randn(B, S, Hk, D, generator=g).to(dtype).to(device)
+        lens = torch.tensor([S, 0, 1, 33][:B], dtype=torch.int32).to(device)
+        ref = decode.decode_attention_reference(q, k, v, lens).float()
+        low = decode.decode_attention_reference(q, k, v, lens, compute_dtype=dtype).float()
+        floor = 2 * float(((ref + 0.3 - 0.3) - ref).abs().max())
+        tol = 2 * float((low - ref).abs().max()) + floor
+        out = lean.lean_decode_attention(q, k, v, lens, ctas=ctas)
+        err = float((out.float() - ref).abs().max())
+        ok = err <= tol and not bool(out.isnan().any()) and bool((out[lens == 0] == 0).all())
+        rows.append({"shape": f"B{B} H{H}/{Hk} D{D} S{S}", "max_err": err, "tolerance": tol, "passed": ok})
+    return rows
+
+
 def summarize_invariance(rows: list[dict]) -> dict[str, int]:
     """Distinct output bit patterns of the followed request, per mode."""
     out: dict[str, set] = {}
@@ -149,6 +173,34 @@ def measure(ctx, *, batch_sizes, heads, kv_heads, head_dim, max_seqlen, target_l
     inv.add_check("no NaN in the followed request's output", not any(r["nan"] for r in rows))
     records.append(inv)
 
+    # the stream-K split: the same request first / in the middle / last of batches of each size
+    ctas = sms or decode.sm_count(ctx.device)
+    lrows = lean.position_sweep(batch_sizes=batch_sizes, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                                max_seqlen=max_seqlen, target_len=target_len, dtype=dt, device=ctx.device,
+                                seed=ctx.seed, split_size=split_size, ctas=ctas)
+    lrec = ctx.new_record("lean-invariance", variant="stream-K vs fixed split", workload={
+        "model": "decode attention", "dtype": dtype, "batch": batch_sizes, "input_len": target_len,
+        "deterministic": "both (kernel recorded per measurement)", "shapes": shapes,
+        "positions": ["first", "middle", "last"]}, topology={"ranks": 1, "ctas": ctas})
+    lrec.set_backend("lean_decode_attention", label.replace("torch reference", "triton (interpreter)"), reason=why,
+                     shapes={**shapes, "ctas": ctas}, dtype=dtype)
+    for r in lrows:
+        lrec.add("cuts", len(r["cuts"]), "cuts", kernel=r["kernel"], batch=r["batch"], position=r["position"],
+                 cut_tiles=r["cuts"], bits=r["bits"], max_err=r["max_err"])
+    lpatterns = {}
+    for r in lrows:
+        lpatterns.setdefault(r["kernel"], set()).add(r["bits"])
+    for kernel, bits in lpatterns.items():
+        lrec.add("distinct_bit_patterns", len(bits), "patterns", kernel=kernel, placements=len(lrows) // 2)
+    lrec.add_check("fixed split: one bit pattern over every batch size and position",
+                   len(lpatterns["fixed split"]) == 1, error=len(lpatterns["fixed split"]), tolerance=1)
+    lrec.add_check("no NaN in the followed request's output", not any(r["nan"] for r in lrows))
+    # the stream-K kernel against the fp32 definition, with the same rule as the split-KV kernel
+    for row in lean_correctness_rows(ctx.device, dt, ctx.seed, ctas):
+        corr.add_check(f"{row['shape']} lean (stream-K, {ctas} programs): error <= 2 x PyTorch {dtype} error",
+                       row["passed"], error=row["max_err"], tolerance=row["tolerance"])
+    records.append(lrec)
+
     mm = ctx.new_record("matmul-invariance", variant="F.linear vs fixed-tile Triton", workload={
         "model": "linear layer", "dtype": dtype, "shapes": {"k": mm_k, "n": mm_n, "m": mm_m_values}},
         topology={"ranks": 1})
@@ -186,9 +238,16 @@ def measure(ctx, *, batch_sizes, heads, kv_heads, head_dim, max_seqlen, target_l
                 _, plan = decode.decode_attention(q, k, v, lens, det, split_size=split_size, sms=sms, return_plan=True)
                 tm = benchmark(lambda: decode.decode_attention(q, k, v, lens, det, split_size=split_size, sms=sms,
                                                                max_seqlen=time_seqlen),
-                               ctx.device, label=f"decode B{B} det={det}", uses_triton=True, min_reps=reps)
+                               ctx.device, label=f"decode B{B} det={det}", uses_triton=True, min_reps=max(reps, 20))
                 t.add_timing("decode_time", tm, mode=plan["mode"], deterministic=det, batch=B,
                              num_splits=plan["num_splits"], gbps=bytes_moved / tm.median_s / 1e9)
+            # the stream-K kernel (its plan is built on the host from the lengths, as Lean's is)
+            prep = lean.prepare([time_seqlen] * B, kv_heads, ctas, ctx.device)   # the plan, outside the timing
+            lplan = {k: v for k, v in prep.items() if not k.startswith("t_")}
+            tm = benchmark(lambda: lean.lean_decode_attention(q, k, v, lens, prepared=prep), ctx.device,
+                           label=f"lean B{B}", uses_triton=True, min_reps=max(reps, 20))
+            t.add_timing("decode_time", tm, mode="lean (stream-K)", deterministic=False, batch=B,
+                         num_splits=len(lplan["pieces"]), gbps=bytes_moved / tm.median_s / 1e9)
         records.append(t)
 
     if e2e_requests > 0:
