@@ -99,6 +99,20 @@ def test_four_ranks_gloo_all_checks_pass():
     bad[3]["greedy/pairs"] = bad[3]["greedy/pairs"].flip(0)
     failed = {r["check"] for r in workers.check_results(bad, args) if not r["passed"]}
     assert any("tail out" in c for c in failed) and any("greedy pairs" in c for c in failed)
+    # finalize before the exchange and the vocab gather are checked too, and those checks can fail
+    names = {r["check"] for r in rows}
+    assert any("finalize-before-exchange == unfused" in n for n in names)
+    assert {"vocab gather push-slot: every rank holds the full logits, bit for bit",
+            "vocab gather ring: every rank holds the full logits, bit for bit"} <= names
+    bad = [dict(r) for r in results]
+    pre_out, pre_res = bad[1]["tail/fused_pre"]
+    pre_res = pre_res.clone()
+    pre_res.view(torch.int16)[0, 1] ^= 1
+    bad[1]["tail/fused_pre"] = [pre_out, pre_res]
+    bad[0]["gather/ring"] = bad[0]["gather/ring"].roll(1, dims=1)
+    failed = {r["check"] for r in workers.check_results(bad, args) if not r["passed"]}
+    assert any("residual_out: finalize-before-exchange == unfused" in c for c in failed)
+    assert any("vocab gather ring" in c for c in failed)
 
 
 def test_disagreement_counts_elements_not_element_rank_pairs():

@@ -13,6 +13,8 @@ and vocab-parallel greedy sampling (seed §六, SGLang #39653).
   matches it bit for bit, see `tail-distributed`).
 - `allreduce-time` — one-shot/two-shot x push/pull and torch.distributed.all_reduce over sizes.
 - `greedy` — pairs vs gather over vocab sizes and batches, the crossover and the selector's choice.
+- `vocab-gather` — the full-logit gather by push-slot or ring over sizes, the crossover, the
+  transport selector scored out of sample.
 """
 from __future__ import annotations
 
@@ -161,6 +163,69 @@ def selector_held_out(configs: list[dict], tp: int) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------
+
+def gather_transport_configs(rows: list[dict]) -> list[dict]:
+    """One row per (vocab, batch) from timed gather rows (slowest rank's samples): the slice bytes and
+    which transport was faster ('push-slot', 'ring', or 'either' when the run cannot separate them)."""
+    by_cfg: dict = {}
+    for r in rows:
+        by_cfg.setdefault((r["vocab"], r["batch"]), {})[r["transport"]] = r
+    out = []
+    for (vocab, batch), d in sorted(by_cfg.items()):
+        if not {"push-slot", "ring"} <= set(d):
+            continue
+        v = _faster(d["push-slot"], d["ring"])     # 'gather' here means push-slot, 'pairs' ring
+        out.append({"vocab": vocab, "batch": batch, "slice_bytes": d["ring"]["bytes_sent"],
+                    "push_s": d["push-slot"]["median_s"], "ring_s": d["ring"]["median_s"],
+                    "faster": {"gather": "push-slot", "pairs": "ring"}.get(v, "either")})
+    return out
+
+
+def gather_held_out(configs: list[dict], tp: int) -> list[dict]:
+    """Leave-one-out score of the transport selector: the crossover (largest slice where push-slot
+    was not slower) is fitted on the other configurations, then applied to this one."""
+    from ..comm import fused_exchange as fx
+
+    out = []
+    for i, c in enumerate(configs):
+        others = configs[:i] + configs[i + 1:]
+        fitted = max([float(o["slice_bytes"]) for o in others if o["faster"] in ("push-slot", "either")], default=0.0)
+        choice, why = fx.choose_gather_transport(c["vocab"], c["batch"], tp, 2, crossover_bytes=fitted)
+        out.append({**c, "held_out_crossover": fitted, "choice": choice, "reason": why,
+                    "agrees": None if c["faster"] == "either" else choice == c["faster"]})
+    return out
+
+
+def gather_record(ctx, results: list[dict], world_size: int, vocabs, batches, topo: dict) -> RunRecord:
+    """Full-logit vocab gather: push-slot vs ring over vocab sizes and batches (slowest rank), the
+    measured crossover and the transport selector scored out of sample."""
+    rows = []
+    for row in results[0].get("gather", []):
+        worst = max((r for res in results for r in res["gather"]
+                     if (r["transport"], r["vocab"], r["batch"]) == (row["transport"], row["vocab"], row["batch"])),
+                    key=lambda r: r["median_s"])
+        rows.append({**row, "median_s": worst["median_s"], "p10_s": worst["p10_s"], "p90_s": worst["p90_s"],
+                     "samples_s": worst.get("samples_s", [])})
+    rec = ctx.new_record("vocab-gather", variant=topo["backend"], workload={
+        "model": "full-logit vocab gather", "dtype": "bfloat16", "batch": list(batches),
+        "shapes": {"vocabs": list(vocabs), "tp": world_size}}, topology=topo)
+    rec.set_backend("collectives", topo["backend"], shapes={"ranks": world_size})
+    for r in rows:
+        rec.add("gather_time", r["median_s"], "s", transport=r["transport"], vocab=r["vocab"], batch=r["batch"],
+                bytes_sent=r["bytes_sent"], p10_s=r["p10_s"], p90_s=r["p90_s"], samples_s=r["samples_s"])
+    configs = gather_transport_configs(rows)
+    scored = gather_held_out(configs, world_size)
+    for c in scored:
+        rec.add("transport_choice", 1.0 if c["choice"] == "ring" else 0.0, "1=ring", phase="derived",
+                vocab=c["vocab"], batch=c["batch"], choice=c["choice"], faster=c["faster"], agrees=c["agrees"],
+                held_out_crossover=c["held_out_crossover"], reason=c["reason"])
+    decided = [c for c in scored if c["agrees"] is not None]
+    rec.add("transport_held_out_decided", len(decided), "configurations", phase="derived", of=len(scored))
+    if decided:
+        rec.add("transport_held_out_agreement", sum(c["agrees"] for c in decided) / len(decided), "fraction",
+                phase="derived")
+    return rec
+
 
 def _tail_record(ctx, *, world_size, tokens, hidden, topk_per_rank, dtype, reps, decode_tokens=()) -> RunRecord:
     cmp = tail_comparison(ctx, world_size=world_size, tokens=tokens, hidden=hidden, topk_per_rank=topk_per_rank,
@@ -324,6 +389,7 @@ def measure(ctx, *, world_size, tokens, hidden, topk_per_rank, dtype, check_nume
     if decided:  # out of sample: each configuration judged by a crossover fitted without it
         g_rec.add("selector_held_out_agreement", sum(c["agrees"] for c in decided) / len(decided), "fraction",
                   phase="derived", decided=len(decided), configurations=len(scored))
+    records.append(gather_record(ctx, results, world_size, vocabs, batches, topo))
     for b in batches:
         g_rec.add("bytes_per_rank_pairs", vg.exchanged_bytes("pairs", b, vocab, world_size, 2), "bytes",
                   phase="derived", vocab=vocab, batch=b)

@@ -98,6 +98,17 @@ def task_check(rank: int, world: int, device: torch.device, args: dict) -> dict:
     unfused = tail.after_allreduce(reduced, *rest, backend=backend)
     out["tail/fused"] = [t.cpu() for t in fused]
     out["tail/unfused"] = [t.cpu() for t in unfused]
+    # 4. finalize before the exchange: the finalize stored into this rank's slot, pushed to the peers
+    from . import fused_exchange as fx
+
+    pre = fx.fused_moe_tail(inp["expert_out"][rank], inp["topk_weights"][rank], *rest, backend=backend)
+    out["tail/fused_pre"] = [t.cpu() for t in pre]
+    # 5. vocab gather (full logits), both transports
+    g5 = torch.Generator().manual_seed(seed + 5)
+    full = torch.randn(batch, vocab, generator=g5).to(torch.bfloat16)
+    s5, e5 = vg.shard_bounds(vocab, world)[rank]
+    for transport in fx.GATHER_TRANSPORTS:
+        out[f"gather/{transport}"] = fx.vocab_gather(full[:, s5:e5].to(device), vocab, transport).cpu()
     return out
 
 
@@ -128,6 +139,22 @@ def task_bench(rank: int, world: int, device: torch.device, args: dict) -> dict:
             t = benchmark(fn, device, label=label, **kw)
             out["allreduce"].append({"variant": label if mode is None else f"{alg} {mode}", "numel": int(numel),
                                      "bytes": int(numel) * 2, **t.summary(), "samples_s": list(t.samples_s)})
+    from . import fused_exchange as fx
+
+    out["gather"] = []
+    for vocab in args.get("vocabs", [64]):
+        s, e = vg.shard_bounds(int(vocab), world)[rank]
+        for batch in args.get("batches", [1]):
+            local = torch.randn(int(batch), e - s, generator=torch.Generator().manual_seed(2000 + rank)
+                                ).to(torch.bfloat16).to(device)
+            for transport in fx.GATHER_TRANSPORTS:
+                def fn(local=local, vocab=int(vocab), transport=transport):
+                    fx.vocab_gather(local, vocab, transport)
+                dist.barrier()
+                t = benchmark(fn, device, label=transport, **kw)
+                out["gather"].append({"transport": transport, "vocab": int(vocab), "batch": int(batch),
+                                      "bytes_sent": vg.exchanged_bytes("gather", int(batch), int(vocab), world, 2),
+                                      **t.summary(), "samples_s": list(t.samples_s)})
     for vocab in args.get("vocabs", [64]):
         bounds = vg.shard_bounds(int(vocab), world)
         s, e = bounds[rank]
@@ -286,6 +313,21 @@ def check_results(results: list[dict], args: dict | None = None) -> list[dict]:
         vs_single = int(tail.bits_differ(results[0]["tail/fused"][i], single[i]).sum())
         row(f"tail {what}: distributed == single-process chain in bits", vs_single == 0,
             f"{vs_single} elements differ (backend {backend})")
+        if "tail/fused_pre" in results[0]:
+            pre = sum(int(tail.bits_differ(r["tail/fused_pre"][i], r["tail/unfused"][i]).sum()) for r in results)
+            row(f"tail {what}: finalize-before-exchange == unfused chain in bits on every rank", pre == 0,
+                f"{pre} elements differ")
+            pre_across = elements_where_ranks_disagree([r["tail/fused_pre"][i] for r in results])
+            row(f"tail {what}: finalize-before-exchange, every rank holds the same bits", pre_across == 0,
+                f"{pre_across} elements differ")
+    if "gather/ring" in results[0]:
+        from . import fused_exchange as fx
+        full = torch.randn(batch, vocab, generator=torch.Generator().manual_seed(seed + 5)).to(torch.bfloat16)
+        for transport in fx.GATHER_TRANSPORTS:
+            bad = [r["rank"] for r in results if not torch.equal(r[f"gather/{transport}"].view(torch.int16),
+                                                                full.view(torch.int16))]
+            row(f"vocab gather {transport}: every rank holds the full logits, bit for bit", not bad,
+                f"wrong on ranks {bad}" if bad else "")
     return rows
 
 
