@@ -455,6 +455,58 @@ def split_kv_rows(*, head_dim: int, dtype: str, device, seed: int, split_size: i
     return rows
 
 
+def variant_rows(*, head_dim: int, base, batch: int, n_heads: int, device, seed: int = 0) -> list[dict]:
+    """Sliding window, softcap and dv != d, forward and backward, through `variants.attention`, each
+    against `variants.reference` with the same options (float32) and FlashAttention's rule (2x the
+    low-precision PyTorch error, 3x for gradients, plus the rounding floor)."""
+    from . import variants
+
+    sq, sk = base
+    D = head_dim
+    specs = [
+        ("sliding window (causal, left)", dict(window=(max(sk // 4, 1), -1), causal=True), D, D, "bfloat16"),
+        ("sliding window (two-sided)", dict(window=(max(sk // 5, 1), max(sk // 7, 1))), D, D, "float16"),
+        ("softcap", dict(softcap=5.0), D, D, "bfloat16"),
+        ("softcap + causal", dict(softcap=2.0, causal=True), D, D, "float16"),
+        ("dv != d (MLA-like)", dict(causal=True), D, max(16, D // 2), "bfloat16"),
+    ]
+    g = torch.Generator().manual_seed(seed + 303)
+    backend = flash.select_backend(torch.device(device))[0]
+    rows = []
+    for name, kw, d, dv, dtype in specs:
+        dt = getattr(torch, dtype)
+        H, Hk = n_heads, max(n_heads // 2, 1)
+        q = torch.randn(batch, sq, H, d, generator=g).to(dt).to(device)
+        k = torch.randn(batch, sk, Hk, d, generator=g).to(dt).to(device)
+        v = torch.randn(batch, sk, Hk, dv, generator=g).to(dt).to(device)
+        do = torch.randn(batch, sq, H, dv, generator=g).to(dt).to(device)
+        res = {}
+        for impl in ("kernel", "ref32", "ref_lowp"):
+            leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+            if impl == "kernel":
+                out, lse = variants.attention(*leaves, **kw)
+            else:
+                out, lse = variants.reference(*leaves, upcast=impl == "ref32", **kw)
+            out.backward(do.to(out.dtype))
+            res[impl] = {"out": out.detach(), "lse": lse.detach(), "dq": leaves[0].grad, "dk": leaves[1].grad,
+                         "dv": leaves[2].grad}
+        case = Case(d if d in flash.HEAD_DIMS else flash.HEAD_DIMS[0], bool(kw.get("causal")), "fixed", "contiguous",
+                    "GQA", False, "bwd", dtype, "base", False)
+        for check in ("out", "lse", "dq", "dk", "dv"):
+            ref = res["ref32"][check]
+            err, ref_err = _max_err(res["kernel"][check], ref), _max_err(res["ref_lowp"][check], ref)
+            if check == "lse":
+                fin = ref[torch.isfinite(ref)]
+                floor = max(_floor(ref, torch.float32),
+                            4 * torch.finfo(torch.float32).eps * (float(fin.abs().max()) if fin.numel() else 0.0))
+            else:
+                floor = _floor(ref, dt)
+            tol = FACTOR[check] * (ref_err if ref_err == ref_err and ref_err != float("inf") else 0.0) + floor
+            rows.append(_row(case, f"{name}, d={d} dv={dv}", check, err, ref_err, tol, err == err and err <= tol,
+                             (sq, sk), backend))
+    return rows
+
+
 def run_special(axes: dict[str, tuple], *, batch: int, n_heads: int, base, device, seed: int = 0,
                 progress=None) -> list[dict]:
     """Every named case (`special_cases`), the deterministic-backward repeat and the split-KV combines."""
@@ -469,4 +521,6 @@ def run_special(axes: dict[str, tuple], *, batch: int, n_heads: int, base, devic
     det = Case(_pick(axes["head_dim"], 1), True, "varlen", "contiguous", "GQA", True, "bwd", "bfloat16", "base", True)
     rows += deterministic_backward_rows(det, batch=batch, n_heads=n_heads, base=base, device=device, generator=g)
     rows += split_kv_rows(head_dim=_pick(axes["head_dim"], 0), dtype="bfloat16", device=device, seed=seed)
+    rows += variant_rows(head_dim=_pick(axes["head_dim"], 0), base=base, batch=batch, n_heads=n_heads,
+                         device=device, seed=seed)
     return rows
