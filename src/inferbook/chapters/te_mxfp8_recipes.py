@@ -220,7 +220,33 @@ def quantize_speed(ctx, quant_m: int, quant_k: int) -> RunRecord:
     if is_gpu:  # the PyTorch reference on the same GPU, for scale
         t = benchmark(lambda: mx.quantize_reference(x, "e4m3"), ctx.device, label="torch reference row-wise")
         rec.add_timing("torch reference row-wise 1x32", t)
+    peer, why = torchao_to_mx()
+    rec.notes = (rec.notes + " " if rec.notes else "") + f"torchao peer: {why}"
+    if peer is not None and is_gpu and chosen == "triton":
+        ours = mx.quantize_triton(x, "e4m3")
+        scales, codes = peer(x)
+        same = torch.equal(scales.contiguous().view(torch.uint8).reshape(ours.scales.shape), ours.scales) and \
+            torch.equal(codes.contiguous().view(torch.uint8).reshape(ours.elements.shape), ours.elements)
+        rec.add_check("torchao to_mx (FLOOR, e4m3, 32) == our kernel, every code and scale byte", same)
+        t = benchmark(lambda: peer(x), ctx.device, label="torchao to_mx", **reps)
+        rec.add_timing("torchao to_mx row-wise 1x32", t)
     return rec
+
+
+def torchao_to_mx():
+    """(fn(x) -> (E8M0 scales, E4M3 codes), why) with torchao's `to_mx` (FLOOR scaling, block 32), or
+    (None, why not). torchao is an optional peer; this book does not depend on it."""
+    try:
+        from torchao.prototype.mx_formats.config import ScaleCalculationMode
+        from torchao.prototype.mx_formats.mx_tensor import to_mx
+    except Exception as e:  # noqa: BLE001 - any import failure: not available
+        return None, f"torchao is not installed here ({type(e).__name__}); no peer comparison"
+
+    def fn(x):
+        scale, data = to_mx(x, torch.float8_e4m3fn, 32, ScaleCalculationMode.FLOOR)
+        return scale, data
+
+    return fn, "torchao.prototype.mx_formats.to_mx (FLOOR)"
 
 
 def rowcol_record(ctx, quant_m: int, quant_k: int) -> RunRecord:
