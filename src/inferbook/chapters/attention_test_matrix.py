@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from .. import measure as _measure
+from ..errors import UserError
 from ..presets import Param
 from ..record import RunRecord
 from ..attention import flash, matrix
@@ -56,14 +57,19 @@ def _split(name: str, text: str, cast=str) -> tuple:
     try:
         return tuple(cast(x.strip()) for x in text.split(",") if x.strip())
     except ValueError:
-        raise ValueError(f"parameter {name!r} must be a comma list, got {text!r}") from None
+        raise UserError(f"parameter {name!r} must be a comma list, got {text!r}") from None
 
 
 def axes_from(params: dict) -> dict:
-    """The matrix axes a run's parameters select (ValueError names a bad value)."""
-    return matrix.check_axes({"head_dim": _split("head_dims", params["head_dims"], int),
-                              "kv": _split("kv", params["kv"]),
-                              "shape": _split("shapes", params["shapes"])})
+    """The matrix axes a run's parameters select (UserError names a bad value)."""
+    try:
+        return matrix.check_axes({"head_dim": _split("head_dims", params["head_dims"], int),
+                                  "kv": _split("kv", params["kv"]),
+                                  "shape": _split("shapes", params["shapes"])})
+    except UserError:
+        raise
+    except ValueError as e:
+        raise UserError(str(e)) from None
 
 
 def run(ctx, *, mode, head_dims, kv, shapes, batch, n_heads, base_q, base_k, progress=None) -> list[dict]:

@@ -14,6 +14,7 @@ import math
 import torch
 
 from ..device import triton_backend_for
+from ..errors import UserError
 from ..measure import benchmark, ceilings
 from ..presets import Param
 from ..record import RunRecord
@@ -54,9 +55,9 @@ def parse_ints(name: str, text: str) -> tuple[int, ...]:
     try:
         vals = tuple(int(v) for v in text.split(",") if v.strip())
     except ValueError:
-        raise ValueError(f"{name} must be comma-separated positive ints, got {text!r}") from None
+        raise UserError(f"{name} must be comma-separated positive ints, got {text!r}") from None
     if not vals or any(v < 1 for v in vals):
-        raise ValueError(f"{name} must be comma-separated positive ints, got {text!r}")
+        raise UserError(f"{name} must be comma-separated positive ints, got {text!r}")
     return vals
 
 
@@ -64,7 +65,7 @@ def parse_choices(name: str, text: str, allowed) -> tuple[str, ...]:
     vals = tuple(v.strip() for v in text.split(",") if v.strip())
     bad = [v for v in vals if v not in allowed]
     if bad or not vals:
-        raise ValueError(f"{name} {text!r}: {bad or 'empty'} not allowed; choose from {list(allowed)}")
+        raise UserError(f"{name} {text!r}: {bad or 'empty'} not allowed; choose from {list(allowed)}")
     return vals
 
 

@@ -25,6 +25,7 @@ import math
 import torch
 
 from ..measure import benchmark, ceilings, roofline
+from ..errors import UserError
 from ..presets import Param
 from ..record import RunRecord
 from ..numerics import graphs, grouped, mx, small_op_threads
@@ -79,7 +80,7 @@ def selected_recipes(names: str) -> dict[str, mx.Recipe]:
     chosen = [s.strip() for s in names.split(",") if s.strip()]
     unknown = [c for c in chosen if c not in allr]
     if unknown or not chosen:
-        raise ValueError(f"unknown recipe(s) {unknown or names!r}; choose from {sorted(allr)} or 'all'")
+        raise UserError(f"unknown recipe(s) {unknown or names!r}; choose from {sorted(allr)} or 'all'")
     return {c: allr[c] for c in chosen}
 
 
