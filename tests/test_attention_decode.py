@@ -85,3 +85,17 @@ def test_bad_input(bad, match):
     args.update(bad)
     with pytest.raises(UserError, match=match):
         decode.decode_attention(**args)
+
+
+def test_engine_comparison_switches_attention_alone():
+    """SGLang #37740 changed attention only: the adaptive and deterministic-attention engine
+    configurations must share linear layers, chunked prefill and sampling; only the fully fixed
+    configuration changes more."""
+    from inferbook.chapters import deterministic_attention as ch
+
+    a, d, full = (ch.ENGINE_MODES[k] for k in ("adaptive", "deterministic attention", "all batch-invariant"))
+    assert {k for k in a if a[k] != d[k]} == {"deterministic_attention"}
+    assert full["deterministic_attention"] and full["fixed_linear"] and not full["chunked_prefill"]
+    Runner = ch._switchable_runner_class()
+    import inspect
+    assert "fixed_linear" in inspect.signature(Runner.__init__).parameters

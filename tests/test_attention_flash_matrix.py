@@ -69,3 +69,36 @@ def test_run_matrix_small_interpreted():
     assert any("paged-16" in lbl for lbl in labels) and any("bwd" in lbl for lbl in labels)
     cov = matrix.coverage(rows, matrix.check_axes({"head_dim": (96,)}))
     assert cov["head_dim"][96][0] == len(labels)
+
+
+def test_special_cases_cover_backward_and_paged_d256():
+    axes = matrix.check_axes({"head_dim": (64, 96)})
+    named = matrix.special_cases(axes)
+    bwd = [c for _, c in named if c.direction == "bwd"]
+    assert len(bwd) >= matrix.MIN_BACKWARD_CASES > 7
+    assert {c.shape for c in bwd} >= {"empty-q", "empty-k"} and any(c.sinks for c in bwd)
+    assert any(c.head_dim == 256 and c.kv.startswith("paged") for _, c in named)
+
+
+def test_split_kv_combines_and_deterministic_backward_pass_and_can_fail(monkeypatch):
+    rows = matrix.split_kv_rows(head_dim=32, dtype="bfloat16", device=DEV, seed=0, split_size=32, ctas=3)
+    assert len(rows) == 3 and all(r["passed"] for r in rows), rows
+    case = _case(direction="bwd", heads="GQA", pack_gqa=False)
+    det = matrix.deterministic_backward_rows(case, batch=1, n_heads=4, base=(20, 30), device=DEV,
+                                             generator=torch.Generator(device=DEV).manual_seed(0), repeats=2)
+    assert len(det) == 3 and all(r["passed"] for r in det), det
+    # a backward that is not repeatable (noise in dQ) is caught
+    real = matrix._run
+    calls = {"n": 0}
+
+    def flaky(case, inp, impl):
+        res = real(case, inp, impl)
+        calls["n"] += 1
+        if calls["n"] == 2:
+            res["dq"] = res["dq"].clone()
+            res["dq"].view(-1)[0] += 1.0
+        return res
+    monkeypatch.setattr(matrix, "_run", flaky)
+    bad = matrix.deterministic_backward_rows(case, batch=1, n_heads=4, base=(20, 30), device=DEV,
+                                             generator=torch.Generator(device=DEV).manual_seed(0), repeats=2)
+    assert [r["passed"] for r in bad] == [False, True, True]

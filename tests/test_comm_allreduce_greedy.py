@@ -99,3 +99,57 @@ def test_four_ranks_gloo_all_checks_pass():
     bad[3]["greedy/pairs"] = bad[3]["greedy/pairs"].flip(0)
     failed = {r["check"] for r in workers.check_results(bad, args) if not r["passed"]}
     assert any("tail out" in c for c in failed) and any("greedy pairs" in c for c in failed)
+    # finalize before the exchange and the vocab gather are checked too, and those checks can fail
+    names = {r["check"] for r in rows}
+    assert any("finalize-before-exchange == unfused" in n for n in names)
+    assert {"vocab gather push-slot: every rank holds the full logits, bit for bit",
+            "vocab gather ring: every rank holds the full logits, bit for bit"} <= names
+    bad = [dict(r) for r in results]
+    pre_out, pre_res = bad[1]["tail/fused_pre"]
+    pre_res = pre_res.clone()
+    pre_res.view(torch.int16)[0, 1] ^= 1
+    bad[1]["tail/fused_pre"] = [pre_out, pre_res]
+    bad[0]["gather/ring"] = bad[0]["gather/ring"].roll(1, dims=1)
+    failed = {r["check"] for r in workers.check_results(bad, args) if not r["passed"]}
+    assert any("residual_out: finalize-before-exchange == unfused" in c for c in failed)
+    assert any("vocab gather ring" in c for c in failed)
+
+
+def test_disagreement_counts_elements_not_element_rank_pairs():
+    """Three ranks that all differ from rank 0 on the same 5 elements: 5 elements, not 10 pairs."""
+    base = torch.randn(64, generator=torch.Generator().manual_seed(0))
+    other = base.clone()
+    other[:5] += 1.0
+    assert workers.elements_where_ranks_disagree([base, other, other.clone()]) == 5
+    assert workers.elements_where_ranks_disagree([base, base.clone()]) == 0
+
+
+def test_selector_is_scored_out_of_sample():
+    """Leave-one-out: a configuration whose own timing set the crossover is judged without it."""
+    from inferbook.chapters import sglang_fused_comm as ch
+
+    def cfg(vocab, batch, faster):
+        return {"vocab": vocab, "batch": batch, "slice_bytes": vg.exchanged_bytes("gather", batch, vocab, 4, 2),
+                "faster": faster, "gather_over_pairs": 1.0}
+    configs = [cfg(4096, 1, "gather"), cfg(4096, 16, "gather"), cfg(163840, 64, "pairs")]
+    scored = ch.selector_held_out(configs, 4)
+    # in sample, crossover = 32768 B and all three agree; out of sample the 16-row config, the
+    # largest gather win, is judged with the crossover of the 1-row config only, and misses
+    assert [c["agrees"] for c in scored] == [True, False, True]
+    assert scored[1]["held_out_crossover"] == configs[0]["slice_bytes"]
+    undecided = ch.selector_held_out([cfg(4096, 1, "either"), cfg(4096, 16, "pairs")], 4)
+    assert undecided[0]["agrees"] is None
+
+
+def test_faster_needs_the_spread_to_separate():
+    from inferbook.chapters import sglang_fused_comm as ch
+
+    a = {"samples_s": [1.0, 1.01, 0.99, 1.02, 0.98] * 4, "p10_s": 0.98, "p90_s": 1.02}
+    b = {"samples_s": [2.0, 2.02, 1.98, 2.01, 1.99] * 4, "p10_s": 1.98, "p90_s": 2.02}
+    assert ch._faster(a, b) == "gather" and ch._faster(b, a) == "pairs"
+    assert ch._faster(a, dict(a)) == "either"
+
+
+def test_rank_plan_labels_the_run():
+    ranks, backend, label = workers.rank_plan(4, use_cuda=False)
+    assert (ranks, backend) == (4, "gloo") and "not an NVLink measurement" in label

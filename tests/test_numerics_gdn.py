@@ -144,6 +144,29 @@ def test_harness_flags_a_finite_but_wrong_backend_and_one_that_raises():
     assert not r["passed"] and "no kernel" in r["reason"]
 
 
+def test_bf16_tolerance_rejects_a_bf16_state_and_noise_on_o():
+    """The BF16 tolerance is anchored to an fp32-state recurrence in the same input precision: a
+    backend that keeps its state in BF16, or adds 1 % noise to o, fails; the chunked form passes.
+    (With the old BF16-state baseline, both wrong backends passed.)"""
+    reports = gdn.check_backends({"chunked": lambda *a, **kw: gdn.chunked(*a, chunk_size=8, **kw),
+                                  "bf16 state": gdn.bf16_state_recurrent,
+                                  "noisy o": gdn.noisy_output(lambda *a, **kw: gdn.chunked(*a, chunk_size=8, **kw))},
+                                 head_dims=(32,), lengths=(45,), gates=("random",), dtypes=(torch.bfloat16,))
+    assert reports["chunked"].passed, reports["chunked"].failures()
+    (s_row,), (n_row,) = reports["bf16 state"].rows, reports["noisy o"].rows
+    assert not s_row["passed"] and s_row["nonfinite"] == "", s_row
+    assert not n_row["passed"] and "o:" in n_row["reason"], n_row
+
+
+def test_forward_only_rows_have_no_gradient_errors_and_nonfinite_has_no_number():
+    rep = gdn.check_backends({"fwd": gdn.chunked, "nan@32": gdn.inject_backward_nan(gdn.chunked, 32)},
+                             head_dims=(32,), lengths=(9,), gates=("random",), dtypes=(torch.float32,),
+                             forward_only=("fwd",))
+    (f,), (n,) = rep["fwd"].rows, rep["nan@32"].rows
+    assert "err_dq" not in f and f["passed"]
+    assert n["err_dq"] is None and "dq" in n["nonfinite"] and not n["passed"]
+
+
 def test_harness_catches_exp_before_mask_only_with_extreme_gates():
     def buggy(q, k, v, g, beta, scale=None, initial_state=None):
         return gdn.chunked(q, k, v, g, beta, chunk_size=8, scale=scale, initial_state=initial_state,
@@ -185,3 +208,52 @@ def test_triton_forward_in_the_harness_and_refuses_autograd():
     inp = _inputs(1, 4, 1, 8, 8, h0=False)
     with pytest.raises(ValueError, match="forward-only"):
         gdn.recurrent_triton(*(inp[n] for n in NAMES))
+
+
+COVER = [dict(K=32, V=48, lengths=[19]), dict(K=16, lengths=[1, 9, 20], varlen=True),
+         dict(K=16, lengths=[21], l2norm=True), dict(K=16, lengths=[130])]
+
+
+def test_coverage_cases_pass_the_chunked_form():
+    """K != V, packed varlen (THD), in-kernel L2 norm and a long sequence: the chunked form passes."""
+    rep = gdn.check_backends({"chunked": lambda *a, **kw: gdn.chunked(*a, chunk_size=8, **kw)}, head_dims=(),
+                             lengths=(), gates=(), extra_cases=COVER, dtypes=(torch.bfloat16, torch.float32))
+    r = rep["chunked"]
+    assert len(r.rows) == 2 * len(COVER) and r.passed, r.failures()
+    assert {row["case"] for row in r.rows} >= {"K=32 V=48 T=19 random", "K=16 varlen [1, 9, 20] random",
+                                               "K=16 T=21 random l2norm in kernel"}
+
+
+def test_coverage_cases_catch_their_bugs_and_skip_what_a_backend_cannot_take():
+    def leaky_varlen(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=None, use_qk_l2norm=False):
+        # ignores the boundaries: the state of one sequence flows into the next
+        o, S = gdn.chunked(q, k, v, g, beta, chunk_size=8, scale=scale, initial_state=initial_state[:1])
+        return o, S.expand(initial_state.shape[0], *S.shape[1:])
+
+    def no_l2norm(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=None, use_qk_l2norm=False):
+        return gdn.chunked(q, k, v, g, beta, chunk_size=8, scale=scale, initial_state=initial_state,
+                           cu_seqlens=cu_seqlens)            # takes the flag, does not normalize
+
+    def plain(q, k, v, g, beta, scale=None, initial_state=None):
+        return gdn.chunked(q, k, v, g, beta, chunk_size=8, scale=scale, initial_state=initial_state)
+
+    rep = gdn.check_backends({"leaky": leaky_varlen, "no l2norm": no_l2norm, "plain": plain}, head_dims=(),
+                             lengths=(), gates=(), extra_cases=COVER[1:3], dtypes=(torch.float32,))
+    by = {n: {r["case"]: r["passed"] for r in rep[n].rows} for n in rep}
+    assert by["leaky"]["K=16 varlen [1, 9, 20] random"] is False
+    assert by["no l2norm"]["K=16 T=21 random l2norm in kernel"] is False
+    assert by["no l2norm"]["K=16 varlen [1, 9, 20] random"] is True
+    assert rep["plain"].rows == [] and len(rep["plain"].skipped) == 2
+    assert all(s["reason"].startswith("not run") for s in rep["plain"].skipped)
+
+
+def test_varlen_equals_separate_sequences_and_fla_says_why_not():
+    inp = gdn.make_inputs(1, 12, 2, 8, 8, "random", seed=4, n_states=2)
+    args = [inp[n] for n in NAMES]
+    o, S = gdn.recurrent(*args, initial_state=inp["h0"], cu_seqlens=[0, 5, 12])
+    o1, S1 = gdn.recurrent(*(a[:, :5] for a in args), initial_state=inp["h0"][:1])
+    assert torch.equal(o[:, :5], o1) and torch.equal(S[:1], S1)
+    fns, why = gdn.fla_backends("cpu")
+    assert fns == {} and why
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        gdn.recurrent(*args, cu_seqlens=[0, 5, 11])

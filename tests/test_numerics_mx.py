@@ -142,6 +142,57 @@ def test_triton_bit_exact(fmt, rule, layout):
     assert torch.equal(a.elements, b.elements.cpu())
 
 
+@pytest.mark.parametrize("block", [(128, 128), (64, 128), (128, 32)])
+@pytest.mark.parametrize("fmt", ["e4m3", "e2m1"])
+def test_triton_large_tiles_read_in_slabs_stay_bit_exact(fmt, block):
+    """The GPU launch's exact constexprs (mx._tile) for tiles above MAX_TILE_ELEMENTS, which the kernel
+    reads in row slabs: a block's maximum and its NaN sit in the last slab, partial blocks at the
+    edges; the running maximum over slabs must equal the reference's one-shot maximum."""
+    sr, sc = block
+    nbr, nbc = mx._tile(sr, sc)
+    assert nbr * sr * nbc * sc > mx.MAX_TILE_ELEMENTS and nbr == 1, "this case must take the slab path"
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(sr * 2 + 5, sc * 2 - 3, generator=g) * torch.logspace(-2, 2, sc * 2 - 3)[None, :]
+    x[sr - 3, 2] = 3e4          # the first block's amax, in its last slab
+    x[sr + sr - 1, sc + 1] = float("nan")
+    x[5, sc] = -0.0
+    for rule in RULES:
+        a = mx.quantize_reference(x, fmt, block=block, scale_rounding=rule)
+        b = mx.quantize_triton(x.to(DEV), fmt, block=block, scale_rounding=rule)
+        assert torch.equal(a.scales, b.scales.cpu()) and torch.equal(a.elements, b.elements.cpu())
+    assert a.scales[1, 1] == 255
+
+
+@pytest.mark.parametrize("shape", [(37, 70), (33, 129)])
+@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("fmt", FMTS)
+def test_rowcol_one_pass_equals_two_reference_passes(fmt, rule, shape):
+    """The one-pass kernel (its GPU tile: 32 rows x mx.ROWCOL_TILE_COLS) writes both copies bit for bit
+    as two reference passes would, edge values and partial blocks included."""
+    M, N = shape
+    x = _edge_tensor(M=M, N=N, seed=5) if N >= 70 else torch.randn(M, N)
+    x[M - 1, N - 1] = 3e5      # a last-row, last-column outlier: the column block and row block it sets
+    rows, cols = mx.quantize_rowcol_reference(x, fmt, scale_rounding=rule)
+    r, c = mx.quantize_rowcol_triton(x.to(DEV), fmt, scale_rounding=rule)
+    for want, got in ((rows, r), (cols, c)):
+        assert torch.equal(want.scales, got.scales.cpu()) and torch.equal(want.elements, got.elements.cpu())
+        assert got.axis == want.axis and got.block == want.block
+    assert torch.equal(mx.dequantize(c).cpu().nan_to_num(), mx.dequantize(cols).nan_to_num())
+
+
+def test_rowcol_one_pass_bf16_strided_and_bytes():
+    base = (torch.randn(40, 300, generator=torch.Generator().manual_seed(2)) * 30).bfloat16()
+    x = base[:, ::2]
+    rows, cols = mx.quantize_rowcol_reference(x.float(), "e4m3")
+    r, c = mx.quantize_rowcol_triton(x.to(DEV), "e4m3")
+    assert torch.equal(rows.elements, r.elements.cpu()) and torch.equal(cols.scales, c.scales.cpu())
+    assert torch.equal(cols.elements, c.elements.cpu()) and torch.equal(rows.scales, r.scales.cpu())
+    one, two = mx.rowcol_bytes(4096, 4096, passes=1), mx.rowcol_bytes(4096, 4096, passes=2)
+    assert two - one == 4096 * 4096 * 2
+    with pytest.raises(ValueError, match="2-D"):
+        mx.quantize_rowcol_triton(torch.zeros(4, 4, 4))
+
+
 @pytest.mark.parametrize("case", ["non-contiguous", "transposed", "bf16", "fp16", "3d-middle-axis", "1d",
                                   "empty", "single"])
 def test_triton_shapes_and_strides(case):

@@ -365,3 +365,162 @@ def coverage(rows: list[dict], axes: dict[str, tuple] | None = None) -> dict[str
         out[name] = {v: (sum(1 for c in cases.values() if c[name] == v),
                          sum(1 for lbl, c in cases.items() if c[name] == v and lbl in failed)) for v in values}
     return out
+
+
+# ---------------------------------------------------------------------------
+# Named cases beyond the covering array, each with its own reference (FlashAttention's own tests
+# cover these paths on purpose, not by the luck of a pairwise draw)
+
+MIN_BACKWARD_CASES = 8
+
+
+def _pick(values: tuple, i: int):
+    return values[i % len(values)]
+
+
+def special_cases(axes: dict[str, tuple]) -> list[tuple[str, Case]]:
+    """(name, case) pairs run in every preset: head dim 256 with paged KV (forward, the only paged
+    direction here), and MIN_BACKWARD_CASES backward cases spread over head dims, causal, layouts,
+    heads, PackGQA, dtypes, shapes (empty Q and empty K included) and sinks. Head dims come from
+    `axes` (the preset's), except 256 for the paged case, which is the point of that case."""
+    dims = axes["head_dim"]
+    out = [("head dim 256, paged KV", Case(256, True, "varlen", "paged-16", "GQA", True, "fwd", "bfloat16", "base",
+                                           False)),
+           ("head dim 256, paged KV (page 1)", Case(256, False, "fixed", "paged-1", "MQA", False, "fwd", "float16",
+                                                    "base", True))]
+    shapes = ("base", "q>k", "empty-q", "empty-k", "base", "base", "q>k", "base")
+    heads = ("GQA", "MQA", "MHA", "GQA", "MQA", "MHA", "GQA", "MQA")
+    for i in range(MIN_BACKWARD_CASES):
+        out.append((f"backward {i + 1}", Case(_pick(dims, i), i % 2 == 0, ("varlen", "fixed")[i % 2 == 1 and i % 4 == 1],
+                                              "contiguous", heads[i], i % 3 == 0 and heads[i] != "MHA", "bwd",
+                                              ("bfloat16", "float16")[i % 2], shapes[i], i in (0, 5, 7))))
+    return out
+
+
+def _row(case: Case, name: str, check: str, err: float, ref_err: float, tol: float, passed: bool,
+         seqlens: tuple[int, int], backend: str) -> dict:
+    return {**asdict(case), "label": f"{name}: {case.label}" if name else case.label, "check": check,
+            "seqlen_q": seqlens[0], "seqlen_k": seqlens[1], "error": err, "ref_error": ref_err, "tolerance": tol,
+            "passed": bool(passed), "backend": backend, "special": name}
+
+
+def deterministic_backward_rows(case: Case, *, batch: int, n_heads: int, base, device, generator,
+                                repeats: int = 3) -> list[dict]:
+    """FlashAttention's deterministic-backward test: the same backward `repeats` times gives the same
+    bits for dQ, dK, dV (our backward has no atomics: each dK/dV tile and each dQ tile is one program's
+    loop in a fixed order). Tolerance 0 elements."""
+    inp = make_inputs(case, batch=batch, n_heads=n_heads, base=base, device=device, generator=generator)
+    runs = [_run(case, inp, "kernel") for _ in range(repeats)]
+    backend = flash.select_backend(inp["q"].device)[0]
+    rows = []
+    for name in ("dq", "dk", "dv"):
+        diff = sum(int((r[name].view(torch.int16) != runs[0][name].view(torch.int16)).sum()) for r in runs[1:])
+        rows.append(_row(case, "deterministic backward", f"{name} bitwise over {repeats} runs", float(diff), 0.0, 0.0,
+                         diff == 0 and bool(torch.isfinite(runs[0][name].float()).all()),
+                         shape_lengths(case, base), backend))
+    return rows
+
+
+def split_kv_rows(*, head_dim: int, dtype: str, device, seed: int, split_size: int = 32, ctas: int = 6) -> list[dict]:
+    """Split-KV decoding with its combine, against the fp32 definition (decode.decode_attention_reference)
+    with FlashAttention's rule: the fixed split (several splits per request, merged by log-sum-exp),
+    the batch-adaptive split and the stream-K (Lean-like) split with its host-first merge."""
+    from . import decode, lean
+
+    dt = getattr(torch, dtype)
+    g = torch.Generator().manual_seed(seed + 77)
+    B, H, Hk, D, S = 4, 4, 2, head_dim, 4 * split_size + 9
+    q = torch.randn(B, H, D, generator=g).to(dt).to(device)
+    k = torch.randn(B, S, Hk, D, generator=g).to(dt).to(device)
+    v = torch.randn(B, S, Hk, D, generator=g).to(dt).to(device)
+    lens = torch.tensor([S, 0, split_size, split_size + 1], dtype=torch.int32).to(device)
+    ref = decode.decode_attention_reference(q, k, v, lens).float()
+    low = decode.decode_attention_reference(q, k, v, lens, compute_dtype=dt).float()
+    ref_err = _max_err(low, ref)
+    tol = FACTOR["out"] * ref_err + _floor(ref, dt)
+    case = Case(head_dim if head_dim in flash.HEAD_DIMS else 64, False, "fixed", "contiguous", "GQA", False, "fwd",
+                dtype, "base", False)
+    backend = decode.select_backend(torch.device(device))[0]
+    rows = []
+    for name, fn in (("split-KV fixed split + combine",
+                      lambda: decode.decode_attention(q, k, v, lens, True, split_size=split_size)),
+                     ("split-KV adaptive split + combine",
+                      lambda: decode.decode_attention(q, k, v, lens, False, split_size=split_size, sms=8)),
+                     ("split-KV stream-K + host-first combine",
+                      lambda: lean.lean_decode_attention(q, k, v, lens, ctas=ctas))):
+        out = fn()
+        err = _max_err(out, ref)
+        ok = err == err and err <= tol and bool((out[1] == 0).all())
+        rows.append(_row(case, name, "out", err, ref_err, tol, ok, (1, S), backend))
+    return rows
+
+
+def variant_rows(*, head_dim: int, base, batch: int, n_heads: int, device, seed: int = 0) -> list[dict]:
+    """Sliding window, softcap and dv != d, forward and backward, through `variants.attention`, each
+    against `variants.reference` with the same options (float32) and FlashAttention's rule (2x the
+    low-precision PyTorch error, 3x for gradients, plus the rounding floor)."""
+    from . import variants
+
+    sq, sk = base
+    D = head_dim
+    specs = [
+        ("sliding window (causal, left)", dict(window=(max(sk // 4, 1), -1), causal=True), D, D, "bfloat16"),
+        ("sliding window (two-sided)", dict(window=(max(sk // 5, 1), max(sk // 7, 1))), D, D, "float16"),
+        ("softcap", dict(softcap=5.0), D, D, "bfloat16"),
+        ("softcap + causal", dict(softcap=2.0, causal=True), D, D, "float16"),
+        ("dv != d (MLA-like)", dict(causal=True), D, max(16, D // 2), "bfloat16"),
+    ]
+    g = torch.Generator().manual_seed(seed + 303)
+    backend = flash.select_backend(torch.device(device))[0]
+    rows = []
+    for name, kw, d, dv, dtype in specs:
+        dt = getattr(torch, dtype)
+        H, Hk = n_heads, max(n_heads // 2, 1)
+        q = torch.randn(batch, sq, H, d, generator=g).to(dt).to(device)
+        k = torch.randn(batch, sk, Hk, d, generator=g).to(dt).to(device)
+        v = torch.randn(batch, sk, Hk, dv, generator=g).to(dt).to(device)
+        do = torch.randn(batch, sq, H, dv, generator=g).to(dt).to(device)
+        res = {}
+        for impl in ("kernel", "ref32", "ref_lowp"):
+            leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+            if impl == "kernel":
+                out, lse = variants.attention(*leaves, **kw)
+            else:
+                out, lse = variants.reference(*leaves, upcast=impl == "ref32", **kw)
+            out.backward(do.to(out.dtype))
+            res[impl] = {"out": out.detach(), "lse": lse.detach(), "dq": leaves[0].grad, "dk": leaves[1].grad,
+                         "dv": leaves[2].grad}
+        case = Case(d if d in flash.HEAD_DIMS else flash.HEAD_DIMS[0], bool(kw.get("causal")), "fixed", "contiguous",
+                    "GQA", False, "bwd", dtype, "base", False)
+        for check in ("out", "lse", "dq", "dk", "dv"):
+            ref = res["ref32"][check]
+            err, ref_err = _max_err(res["kernel"][check], ref), _max_err(res["ref_lowp"][check], ref)
+            if check == "lse":
+                fin = ref[torch.isfinite(ref)]
+                floor = max(_floor(ref, torch.float32),
+                            4 * torch.finfo(torch.float32).eps * (float(fin.abs().max()) if fin.numel() else 0.0))
+            else:
+                floor = _floor(ref, dt)
+            tol = FACTOR[check] * (ref_err if ref_err == ref_err and ref_err != float("inf") else 0.0) + floor
+            rows.append(_row(case, f"{name}, d={d} dv={dv}", check, err, ref_err, tol, err == err and err <= tol,
+                             (sq, sk), backend))
+    return rows
+
+
+def run_special(axes: dict[str, tuple], *, batch: int, n_heads: int, base, device, seed: int = 0,
+                progress=None) -> list[dict]:
+    """Every named case (`special_cases`), the deterministic-backward repeat and the split-KV combines."""
+    g = torch.Generator(device=device).manual_seed(seed + 1)
+    rows = []
+    named = special_cases(axes)
+    for i, (name, case) in enumerate(named):
+        for r in run_case(case, batch=batch, n_heads=n_heads, base=base, device=device, generator=g):
+            rows.append({**r, "label": f"{name}: {r['label']}", "special": name})
+        if progress:
+            progress(i + 1, len(named) + 2, case)
+    det = Case(_pick(axes["head_dim"], 1), True, "varlen", "contiguous", "GQA", True, "bwd", "bfloat16", "base", True)
+    rows += deterministic_backward_rows(det, batch=batch, n_heads=n_heads, base=base, device=device, generator=g)
+    rows += split_kv_rows(head_dim=_pick(axes["head_dim"], 0), dtype="bfloat16", device=device, seed=seed)
+    rows += variant_rows(head_dim=_pick(axes["head_dim"], 0), base=base, batch=batch, n_heads=n_heads,
+                         device=device, seed=seed)
+    return rows

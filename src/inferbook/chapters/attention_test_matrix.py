@@ -71,17 +71,28 @@ def check_params(P: dict) -> None:
 
 
 def axes_from(params: dict) -> dict:
-    """The matrix axes a run's parameters select (ValueError names a bad value)."""
-    return matrix.check_axes({"head_dim": _split("head_dims", params["head_dims"], int),
-                              "kv": _split("kv", params["kv"]),
-                              "shape": _split("shapes", params["shapes"])})
+    """The matrix axes a run's parameters select (UserError names a bad value)."""
+    try:
+        return matrix.check_axes({"head_dim": _split("head_dims", params["head_dims"], int),
+                                  "kv": _split("kv", params["kv"]),
+                                  "shape": _split("shapes", params["shapes"])})
+    except UserError:
+        raise
+    except ValueError as e:
+        raise UserError(str(e)) from None
 
 
 def run(ctx, *, mode, head_dims, kv, shapes, batch, n_heads, base_q, base_k, progress=None) -> list[dict]:
     """The matrix rows for this run's parameters (what `measure` records)."""
     axes = axes_from(dict(head_dims=head_dims, kv=kv, shapes=shapes))
-    return matrix.run_matrix(axes, preset=ctx.preset, device=ctx.device, seed=ctx.seed, mode=mode,
+    rows = matrix.run_matrix(axes, preset=ctx.preset, device=ctx.device, seed=ctx.seed, mode=mode,
                              batch=batch, n_heads=n_heads, base=(base_q, base_k), progress=progress)
+    # named cases with their own references: head dim 256 with paged KV, >= 8 backward cases,
+    # the deterministic-backward repeat, split-KV decoding with its combine
+    full = matrix.check_axes({**matrix.MATRIX_PRESETS[ctx.preset]["axes"], **axes}) \
+        if ctx.preset in matrix.MATRIX_PRESETS else axes
+    return rows + matrix.run_special(full, batch=batch, n_heads=n_heads, base=(base_q, base_k), device=ctx.device,
+                                     seed=ctx.seed)
 
 
 def matrix_record(ctx, rows: list[dict], params: dict) -> RunRecord:
@@ -99,8 +110,12 @@ def matrix_record(ctx, rows: list[dict], params: dict) -> RunRecord:
     for r in rows:
         rec.add_check(f"{r['label']} :: {r['check']}", r["passed"], error=r["error"], tolerance=r["tolerance"],
                       ref_error=r["ref_error"], check=r["check"], case=r["label"],
-                      axes={k: r[k] for k in matrix.AXES}, seqlens=[r["seqlen_q"], r["seqlen_k"]])
+                      axes={k: r[k] for k in matrix.AXES}, seqlens=[r["seqlen_q"], r["seqlen_k"]],
+                      special=r.get("special", ""))
     rec.add("cases", len(cases), "cases", phase="steady")
+    rec.add("named_cases", len({r["label"] for r in rows if r.get("special")}), "cases", phase="steady",
+            names=sorted({r["special"] for r in rows if r.get("special")}))
+    rec.add("backward_cases", len({r["label"] for r in rows if r["direction"] == "bwd"}), "cases", phase="steady")
     rec.add("checks", len(rows), "checks", phase="steady")
     rec.add("failed_checks", sum(not r["passed"] for r in rows), "checks", phase="steady")
     return rec
@@ -109,7 +124,8 @@ def matrix_record(ctx, rows: list[dict], params: dict) -> RunRecord:
 def rows_from_record(rec: RunRecord) -> list[dict]:
     """Rebuild the matrix table (label, check, error, tolerance, passed) from a record's checks."""
     return [{"case": c["case"], "check": c["check"], "error": c["error"], "ref_error": c.get("ref_error"),
-             "tolerance": c["tolerance"], "passed": c["passed"], **c.get("axes", {})} for c in rec.checks]
+             "tolerance": c["tolerance"], "passed": c["passed"], "special": c.get("special", ""),
+             **c.get("axes", {})} for c in rec.checks]
 
 
 def coverage_rows(rows: list[dict], axes: dict) -> list[dict]:

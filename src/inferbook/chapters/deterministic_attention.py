@@ -8,6 +8,9 @@ grouping changes with the batch size).
   FlashAttention's tolerance rule (at most twice PyTorch's own error in the same precision).
 - `batch-invariance` — one request placed in batches of each size: distinct output bit patterns
   per mode (the switch `deterministic` is in the record's workload).
+- `lean-invariance` — a Lean-Attention-like stream-K kernel (`attention.lean`) whose cuts depend on
+  the whole batch, against the fixed-split path: one request first / middle / last in batches of
+  each size, distinct bit patterns per kernel.
 - `matmul-invariance` — `F.linear` (what the serving engine's linear layers call) and the fixed-tile
   Triton matmul: is mm(a[:1], w) == mm(a, w)[:1] in bits for every M?
 - `decode-time` (GPU only) — both modes over batch sizes: the time cost of determinism.
@@ -23,7 +26,7 @@ import torch.nn.functional as F
 from ..measure import benchmark
 from ..presets import Param
 from ..record import RunRecord
-from ..attention import decode
+from ..attention import decode, lean
 
 PARAMETERS = {
     "batch_sizes": Param(tuple, help="batch sizes the same request is placed in (comma list)"),
@@ -95,6 +98,27 @@ def correctness_rows(device, dtype, seed: int, split_size: int, sms: int | None)
     return rows
 
 
+def lean_correctness_rows(device, dtype, seed: int, ctas: int) -> list[dict]:
+    """The stream-K kernel against the fp32 definition on the correctness shapes (GQA, MHA, lengths 0
+    and 1), FlashAttention's rule: 2 x PyTorch's error in `dtype` + a rounding floor."""
+    rows = []
+    g = torch.Generator().manual_seed(seed + 13)
+    for B, H, Hk, D, S in ((4, 4, 2, 32, 77), (3, 6, 6, 40, 64)):
+        q = torch.randn(B, H, D, generator=g).to(dtype).to(device)
+        k = torch.randn(B, S, Hk, D, generator=g).to(dtype).to(device)
+        v = torch.randn(B, S, Hk, D, generator=g).to(dtype).to(device)
+        lens = torch.tensor([S, 0, 1, 33][:B], dtype=torch.int32).to(device)
+        ref = decode.decode_attention_reference(q, k, v, lens).float()
+        low = decode.decode_attention_reference(q, k, v, lens, compute_dtype=dtype).float()
+        floor = 2 * float(((ref + 0.3 - 0.3) - ref).abs().max())
+        tol = 2 * float((low - ref).abs().max()) + floor
+        out = lean.lean_decode_attention(q, k, v, lens, ctas=ctas)
+        err = float((out.float() - ref).abs().max())
+        ok = err <= tol and not bool(out.isnan().any()) and bool((out[lens == 0] == 0).all())
+        rows.append({"shape": f"B{B} H{H}/{Hk} D{D} S{S}", "max_err": err, "tolerance": tol, "passed": ok})
+    return rows
+
+
 def summarize_invariance(rows: list[dict]) -> dict[str, int]:
     """Distinct output bit patterns of the followed request, per mode."""
     out: dict[str, set] = {}
@@ -149,6 +173,34 @@ def measure(ctx, *, batch_sizes, heads, kv_heads, head_dim, max_seqlen, target_l
     inv.add_check("no NaN in the followed request's output", not any(r["nan"] for r in rows))
     records.append(inv)
 
+    # the stream-K split: the same request first / in the middle / last of batches of each size
+    ctas = sms or decode.sm_count(ctx.device)
+    lrows = lean.position_sweep(batch_sizes=batch_sizes, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                                max_seqlen=max_seqlen, target_len=target_len, dtype=dt, device=ctx.device,
+                                seed=ctx.seed, split_size=split_size, ctas=ctas)
+    lrec = ctx.new_record("lean-invariance", variant="stream-K vs fixed split", workload={
+        "model": "decode attention", "dtype": dtype, "batch": batch_sizes, "input_len": target_len,
+        "deterministic": "both (kernel recorded per measurement)", "shapes": shapes,
+        "positions": ["first", "middle", "last"]}, topology={"ranks": 1, "ctas": ctas})
+    lrec.set_backend("lean_decode_attention", label.replace("torch reference", "triton (interpreter)"), reason=why,
+                     shapes={**shapes, "ctas": ctas}, dtype=dtype)
+    for r in lrows:
+        lrec.add("cuts", len(r["cuts"]), "cuts", kernel=r["kernel"], batch=r["batch"], position=r["position"],
+                 cut_tiles=r["cuts"], bits=r["bits"], max_err=r["max_err"])
+    lpatterns = {}
+    for r in lrows:
+        lpatterns.setdefault(r["kernel"], set()).add(r["bits"])
+    for kernel, bits in lpatterns.items():
+        lrec.add("distinct_bit_patterns", len(bits), "patterns", kernel=kernel, placements=len(lrows) // 2)
+    lrec.add_check("fixed split: one bit pattern over every batch size and position",
+                   len(lpatterns["fixed split"]) == 1, error=len(lpatterns["fixed split"]), tolerance=1)
+    lrec.add_check("no NaN in the followed request's output", not any(r["nan"] for r in lrows))
+    # the stream-K kernel against the fp32 definition, with the same rule as the split-KV kernel
+    for row in lean_correctness_rows(ctx.device, dt, ctx.seed, ctas):
+        corr.add_check(f"{row['shape']} lean (stream-K, {ctas} programs): error <= 2 x PyTorch {dtype} error",
+                       row["passed"], error=row["max_err"], tolerance=row["tolerance"])
+    records.append(lrec)
+
     mm = ctx.new_record("matmul-invariance", variant="F.linear vs fixed-tile Triton", workload={
         "model": "linear layer", "dtype": dtype, "shapes": {"k": mm_k, "n": mm_n, "m": mm_m_values}},
         topology={"ranks": 1})
@@ -186,9 +238,16 @@ def measure(ctx, *, batch_sizes, heads, kv_heads, head_dim, max_seqlen, target_l
                 _, plan = decode.decode_attention(q, k, v, lens, det, split_size=split_size, sms=sms, return_plan=True)
                 tm = benchmark(lambda: decode.decode_attention(q, k, v, lens, det, split_size=split_size, sms=sms,
                                                                max_seqlen=time_seqlen),
-                               ctx.device, label=f"decode B{B} det={det}", uses_triton=True, min_reps=reps)
+                               ctx.device, label=f"decode B{B} det={det}", uses_triton=True, min_reps=max(reps, 20))
                 t.add_timing("decode_time", tm, mode=plan["mode"], deterministic=det, batch=B,
                              num_splits=plan["num_splits"], gbps=bytes_moved / tm.median_s / 1e9)
+            # the stream-K kernel (its plan is built on the host from the lengths, as Lean's is)
+            prep = lean.prepare([time_seqlen] * B, kv_heads, ctas, ctx.device)   # the plan, outside the timing
+            lplan = {k: v for k, v in prep.items() if not k.startswith("t_")}
+            tm = benchmark(lambda: lean.lean_decode_attention(q, k, v, lens, prepared=prep), ctx.device,
+                           label=f"lean B{B}", uses_triton=True, min_reps=max(reps, 20))
+            t.add_timing("decode_time", tm, mode="lean (stream-K)", deterministic=False, batch=B,
+                         num_splits=len(lplan["pieces"]), gbps=bytes_moved / tm.median_s / 1e9)
         records.append(t)
 
     if e2e_requests > 0:
@@ -205,22 +264,35 @@ def engine_dtype(device: torch.device):
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
+# The engine configurations compared end to end. The first two differ in attention alone, as
+# SGLang #37740 changed attention alone (Lean Attention off under deterministic inference): the same
+# F.linear, the same chunked prefill, the same greedy sampling. The third fixes every batch-dependent
+# choice this engine has, to show what a bitwise guarantee needs beyond attention.
+ENGINE_MODES = {
+    "adaptive": dict(deterministic_attention=False, fixed_linear=False, chunked_prefill=True),
+    "deterministic attention": dict(deterministic_attention=True, fixed_linear=False, chunked_prefill=True),
+    "all batch-invariant": dict(deterministic_attention=True, fixed_linear=True, chunked_prefill=False),
+}
+
+
 def _switchable_runner_class():
-    """A `ModelRunner` whose forward takes the determinism switch: linear layers through F.linear
-    (the engine's own) or the fixed-tile matmul; the decode rows' attention batched through
-    `decode_attention` (adaptive or fixed split). Prefill chunks keep the engine's attention,
-    which already runs one request at a time."""
+    """A `ModelRunner` whose forward takes the switches: linear layers through F.linear (the
+    engine's own) or the fixed-tile matmul (`fixed_linear`); the decode rows' attention batched
+    through `decode_attention` (adaptive or fixed split: `deterministic`). Prefill chunks keep the
+    engine's attention, which already runs one request at a time."""
     from ..serving.model import apply_rope
     from ..serving.model_runner import ModelRunner, paged_attention
 
     class SwitchableRunner(ModelRunner):
-        def __init__(self, model, num_blocks, block_size, *, deterministic: bool, split_size: int, sms):
+        def __init__(self, model, num_blocks, block_size, *, deterministic: bool, split_size: int, sms,
+                     fixed_linear: bool = False):
             super().__init__(model, num_blocks, block_size)
             self.deterministic, self.split_size, self.sms = deterministic, split_size, sms
+            self.fixed_linear = fixed_linear
             self.decode_plans: list[dict] = []
 
         def lin(self, mod, x):
-            return decode.batch_invariant_matmul(x, mod.weight) if self.deterministic else F.linear(x, mod.weight)
+            return decode.batch_invariant_matmul(x, mod.weight) if self.fixed_linear else F.linear(x, mod.weight)
 
         @torch.no_grad()
         def forward(self, batch):
@@ -267,8 +339,9 @@ def _switchable_runner_class():
     return SwitchableRunner
 
 
-def run_engine(model, *, deterministic: bool, requests: int, new_tokens: int, seed: int, split_size: int, sms,
-               max_num_seqs: int = 16, max_steps: int = 100_000) -> dict:
+def run_engine(model, *, deterministic_attention: bool, requests: int, new_tokens: int, seed: int, split_size: int,
+               sms, fixed_linear: bool = False, chunked_prefill: bool = True, max_num_seqs: int = 16,
+               max_steps: int = 100_000) -> dict:
     """`requests` copies of one greedy request, arriving in waves among random other requests
     (random prompt and output lengths), so each copy runs in different batches. Returns the
     copies' completions, their last hidden states' bit patterns, the step batch sizes seen and
@@ -281,13 +354,14 @@ def run_engine(model, *, deterministic: bool, requests: int, new_tokens: int, se
     from ..serving.sequence import SamplingParams
 
     cfg = model.cfg
-    # deterministic mode also prefills each prompt in one piece: where chunk boundaries fall
-    # depends on the other requests, and a chunk boundary changes a prompt's arithmetic
+    # chunked_prefill=False prefills each prompt in one piece: where chunk boundaries fall depends
+    # on the other requests, and a chunk boundary can change a prompt's arithmetic
     engine = LLMEngine(model, EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=256, block_size=16,
-                                           chunked_prefill=not deterministic))
+                                           chunked_prefill=chunked_prefill))
     Runner = _switchable_runner_class()
     engine.runner = Runner(model, engine.block_manager.num_blocks, engine.config.block_size,
-                           deterministic=deterministic, split_size=split_size, sms=sms)
+                           deterministic=deterministic_attention, split_size=split_size, sms=sms,
+                           fixed_linear=fixed_linear)
     rng = random.Random(seed)
     g = torch.Generator().manual_seed(seed)
     prompt_max = cfg.max_seq - new_tokens
@@ -318,8 +392,8 @@ def run_engine(model, *, deterministic: bool, requests: int, new_tokens: int, se
 
 
 def engine_record(ctx, *, requests: int, new_tokens: int, layers: int, split_size: int, sms) -> RunRecord:
-    """Both modes of the engine on the same arrivals: distinct completions and hidden-state bit
-    patterns among the identical requests; on a GPU, the wall time of each run."""
+    """The engine in each of `ENGINE_MODES` on the same arrivals: distinct completions and
+    hidden-state bit patterns among the identical requests; on a GPU, the wall time of each run."""
     import time
 
     from ..device import synchronize
@@ -328,32 +402,31 @@ def engine_record(ctx, *, requests: int, new_tokens: int, layers: int, split_siz
     dtype = engine_dtype(ctx.device)
     cfg = TinyConfig(max_seq=64 + new_tokens, n_layers=layers)
     model = init_weights(TinyDecoder(cfg), ctx.seed).to(ctx.device, dtype).eval()
-    rec = ctx.new_record("engine-determinism", variant="adaptive vs deterministic", workload={
+    rec = ctx.new_record("engine-determinism", variant="attention switched alone; everything fixed", workload={
         "model": f"tiny-decoder L{cfg.n_layers} d{cfg.d_model} (random init, seed {ctx.seed})",
         "quantization": f"none ({str(dtype)[6:]})", "output_len": new_tokens, "batch": "varying (waves)",
-        "requests": requests, "dtype": str(dtype)[6:]}, topology={"ranks": 1})
+        "requests": requests, "dtype": str(dtype)[6:], "modes": ENGINE_MODES}, topology={"ranks": 1})
     backend, why = decode.select_backend(ctx.device)
     rec.set_backend("engine decode attention", "decode_attention (" + backend + ")", reason=why)
-    rec.set_backend("engine linear", "F.linear (adaptive) / batch_invariant_matmul (deterministic)")
-    for det in (False, True):
+    rec.set_backend("engine linear", "F.linear, except batch_invariant_matmul in 'all batch-invariant'")
+    for mode, flags in ENGINE_MODES.items():
         synchronize(ctx.device)
         t0 = time.perf_counter()
-        res = run_engine(model, deterministic=det, requests=requests, new_tokens=new_tokens, seed=ctx.seed,
-                         split_size=split_size, sms=sms)
+        res = run_engine(model, requests=requests, new_tokens=new_tokens, seed=ctx.seed, split_size=split_size,
+                         sms=sms, **flags)
         synchronize(ctx.device)
         wall = time.perf_counter() - t0
-        mode = "deterministic" if det else "adaptive"
         n_comp, n_hidden = len(set(res["completions"])), len(set(res["hidden_bits"]))
-        rec.add("distinct_completions", n_comp, "completions", mode=mode, deterministic=det, requests=requests,
+        rec.add("distinct_completions", n_comp, "completions", mode=mode, **flags, requests=requests,
                 steps=res["steps"], decode_batches=res["decode_batches"], decode_split_lens=res["decode_split_lens"])
-        rec.add("distinct_hidden_bits", n_hidden, "patterns", mode=mode, deterministic=det, requests=requests)
+        rec.add("distinct_hidden_bits", n_hidden, "patterns", mode=mode, **flags, requests=requests)
         if ctx.device.type == "cuda":
-            rec.add("engine_wall", wall, "s", phase="total", mode=mode, deterministic=det, steps=res["steps"])
-        if det:
-            rec.add_check("deterministic engine: one completion for all identical requests", n_comp == 1,
+            rec.add("engine_wall", wall, "s", phase="total", mode=mode, **flags, steps=res["steps"])
+        if mode == "all batch-invariant":
+            rec.add_check("all batch-invariant engine: one completion for all identical requests", n_comp == 1,
                           error=n_comp, tolerance=1)
-            rec.add_check("deterministic engine: one hidden-state bit pattern", n_hidden == 1,
+            rec.add_check("all batch-invariant engine: one hidden-state bit pattern", n_hidden == 1,
                           error=n_hidden, tolerance=1)
     if ctx.device.type != "cuda":
-        rec.notes = "No engine times on CPU: both modes run Triton kernels in the interpreter."
+        rec.notes = "No engine times on CPU: every mode runs Triton kernels in the interpreter."
     return rec

@@ -14,8 +14,8 @@ import math
 import torch
 
 from ..device import triton_backend_for
-from ..measure import benchmark, ceilings
 from ..errors import UserError
+from ..measure import benchmark, ceilings
 from ..presets import Param
 from ..record import RunRecord
 from ..numerics import gdn, small_op_threads
@@ -32,15 +32,20 @@ PARAMETERS = {
     "bench_len": Param(int, help="sequence length of the timed problem"),
     "bench_heads": Param(int, help="heads of the timed problem"),
     "bench_head_dim": Param(int, help="head dim (K = V) of the timed problem"),
+    "coverage": Param(str, "kv,varlen,l2norm,long", help="extra harness cases: kv (K != V), varlen (packed THD), "
+                      "l2norm (in-kernel q/k L2 normalisation), long (one long sequence); 'none' for none"),
+    "long_len": Param(int, help="length of the 'long' coverage case"),
 }
+
+COVERAGE = ("kv", "varlen", "l2norm", "long")
 
 PRESETS = {
     "smoke": dict(head_dims="32,64", lengths="9", chunk_size=8, bench_batch=1, bench_len=32, bench_heads=2,
-                  bench_head_dim=32),
+                  bench_head_dim=32, long_len=65),
     "cpu": dict(head_dims="32,64,128,256", lengths="17,45", chunk_size=16, bench_batch=1, bench_len=128,
-                bench_heads=4, bench_head_dim=64),
+                bench_heads=4, bench_head_dim=64, long_len=513),
     "gpu": dict(head_dims="32,64,128,256", lengths="17,45,129", chunk_size=64, bench_batch=4, bench_len=1024,
-                bench_heads=8, bench_head_dim=128),
+                bench_heads=8, bench_head_dim=128, long_len=4096),
 }
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
@@ -70,30 +75,57 @@ def check_params(P: dict) -> None:
     parse_ints("lengths", P["lengths"])
     parse_choices("gates", P["gates"], gdn.GATES)
     parse_choices("dtypes", P["dtypes"], DTYPES)
+    if P["coverage"].strip() != "none":
+        parse_choices("coverage", P["coverage"], COVERAGE)
+
+
+def coverage_cases(coverage: str, head_dims: tuple, chunk_size: int, long_len: int) -> list[dict]:
+    """The extra harness cases the `coverage` parameter names (see `gdn.harness_cases`)."""
+    if coverage.strip() == "none":
+        return []
+    chosen = parse_choices("coverage", coverage, COVERAGE)
+    K = 64 if 64 in head_dims else head_dims[0]
+    out = []
+    if "kv" in chosen:   # K != V both ways (V = 2K, V = K/2)
+        out += [dict(K=K, V=2 * K, lengths=[45]), dict(K=K, V=max(8, K // 2), lengths=[45])]
+    if "varlen" in chosen:   # packed sequences incl. one token and a partial chunk
+        out += [dict(K=K, lengths=[1, 17, chunk_size + 3, 45], varlen=True),
+                dict(K=K, lengths=[chunk_size, 9], varlen=True, gate="very_negative")]
+    if "l2norm" in chosen:
+        out += [dict(K=K, lengths=[45], l2norm=True), dict(K=K, lengths=[3, 30], varlen=True, l2norm=True)]
+    if "long" in chosen:
+        out += [dict(K=K, lengths=[int(long_len)], tag="long")]
+    return out
 
 
 TRITON_FWD = "triton fused recurrent (forward only)"
+BF16_STATE = "recurrent, state kept in BF16 (must fail)"
+NOISY = "chunked + 1 % noise on o (must fail)"
 
 
 def backends(chunk_size: int, device=None) -> dict:
-    def chunked(q, k, v, g, beta, scale=None, initial_state=None):
-        return gdn.chunked(q, k, v, g, beta, chunk_size=chunk_size, scale=scale, initial_state=initial_state)
+    def chunked(q, k, v, g, beta, scale=None, initial_state=None, **kw):
+        return gdn.chunked(q, k, v, g, beta, chunk_size=chunk_size, scale=scale, initial_state=initial_state, **kw)
 
-    def exp_before_mask(q, k, v, g, beta, scale=None, initial_state=None):
+    def exp_before_mask(q, k, v, g, beta, scale=None, initial_state=None, **kw):
         return gdn.chunked(q, k, v, g, beta, chunk_size=chunk_size, scale=scale, initial_state=initial_state,
-                           _exp_before_mask=True)
+                           _exp_before_mask=True, **kw)
 
     out = {"recurrent": gdn.recurrent, f"chunked (C={chunk_size})": chunked,
            "chunked + NaN in dq at K=32 (injected)": gdn.inject_backward_nan(chunked, 32),
-           "chunked, exp before mask (bug)": exp_before_mask}
+           "chunked, exp before mask (bug)": exp_before_mask,
+           BF16_STATE: gdn.bf16_state_recurrent,
+           NOISY: gdn.noisy_output(chunked, 0.01)}
     if device is not None and triton_backend_for(device)[0]:
         out[TRITON_FWD] = gdn.recurrent_triton
+    if device is not None:
+        out.update(gdn.fla_backends(device)[0])   # flash-linear-attention's kernels, where they run
     return out
 
 
 def is_demo(name: str) -> bool:
     """Backends that are *meant* to fail: the harness must flag them."""
-    return "injected" in name or "(bug)" in name
+    return "injected" in name or "(bug)" in name or "must fail" in name
 
 
 def harness_records(ctx, reports: dict, sweep: dict) -> list[RunRecord]:
@@ -105,21 +137,27 @@ def harness_records(ctx, reports: dict, sweep: dict) -> list[RunRecord]:
         if name == TRITON_FWD:
             rec.set_backend("gdn", "triton", reason=triton_backend_for(ctx.device)[1] + "; forward only: o and S "
                             "checked, no gradients", shapes={"q": ["B", "T", "H", "K"], "state": ["B", "H", "K", "V"]})
+        elif name.startswith("fla "):
+            rec.set_backend("gdn", "flash-linear-attention (fla-core) Triton kernels", reason=name,
+                            shapes={"q": ["B", "T", "H", "K"], "state": ["N", "H", "K", "V"]})
         else:
             rec.set_backend("gdn", "torch autograd", reason=f"{name}: PyTorch implementation, backward by autograd",
                             shapes={"q": ["B", "T", "H", "K"], "state": ["B", "H", "K", "V"]})
         for r in ([] if injected else rep.rows):  # the injected backend's cases are meant to fail
-            rec.add_check(f"K={r['head_dim']} T={r['T']} {r['gate']} {r['dtype']}", r["passed"],
+            rec.add_check(f"{r['case']} {r['dtype']}", r["passed"],
                           error=r.get("err_dq"), tolerance=r.get("tol_dq"), reason=r["reason"],
                           nonfinite=r.get("nonfinite", ""))
         n_pass = sum(r["passed"] for r in rep.rows)
         rec.add("cases passed", n_pass, "cases", cases=len(rep.rows),
-                rows=[{k: r.get(k) for k in ("head_dim", "T", "gate", "dtype", "passed", "nonfinite", "reason")}
-                      for r in rep.rows])
+                rows=[{k: r.get(k) for k in ("head_dim", "value_dim", "T", "gate", "dtype", "case", "passed",
+                                             "nonfinite", "reason")} for r in rep.rows])
+        rec.add("cases not run", len(rep.skipped), "cases",
+                rows=[{k: r.get(k) for k in ("case", "dtype", "reason")} for r in rep.skipped])
         for dt in sweep["dtypes"]:
             rows = [r for r in rep.rows if r["dtype"] == dt and r["passed"]]
             for key in ("o", "dq", "dk", "dv", "dg", "dbeta"):
-                errs = [r[f"err_{key}"] for r in rows if math.isfinite(r.get(f"err_{key}", math.nan))]
+                errs = [r[f"err_{key}"] for r in rows if r.get(f"err_{key}") is not None
+                        and math.isfinite(r[f"err_{key}"])]
                 if errs:
                     rec.add(f"max rel-RMS err {key} ({dt})", max(errs), "relative", phase="check")
         if injected:
@@ -147,8 +185,9 @@ def speed_record(ctx, name: str, fn, *, B, T, H, K) -> RunRecord:
         torch.autograd.grad(o.float().sum() + S.sum(), leaves)
 
     is_gpu = ctx.device.type == "cuda"
-    t = benchmark(step, ctx.device, label=name, warmup=1 if not is_gpu else 2, min_reps=3 if not is_gpu else 5,
-                  max_reps=20, min_time_s=0.1 if not is_gpu else 0.5)
+    # enough samples a side for compare_timings to separate a real 10 % difference
+    t = benchmark(step, ctx.device, label=name, warmup=1 if not is_gpu else 2, min_reps=10 if not is_gpu else 20,
+                  max_reps=30, min_time_s=0.1 if not is_gpu else 0.5)
     algo = name.split(" ")[0]
     rec = ctx.new_record(f"speed:{algo}", variant=algo, workload={
         "model": "Gated DeltaNet (one layer's recurrence)", "batch": B, "input_len": T,
@@ -162,18 +201,23 @@ def speed_record(ctx, name: str, fn, *, B, T, H, K) -> RunRecord:
 
 
 def measure(ctx, *, head_dims, lengths, gates, dtypes, batch, heads, chunk_size, bench_batch, bench_len,
-            bench_heads, bench_head_dim) -> list[RunRecord]:
+            bench_heads, bench_head_dim, coverage="kv,varlen,l2norm,long", long_len=65) -> list[RunRecord]:
     hd = parse_ints("head_dims", head_dims)
     ls = parse_ints("lengths", lengths)
     gs = parse_choices("gates", gates, gdn.GATES)
     dts = parse_choices("dtypes", dtypes, DTYPES)
+    extra = coverage_cases(coverage, hd, chunk_size, long_len)
     fns = backends(chunk_size, ctx.device)
+    fla_why = gdn.fla_backends(ctx.device)[1]
     sweep = {"head_dims": list(hd), "lengths": list(ls), "gates": list(gs), "dtypes": list(dts), "batch": batch,
-             "heads": heads, "chunk_size": chunk_size}
+             "heads": heads, "chunk_size": chunk_size, "coverage": [gdn.case_label({"varlen": False, "l2norm": False,
+                                                                                     "gate": "random", **c,
+                                                                                     "V": c.get("V", c["K"])})
+                                                                    for c in extra], "fla": fla_why}
     with small_op_threads(ctx.device):
         reports = gdn.check_backends(fns, head_dims=hd, lengths=ls, gates=gs, dtypes=tuple(DTYPES[d] for d in dts),
                                      batch=batch, heads=heads, device=ctx.device, seed=ctx.seed,
-                                     forward_only=(TRITON_FWD,))
+                                     forward_only=(TRITON_FWD, gdn.FLA_RECURRENT), extra_cases=extra)
     records = harness_records(ctx, reports, sweep)
     # The harness's own check: ours pass, the injected backend fails exactly at K = 32.
     for rec, (name, rep) in zip(records, reports.items()):
@@ -189,6 +233,11 @@ def measure(ctx, *, head_dims, lengths, gates, dtypes, batch, heads, chunk_size,
             expected = {"very_negative"} & set(gs)
             rec.add_check("exp-before-mask fails exactly the very negative gate cases", bad == expected,
                           error=float(len(rep.failures())))
+        elif "must fail" in name:
+            # wrong but finite: only a tolerance anchored to an fp32-state reference catches these
+            low = [r for r in rep.rows if r["dtype"] == "bfloat16"] or rep.rows
+            missed = [r for r in low if r["passed"]]
+            rec.add_check(f"harness rejects every {low[0]['dtype']} case", not missed, error=float(len(missed)))
         else:
             rec.add_check("all harness cases pass", rep.passed, error=float(len(rep.failures())))
     for name, fn in list(fns.items())[:2]:

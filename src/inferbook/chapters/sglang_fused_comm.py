@@ -13,12 +13,14 @@ and vocab-parallel greedy sampling (seed §六, SGLang #39653).
   matches it bit for bit, see `tail-distributed`).
 - `allreduce-time` — one-shot/two-shot x push/pull and torch.distributed.all_reduce over sizes.
 - `greedy` — pairs vs gather over vocab sizes and batches, the crossover and the selector's choice.
+- `vocab-gather` — the full-logit gather by push-slot or ring over sizes, the crossover, the
+  transport selector scored out of sample.
 """
 from __future__ import annotations
 
 import torch
 
-from ..measure import benchmark, ceilings, roofline
+from ..measure import benchmark, ceilings, compare_timings, roofline
 from ..presets import Param
 from ..record import RunRecord
 from ..comm import allreduce as ar, tail, vocab_greedy as vg, workers
@@ -36,7 +38,8 @@ PARAMETERS = {
     "vocabs": Param(tuple, help="vocabulary sizes of the greedy crossover sweep (comma list)"),
     "batches": Param(tuple, help="batch sizes of the greedy crossover sweep (comma list)"),
     "reps": Param(int, help="timed repetitions per configuration"),
-    "use_cuda": Param(bool, True, help="NCCL with one GPU per rank when there are enough GPUs"),
+    "use_cuda": Param(bool, True, help="NCCL with one GPU per rank when there are at least 2 GPUs"),
+    "decode_tokens": Param(tuple, (1, 8, 64), help="decode-sized token counts timed beside `tokens` (GPU only)"),
     "timeout_s": Param(int, 300, help="deadline of the multi-process part (seconds)"),
 }
 
@@ -108,30 +111,123 @@ def order_ranks_for(world_size: int) -> int:
     return max(4, world_size)
 
 
+def _faster(gather: dict, pairs: dict) -> str:
+    """'gather', 'pairs', or 'either' when this run's spread cannot separate them (compare_timings
+    on the slowest rank's samples; rows without samples fall back to comparing p10-p90 ranges)."""
+    if gather.get("samples_s") and pairs.get("samples_s") and len(gather["samples_s"]) > 1 \
+            and len(pairs["samples_s"]) > 1:
+        v = compare_timings(gather["samples_s"], pairs["samples_s"]).verdict
+        return {"faster": "gather", "slower": "pairs"}.get(v, "either")
+    if gather["p90_s"] < pairs["p10_s"]:
+        return "gather"
+    if pairs["p90_s"] < gather["p10_s"]:
+        return "pairs"
+    return "either"
+
+
+def crossover_of(configs: list[dict]) -> float:
+    """The selector's threshold fitted on `configs`: the largest slice size at which gathering
+    was not slower than pairs (0 when pairs won everywhere)."""
+    return max([float(c["slice_bytes"]) for c in configs if c["faster"] in ("gather", "either")], default=0.0)
+
+
 def greedy_crossover(rows: list[dict]) -> tuple[float, list[dict]]:
-    """From timed rows (strategy, vocab, batch, median_s, slice_bytes): the largest slice size at
-    which gathering was no slower than pairs — the selector's threshold — and one row per config."""
+    """From timed rows (strategy, vocab, batch, median_s, p10_s, p90_s, slice_bytes, samples_s):
+    the crossover fitted on every configuration, and one row per config with `faster` in
+    {'gather', 'pairs', 'either'} (either: the run cannot separate them)."""
     by_cfg: dict = {}
     for r in rows:
         by_cfg.setdefault((r["vocab"], r["batch"]), {})[r["strategy"]] = r
     configs = []
-    crossover = 0.0
     for (vocab, batch), d in sorted(by_cfg.items()):
         if not {"pairs", "gather"} <= set(d):
             continue
-        slice_bytes = d["gather"]["bytes_sent"]
-        faster = "gather" if d["gather"]["median_s"] <= d["pairs"]["median_s"] else "pairs"
-        if faster == "gather":
-            crossover = max(crossover, float(slice_bytes))
-        configs.append({"vocab": vocab, "batch": batch, "slice_bytes": slice_bytes,
+        configs.append({"vocab": vocab, "batch": batch, "slice_bytes": d["gather"]["bytes_sent"],
                         "pairs_s": d["pairs"]["median_s"], "gather_s": d["gather"]["median_s"],
-                        "gather_over_pairs": d["gather"]["median_s"] / d["pairs"]["median_s"], "faster": faster})
-    return crossover, configs
+                        "gather_over_pairs": d["gather"]["median_s"] / d["pairs"]["median_s"],
+                        "faster": _faster(d["gather"], d["pairs"])})
+    return crossover_of(configs), configs
+
+
+def selector_held_out(configs: list[dict], tp: int) -> list[dict]:
+    """Leave-one-out score of the selector: for each configuration, the crossover is fitted on
+    all the *other* configurations and the selector's choice for this one is compared with what
+    was measured. `agrees` is None where the run could not separate the two strategies."""
+    out = []
+    for i, c in enumerate(configs):
+        fitted = crossover_of(configs[:i] + configs[i + 1:])
+        choice, why = vg.choose_strategy(c["vocab"], c["batch"], tp, 2, crossover_bytes=fitted)
+        agrees = None if c["faster"] == "either" else choice == c["faster"]
+        out.append({**c, "held_out_crossover": fitted, "choice": choice, "reason": why, "agrees": agrees})
+    return out
 
 
 # ---------------------------------------------------------------------------
 
-def _tail_record(ctx, *, world_size, tokens, hidden, topk_per_rank, dtype, reps) -> RunRecord:
+def gather_transport_configs(rows: list[dict]) -> list[dict]:
+    """One row per (vocab, batch) from timed gather rows (slowest rank's samples): the slice bytes and
+    which transport was faster ('push-slot', 'ring', or 'either' when the run cannot separate them)."""
+    by_cfg: dict = {}
+    for r in rows:
+        by_cfg.setdefault((r["vocab"], r["batch"]), {})[r["transport"]] = r
+    out = []
+    for (vocab, batch), d in sorted(by_cfg.items()):
+        if not {"push-slot", "ring"} <= set(d):
+            continue
+        v = _faster(d["push-slot"], d["ring"])     # 'gather' here means push-slot, 'pairs' ring
+        out.append({"vocab": vocab, "batch": batch, "slice_bytes": d["ring"]["bytes_sent"],
+                    "push_s": d["push-slot"]["median_s"], "ring_s": d["ring"]["median_s"],
+                    "faster": {"gather": "push-slot", "pairs": "ring"}.get(v, "either")})
+    return out
+
+
+def gather_held_out(configs: list[dict], tp: int) -> list[dict]:
+    """Leave-one-out score of the transport selector: the crossover (largest slice where push-slot
+    was not slower) is fitted on the other configurations, then applied to this one."""
+    from ..comm import fused_exchange as fx
+
+    out = []
+    for i, c in enumerate(configs):
+        others = configs[:i] + configs[i + 1:]
+        fitted = max([float(o["slice_bytes"]) for o in others if o["faster"] in ("push-slot", "either")], default=0.0)
+        choice, why = fx.choose_gather_transport(c["vocab"], c["batch"], tp, 2, crossover_bytes=fitted)
+        out.append({**c, "held_out_crossover": fitted, "choice": choice, "reason": why,
+                    "agrees": None if c["faster"] == "either" else choice == c["faster"]})
+    return out
+
+
+def gather_record(ctx, results: list[dict], world_size: int, vocabs, batches, topo: dict) -> RunRecord:
+    """Full-logit vocab gather: push-slot vs ring over vocab sizes and batches (slowest rank), the
+    measured crossover and the transport selector scored out of sample."""
+    rows = []
+    for row in results[0].get("gather", []):
+        worst = max((r for res in results for r in res["gather"]
+                     if (r["transport"], r["vocab"], r["batch"]) == (row["transport"], row["vocab"], row["batch"])),
+                    key=lambda r: r["median_s"])
+        rows.append({**row, "median_s": worst["median_s"], "p10_s": worst["p10_s"], "p90_s": worst["p90_s"],
+                     "samples_s": worst.get("samples_s", [])})
+    rec = ctx.new_record("vocab-gather", variant=topo["backend"], workload={
+        "model": "full-logit vocab gather", "dtype": "bfloat16", "batch": list(batches),
+        "shapes": {"vocabs": list(vocabs), "tp": world_size}}, topology=topo)
+    rec.set_backend("collectives", topo["backend"], shapes={"ranks": world_size})
+    for r in rows:
+        rec.add("gather_time", r["median_s"], "s", transport=r["transport"], vocab=r["vocab"], batch=r["batch"],
+                bytes_sent=r["bytes_sent"], p10_s=r["p10_s"], p90_s=r["p90_s"], samples_s=r["samples_s"])
+    configs = gather_transport_configs(rows)
+    scored = gather_held_out(configs, world_size)
+    for c in scored:
+        rec.add("transport_choice", 1.0 if c["choice"] == "ring" else 0.0, "1=ring", phase="derived",
+                vocab=c["vocab"], batch=c["batch"], choice=c["choice"], faster=c["faster"], agrees=c["agrees"],
+                held_out_crossover=c["held_out_crossover"], reason=c["reason"])
+    decided = [c for c in scored if c["agrees"] is not None]
+    rec.add("transport_held_out_decided", len(decided), "configurations", phase="derived", of=len(scored))
+    if decided:
+        rec.add("transport_held_out_agreement", sum(c["agrees"] for c in decided) / len(decided), "fraction",
+                phase="derived")
+    return rec
+
+
+def _tail_record(ctx, *, world_size, tokens, hidden, topk_per_rank, dtype, reps, decode_tokens=()) -> RunRecord:
     cmp = tail_comparison(ctx, world_size=world_size, tokens=tokens, hidden=hidden, topk_per_rank=topk_per_rank,
                           dtype=dtype)
     dt = getattr(torch, dtype)
@@ -163,20 +259,26 @@ def _tail_record(ctx, *, world_size, tokens, hidden, topk_per_rank, dtype, reps)
     for variant, b in nbytes.items():
         rec.add(f"bytes_{variant}", b, "bytes", variant=variant)
     if ctx.device.type == "cuda" and backend == "triton":
-        inp = cmp["inputs"]
-        parts = torch.stack([tail.finalize(inp["expert_out"][r], inp["topk_weights"][r]) for r in range(world_size)])
-        parts32 = torch.stack([tail.finalize(inp["expert_out"][r], inp["topk_weights"][r], torch.float32)
-                               for r in range(world_size)])
-        rest = (inp["shared"], inp["residual"], inp["norm_weight"])
         ceil = ceilings(ctx.device)
-        kw = dict(uses_triton=True, min_reps=reps, warmup=5)
-        for variant, fn in (("unfused", lambda: tail.unfused_tail(parts, *rest)),
-                            ("fused", lambda: tail.fused_tail(parts, *rest)),
-                            ("naive", lambda: tail.naive_fused_tail(parts32, *rest))):
-            t = benchmark(fn, ctx.device, label=variant, **kw)
-            rl = roofline(bytes_moved=nbytes[variant], flops=0.0, seconds=t.median_s, ceil=ceil)
-            rec.add_timing(f"time_{variant}", t, variant=variant, achieved_gbps=rl["achieved_gbps"],
-                           frac_copy=rl["frac_copy"])
+        kw = dict(uses_triton=True, min_reps=max(reps, 20), warmup=5)
+        # decode-sized T (one step of a few sequences) beside the preset's prefill-sized T
+        for T in sorted({int(t) for t in decode_tokens} | {tokens}):
+            inp = cmp["inputs"] if T == tokens else tail.make_tail_inputs(
+                world_size, T, hidden, topk_per_rank, dt, generator=torch.Generator().manual_seed(ctx.seed + 200 + T),
+                device=ctx.device)
+            parts = torch.stack([tail.finalize(inp["expert_out"][r], inp["topk_weights"][r]) for r in range(world_size)])
+            parts32 = torch.stack([tail.finalize(inp["expert_out"][r], inp["topk_weights"][r], torch.float32)
+                                   for r in range(world_size)])
+            rest = (inp["shared"], inp["residual"], inp["norm_weight"])
+            nb_T = tail.tail_bytes(world_size, T, hidden, dt.itemsize)
+            for variant, fn in (("unfused", lambda: tail.unfused_tail(parts, *rest)),
+                                ("fused", lambda: tail.fused_tail(parts, *rest)),
+                                ("naive", lambda: tail.naive_fused_tail(parts32, *rest))):
+                t = benchmark(fn, ctx.device, label=f"{variant} T={T}", **kw)
+                rl = roofline(bytes_moved=nb_T[variant], flops=0.0, seconds=t.median_s, ceil=ceil)
+                name = f"time_{variant}" if T == tokens else "time_decode"
+                rec.add_timing(name, t, variant=variant, tokens=T, achieved_gbps=rl["achieved_gbps"],
+                               frac_copy=rl["frac_copy"])
         rec.add("copy_ceiling", ceil.copy_gbps, "GB/s", phase="ceiling")
     else:
         rec.notes = "No tail timings: on CPU the Triton kernels run in the interpreter (correctness only)."
@@ -184,7 +286,7 @@ def _tail_record(ctx, *, world_size, tokens, hidden, topk_per_rank, dtype, reps)
 
 
 def measure(ctx, *, world_size, tokens, hidden, topk_per_rank, dtype, check_numel, order_numel, allreduce_numels,
-            vocab, vocabs, batches, reps, use_cuda, timeout_s) -> list[RunRecord]:
+            vocab, vocabs, batches, reps, use_cuda, timeout_s, decode_tokens=(1, 8, 64)) -> list[RunRecord]:
     from ..errors import UserError
 
     if not 2 <= world_size <= workers.MAX_WORLD:
@@ -195,18 +297,21 @@ def measure(ctx, *, world_size, tokens, hidden, topk_per_rank, dtype, check_nume
     for v in vocabs:
         vg.shard_bounds(v, world_size)
     records = [_tail_record(ctx, world_size=world_size, tokens=tokens, hidden=hidden, topk_per_rank=topk_per_rank,
-                            dtype=dtype, reps=reps)]
+                            dtype=dtype, reps=reps, decode_tokens=_ints(decode_tokens))]
 
     # --- distributed: checks and timings in one process group
     args = {"seed": ctx.seed, "numel": check_numel, "vocab": max(64, 4 * world_size), "batch": 4,
             "tokens": min(tokens, 8), "hidden": hidden, "topk_per_rank": topk_per_rank,
             "allreduce_numels": numels, "vocabs": vocabs, "batches": batches, "reps": reps,
             "use_cuda": bool(use_cuda)}
-    results = workers.launch("all", world_size, args, timeout_s=timeout_s)
+    ranks, planned_backend, run_label = workers.rank_plan(world_size, bool(use_cuda) and ctx.device.type == "cuda")
+    args["use_cuda"] = planned_backend == "nccl"
+    results = workers.launch("all", ranks, args, timeout_s=timeout_s)
+    world_size = ranks
     r0 = results[0]
     rank_device = r0["device"]
     topo = {"ranks": world_size, "tp": world_size, "backend": r0["backend"], "rank_device": rank_device.split(":")[0],
-            "launcher": "torch.multiprocessing spawn on 127.0.0.1"}
+            "launcher": "torch.multiprocessing spawn on 127.0.0.1", "run_label": run_label}
     if ctx.device.type == "cuda" and r0["backend"] != "nccl":
         topo["note"] = (f"{torch.cuda.device_count()} GPU(s) for {world_size} ranks: the ranks ran on CPU with gloo; "
                         "the tail kernels ran on the GPU in the single-process record")
@@ -224,7 +329,7 @@ def measure(ctx, *, world_size, tokens, hidden, topk_per_rank, dtype, check_nume
     for dt in ("torch.bfloat16", "torch.float32"):
         for acc in ar.ACCUMULATE:
             key = f"allreduce/{dt}/one-shot/push/owner-first/{acc}"
-            n = sum(int(tail.bits_differ(r[key], r0[key]).sum()) for r in results[1:])
+            n = workers.elements_where_ranks_disagree([r[key] for r in results])
             dist_rec.add("ranks_disagree_owner_first", n, "elements", dtype=dt.replace("torch.", ""), accumulate=acc,
                          numel=check_numel, ranks=world_size)
     records.append(dist_rec)
@@ -256,13 +361,14 @@ def measure(ctx, *, world_size, tokens, hidden, topk_per_rank, dtype, check_nume
         moved = ar.bytes_per_rank(alg, row["bytes"], world_size)["received"] if alg in ar.ALGORITHMS else None
         time_rec.add("allreduce_time", worst["median_s"], "s", variant=row["variant"], bytes=row["bytes"],
                      received_per_rank=moved, p10_s=worst["p10_s"], p90_s=worst["p90_s"], n=worst["n"],
-                     timer=worst["timer"])
+                     timer=worst["timer"], samples_s=worst.get("samples_s", []))
     records.append(time_rec)
 
     greedy_rows = []
     for row in r0["greedy"]:
         worst = slowest("greedy", lambda r: (r["strategy"], r["vocab"], r["batch"]) == (row["strategy"], row["vocab"], row["batch"]))
-        greedy_rows.append({**row, "median_s": worst["median_s"], "p10_s": worst["p10_s"], "p90_s": worst["p90_s"]})
+        greedy_rows.append({**row, "median_s": worst["median_s"], "p10_s": worst["p10_s"], "p90_s": worst["p90_s"],
+                            "samples_s": worst.get("samples_s", [])})
     crossover, configs = greedy_crossover(greedy_rows)
     g_rec = ctx.new_record("greedy", variant=r0["backend"], workload={
         "model": "vocab-parallel greedy sampling", "dtype": "bfloat16", "batch": batches,
@@ -272,14 +378,18 @@ def measure(ctx, *, world_size, tokens, hidden, topk_per_rank, dtype, check_nume
         g_rec.add("greedy_time", row["median_s"], "s", strategy=row["strategy"], vocab=row["vocab"], batch=row["batch"],
                   bytes_sent=row["bytes_sent"], p10_s=row["p10_s"], p90_s=row["p90_s"])
     g_rec.add("crossover_slice_bytes", crossover, "bytes", phase="derived")
-    agree = 0
-    for c in configs:
-        choice, why = vg.choose_strategy(c["vocab"], c["batch"], world_size, 2, crossover_bytes=crossover)
-        agree += choice == c["faster"]
-        g_rec.add("selector_choice", 1.0 if choice == "pairs" else 0.0, "1=pairs", phase="derived", vocab=c["vocab"],
-                  batch=c["batch"], choice=choice, faster=c["faster"], reason=why,
-                  gather_over_pairs=c["gather_over_pairs"])
-    g_rec.add("selector_agrees_with_faster", agree / max(len(configs), 1), "fraction", phase="derived")
+    scored = selector_held_out(configs, world_size)
+    for c in scored:
+        g_rec.add("selector_choice", 1.0 if c["choice"] == "pairs" else 0.0, "1=pairs", phase="derived",
+                  vocab=c["vocab"], batch=c["batch"], choice=c["choice"], faster=c["faster"], reason=c["reason"],
+                  gather_over_pairs=c["gather_over_pairs"], held_out_crossover=c["held_out_crossover"],
+                  agrees=c["agrees"])
+    decided = [c for c in scored if c["agrees"] is not None]
+    g_rec.add("selector_held_out_decided", len(decided), "configurations", phase="derived", of=len(scored))
+    if decided:  # out of sample: each configuration judged by a crossover fitted without it
+        g_rec.add("selector_held_out_agreement", sum(c["agrees"] for c in decided) / len(decided), "fraction",
+                  phase="derived", decided=len(decided), configurations=len(scored))
+    records.append(gather_record(ctx, results, world_size, vocabs, batches, topo))
     for b in batches:
         g_rec.add("bytes_per_rank_pairs", vg.exchanged_bytes("pairs", b, vocab, world_size, 2), "bytes",
                   phase="derived", vocab=vocab, batch=b)

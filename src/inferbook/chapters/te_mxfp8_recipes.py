@@ -8,6 +8,12 @@ Records (one each):
 - `quantize-speed`: time per quantize pass (row-wise, column-wise, 2-D) — the Triton kernel on
   a GPU, with achieved GB/s against the measured copy ceiling; the PyTorch reference on a CPU
   (labelled CPU, never the interpreter);
+- `mx-gemm-paths`: what an MXFP8 forward GEMM costs where it runs — BF16 GEMM, quantize, and
+  dequantize + BF16 GEMM (Hopper has no MX tensor-core GEMM; that needs sm_100);
+- `rowcol-one-pass`: both MX copies of one tensor in one pass against two passes (bytes; bits;
+  times on a GPU);
+- `mxfp8-dispatch`: an MXFP8 dispatch/combine over torch.distributed (gloo), bit-exact against
+  quantizing after the exchange, with bytes and loopback times per payload;
 - `grouped-gemm-check`: the grouped GEMM checker on our Triton kernel and on a kernel with an
   injected fault (which must fail);
 - `cuda-graph-retained-grads`: GPU only (CUDA Graphs do not exist on CPU).
@@ -41,15 +47,26 @@ PARAMETERS = {
     "quant_k": Param(int, help="columns of the timed quantize input"),
     "n_groups": Param(int, help="groups in the grouped-GEMM check"),
     "max_rows": Param(int, help="largest group in the grouped-GEMM check"),
+    "ep_ranks": Param(int, help="ranks (gloo on CPU) of the MXFP8 dispatch/combine"),
+    "ep_tokens": Param(int, help="tokens per rank in the MXFP8 dispatch/combine"),
+    "ep_hidden": Param(int, help="hidden size H (multiple of 32) of the dispatched tokens"),
+    "ep_inter": Param(int, help="expert GEMM output features N"),
+    "ep_experts": Param(int, help="experts (a multiple of ep_ranks)"),
+    "ep_topk": Param(int, help="experts per token"),
+    "ep_reps": Param(int, help="timed dispatches per payload"),
 }
 
 PRESETS = {
     "smoke": dict(m=64, k=128, n=96, d_in=32, d_hidden=64, train_batch=64, train_steps=12, check_m=37,
-                  check_n=70, quant_m=128, quant_k=256, n_groups=3, max_rows=24),
+                  check_n=70, quant_m=128, quant_k=256, n_groups=3, max_rows=24,
+                  ep_ranks=2, ep_tokens=16, ep_hidden=128, ep_inter=64, ep_experts=4, ep_topk=2, ep_reps=5),
     "cpu": dict(m=512, k=1024, n=768, d_in=64, d_hidden=256, train_batch=256, train_steps=150, check_m=67,
-                check_n=133, quant_m=1024, quant_k=2048, n_groups=6, max_rows=48),
+                check_n=133, quant_m=1024, quant_k=2048, n_groups=6, max_rows=48,
+                ep_ranks=2, ep_tokens=256, ep_hidden=1024, ep_inter=256, ep_experts=8, ep_topk=2, ep_reps=15),
+    # the EP ranks run on CPU with gloo on every preset (the chapter's GPU part is the quantize kernels)
     "gpu": dict(m=4096, k=4096, n=4096, d_in=256, d_hidden=1024, train_batch=1024, train_steps=300, check_m=1031,
-                check_n=2053, quant_m=8192, quant_k=8192, n_groups=16, max_rows=300),
+                check_n=2053, quant_m=8192, quant_k=8192, n_groups=16, max_rows=300,
+                ep_ranks=4, ep_tokens=512, ep_hidden=2048, ep_inter=512, ep_experts=16, ep_topk=4, ep_reps=15),
 }
 
 LAYOUTS = {"row-wise 1x32": dict(axis=-1, block=32), "column-wise 32x1": dict(axis=0, block=32),
@@ -194,10 +211,11 @@ def quantize_speed(ctx, quant_m: int, quant_k: int) -> RunRecord:
     x = torch.randn(quant_m, quant_k, generator=g, device=ctx.device).to(torch.bfloat16)
     ceil = ceilings(ctx.device) if is_gpu else None
     fn = mx.quantize_triton if chosen == "triton" else mx.quantize_reference
+    # enough samples a side that a real 10 % difference separates in compare_timings
+    reps = dict(warmup=3 if is_gpu else 1, min_reps=20 if is_gpu else 12, max_reps=200 if is_gpu else 20,
+                min_time_s=0.3 if is_gpu else 0.1)
     for layout, kw in list(LAYOUTS.items())[:3]:
-        t = benchmark(lambda: fn(x, "e4m3", **kw), ctx.device, label=layout, uses_triton=chosen == "triton",
-                      warmup=2 if is_gpu else 1, min_reps=5 if is_gpu else 3, max_reps=100 if is_gpu else 8,
-                      min_time_s=0.2 if is_gpu else 0.05)
+        t = benchmark(lambda: fn(x, "e4m3", **kw), ctx.device, label=layout, uses_triton=chosen == "triton", **reps)
         blocks = x.numel() // (kw["block"][0] * kw["block"][1] if isinstance(kw["block"], tuple) else kw["block"])
         nbytes = x.numel() * 2 + x.numel() + blocks  # read bf16, write 1-byte codes, write scales
         rec.add_timing(f"quantize {layout}", t, bytes=nbytes)
@@ -208,6 +226,151 @@ def quantize_speed(ctx, quant_m: int, quant_k: int) -> RunRecord:
     if is_gpu:  # the PyTorch reference on the same GPU, for scale
         t = benchmark(lambda: mx.quantize_reference(x, "e4m3"), ctx.device, label="torch reference row-wise")
         rec.add_timing("torch reference row-wise 1x32", t)
+    peer, why = torchao_to_mx()
+    rec.notes = (rec.notes + " " if rec.notes else "") + f"torchao peer: {why}"
+    if peer is not None and is_gpu and chosen == "triton":
+        ours = mx.quantize_triton(x, "e4m3")
+        scales, codes = peer(x)
+        same = torch.equal(scales.contiguous().view(torch.uint8).reshape(ours.scales.shape), ours.scales) and \
+            torch.equal(codes.contiguous().view(torch.uint8).reshape(ours.elements.shape), ours.elements)
+        rec.add_check("torchao to_mx (FLOOR, e4m3, 32) == our kernel, every code and scale byte", same)
+        t = benchmark(lambda: peer(x), ctx.device, label="torchao to_mx", **reps)
+        rec.add_timing("torchao to_mx row-wise 1x32", t)
+    return rec
+
+
+def torchao_to_mx():
+    """(fn(x) -> (E8M0 scales, E4M3 codes), why) with torchao's `to_mx` (FLOOR scaling, block 32), or
+    (None, why not). torchao is an optional peer; this book does not depend on it."""
+    try:
+        from torchao.prototype.mx_formats.config import ScaleCalculationMode
+        from torchao.prototype.mx_formats.mx_tensor import to_mx
+    except Exception as e:  # noqa: BLE001 - any import failure: not available
+        return None, f"torchao is not installed here ({type(e).__name__}); no peer comparison"
+
+    def fn(x):
+        scale, data = to_mx(x, torch.float8_e4m3fn, 32, ScaleCalculationMode.FLOOR)
+        return scale, data
+
+    return fn, "torchao.prototype.mx_formats.to_mx (FLOOR)"
+
+
+def rowcol_record(ctx, quant_m: int, quant_k: int) -> RunRecord:
+    """Both MX copies of one tensor: one pass (one read of x, both directions written) against two
+    passes (row-wise, then column-wise). Bytes on every device; times of the Triton kernels on a GPU,
+    and bit-exactness of the one-pass kernel against two reference passes wherever Triton runs."""
+    from ..device import triton_backend_for
+
+    ok, why = triton_backend_for(ctx.device)
+    is_gpu = ctx.device.type == "cuda"
+    rec = ctx.new_record("rowcol-one-pass", variant="one pass vs two", workload={
+        "shapes": [quant_m, quant_k], "dtype": "bfloat16", "quantization": "MXFP8 E4M3 1x32 and 32x1 (floor)"})
+    rec.set_backend("mx_quantize_rowcol", "triton" + ("" if is_gpu else " (interpreter: checked, not timed)")
+                    if ok else "torch reference only", reason=why, shapes={"x": [quant_m, quant_k]})
+    rec.add("bytes_one_pass", mx.rowcol_bytes(quant_m, quant_k, passes=1), "bytes", phase="derived",
+            note="model: one BF16 read of x, both copies' codes and scales written")
+    rec.add("bytes_two_passes", mx.rowcol_bytes(quant_m, quant_k, passes=2), "bytes", phase="derived",
+            note="model: two BF16 reads of x")
+    if ok:  # bits, at a small shape with edge values (the interpreter on CPU)
+        g = ctx.generator(8)
+        xs = edge_input(67, 133, g, ctx.device)
+        rows, cols = mx.quantize_rowcol_reference(xs, "e4m3")
+        r, c = mx.quantize_rowcol_triton(xs, "e4m3")
+        mism = sum(int((a.elements != b.elements).sum() + (a.scales != b.scales).sum())
+                   for a, b in ((rows, r), (cols, c)))
+        rec.add_check("one-pass kernel == two reference passes, every code and scale byte", mism == 0,
+                      error=float(mism), tolerance=0.0)
+    if is_gpu and ok:
+        x = torch.randn(quant_m, quant_k, generator=ctx.generator(9), device=ctx.device).to(torch.bfloat16)
+        reps = dict(warmup=3, min_reps=20, max_reps=200, min_time_s=0.3, uses_triton=True)
+        t1 = benchmark(lambda: mx.quantize_rowcol_triton(x, "e4m3"), ctx.device, label="one pass", **reps)
+        t2 = benchmark(lambda: (mx.quantize_triton(x, "e4m3", axis=-1), mx.quantize_triton(x, "e4m3", axis=0)),
+                       ctx.device, label="two passes", **reps)
+        ceil = ceilings(ctx.device)
+        for name, t, passes in (("one pass", t1, 1), ("two passes", t2, 2)):
+            nbytes = mx.rowcol_bytes(quant_m, quant_k, passes=passes)
+            rf = roofline(bytes_moved=nbytes, flops=0, seconds=t.median_s, ceil=ceil)
+            rec.add_timing(f"row+column {name}", t, bytes=nbytes, achieved_gbps=rf["achieved_gbps"],
+                           frac_of_copy=rf["frac_copy"])
+    return rec
+
+
+def dispatch_record(ctx, *, ep_ranks, ep_tokens, ep_hidden, ep_inter, ep_experts, ep_topk, ep_reps) -> RunRecord:
+    """MXFP8 dispatch/combine over gloo: checks (bits against quantize-after-exchange and against the
+    no-communication layer), bytes per payload, and dispatch times per payload on loopback."""
+    from ..numerics import mx_ep
+
+    prob = dict(tokens=ep_tokens, hidden=ep_hidden, inter=ep_inter, experts=ep_experts, topk=ep_topk, seed=ctx.seed)
+    results = mx_ep.launch(ep_ranks, **prob, reps=ep_reps, timeout_s=300)
+    rec = ctx.new_record("mxfp8-dispatch", variant="mxfp8 vs bf16 payload", workload={
+        "model": f"MoE expert layer: {ep_experts} experts, top-{ep_topk}, H={ep_hidden}, N={ep_inter}",
+        "batch": ep_tokens, "dtype": "bfloat16 tokens, MXFP8 E4M3 1x32 payload", "quantization": "MXFP8 E4M3 (floor)"},
+        topology={"ranks": ep_ranks, "ep": ep_ranks, "backend": "gloo", "rank_device": "cpu",
+                  "run_label": f"gloo on CPU, {ep_ranks} ranks on loopback: bytes and order are real, speed is not NVLink"})
+    rec.set_backend("dispatch/combine", "torch.distributed all_to_all_single (gloo)", shapes={"ranks": ep_ranks})
+    rec.set_backend("expert GEMM", "grouped GEMM (torch per-group matmul, fp32 accumulate) on pre-quantized rows")
+    for row in mx_ep.check(results, **prob):
+        rec.add_check(row["check"], row["passed"], detail=row["detail"])
+    for pl in mx_ep.PAYLOADS:
+        sent = sum(r["results"][pl]["bytes_sent"] for r in results)
+        rec.add(f"bytes_sent_{pl}", sent, "bytes", phase="derived", payload=pl,
+                note="dispatch + combine-backward payloads, all ranks")
+    if ep_reps:
+        slowest = {pl: max((r["times"][pl] for r in results), key=lambda xs: sorted(xs)[len(xs) // 2])
+                   for pl in mx_ep.PAYLOADS}
+        for pl, xs in slowest.items():
+            rec.add(f"dispatch_time_{pl}", sorted(xs)[len(xs) // 2], "s", payload=pl, samples_s=xs, n=len(xs),
+                    timer="perf_counter (gloo loopback, slowest rank)")
+    return rec
+
+
+def mx_gemm_support(device: torch.device) -> dict:
+    """What this device can do with MX operands. MX (block-scaled) tensor-core GEMMs are an sm_100
+    feature (Blackwell `tcgen05.mma` with `kind::mxf8f6f4` and E8M0 scale operands); Hopper (sm_90)
+    has FP8 `wgmma` with one scale per tensor or per row, no block scales: there an MXFP8 tensor
+    is dequantized (or re-scaled) before the GEMM, and only the cast and a BF16 GEMM run."""
+    if device.type != "cuda":
+        return {"capability": None, "mx_tensor_core_gemm": False,
+                "runs_here": "quantize and dequantized GEMM in PyTorch on the CPU (reference, not the kernels)"}
+    cap = torch.cuda.get_device_capability(device)
+    native = cap[0] >= 10
+    return {"capability": f"sm_{cap[0]}{cap[1]}", "mx_tensor_core_gemm": native,
+            "runs_here": ("quantize; a native MX GEMM is possible on this device (not built in this chapter)"
+                          if native else "quantize and dequantize + BF16 GEMM; MX tensor-core GEMMs need sm_100")}
+
+
+def gemm_paths(ctx, m: int, k: int, n: int) -> RunRecord:
+    """Time what runs of an MXFP8 forward GEMM y = x W^T on this device: the BF16 GEMM alone, the
+    quantize of x and W (row-wise 1x32 E4M3), and dequantize-to-BF16 followed by the BF16 GEMM
+    (the path a GPU without MX tensor cores takes). On a CPU: the PyTorch reference, labelled."""
+    support = mx_gemm_support(ctx.device)
+    is_gpu = ctx.device.type == "cuda"
+    chosen, reason = mx.pick_backend(ctx.device, "auto")
+    rec = ctx.new_record("mx-gemm-paths", variant=chosen, workload={
+        "shapes": {"x": [m, k], "w": [n, k]}, "dtype": "bfloat16", "quantization": "MXFP8 E4M3 1x32 (floor)"})
+    rec.set_backend("mx_quantize", "triton kernel" if chosen == "triton" else "torch reference (CPU)", reason=reason)
+    rec.set_backend("gemm", "torch.matmul bf16 (cuBLAS)" if is_gpu else "torch.matmul float32 (CPU)",
+                    reason=support["runs_here"])
+    rec.notes = f"MX tensor-core GEMM on this device: {support['mx_tensor_core_gemm']} ({support['capability']})"
+    g = ctx.generator(4)
+    gemm_dtype = torch.bfloat16 if is_gpu else torch.float32
+    x = torch.randn(m, k, generator=g, device=ctx.device).to(torch.bfloat16)
+    w = (torch.randn(n, k, generator=g, device=ctx.device) / math.sqrt(k)).to(torch.bfloat16)
+    fn = mx.quantize_triton if chosen == "triton" else mx.quantize_reference
+    qx, qw = fn(x, "e4m3"), fn(w, "e4m3")
+    xd, wd = x.to(gemm_dtype), w.to(gemm_dtype)
+    reps = dict(warmup=3 if is_gpu else 1, min_reps=20 if is_gpu else 8, max_reps=200 if is_gpu else 12,
+                min_time_s=0.3 if is_gpu else 0.1)
+    paths = {
+        "BF16 GEMM" if is_gpu else "float32 GEMM (CPU)": (lambda: xd @ wd.T, False),
+        "quantize x and W (MXFP8)": (lambda: (fn(x, "e4m3"), fn(w, "e4m3")), chosen == "triton"),
+        "dequantize + GEMM": (lambda: mx.dequantize(qx).to(gemm_dtype) @ mx.dequantize(qw).to(gemm_dtype).T, False),
+    }
+    for name, (f, uses_triton) in paths.items():
+        t = benchmark(f, ctx.device, label=name, uses_triton=uses_triton, **reps)
+        rec.add_timing(name, t, flops=2.0 * m * n * k)
+    rec.add("mx_tensor_core_gemm", float(support["mx_tensor_core_gemm"]), "bool", phase="derived",
+            capability=support["capability"], runs_here=support["runs_here"])
     return rec
 
 
@@ -257,7 +420,11 @@ def graph_record(ctx) -> RunRecord | None:
 
 
 def measure(ctx, *, m, k, n, outlier_scale, recipes, d_in, d_hidden, train_batch, train_steps, lr, check_m, check_n,
-            quant_m, quant_k, n_groups, max_rows) -> list[RunRecord]:
+            quant_m, quant_k, n_groups, max_rows, ep_ranks=2, ep_tokens=16, ep_hidden=128, ep_inter=64, ep_experts=4,
+            ep_topk=2, ep_reps=5) -> list[RunRecord]:
+    from ..numerics import mx_ep
+
+    mx_ep.check_layout(ep_ranks, ep_experts, ep_topk, ep_hidden)  # bad input: one line, before any work
     chosen = selected_recipes(recipes)
     backend, reason = mx.pick_backend(ctx.device, "auto")
     records = [check_bit_exact(ctx, check_m, check_n)]
@@ -266,6 +433,10 @@ def measure(ctx, *, m, k, n, outlier_scale, recipes, d_in, d_hidden, train_batch
                                      d_hidden=d_hidden, train_batch=train_batch, train_steps=train_steps, lr=lr,
                                      backend=backend, reason=reason))
     records.append(quantize_speed(ctx, quant_m, quant_k))
+    records.append(gemm_paths(ctx, m, k, n))
+    records.append(rowcol_record(ctx, quant_m, quant_k))
+    records.append(dispatch_record(ctx, ep_ranks=ep_ranks, ep_tokens=ep_tokens, ep_hidden=ep_hidden, ep_inter=ep_inter,
+                                   ep_experts=ep_experts, ep_topk=ep_topk, ep_reps=ep_reps))
     records.append(grouped_record(ctx, n_groups, max_rows))
     g = graph_record(ctx)
     if g is not None:

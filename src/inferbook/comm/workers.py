@@ -30,6 +30,23 @@ MAX_WORLD = 8
 # ---------------------------------------------------------------------------
 # Tasks. Each rank builds the same global inputs from the seed and takes its own slice.
 
+def rank_plan(world_size: int, use_cuda: bool) -> tuple[int, str, str]:
+    """(ranks to start, backend, label) for a run that asks for `world_size` ranks.
+
+    NCCL needs one GPU per rank. With at least `world_size` GPUs: NCCL on `world_size` ranks.
+    With 2 <= GPUs < `world_size`: NCCL on as many ranks as there are GPUs (the label says the
+    run is smaller than asked). Otherwise gloo on CPU, labelled as such: on one GPU the ranks'
+    collectives run on CPU and say nothing about NVLink."""
+    gpus = torch.cuda.device_count() if (use_cuda and torch.cuda.is_available()) else 0
+    if gpus >= world_size:
+        return world_size, "nccl", f"NCCL, {world_size} ranks on {world_size} GPUs"
+    if gpus >= 2:
+        return gpus, "nccl", (f"NCCL on {gpus} ranks, one per GPU present ({world_size} asked; "
+                              "order effects need at least 3 ranks)")
+    why = "no GPU" if gpus == 0 else "one GPU (NCCL needs one GPU per rank)"
+    return world_size, "gloo", f"gloo on CPU, {world_size} ranks on loopback: {why}; not an NVLink measurement"
+
+
 def _device_for(rank: int, world: int, use_cuda: bool) -> torch.device:
     if use_cuda and torch.cuda.is_available() and torch.cuda.device_count() >= world:
         torch.cuda.set_device(rank)
@@ -81,6 +98,17 @@ def task_check(rank: int, world: int, device: torch.device, args: dict) -> dict:
     unfused = tail.after_allreduce(reduced, *rest, backend=backend)
     out["tail/fused"] = [t.cpu() for t in fused]
     out["tail/unfused"] = [t.cpu() for t in unfused]
+    # 4. finalize before the exchange: the finalize stored into this rank's slot, pushed to the peers
+    from . import fused_exchange as fx
+
+    pre = fx.fused_moe_tail(inp["expert_out"][rank], inp["topk_weights"][rank], *rest, backend=backend)
+    out["tail/fused_pre"] = [t.cpu() for t in pre]
+    # 5. vocab gather (full logits), both transports
+    g5 = torch.Generator().manual_seed(seed + 5)
+    full = torch.randn(batch, vocab, generator=g5).to(torch.bfloat16)
+    s5, e5 = vg.shard_bounds(vocab, world)[rank]
+    for transport in fx.GATHER_TRANSPORTS:
+        out[f"gather/{transport}"] = fx.vocab_gather(full[:, s5:e5].to(device), vocab, transport).cpu()
     return out
 
 
@@ -110,7 +138,23 @@ def task_bench(rank: int, world: int, device: torch.device, args: dict) -> dict:
             dist.barrier()
             t = benchmark(fn, device, label=label, **kw)
             out["allreduce"].append({"variant": label if mode is None else f"{alg} {mode}", "numel": int(numel),
-                                     "bytes": int(numel) * 2, **t.summary()})
+                                     "bytes": int(numel) * 2, **t.summary(), "samples_s": list(t.samples_s)})
+    from . import fused_exchange as fx
+
+    out["gather"] = []
+    for vocab in args.get("vocabs", [64]):
+        s, e = vg.shard_bounds(int(vocab), world)[rank]
+        for batch in args.get("batches", [1]):
+            local = torch.randn(int(batch), e - s, generator=torch.Generator().manual_seed(2000 + rank)
+                                ).to(torch.bfloat16).to(device)
+            for transport in fx.GATHER_TRANSPORTS:
+                def fn(local=local, vocab=int(vocab), transport=transport):
+                    fx.vocab_gather(local, vocab, transport)
+                dist.barrier()
+                t = benchmark(fn, device, label=transport, **kw)
+                out["gather"].append({"transport": transport, "vocab": int(vocab), "batch": int(batch),
+                                      "bytes_sent": vg.exchanged_bytes("gather", int(batch), int(vocab), world, 2),
+                                      **t.summary(), "samples_s": list(t.samples_s)})
     for vocab in args.get("vocabs", [64]):
         bounds = vg.shard_bounds(int(vocab), world)
         s, e = bounds[rank]
@@ -128,7 +172,7 @@ def task_bench(rank: int, world: int, device: torch.device, args: dict) -> dict:
                 t = benchmark(fn, device, label=strategy, **kw)
                 out["greedy"].append({"strategy": strategy, "vocab": int(vocab), "batch": int(batch),
                                       "bytes_sent": vg.exchanged_bytes(strategy, int(batch), int(vocab), world, 2),
-                                      **t.summary()})
+                                      **t.summary(), "samples_s": list(t.samples_s)})
     return out
 
 
@@ -191,6 +235,19 @@ def launch(task: str, world_size: int, args: dict | None = None, timeout_s: floa
 # ---------------------------------------------------------------------------
 # What the launcher checks after `launch("check", ...)`
 
+def elements_where_ranks_disagree(per_rank: list[torch.Tensor]) -> int:
+    """How many elements (not element-rank pairs) have bits on some rank that differ from rank 0's:
+    at most numel, whatever the number of ranks. `per_rank`: one same-shaped tensor per rank."""
+    from . import tail
+
+    if not per_rank:
+        return 0
+    mask = torch.zeros(per_rank[0].shape, dtype=torch.bool)
+    for t in per_rank[1:]:
+        mask |= tail.bits_differ(t, per_rank[0]).cpu()
+    return int(mask.sum())
+
+
 def check_results(results: list[dict], args: dict | None = None) -> list[dict]:
     """Rows {check, passed, detail} from every rank's `task_check` result:
 
@@ -232,7 +289,7 @@ def check_results(results: list[dict], args: dict | None = None) -> list[dict]:
                         finite = all(bool(torch.isfinite(g_).all()) for g_ in got)
                         row(f"{name}: within rounding of torch.distributed.all_reduce", finite and err <= 0,
                             f"max excess over the bound {err:.3g}")
-                        disagree = int(sum(int(tail.bits_differ(g_, got[0]).sum()) for g_ in got[1:]))
+                        disagree = elements_where_ranks_disagree(got)
                         if order == "fixed" or alg == "two-shot":
                             row(f"{name}: ranks agree in bits", disagree == 0, f"{disagree} elements differ")
     vocab, batch = int(args.get("vocab", 64)), int(args.get("batch", 4))
@@ -251,11 +308,26 @@ def check_results(results: list[dict], args: dict | None = None) -> list[dict]:
         fused_vs_unfused = sum(int(tail.bits_differ(r["tail/fused"][i], r["tail/unfused"][i]).sum()) for r in results)
         row(f"tail {what}: fused == unfused chain in bits on every rank", fused_vs_unfused == 0,
             f"{fused_vs_unfused} elements differ")
-        across = sum(int(tail.bits_differ(r["tail/fused"][i], results[0]["tail/fused"][i]).sum()) for r in results)
+        across = elements_where_ranks_disagree([r["tail/fused"][i] for r in results])
         row(f"tail {what}: every rank holds the same bits", across == 0, f"{across} elements differ")
         vs_single = int(tail.bits_differ(results[0]["tail/fused"][i], single[i]).sum())
         row(f"tail {what}: distributed == single-process chain in bits", vs_single == 0,
             f"{vs_single} elements differ (backend {backend})")
+        if "tail/fused_pre" in results[0]:
+            pre = sum(int(tail.bits_differ(r["tail/fused_pre"][i], r["tail/unfused"][i]).sum()) for r in results)
+            row(f"tail {what}: finalize-before-exchange == unfused chain in bits on every rank", pre == 0,
+                f"{pre} elements differ")
+            pre_across = elements_where_ranks_disagree([r["tail/fused_pre"][i] for r in results])
+            row(f"tail {what}: finalize-before-exchange, every rank holds the same bits", pre_across == 0,
+                f"{pre_across} elements differ")
+    if "gather/ring" in results[0]:
+        from . import fused_exchange as fx
+        full = torch.randn(batch, vocab, generator=torch.Generator().manual_seed(seed + 5)).to(torch.bfloat16)
+        for transport in fx.GATHER_TRANSPORTS:
+            bad = [r["rank"] for r in results if not torch.equal(r[f"gather/{transport}"].view(torch.int16),
+                                                                full.view(torch.int16))]
+            row(f"vocab gather {transport}: every rank holds the full logits, bit for bit", not bad,
+                f"wrong on ranks {bad}" if bad else "")
     return rows
 
 

@@ -3,6 +3,8 @@
 - `mx`: OCP microscaling (MXFP8 / MXFP4) quantize and dequantize, PyTorch reference and
   Triton kernel, recipes per tensor role and direction, an emulated linear layer.
 - `gdn`: Gated DeltaNet, recurrent and chunked, and the NaN/accuracy harness for backends.
+- `mx_ep`: an MXFP8 expert-parallel dispatch/combine over torch.distributed (codes + E8M0 scales
+  on the wire, pre-quantized rows into the grouped GEMM).
 - `grouped`: a grouped GEMM and a checker against per-group references.
 - `graphs`: a CUDA Graph replay check that retained gradients are not overwritten.
 """

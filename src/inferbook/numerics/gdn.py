@@ -23,6 +23,7 @@ release ships the fix).
 """
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Callable
@@ -54,13 +55,50 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def recurrent(q, k, v, g, beta, scale=None, initial_state=None, compute_dtype=None):
+L2NORM_EPS = 1e-6  # flash-linear-attention's l2norm: x / sqrt(sum(x^2) + eps)
+
+
+def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
+    """Normalize the last axis in fp32 (fp64 for fp64 input) and store in x's dtype, as fla's
+    `l2norm_fwd` does for `use_qk_l2norm_in_kernel=True` (the normalized q, k are rounded to x's dtype)."""
+    xf = x.to(_compute_dtype(x))
+    return (xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _varlen(fn, q, k, v, g, beta, scale, initial_state, cu_seqlens, **kw):
+    """Packed variable-length sequences (THD, as fla and FlashAttention take them): B == 1, sequence i
+    is tokens cu_seqlens[i]:cu_seqlens[i+1]; initial_state [N, H, K, V]; returns (o [1, T, H, V], the
+    N final states [N, H, K, V]). Each sequence runs alone: no state crosses a boundary."""
+    cu = [int(c) for c in (cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens)]
+    if q.dim() != 4 or q.shape[0] != 1:
+        raise ValueError(f"varlen inputs are packed [1, T, H, K]; got q of shape {tuple(q.shape)}")
+    if len(cu) < 2 or cu[0] != 0 or cu[-1] != q.shape[1] or any(b < a for a, b in zip(cu, cu[1:])):
+        raise ValueError(f"cu_seqlens must rise from 0 to T={q.shape[1]}, got {cu}")
+    N = len(cu) - 1
+    if initial_state is not None and initial_state.shape[0] != N:
+        raise ValueError(f"initial_state must hold one state per sequence ({N}), got {tuple(initial_state.shape)}")
+    outs, states = [], []
+    for i in range(N):
+        a, b = cu[i], cu[i + 1]
+        h0 = initial_state[i:i + 1] if initial_state is not None else None
+        o, S = fn(q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b], scale=scale, initial_state=h0, **kw)
+        outs.append(o)
+        states.append(S)
+    return torch.cat(outs, dim=1), torch.cat(states, dim=0)
+
+
+def recurrent(q, k, v, g, beta, scale=None, initial_state=None, compute_dtype=None, *, cu_seqlens=None,
+              use_qk_l2norm: bool = False):
     """Step-by-step Gated DeltaNet. Returns (o [B, T, H, V] in v.dtype, S [B, H, K, V]).
 
     `compute_dtype` (default fp32, fp64 for fp64 inputs) is the dtype of the state and of every
-    operation; the harness runs it at the inputs' own low precision as the "same-precision"
-    baseline whose error sets the tolerance.
+    operation. `cu_seqlens` takes packed variable-length sequences (see `_varlen`);
+    `use_qk_l2norm` normalizes q and k first (`l2norm`), as fla's `use_qk_l2norm_in_kernel`.
     """
+    if use_qk_l2norm:
+        q, k = l2norm(q), l2norm(k)
+    if cu_seqlens is not None:
+        return _varlen(recurrent, q, k, v, g, beta, scale, initial_state, cu_seqlens, compute_dtype=compute_dtype)
     _check(q, k, v, g, beta, initial_state)
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -81,13 +119,20 @@ def recurrent(q, k, v, g, beta, scale=None, initial_state=None, compute_dtype=No
     return o.to(out_dtype), S
 
 
-def chunked(q, k, v, g, beta, chunk_size=64, scale=None, initial_state=None, *, _exp_before_mask=False):
+def chunked(q, k, v, g, beta, chunk_size=64, scale=None, initial_state=None, *, _exp_before_mask=False,
+            cu_seqlens=None, use_qk_l2norm: bool = False):
     """Chunked (WY-form) Gated DeltaNet, same results as `recurrent` up to rounding.
 
     `_exp_before_mask=True` reproduces a classic bug for the harness to catch: exponentiate the gate
     differences, then zero the masked ones. The forward stays finite (the mask selects 0), but the
-    backward of exp multiplies a zero gradient by exp(+large) = inf: NaN.
+    backward of exp multiplies a zero gradient by exp(+large) = inf: NaN. `cu_seqlens` and
+    `use_qk_l2norm` as in `recurrent`.
     """
+    if use_qk_l2norm:
+        q, k = l2norm(q), l2norm(k)
+    if cu_seqlens is not None:
+        return _varlen(chunked, q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size=chunk_size,
+                       _exp_before_mask=_exp_before_mask)
     _check(q, k, v, g, beta, initial_state, chunk_size)
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -187,12 +232,18 @@ if triton is not None:
         tl.store(hT_ptr + s_off, S, mask=m_s)
 
 
-def recurrent_triton(q, k, v, g, beta, scale=None, initial_state=None):
+def recurrent_triton(q, k, v, g, beta, scale=None, initial_state=None, *, cu_seqlens=None, use_qk_l2norm=False):
     """Forward-only Gated DeltaNet in one Triton kernel (no autograd). Returns (o in v.dtype, S fp32).
 
     Computes in fp32 like `recurrent`; the kernel writes fp32 and torch rounds to v's dtype (the
     Triton 3.9 interpreter truncates fp32 -> bf16 instead of rounding to nearest even).
+    `cu_seqlens` runs one launch per packed sequence and `use_qk_l2norm` normalizes before the
+    kernel (both in PyTorch, not in the kernel).
     """
+    if use_qk_l2norm:
+        q, k = l2norm(q), l2norm(k)
+    if cu_seqlens is not None:
+        return _varlen(recurrent_triton, q, k, v, g, beta, scale, initial_state, cu_seqlens)
     _check(q, k, v, g, beta, initial_state)
     if triton is None:
         raise RuntimeError("triton is not installed")
@@ -221,6 +272,36 @@ def recurrent_triton(q, k, v, g, beta, scale=None, initial_state=None):
     return o.to(v.dtype), hT
 
 
+FLA_CHUNK = "fla chunk_gated_delta_rule"
+FLA_RECURRENT = "fla fused_recurrent_gated_delta_rule (forward)"
+
+
+def fla_backends(device) -> tuple[dict, str]:
+    """flash-linear-attention's kernels (package `fla-core`) as harness backends, where they run:
+    ({name: fn}, why not). They are Triton kernels written for GPUs and take BF16/FP16 only (the
+    chunk path asserts it); the harness skips their float32 cases as "not run", not as failures."""
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+    except Exception as e:  # noqa: BLE001 - any import failure means: not available here
+        return {}, f"fla-core is not installed here ({type(e).__name__}: {str(e)[:80]})"
+    if torch.device(device).type != "cuda":
+        return {}, "fla-core's Triton kernels need a GPU; they are not run in the Triton interpreter"
+
+    def chunk(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=None, use_qk_l2norm=False):
+        cu = cu_seqlens.to(q.device) if cu_seqlens is not None else None
+        return chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                                      output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm, cu_seqlens=cu)
+
+    def fused(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=None, use_qk_l2norm=False):
+        cu = cu_seqlens.to(q.device) if cu_seqlens is not None else None
+        return fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                                                output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm,
+                                                cu_seqlens=cu)
+
+    chunk.dtypes = fused.dtypes = {torch.bfloat16, torch.float16}
+    return {FLA_CHUNK: chunk, FLA_RECURRENT: fused}, "fla-core kernels run on this GPU"
+
+
 def gdn_flops(B: int, T: int, H: int, K: int, V: int) -> int:
     """Multiply-adds x2 of the recurrence: decay, S^T k, rank-1 update, S^T q (per step, per head)."""
     return 2 * B * T * H * K * V * 4
@@ -242,10 +323,10 @@ class _NaNGrad(torch.autograd.Function):
 def inject_backward_nan(fn: Callable, head_dim: int = 32) -> Callable:
     """Wrap a backend so dq is NaN whenever K == head_dim; forward is untouched.
     The harness must flag it: that is how we know the harness can fail."""
-    def wrapped(q, k, v, g, beta, scale=None, initial_state=None):
+    def wrapped(q, k, v, g, beta, scale=None, initial_state=None, **kw):
         if q.shape[-1] == head_dim:
             q = _NaNGrad.apply(q)
-        return fn(q, k, v, g, beta, scale=scale, initial_state=initial_state)
+        return fn(q, k, v, g, beta, scale=scale, initial_state=initial_state, **kw)
 
     wrapped.__name__ = f"{getattr(fn, '__name__', 'backend')}+nan@K={head_dim}"
     return wrapped
@@ -258,16 +339,22 @@ GATES = ("random", "zero", "very_negative")
 GRADS = ("q", "k", "v", "g", "beta", "h0")
 
 
-def make_inputs(B, T, H, K, V, gate: str, *, seed: int = 0, device="cpu", initial_state: bool = True):
-    """fp64 inputs: k L2-normalised (the delta rule's stable regime), beta in (0, 1),
+def make_inputs(B, T, H, K, V, gate: str, *, seed: int = 0, device="cpu", initial_state: bool = True,
+                n_states: int | None = None, normalize_k: bool = True):
+    """fp64 inputs: k L2-normalised (the delta rule's stable regime) unless `normalize_k=False` (for
+    cases whose backend normalizes q and k itself: then q, k are raw, scaled x3), beta in (0, 1),
     g by `gate`: 'random' (log-sigmoid of N(0,1)+2, mild decay), 'zero' (exactly 0: no decay)
-    or 'very_negative' (-1e3: exp underflows to 0, the state resets every step)."""
+    or 'very_negative' (-1e3: exp underflows to 0, the state resets every step). The initial
+    state is [n_states or B, H, K, V] (one per packed sequence for varlen)."""
     if gate not in GATES:
         raise ValueError(f"unknown gate {gate!r}; choose one of {GATES}")
     gen = torch.Generator(device="cpu").manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
     q, k, v = r(B, T, H, K), r(B, T, H, K), r(B, T, H, V)
-    k = k / k.norm(dim=-1, keepdim=True)
+    if normalize_k:
+        k = k / k.norm(dim=-1, keepdim=True)
+    else:
+        q, k = 3 * q, 3 * k
     beta = torch.sigmoid(r(B, T, H))
     if gate == "random":
         g = torch.nn.functional.logsigmoid(r(B, T, H) + 2.0)
@@ -275,7 +362,7 @@ def make_inputs(B, T, H, K, V, gate: str, *, seed: int = 0, device="cpu", initia
         g = torch.zeros(B, T, H, dtype=torch.float64)
     else:
         g = torch.full((B, T, H), -1e3, dtype=torch.float64)
-    h0 = r(B, H, K, V) * 0.1 if initial_state else None
+    h0 = r(n_states or B, H, K, V) * 0.1 if initial_state else None
     out = dict(q=q, k=k, v=v, g=g, beta=beta, h0=h0)
     return {n: (t.to(device) if t is not None else None) for n, t in out.items()}
 
@@ -288,6 +375,46 @@ def rel_rms(a: torch.Tensor, ref: torch.Tensor) -> float:
     den = ref.norm().item()
     num = (a - ref).norm().item()
     return num / den if den > 0 else num
+
+
+FEATURES = {"varlen": "cu_seqlens", "l2norm": "use_qk_l2norm"}
+
+
+def supports(fn: Callable, feature: str) -> bool:
+    """Does backend `fn` take the keyword a case needs ('varlen': cu_seqlens, 'l2norm': use_qk_l2norm)?
+    A `supports` attribute (a set of feature names) wins; else the signature decides (**kw: yes)."""
+    import inspect
+
+    declared = getattr(fn, "supports", None)
+    if declared is not None:
+        return feature in declared
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return FEATURES[feature] in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
+def harness_cases(head_dims, lengths, gates, extra=()) -> list[dict]:
+    """The sweep's cases: every (head dim, length, gate) — a head dim is K (then V = K) or a pair
+    (K, V) — plus `extra` cases, dicts with K, V, lengths (one length, or several packed as varlen
+    when `varlen`), gate and l2norm."""
+    cases = []
+    for hd in head_dims:
+        K, V = (hd, hd) if isinstance(hd, int) else (int(hd[0]), int(hd[1]))
+        for T in lengths:
+            for gate in gates:
+                cases.append({"K": K, "V": V, "lengths": [int(T)], "varlen": False, "gate": gate, "l2norm": False})
+    for c in extra:
+        cases.append({"varlen": False, "l2norm": False, "gate": "random", **c, "V": c.get("V", c["K"])})
+    return cases
+
+
+def case_label(c: dict) -> str:
+    shape = f"K={c['K']}" + (f" V={c['V']}" if c["V"] != c["K"] else "")
+    lens = f"varlen {c['lengths']}" if c["varlen"] else f"T={c['lengths'][0]}"
+    return f"{shape} {lens} {c['gate']}" + (" l2norm in kernel" if c["l2norm"] else "") + \
+        (f" ({c['tag']})" if c.get("tag") else "")
 
 
 def _run(fn, inputs: dict, dtype, do: torch.Tensor, dS: torch.Tensor, backward: bool = True, **kw):
@@ -312,6 +439,7 @@ def _run(fn, inputs: dict, dtype, do: torch.Tensor, dS: torch.Tensor, backward: 
 class HarnessReport:
     backend: str
     rows: list[dict] = field(default_factory=list)
+    skipped: list[dict] = field(default_factory=list)   # cases the backend does not take: not run
 
     @property
     def passed(self) -> bool:
@@ -321,10 +449,31 @@ class HarnessReport:
         return [r for r in self.rows if not r["passed"]]
 
 
-# Floors under the same-precision tolerance: fp32 chunked and recurrent round differently
-# (a triangular solve against a running sum), so 2x "the recurrence's own fp32 error" could
-# be below what fp32 resolves over a sum of T terms; the floor is 2e-6 relative RMS for fp32.
-FLOOR = {torch.float32: 2e-6, torch.bfloat16: 1e-3, torch.float16: 1e-4, torch.float64: 1e-10}
+# Floors added to the same-precision tolerance, by the dtype of the tensor judged: fp32 chunked and
+# recurrent round differently (a triangular solve against a running sum), so 2x "the recurrence's
+# own fp32 error" could be below what fp32 resolves over a sum of T terms. Small next to the
+# baseline's error in each dtype (a BF16 output's rounding alone is ~2e-3 relative RMS).
+FLOOR = {torch.float32: 2e-6, torch.bfloat16: 2e-4, torch.float16: 5e-5, torch.float64: 1e-10}
+
+
+def bf16_state_recurrent(q, k, v, g, beta, scale=None, initial_state=None, **kw):
+    """A backend that keeps its state (and every operation) in BF16: the harness must reject it
+    in BF16 cases (its state error is orders of magnitude above an fp32-state recurrence's)."""
+    o, S = recurrent(q, k, v, g, beta, scale=scale, initial_state=initial_state, compute_dtype=torch.bfloat16, **kw)
+    return o, S.float()
+
+
+def noisy_output(fn: Callable, rel: float = 0.01, seed: int = 0) -> Callable:
+    """Wrap a backend so o carries `rel` relative Gaussian noise (finite, plausible, wrong): the
+    harness must reject it."""
+    def wrapped(q, k, v, g, beta, scale=None, initial_state=None, **kw):
+        o, S = fn(q, k, v, g, beta, scale=scale, initial_state=initial_state, **kw)
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        noise = torch.randn(o.shape, generator=gen, dtype=torch.float32).to(o.device)
+        return o + (rel * o.float() * noise).to(o.dtype), S
+
+    wrapped.__name__ = f"{getattr(fn, '__name__', 'backend')}+{rel:g} noise on o"
+    return wrapped
 
 
 def check_backend(fn: Callable, *, name: str | None = None, forward_only: bool = False, **kw) -> HarnessReport:
@@ -338,22 +487,30 @@ def check_backends(fns: dict, *, head_dims=(32, 64, 128, 256), lengths=(17, 45),
                    dtypes=(torch.bfloat16, torch.float32), batch: int = 1, heads: int = 2,
                    value_dim: int | None = None, device="cpu", seed: int = 0,
                    out_factor: float = 2.0, grad_factor: float = 3.0,
-                   forward_only: tuple = ()) -> dict[str, HarnessReport]:
+                   forward_only: tuple = (), extra_cases=()) -> dict[str, HarnessReport]:
     """Sweep GDN backends {name: fn} over (head_dim, length, gate, dtype); one report per backend.
 
     Each case: inputs made in fp64 and rounded to `dtype`; the reference is `recurrent` in fp64 on
-    those same rounded inputs; the baseline is `recurrent` computing entirely in `dtype` (the
-    "same precision" error, FlashAttention's rule). A case passes when o, S and every gradient
-    (q, k, v, g, beta, initial state) are finite and each relative RMS error against the
-    reference is at most `out_factor` (o, S) or `grad_factor` (gradients) times the baseline's,
-    or the dtype's floor (`FLOOR`). NaN never passes; a backend that raises fails the case.
-    Backends named in `forward_only` are run without autograd and judged on o and S only.
+    those same rounded inputs; the baseline is `recurrent` with an **fp32 state** on the inputs in
+    `dtype` (outputs and gradients in `dtype`): the "same precision" error of FlashAttention's rule,
+    i.e. what rounding the inputs and outputs to `dtype` costs a correct implementation. (A baseline
+    that kept its state in `dtype` would set a tolerance loose enough to pass a BF16-state backend or
+    1 % noise on o.) A case passes when o, S and every gradient (q, k, v, g, beta, initial state) are
+    finite and each relative RMS error against the reference is at most `out_factor` (o, S) or
+    `grad_factor` (gradients) times the baseline's, plus the floor of the judged tensor's dtype
+    (`FLOOR`). NaN never passes; a backend that raises fails the case. Backends named in
+    `forward_only` are run without autograd and judged on o and S only; their gradients are
+    Backends named in `forward_only` are run without autograd and judged on o and S only; their gradients are
+    "not computed" (absent from the row), never NaN. `extra_cases` (see `harness_cases`) add K != V,
+    packed variable-length (THD, `cu_seqlens`), long and in-kernel-L2-norm (`use_qk_l2norm`) cases;
+    a backend that does not take a case's keyword is listed in its report's `skipped`, not run.
     """
     if not isinstance(fns, dict) or not fns or not all(callable(f) for f in fns.values()):
         raise ValueError("fns must be a non-empty dict {name: callable}")
     for hd in head_dims:
-        if not isinstance(hd, int) or isinstance(hd, bool) or hd < 1:
-            raise ValueError(f"head_dims must be positive ints, got {hd!r}")
+        dims = hd if isinstance(hd, (tuple, list)) else (hd,)
+        if not dims or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in dims):
+            raise ValueError(f"head_dims must be positive ints or (K, V) pairs, got {hd!r}")
     for T in lengths:
         if not isinstance(T, int) or isinstance(T, bool) or T < 1:
             raise ValueError(f"lengths must be positive ints, got {T!r}")
@@ -364,47 +521,72 @@ def check_backends(fns: dict, *, head_dims=(32, 64, 128, 256), lengths=(17, 45),
         if gate not in GATES:
             raise ValueError(f"unknown gate {gate!r}; choose from {GATES}")
     reports = {n: HarnessReport(n) for n in fns}
-    case = 0
-    for K in head_dims:
-        V = value_dim or K
-        for T in lengths:
-            for gate in gates:
-                inputs = make_inputs(batch, T, heads, K, V, gate, seed=seed + case, device=device)
-                gen = torch.Generator(device="cpu").manual_seed(seed + 10_000 + case)
-                do = torch.randn(batch, T, heads, V, generator=gen, dtype=torch.float64).to(device)
-                dS = torch.randn(batch, heads, K, V, generator=gen, dtype=torch.float64).to(device)
-                case += 1
-                for dt in dtypes:
-                    rounded = {n: (t.to(dt).double() if t is not None else None) for n, t in inputs.items()}
-                    ref = _run(recurrent, rounded, torch.float64, do, dS)
-                    base = _run(lambda *a, **kw: recurrent(*a, compute_dtype=dt, **kw), rounded, dt, do, dS)
-                    for name, fn in fns.items():
-                        fwd_only = name in forward_only
-                        reports[name].rows.append(_judge(name, fn, rounded, dt, do, dS,
-                                                         {k_: ref[k_] for k_ in (("o", "S") if fwd_only else ref)},
-                                                         base, K, T, gate, out_factor, grad_factor,
-                                                         backward=not fwd_only))
+    cases = harness_cases([(hd, value_dim) if value_dim and isinstance(hd, int) else hd for hd in head_dims],
+                          lengths, gates, extra_cases)
+    for i, c in enumerate(cases):
+        K, V, gate = c["K"], c["V"], c["gate"]
+        T = sum(c["lengths"])
+        B = 1 if c["varlen"] else batch
+        inputs = make_inputs(B, T, heads, K, V, gate, seed=seed + i, device=device,
+                             n_states=len(c["lengths"]) if c["varlen"] else None, normalize_k=not c["l2norm"])
+        gen = torch.Generator(device="cpu").manual_seed(seed + 10_000 + i)
+        do = torch.randn(B, T, heads, V, generator=gen, dtype=torch.float64).to(device)
+        dS = torch.randn(inputs["h0"].shape, generator=gen, dtype=torch.float64).to(device)
+        kw = {}
+        if c["varlen"]:
+            kw["cu_seqlens"] = torch.tensor([0] + list(itertools.accumulate(c["lengths"])), dtype=torch.long)
+        if c["l2norm"]:
+            kw["use_qk_l2norm"] = True
+        needs = [f for f, on in (("varlen", c["varlen"]), ("l2norm", c["l2norm"])) if on]
+        for dt in dtypes:
+            rounded = {n: (t.to(dt).double() if t is not None else None) for n, t in inputs.items()}
+            ref = _run(recurrent, rounded, torch.float64, do, dS, **kw)
+            base = _run(recurrent, rounded, dt, do, dS, **kw)   # fp32 state, inputs/outputs in dt
+            for name, fn in fns.items():
+                meta = {"backend": name, "head_dim": K, "value_dim": V, "T": T, "gate": gate,
+                        "dtype": str(dt).replace("torch.", ""), "case": case_label(c), "varlen": c["varlen"],
+                        "l2norm": c["l2norm"]}
+                takes = getattr(fn, "dtypes", None)
+                if takes is not None and dt not in takes:
+                    reports[name].skipped.append({**meta, "reason": "not run: the backend takes "
+                                                  + "/".join(str(d).replace("torch.", "") for d in takes) + " only"})
+                    continue
+                missing = [f for f in needs if not supports(fn, f)]
+                if missing:
+                    reports[name].skipped.append({**meta, "reason": "not run: the backend takes no " +
+                                                  ", ".join(FEATURES[f] for f in missing)})
+                    continue
+                fwd_only = name in forward_only
+                row = _judge(name, fn, rounded, dt, do, dS, {k_: ref[k_] for k_ in (("o", "S") if fwd_only else ref)},
+                             base, K, T, gate, out_factor, grad_factor, backward=not fwd_only, **kw)
+                reports[name].rows.append({**row, **meta})
     return reports
 
 
-def _judge(name, fn, rounded, dt, do, dS, ref, base, K, T, gate, out_factor, grad_factor, backward=True) -> dict:
+def _judge(name, fn, rounded, dt, do, dS, ref, base, K, T, gate, out_factor, grad_factor, backward=True,
+           **kw) -> dict:
     row = {"backend": name, "head_dim": K, "T": T, "gate": gate, "dtype": str(dt).replace("torch.", "")}
     try:
-        got = _run(fn, rounded, dt, do, dS, backward=backward)
+        got = _run(fn, rounded, dt, do, dS, backward=backward, **kw)
     except Exception as e:  # a backend that raises fails its case; the sweep goes on
         row.update(passed=False, nonfinite="", reason=f"raised {type(e).__name__}: {str(e)[:120]}")
         return row
-    floor = FLOOR[dt]
     nonfinite, reasons = [], []
     for key in ref:
+        if key not in got:
+            reasons.append(f"{key}: not returned")
+            continue
+        floor = FLOOR.get(got[key].dtype, FLOOR[dt])
+        factor = out_factor if key in ("o", "S") else grad_factor
+        base_err = rel_rms(base[key], ref[key])
+        tol = factor * base_err + floor if math.isfinite(base_err) else floor
+        row[f"tol_{key}"] = tol
         if not torch.isfinite(got[key]).all():
             nonfinite.append(key)
-        factor = out_factor if key in ("o", "S") else grad_factor
+            row[f"err_{key}"] = None       # no error is computed for a non-finite tensor: it fails
+            continue
         err = rel_rms(got[key], ref[key])
-        base_err = rel_rms(base[key], ref[key])
-        tol = max(factor * base_err, floor) if math.isfinite(base_err) else floor
         row[f"err_{key}"] = err
-        row[f"tol_{key}"] = tol
         if not (err <= tol):  # NaN never passes
             reasons.append(f"{key}: {err:.2e} > {tol:.2e}")
     row["nonfinite"] = ",".join(nonfinite)

@@ -266,7 +266,40 @@ def quantize_reference(x: torch.Tensor, fmt: str = "e4m3", axis: int = -1, block
 # Triton kernel: one program quantizes an (NBR*SR) x (NBC*SC) tile holding NBR x NBC scale blocks.
 # Row-wise blocks are (1, 32), column-wise (32, 1), 2-D weight tiles (32, 32) or (128, 128).
 
+# A tile above MAX_TILE_ELEMENTS (a 2-D 128x128 or 128x64 weight block) is not held in registers at
+# once: at 128 threads that is >= 64 fp32 values per thread per live tensor, and ptxas spilled
+# 2.5 KB per thread on sm_90. Such a tile is one block tall (NBR == 1); the kernel reads it in
+# slabs of MAX_TILE_ELEMENTS // TC rows, first for the block maxima (max is exact in any order),
+# then again to encode (the second read of a 64 KB tile comes mostly from L2). Bits do not change.
+MAX_TILE_ELEMENTS = 4096
+
 if triton is not None:
+    @triton.jit
+    def _mx_load_abs(x_ptr, rows, cols, M, N, sxm, sxn):
+        """fp32 x of a [R, C] slab (0 outside the tensor: padding cannot raise a block's amax),
+        |x| with NaN/Inf set to 0, and the NaN/Inf flags (tracked apart: max() need not propagate NaN,
+        and Inf must not become a scale)."""
+        mask = (rows[:, None] < M) & (cols[None, :] < N)
+        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * sxm + cols[None, :].to(tl.int64) * sxn,
+                    mask=mask, other=0.0).to(tl.float32)
+        a = tl.abs(x)
+        bad = ((a != a) | (a == float("inf"))).to(tl.int32)
+        return x, tl.where(bad != 0, 0.0, a), bad, mask
+
+    @triton.jit
+    def _mx_encode(x, inv, nbad, EMIN: tl.constexpr, MBITS: tl.constexpr, SIGN_SHIFT: tl.constexpr,
+                   MAX_NORMAL: tl.constexpr, NAN_CODE: tl.constexpr):
+        """Element codes of fp32 x given its block's 2**-s (`inv`) and NaN/Inf flag, broadcast to x."""
+        y = x * inv                                                  # exact: a power-of-two scaling
+        sign = (y.to(tl.int32, bitcast=True) >> 31) & 1
+        av = tl.minimum(tl.abs(y), MAX_NORMAL)                       # saturate
+        e = tl.maximum(((av.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, EMIN)
+        v = av * ((127 + MBITS - e) << 23).to(tl.float32, bitcast=True)   # units of the last mantissa bit
+        k = ((v + 8388608.0) - 8388608.0).to(tl.int32)               # round half to even via fp32 add
+        code = ((e - EMIN) << MBITS) + k                             # carry into the exponent is free
+        code = code | (sign << SIGN_SHIFT)
+        return tl.where(nbad != 0, NAN_CODE, code)
+
     @triton.jit
     def mx_quantize_kernel(x_ptr, e_ptr, s_ptr, M, N, MB, NB, sxm, sxn, sem, sen, ssm, ssn,
                            SR: tl.constexpr, SC: tl.constexpr, NBR: tl.constexpr, NBC: tl.constexpr,
@@ -275,20 +308,25 @@ if triton is not None:
                            NAN_CODE: tl.constexpr, ROUND_UP: tl.constexpr):
         TR: tl.constexpr = NBR * SR
         TC: tl.constexpr = NBC * SC
+        # slab rows: the whole tile when it is small, else MAX_TILE_ELEMENTS // TC rows of a tile
+        # that is one block tall (see MAX_TILE_ELEMENTS)
+        SLAB: tl.constexpr = TR if TR * TC <= 4096 or NBR > 1 else 4096 // TC
         pid_r = tl.program_id(0)
         pid_c = tl.program_id(1)
-        rows = pid_r * TR + tl.arange(0, TR)
         cols = pid_c * TC + tl.arange(0, TC)
-        mask = (rows[:, None] < M) & (cols[None, :] < N)
-        # Padding reads 0: it cannot raise a block's amax, so partial blocks scale by their valid elements.
-        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * sxm + cols[None, :].to(tl.int64) * sxn,
-                    mask=mask, other=0.0).to(tl.float32)
-        a = tl.abs(x)
-        # NaN/Inf are tracked apart: max() need not propagate NaN, and Inf must not become a scale.
-        bad = ((a != a) | (a == float("inf"))).to(tl.int32)
-        a = tl.where(bad != 0, 0.0, a)
-        amax = tl.max(tl.max(tl.reshape(a, (NBR, SR, NBC, SC)), axis=3), axis=1)        # [NBR, NBC]
-        nbad = tl.max(tl.max(tl.reshape(bad, (NBR, SR, NBC, SC)), axis=3), axis=1)
+        if SLAB == TR:
+            rows = pid_r * TR + tl.arange(0, TR)
+            x, a, bad, mask = _mx_load_abs(x_ptr, rows, cols, M, N, sxm, sxn)
+            amax = tl.max(tl.max(tl.reshape(a, (NBR, SR, NBC, SC)), axis=3), axis=1)    # [NBR, NBC]
+            nbad = tl.max(tl.max(tl.reshape(bad, (NBR, SR, NBC, SC)), axis=3), axis=1)
+        else:
+            amax = tl.zeros((1, NBC), dtype=tl.float32)
+            nbad = tl.zeros((1, NBC), dtype=tl.int32)
+            for r0 in range(0, TR, SLAB):
+                rows = pid_r * TR + r0 + tl.arange(0, SLAB)
+                x, a, bad, mask = _mx_load_abs(x_ptr, rows, cols, M, N, sxm, sxn)
+                amax = tl.maximum(amax, tl.max(tl.max(tl.reshape(a, (1, SLAB, NBC, SC)), axis=3), axis=1))
+                nbad = tl.maximum(nbad, tl.max(tl.max(tl.reshape(bad, (1, SLAB, NBC, SC)), axis=3), axis=1))
         abits = amax.to(tl.int32, bitcast=True)
         s = ((abits >> 23) & 0xFF) - 127 - EMAX                      # floor(log2(amax)) - emax
         if ROUND_UP:
@@ -302,19 +340,21 @@ if triton is not None:
 
         # Broadcast each block's 2**-s (a normal fp32, built from bits) back over its elements.
         inv = ((127 - s) << 23).to(tl.float32, bitcast=True)
-        inv = tl.reshape(tl.broadcast_to(tl.reshape(inv, (NBR, 1, NBC, 1)), (NBR, SR, NBC, SC)), (TR, TC))
-        nbad = tl.reshape(tl.broadcast_to(tl.reshape(nbad, (NBR, 1, NBC, 1)), (NBR, SR, NBC, SC)), (TR, TC))
-        y = x * inv                                                  # exact: a power-of-two scaling
-        sign = (y.to(tl.int32, bitcast=True) >> 31) & 1
-        av = tl.minimum(tl.abs(y), MAX_NORMAL)                       # saturate
-        e = tl.maximum(((av.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, EMIN)
-        v = av * ((127 + MBITS - e) << 23).to(tl.float32, bitcast=True)   # units of the last mantissa bit
-        k = ((v + 8388608.0) - 8388608.0).to(tl.int32)               # round half to even via fp32 add
-        code = ((e - EMIN) << MBITS) + k                             # carry into the exponent is free
-        code = code | (sign << SIGN_SHIFT)
-        code = tl.where(nbad != 0, NAN_CODE, code)
-        tl.store(e_ptr + rows[:, None].to(tl.int64) * sem + cols[None, :].to(tl.int64) * sen,
-                 code.to(tl.uint8), mask=mask)
+        if SLAB == TR:
+            inv_t = tl.reshape(tl.broadcast_to(tl.reshape(inv, (NBR, 1, NBC, 1)), (NBR, SR, NBC, SC)), (TR, TC))
+            bad_t = tl.reshape(tl.broadcast_to(tl.reshape(nbad, (NBR, 1, NBC, 1)), (NBR, SR, NBC, SC)), (TR, TC))
+            code = _mx_encode(x, inv_t, bad_t, EMIN, MBITS, SIGN_SHIFT, MAX_NORMAL, NAN_CODE)
+            tl.store(e_ptr + rows[:, None].to(tl.int64) * sem + cols[None, :].to(tl.int64) * sen,
+                     code.to(tl.uint8), mask=mask)
+        else:
+            inv_t = tl.reshape(tl.broadcast_to(tl.reshape(inv, (1, 1, NBC, 1)), (1, SLAB, NBC, SC)), (SLAB, TC))
+            bad_t = tl.reshape(tl.broadcast_to(tl.reshape(nbad, (1, 1, NBC, 1)), (1, SLAB, NBC, SC)), (SLAB, TC))
+            for r0 in range(0, TR, SLAB):
+                rows = pid_r * TR + r0 + tl.arange(0, SLAB)
+                x, a, bad, mask = _mx_load_abs(x_ptr, rows, cols, M, N, sxm, sxn)
+                code = _mx_encode(x, inv_t, bad_t, EMIN, MBITS, SIGN_SHIFT, MAX_NORMAL, NAN_CODE)
+                tl.store(e_ptr + rows[:, None].to(tl.int64) * sem + cols[None, :].to(tl.int64) * sen,
+                         code.to(tl.uint8), mask=mask)
 
 
 def _tile(sr: int, sc: int) -> tuple[int, int]:
@@ -351,6 +391,109 @@ def quantize_triton(x: torch.Tensor, fmt: str = "e4m3", axis: int = -1, block=32
                              ROUND_UP=scale_rounding == "up")
     return MXTensor(restore(e2d), _restore_scales(s2d, x, axis, block), fmt, axis, block, scale_rounding,
                     x.dtype, "triton")
+
+
+# ---------------------------------------------------------------------------
+# Row-wise and column-wise in one pass (what a training step's forward needs for x: the row-wise copy
+# for y = x W^T now, the column-wise copy for wgrad later). Transformer Engine's MXFP8 cast kernel
+# (`cast_mxfp8_2D_kernel`, sm_100) loads 32-row buffers of a 64x64 chunk into shared memory by TMA and
+# writes both directions from there; here one program holds a BLOCK x TC register tile and writes
+# both codes and both scale arrays. The high-precision tensor is read once instead of twice.
+
+ROWCOL_TILE_COLS = 128  # BLOCK (32) rows x 128 columns = 4096 elements per program: no spills
+
+if triton is not None:
+    @triton.jit
+    def _mx_scale(amax, nbad, EMAX: tl.constexpr, MAX_MANT: tl.constexpr, ROUND_UP: tl.constexpr):
+        """(s, biased E8M0 byte) of a block from its finite amax and NaN/Inf flag (module docstring)."""
+        abits = amax.to(tl.int32, bitcast=True)
+        s = ((abits >> 23) & 0xFF) - 127 - EMAX
+        if ROUND_UP:
+            s = s + ((abits & 0x7FFFFF) > MAX_MANT).to(tl.int32)
+        s = tl.minimum(tl.maximum(s, -127), 127)
+        return s, tl.where(nbad != 0, 255, s + 127)
+
+    @triton.jit
+    def mx_quantize_rowcol_kernel(x_ptr, er_ptr, sr_ptr, ec_ptr, sc_ptr, M, N, NBN, MBM, sxm, sxn,
+                                  BLOCK: tl.constexpr, TC: tl.constexpr,
+                                  EMAX: tl.constexpr, EMIN: tl.constexpr, MBITS: tl.constexpr,
+                                  SIGN_SHIFT: tl.constexpr, MAX_NORMAL: tl.constexpr, MAX_MANT: tl.constexpr,
+                                  NAN_CODE: tl.constexpr, ROUND_UP: tl.constexpr):
+        """One program: rows [BLOCK*pid_r, +BLOCK) x columns [TC*pid_c, +TC). Row-wise: 1 x BLOCK blocks
+        (scales sr [M, NBN]); column-wise: BLOCK x 1 blocks (scales sc [MBM, N]); codes er, ec [M, N]."""
+        NB: tl.constexpr = TC // BLOCK
+        pid_r = tl.program_id(0)
+        pid_c = tl.program_id(1)
+        rows = pid_r * BLOCK + tl.arange(0, BLOCK)
+        cols = pid_c * TC + tl.arange(0, TC)
+        x, a, bad, mask = _mx_load_abs(x_ptr, rows, cols, M, N, sxm, sxn)
+        off = rows[:, None].to(tl.int64) * N + cols[None, :].to(tl.int64)
+        # row-wise blocks: along the columns
+        amax_r = tl.max(tl.reshape(a, (BLOCK, NB, BLOCK)), axis=2)                  # [BLOCK rows, NB]
+        bad_r = tl.max(tl.reshape(bad, (BLOCK, NB, BLOCK)), axis=2)
+        s_r, b_r = _mx_scale(amax_r, bad_r, EMAX, MAX_MANT, ROUND_UP)
+        sb = pid_c * NB + tl.arange(0, NB)
+        tl.store(sr_ptr + rows[:, None] * NBN + sb[None, :], b_r.to(tl.uint8),
+                 mask=(rows[:, None] < M) & (sb[None, :] < NBN))
+        inv_r = ((127 - s_r) << 23).to(tl.float32, bitcast=True)
+        inv_r = tl.reshape(tl.broadcast_to(tl.reshape(inv_r, (BLOCK, NB, 1)), (BLOCK, NB, BLOCK)), (BLOCK, TC))
+        bad_rt = tl.reshape(tl.broadcast_to(tl.reshape(bad_r, (BLOCK, NB, 1)), (BLOCK, NB, BLOCK)), (BLOCK, TC))
+        code_r = _mx_encode(x, inv_r, bad_rt, EMIN, MBITS, SIGN_SHIFT, MAX_NORMAL, NAN_CODE)
+        tl.store(er_ptr + off, code_r.to(tl.uint8), mask=mask)
+        # column-wise blocks: the tile's BLOCK rows of each column are one block
+        amax_c = tl.max(a, axis=0)                                                   # [TC]
+        bad_c = tl.max(bad, axis=0)
+        s_c, b_c = _mx_scale(amax_c, bad_c, EMAX, MAX_MANT, ROUND_UP)
+        tl.store(sc_ptr + pid_r * N + cols, b_c.to(tl.uint8), mask=cols < N)   # grid: pid_r < MBM
+        inv_c = ((127 - s_c) << 23).to(tl.float32, bitcast=True)
+        code_c = _mx_encode(x, tl.broadcast_to(inv_c[None, :], (BLOCK, TC)),
+                            tl.broadcast_to(bad_c[None, :], (BLOCK, TC)), EMIN, MBITS, SIGN_SHIFT, MAX_NORMAL,
+                            NAN_CODE)
+        tl.store(ec_ptr + off, code_c.to(tl.uint8), mask=mask)
+
+
+def quantize_rowcol_reference(x: torch.Tensor, fmt: str = "e4m3", block: int = 32,
+                              scale_rounding: str = "floor") -> tuple[MXTensor, MXTensor]:
+    """Two passes of the reference: (row-wise 1 x block, column-wise block x 1) of a 2-D x."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        raise ValueError(f"row+column quantization needs a 2-D tensor, got {getattr(x, 'shape', type(x).__name__)}")
+    return (quantize_reference(x, fmt, axis=-1, block=block, scale_rounding=scale_rounding),
+            quantize_reference(x, fmt, axis=0, block=block, scale_rounding=scale_rounding))
+
+
+def quantize_rowcol_triton(x: torch.Tensor, fmt: str = "e4m3", block: int = 32,
+                           scale_rounding: str = "floor") -> tuple[MXTensor, MXTensor]:
+    """One pass over x [M, N]: both MX copies, bit-exact with `quantize_rowcol_reference`."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        raise ValueError(f"row+column quantization needs a 2-D tensor, got {getattr(x, 'shape', type(x).__name__)}")
+    _check_args(x, fmt, -1, block, scale_rounding)
+    if block > ROWCOL_TILE_COLS:
+        raise ValueError(f"one-pass row+column quantization supports block <= {ROWCOL_TILE_COLS}, got {block}")
+    if triton is None:
+        raise RuntimeError("triton is not installed; use quantize_rowcol_reference")
+    f = FORMATS[fmt]
+    M, N = x.shape
+    NBN, MBM = -(-N // block), -(-M // block)
+    dev = x.device
+    er = torch.empty((M, N), dtype=torch.uint8, device=dev)
+    ec = torch.empty((M, N), dtype=torch.uint8, device=dev)
+    sr = torch.empty((M, NBN), dtype=torch.uint8, device=dev)
+    sc = torch.empty((MBM, N), dtype=torch.uint8, device=dev)
+    if x.numel():
+        tc = ROWCOL_TILE_COLS
+        grid = (MBM, triton.cdiv(N, tc))
+        mx_quantize_rowcol_kernel[grid](x, er, sr, ec, sc, M, N, NBN, MBM, x.stride(0), x.stride(1),
+                                        BLOCK=block, TC=tc, EMAX=f.emax, EMIN=f.emin, MBITS=f.mbits,
+                                        SIGN_SHIFT=f.sign_shift, MAX_NORMAL=f.max_normal, MAX_MANT=f.max_mant,
+                                        NAN_CODE=f.nan_code, ROUND_UP=scale_rounding == "up")
+    return (MXTensor(er, sr, fmt, 1, block, scale_rounding, x.dtype, "triton"),
+            MXTensor(ec, sc, fmt, 0, block, scale_rounding, x.dtype, "triton"))
+
+
+def rowcol_bytes(M: int, N: int, hp_bytes: int = 2, block: int = 32, passes: int = 1) -> int:
+    """Bytes a row+column quantize moves: `passes` reads of the high-precision x, plus both copies'
+    1-byte codes and E8M0 scales (MXFP8). One pass reads x once; two passes read it twice."""
+    return passes * M * N * hp_bytes + 2 * M * N + M * (-(-N // block)) + (-(-M // block)) * N
 
 
 def pick_backend(device: torch.device, backend: str = "auto") -> tuple[str, str]:

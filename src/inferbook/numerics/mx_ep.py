@@ -1,0 +1,301 @@
+"""MXFP8 on the expert-parallel wire: dispatch and combine over torch.distributed whose payload is
+MXFP8 codes plus E8M0 scales, feeding a grouped GEMM that takes the pre-quantized rows.
+
+Transformer Engine 2.19 (seed section 七): NCCL-EP dispatch (forward) and combine (backward) accept
+MXFP8, and GroupedLinear / the fused grouped MLP accept pre-quantized inputs. The point: the GEMM
+consumes MXFP8 anyway, so quantizing *before* the exchange sends 1 + 1/32 bytes per element instead
+of BF16's 2, and the expert rank does not quantize again. Row-wise MX blocks run along the hidden
+dimension of one token, so a token's codes and scales do not depend on where it is quantized:
+quantize-then-exchange is bit-exact with exchange-then-quantize. `run_rank` checks exactly that.
+
+Layout (world W ranks, E experts, E % W == 0, experts_per_rank = E / W, expert e on rank e // epr):
+
+- each rank holds T tokens x [T, H] (BF16), top-k expert ids [T, k] and weights [T, k];
+- dispatch: every (token, slot) pair goes to its expert's rank, in the order (destination rank,
+  token, slot); counts are exchanged first (`all_to_all_single`), then the payload;
+- the expert rank sorts its received rows by local expert (stable) and runs one grouped GEMM
+  y = dequant(rows) @ W_e^T (fp32 accumulate, BF16 out);
+- combine (forward, BF16): y goes back along the reverse exchange; the origin sums
+  w[t, s] * y[t, s] over slots s = 0..k-1 in fp32, in slot order, and rounds to BF16 once;
+- combine backward: dy [T, N] goes to the experts by the same routing, with the same MXFP8 payload
+  option, and the expert rank computes dx rows = dequant(dy rows) @ W_e (the dgrad GEMM).
+
+Not built: DeepEP/NCCL-EP's deduplication of a token sent to several experts on one rank (here
+one row per (token, slot) pair), and their low-latency kernels; gloo on CPU moves the same bytes in
+the same order of operations.
+"""
+from __future__ import annotations
+
+import datetime
+import math
+import traceback
+from pathlib import Path
+
+import torch
+
+from ..errors import UserError
+from . import grouped, mx
+
+PAYLOADS = ("mxfp8", "bf16")
+BLOCK = 32
+
+
+def check_layout(world: int, experts: int, topk: int, hidden: int) -> int:
+    """experts_per_rank, or UserError naming what does not fit."""
+    for name, v in (("world", world), ("experts", experts), ("topk", topk), ("hidden", hidden)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise UserError(f"{name} must be a positive int, got {v!r}")
+    if world > 8:
+        raise UserError(f"world must be at most 8 ranks on one machine, got {world}")
+    if hidden % BLOCK:
+        raise UserError(f"hidden={hidden} must be a multiple of the MX block ({BLOCK})")
+    if experts % world:
+        raise UserError(f"experts={experts} must be a multiple of the ranks ({world})")
+    if topk > experts:
+        raise UserError(f"topk={topk} exceeds experts={experts}")
+    return experts // world
+
+
+def make_problem(rank: int, tokens: int, hidden: int, inter: int, experts: int, topk: int, seed: int) -> dict:
+    """This rank's tokens, routing and upstream gradient, and every expert's weight [E, N, H]
+    (the same on every rank from the seed; each rank uses its own experts'). Fresh random values."""
+    g = torch.Generator().manual_seed(seed * 7919 + rank)
+    x = torch.randn(tokens, hidden, generator=g)
+    x[:, torch.randperm(hidden, generator=g)[: max(1, hidden // 64)]] *= 20.0   # outlier channels
+    logits = torch.randn(tokens, experts, generator=g)
+    w_top, ids = logits.softmax(-1).topk(topk, dim=-1)
+    dy = torch.randn(tokens, inter, generator=g)
+    gw = torch.Generator().manual_seed(seed * 104729)
+    w = torch.randn(experts, inter, hidden, generator=gw) / math.sqrt(hidden)
+    return {"x": x.bfloat16(), "ids": ids, "weights": w_top.float(), "dy": dy.bfloat16(), "w": w.bfloat16()}
+
+
+def _order(ids: torch.Tensor, epr: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pair order, destination rank per pair in that order): pairs (token, slot) flattened and
+    stably sorted by destination rank."""
+    dest = (ids // epr).reshape(-1)
+    order = torch.sort(dest, stable=True).indices
+    return order, dest[order]
+
+
+def _a2a(t: torch.Tensor, send_counts: list[int], recv_counts: list[int], group=None) -> torch.Tensor:
+    """all_to_all_single of the rows of t [P, ...] (rows sent in destination-rank order)."""
+    import torch.distributed as dist
+
+    row = int(math.prod(t.shape[1:]))
+    out = torch.empty((sum(recv_counts), *t.shape[1:]), dtype=t.dtype, device=t.device)
+    dist.all_to_all_single(out.view(-1) if row else out, t.contiguous().view(-1) if row else t,
+                           [c * row for c in recv_counts], [c * row for c in send_counts], group=group)
+    return out
+
+
+def quantize_rows(x: torch.Tensor) -> mx.MXTensor:
+    """Row-wise 1 x 32 MXFP8 E4M3 (floor rule) along the last axis: what the GEMM reduces over."""
+    chosen, _ = mx.pick_backend(x.device, "auto")
+    fn = mx.quantize_triton if chosen == "triton" else mx.quantize_reference
+    return fn(x, "e4m3", axis=-1, block=BLOCK)
+
+
+def exchange(rows: torch.Tensor, dest: torch.Tensor, world: int, payload: str, group=None) -> dict:
+    """Send rows [P, D] (BF16, already in destination-rank order `dest` [P]) to their ranks.
+
+    payload 'mxfp8': quantize here, send codes [P, D] uint8 and scales [P, D/32] uint8, return the
+    received MXTensor. payload 'bf16': send the rows, return them (the receiver quantizes).
+    Returns {'mx' or 'bf16', 'send_counts', 'recv_counts', 'bytes_sent'}."""
+    import torch.distributed as dist
+
+    if payload not in PAYLOADS:
+        raise UserError(f"payload must be one of {PAYLOADS}, got {payload!r}")
+    send = torch.bincount(dest, minlength=world).to(torch.int64)
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    sc, rc = send.tolist(), recv.tolist()
+    if payload == "mxfp8":
+        q = quantize_rows(rows)
+        codes, scales = _a2a(q.elements, sc, rc, group), _a2a(q.scales, sc, rc, group)
+        got = mx.MXTensor(codes, scales, "e4m3", 1, BLOCK, "floor", rows.dtype, q.backend)
+        return {"mx": got, "send_counts": sc, "recv_counts": rc,
+                "bytes_sent": q.elements.numel() + q.scales.numel()}
+    got = _a2a(rows, sc, rc, group)
+    return {"bf16": got, "send_counts": sc, "recv_counts": rc, "bytes_sent": rows.numel() * rows.element_size()}
+
+
+def received_mx(ex: dict) -> mx.MXTensor:
+    """The MXFP8 rows the expert GEMM consumes: as received, or quantized on arrival (BF16 payload)."""
+    return ex["mx"] if "mx" in ex else quantize_rows(ex["bf16"])
+
+
+def expert_gemm(a: mx.MXTensor, local_expert: torch.Tensor, w_local: torch.Tensor) -> torch.Tensor:
+    """The expert rank's grouped GEMM on its received MXFP8 rows, in received order.
+
+    a: rows [R, K] as MXFP8; local_expert [R] in 0..G-1; w_local [G, N, K]. Rows are grouped by expert
+    (stable sort), each group is one matmul of its dequantized rows (fp32 values, exact) with fp32
+    accumulation, BF16 out; returns [R, N] in received order."""
+    by_expert = torch.sort(local_expert, stable=True).indices
+    sizes = torch.bincount(local_expert, minlength=w_local.shape[0]).tolist()
+    y_sorted = grouped.grouped_gemm_reference(mx.dequantize(a)[by_expert], w_local.float(), sizes).bfloat16()
+    y = torch.empty_like(y_sorted)
+    y[by_expert] = y_sorted
+    return y
+
+
+def combine(pair_rows: torch.Tensor, order: torch.Tensor, T: int, k: int, weights: torch.Tensor | None):
+    """Rows back at their origin, in send order -> [T, D]: sum over slots 0..k-1 in slot order in fp32,
+    weighted by `weights` [T, k] (forward) or not (backward's dx), rounded to BF16 once."""
+    pair = torch.empty(T * k, pair_rows.shape[1], dtype=pair_rows.dtype)
+    pair[order] = pair_rows
+    pair = pair.view(T, k, -1).float()
+    out = torch.zeros(T, pair_rows.shape[1], dtype=torch.float32)
+    for s in range(k):
+        out += pair[:, s] * (weights[:, s, None] if weights is not None else 1.0)
+    return out.bfloat16()
+
+
+def _pairs(p: dict, epr: int) -> dict:
+    """A rank's (token, slot) pairs in send order: order, destination, token, local expert, and the
+    backward's per-pair upstream gradient w[t, s] * dy[t] (BF16)."""
+    T, k = p["ids"].shape
+    order, dest = _order(p["ids"], epr)
+    tok = order // k
+    local = p["ids"].reshape(-1)[order] % epr
+    dy_pairs = (p["dy"].float()[tok] * p["weights"].reshape(-1)[order, None]).bfloat16()
+    return {"order": order, "dest": dest, "tok": tok, "local": local, "dy": dy_pairs, "T": T, "k": k}
+
+
+def moe_forward_backward(p: dict, rank: int, world: int, epr: int, payload: str, group=None) -> dict:
+    """One MoE layer's expert part across the ranks: dispatch (payload), grouped GEMM, combine (BF16);
+    then the backward's dy dispatch (payload) and dgrad grouped GEMM, combined back (BF16).
+    Returns this rank's combined forward output [T, N], dx [T, H] and the bytes it sent."""
+    q = _pairs(p, epr)
+    send = torch.bincount(q["dest"], minlength=world).tolist()
+    ex = exchange(p["x"][q["tok"]], q["dest"], world, payload, group)
+    recv = ex["recv_counts"]
+    local_in = _a2a(q["local"], send, recv, group)                   # which local expert each row is for
+    w_local = p["w"][rank * epr:(rank + 1) * epr]                    # [epr, N, H]
+    a = received_mx(ex)
+    y = expert_gemm(a, local_in, w_local)
+    out = combine(_a2a(y, recv, send, group), q["order"], q["T"], q["k"], p["weights"])   # BF16 combine
+
+    exb = exchange(q["dy"], q["dest"], world, payload, group)        # combine backward: dy to the experts
+    dq = received_mx(exb)
+    dx_rows = expert_gemm(dq, local_in, w_local.transpose(1, 2))     # dgrad: dy @ W_e
+    dx = combine(_a2a(dx_rows, recv, send, group), q["order"], q["T"], q["k"], None)
+    return {"out": out, "dx": dx, "bytes_sent": ex["bytes_sent"] + exb["bytes_sent"],
+            "received_codes": a.elements, "received_scales": a.scales}
+
+
+def single_process_reference(problems: list[dict], epr: int) -> list[dict]:
+    """The same layer with no communication: every rank's pairs gathered in one process in the order an
+    all-to-all delivers them (source rank, then the source's send order), quantized before the move,
+    the same grouped GEMM and the same combine. The distributed result must equal it in bits."""
+    world = len(problems)
+    pairs = [_pairs(p, epr) for p in problems]
+    outs = [{} for _ in problems]
+    for what in ("fwd", "bwd"):
+        back = [[None] * world for _ in range(world)]                # back[src][dst]: rows for src from dst
+        for dst in range(world):
+            sel = [pr["dest"] == dst for pr in pairs]
+            rows = [quantize_rows(problems[s]["x"][pairs[s]["tok"][sel[s]]] if what == "fwd" else pairs[s]["dy"][sel[s]])
+                    for s in range(world)]
+            a = mx.MXTensor(torch.cat([r.elements for r in rows]), torch.cat([r.scales for r in rows]), "e4m3", 1,
+                            BLOCK, "floor", torch.bfloat16)
+            local = torch.cat([pairs[s]["local"][sel[s]] for s in range(world)])
+            w_local = problems[dst]["w"][dst * epr:(dst + 1) * epr]
+            y = expert_gemm(a, local, w_local if what == "fwd" else w_local.transpose(1, 2))
+            counts = [int(x.sum()) for x in sel]
+            for s, part in enumerate(torch.split(y, counts)):
+                back[s][dst] = part
+        for s, p in enumerate(problems):
+            rows = torch.cat(back[s])
+            pr = pairs[s]
+            outs[s]["out" if what == "fwd" else "dx"] = combine(rows, pr["order"], pr["T"], pr["k"],
+                                                                p["weights"] if what == "fwd" else None)
+    return outs
+
+
+def run_rank(rank: int, world: int, init_method: str, args: dict, out_dir: str, timeout_s: float) -> None:
+    """One rank (spawned by `launch`): both payloads on the same problem, their results and the
+    dispatch times of each payload."""
+    import torch.distributed as dist
+
+    from ..measure import benchmark
+
+    torch.set_num_threads(1)
+    path = Path(out_dir)
+    try:
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+        try:
+            epr = check_layout(world, args["experts"], args["topk"], args["hidden"])
+            p = make_problem(rank, args["tokens"], args["hidden"], args["inter"], args["experts"], args["topk"],
+                             args["seed"])
+            res = {pl: moe_forward_backward(p, rank, world, epr, pl) for pl in PAYLOADS}
+            times = {}
+            reps = int(args.get("reps", 0))
+            if reps:
+                order, dest = _order(p["ids"], epr)
+                rows = p["x"][order // p["ids"].shape[1]]
+                for pl in PAYLOADS:
+                    dist.barrier()
+                    t = benchmark(lambda pl=pl: exchange(rows, dest, world, pl), torch.device("cpu"),
+                                  label=f"dispatch {pl}", warmup=2, min_reps=reps, max_reps=reps, min_time_s=0.0)
+                    times[pl] = list(t.samples_s)
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()
+        torch.save({"rank": rank, "results": res, "times": times}, path / f"rank{rank}.pt")
+    except BaseException:
+        (path / f"rank{rank}.err").write_text(traceback.format_exc())
+        raise
+
+
+def launch(world: int, *, tokens: int, hidden: int, inter: int, experts: int, topk: int, seed: int = 0,
+           reps: int = 0, timeout_s: float = 120.0) -> list[dict]:
+    """Spawn `world` gloo ranks on loopback, run both payloads; the ranks' results in rank order."""
+    from ..dist import loopback_ranks
+
+    check_layout(world, experts, topk, hidden)
+    args = dict(tokens=tokens, hidden=hidden, inter=inter, experts=experts, topk=topk, seed=seed, reps=reps)
+    with loopback_ranks(run_rank, world, (args,), timeout_s=timeout_s, what="MXFP8 dispatch/combine",
+                        prefix="inferbook-mxep-") as out_dir:
+        return [torch.load(out_dir / f"rank{r}.pt", weights_only=True) for r in range(world)]
+
+
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.view(torch.int16), b.view(torch.int16)) \
+        if a.dtype == torch.bfloat16 else torch.equal(a, b)
+
+
+def check(results: list[dict], *, tokens: int, hidden: int, inter: int, experts: int, topk: int,
+          seed: int = 0) -> list[dict]:
+    """Rows {check, passed, detail}: per rank, the MXFP8 payload's forward output and dx equal the
+    BF16 payload's (quantized after the exchange) bit for bit, the received codes and scales too,
+    and both equal the single-process layer with no exchange."""
+    world = len(results)
+    epr = check_layout(world, experts, topk, hidden)
+    probs = [make_problem(r, tokens, hidden, inter, experts, topk, seed) for r in range(world)]
+    single = single_process_reference(probs, epr)
+    rows = []
+    for r, res in enumerate(results):
+        m, b = res["results"]["mxfp8"], res["results"]["bf16"]
+        for what in ("out", "dx"):
+            rows.append({"check": f"rank {r} {what}: MXFP8 payload == quantize after the exchange, in bits",
+                         "passed": bits_equal(m[what], b[what]) and bool(torch.isfinite(m[what].float()).all()),
+                         "detail": f"{int((m[what].view(torch.int16) != b[what].view(torch.int16)).sum())} elements differ"})
+            rows.append({"check": f"rank {r} {what}: == the single-process layer, in bits",
+                         "passed": bits_equal(m[what], single[r][what]),
+                         "detail": f"{int((m[what].view(torch.int16) != single[r][what].view(torch.int16)).sum())} "
+                                   "elements differ"})
+        rows.append({"check": f"rank {r}: received codes and scales identical for both payloads",
+                     "passed": torch.equal(m["received_codes"], b["received_codes"])
+                     and torch.equal(m["received_scales"], b["received_scales"]), "detail": ""})
+    return rows
+
+
+def payload_bytes(rows: int, hidden: int, payload: str) -> int:
+    """Bytes one dispatch puts on the wire for `rows` rows of `hidden` elements."""
+    if payload == "mxfp8":
+        return rows * hidden + rows * (-(-hidden // BLOCK))
+    if payload == "bf16":
+        return rows * hidden * 2
+    raise UserError(f"payload must be one of {PAYLOADS}, got {payload!r}")
