@@ -79,6 +79,10 @@ def test_problems_name_the_resource():
     (p,) = compiled.problems(row)
     assert "220.0 KB > 163 KB" in p and "sm_80" in p and "A100" in p
     assert compiled.problems({**row, "shared_kb": 100.0}) == []
+    spills = {**row, "target": "sm_90", "shared_kb": 100.0, "smem_limit_kb": 227, "spill_bytes": 892, "regs": 255}
+    assert compiled.problems({**spills, "kernel": "other_kernel"}) == []          # reported, not a failure
+    (p,) = compiled.problems({**spills, "kernel": "moe_gemm_kernel"})
+    assert "892 bytes of register spills" in p and "moe_gemm_kernel" in p
     assert compiled.problems({"ok": False, "error": "CompilationError: boom"}) == ["compile error: CompilationError: boom"]
 
 
@@ -101,6 +105,38 @@ def test_roofline_prediction_is_labelled():
     df = compiled.predicted_roofline("x", [{"name": "gemv", "bytes": 16e6, "flops": 1e8}],
                                      measured={("gemv", "H200 SXM"): 5e-6})
     assert df.iloc[0]["H200 SXM"] == "5.00 µs (measured)"
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["inspect", "no-such-chapter"], "unknown chapter"),
+    (["inspect", "chord-w4a16", "--target", "sm_75"], "unknown target"),
+    (["inspect", "upgrade-record"], "launches no Triton kernel"),
+    (["inspect"], "give one CHAPTER or --all"),
+    (["inspect", "chord-w4a16", "--jobs", "0"], "--jobs"),
+])
+def test_inspect_bad_input_is_one_line_exit_2(argv, match, capsys):
+    from inferbook.cli import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert match in err and err.count("\n") == 1
+
+
+def test_chapter_section_reads_the_record(tmp_path):
+    row = dict(slug="x", index=0, launch="gemv M1", target="sm_90", source="s", kernel="k", ok=True, shared_kb=68.0,
+               smem_limit_kb=227, smem_ok=True, regs=167, spill_stores=0, spill_loads=0, spill_bytes=0, num_warps=4,
+               num_stages=4, mma="mma.sync m16n8k16", mma_family="mma.sync", loads_summary="ld 2B×32")
+    rows = [row, {**row, "target": "sm_100", "mma": "tcgen05 kind::f16", "mma_family": "tcgen05"},
+            {**row, "target": "sm_80", "shared_kb": 220.0, "smem_limit_kb": 163, "smem_ok": False}]
+    compiled.save_table("x", rows, root=tmp_path)
+    sec = compiled.CompilerSection("x", [{"name": "gemv", "bytes": 16e6, "flops": 1e8}], root=tmp_path)
+    assert list(sec.table["target"]) == ["sm_90", "sm_100", "sm_80"] and "✗" in sec.table.iloc[2]["shared KB"]
+    assert sec.glue["cc_x_sm90_mma"] == "mma.sync" and sec.glue["cc_x_sm100_mma"] == "tcgen05"
+    assert sec.glue["cc_x_failures"].startswith("1: gemv M1 on sm_80: shared memory 220.0 KB > 163 KB")
+    assert "bounded by" in sec.glue["cc_x_sm90_limit"]
+    assert compiled.launch_mma("x", "gemv M1", "sm_100", root=tmp_path) == "tcgen05 kind::f16"
+    html = sec._repr_html_()
+    assert "predicted, not measured" in html and "3.35 TB/s" in html
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -226,9 +262,19 @@ def test_mx_tail_and_diffusion_builders_match_launchers(recorded, monkeypatch):
 
 TARGETS = [t.strip() for t in os.environ.get("INFERBOOK_COMPILE_TARGETS", "sm_80,sm_90,sm_100").split(",") if t.strip()]
 
-# Known failures, each to be removed by the change that fixes it: (target, launch-name prefix) ->
-# why. Such a row is reported, not failed; when it stops failing, the test fails until the entry goes.
-KNOWN_FAILURES: dict[tuple[str, str], str] = {}
+# Known failures, each to be removed by the change that fixes it. A matching row is reported, not
+# failed; once no matching row fails any more, the test fails until the entry is removed.
+# (target, kernel, text in the launch name) -> why. Issue 13 item 2 fixes these (the MoE and MX
+# kernels are being rewritten on other branches): at merge, delete each entry whose fix has landed
+# (the test says which), and the check then holds the fixed kernels to the limits.
+KNOWN_FAILURES: dict[tuple[str, str, str], str] = {
+    ("sm_80", "moe_gemm_kernel", "gate_up"):
+        "the W4A16 tile loader stages one int32 per weight element: 176-220 KB of shared memory, over an A100's 163 KB",
+    ("sm_90", "moe_gemm_kernel", "cfg 16x64x128"):
+        "255 registers and 560-732 bytes of spills at the 16x64x128 decode config",
+    ("sm_90", "mx_quantize_kernel", "2-D 128x128"):
+        "fp32 128x128 tiles: about 2.5 KB of spills",
+}
 
 
 def _has_ptxas() -> bool:
@@ -252,7 +298,8 @@ def test_every_gpu_launch_compiles_and_fits():
     assert not missing, f"gpu_launches() returned no launch for {missing}"
     bad, known, fixed = [], [], set(KNOWN_FAILURES)
     for r in rows:
-        key = next((k for k in KNOWN_FAILURES if k[0] == r["target"] and r["launch"].startswith(k[1])), None)
+        key = next((k for k in KNOWN_FAILURES
+                    if k[0] == r["target"] and k[1] == r.get("kernel") and k[2] in r["launch"]), None)
         why = compiled.problems(r)
         if key is not None:
             if why:
@@ -261,5 +308,10 @@ def test_every_gpu_launch_compiles_and_fits():
             continue
         if why:
             bad.append(f"{r['slug']}: {r['launch']} ({r.get('source', '')}) on {r['target']}: {'; '.join(why)}")
+    if known:
+        import warnings
+
+        warnings.warn(f"{len(known)} known failure(s) still fail (KNOWN_FAILURES): " + "; ".join(
+            f"{r['launch']} on {r['target']}: {'; '.join(compiled.problems(r))}" for r in known))
     assert not bad, f"{len(bad)} gpu-preset launch(es) fail:\n" + "\n".join(bad)
     assert not fixed, f"these known failures no longer fail; remove them from KNOWN_FAILURES: {sorted(fixed)}"
