@@ -215,14 +215,22 @@ def mma_summary(mma: dict) -> str:
     return f"{mma['family']} {','.join(mma['shapes'])}".strip()
 
 
+# Kernels that must not spill registers, per target (issue 13: moe_gemm and mx_quantize on sm_90).
+NO_SPILL = {"sm_90": ("moe_gemm_kernel", "mx_quantize_kernel")}
+
+
 def problems(row: dict) -> list[str]:
-    """What makes a row a failure: a compile error or shared memory over the per-block limit."""
+    """What makes a row a failure: a compile error, shared memory over the per-block limit, or spills
+    in a kernel that `NO_SPILL` says must not spill on that target."""
     if not row.get("ok"):
         return [f"compile error: {row.get('error', '?')}"]
     out = []
     if row["shared_kb"] > row["smem_limit_kb"]:
         out.append(f"shared memory {row['shared_kb']:.1f} KB > {row['smem_limit_kb']} KB per-block limit "
                    f"of {row['target']} ({TARGET_GPUS.get(row['target'], '')})")
+    if row.get("spill_bytes") and row.get("kernel") in NO_SPILL.get(row["target"], ()):
+        out.append(f"{row['spill_bytes']} bytes of register spills ({row['regs']} registers) in "
+                   f"{row['kernel']} on {row['target']}, which must not spill")
     return out
 
 
@@ -552,6 +560,24 @@ CARDS = {
 _CARD_MATCH = {"H100 SXM": ("h100",), "H200 SXM": ("h200",), "B200": ("b200",)}
 
 
+def _si(x: float, unit: str) -> str:
+    """16537600 B -> '16.5 MB' (decimal prefixes, 3 significant figures)."""
+    from .measure import significant
+
+    if not x:
+        return "0"
+    for p, f in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(x) >= f:
+            return f"{significant(x / f, 3)} {p}{unit}"
+    return f"{significant(x, 3)} {unit}"
+
+
+def roofline_bound(bytes_moved: float, flops: float, card: str) -> str:
+    """'memory' when moving the bytes takes longer than the flops at `card`'s published rates."""
+    c = CARDS[card]
+    return "memory" if bytes_moved / c["bandwidth_TBps"] >= flops / c["bf16_TFLOPs"] else "compute"
+
+
 def roofline_seconds(bytes_moved: float, flops: float, card: str) -> float:
     """max(bytes / bandwidth, flops / BF16 rate): the time no kernel on `card` can beat."""
     c = CARDS[card]
@@ -570,7 +596,7 @@ def predicted_roofline(chapter: str, work: list[dict], measured: dict | None = N
     measured = measured or {}
     rows = []
     for w in work:
-        row = {"workload": w["name"], "bytes": significant(w["bytes"], 3), "flops": significant(w["flops"], 3)}
+        row = {"workload": w["name"], "bytes": _si(w["bytes"], "B"), "flops": _si(w["flops"], "FLOP")}
         for card in CARDS:
             m = measured.get((w["name"], card))
             if m is not None:
