@@ -286,6 +286,7 @@ def _has_ptxas() -> bool:
         return False
 
 
+@pytest.mark.timeout(1800)  # a cold cache on a loaded 2-core machine: minutes (warm: seconds)
 def test_every_gpu_launch_compiles_and_fits():
     """One test (so that pytest-xdist runs the compiles once): every chapter's gpu-preset launches
     compile for each target and fit its per-block shared memory. The message names each launch, its

@@ -438,13 +438,15 @@ def inspect(slugs: list[str], targets: list[str], *, jobs: int = 2, cache_dir: s
             out = Path(d) / f"rows{k}.jsonl"
             cmd = [sys.executable, "-m", "inferbook.compiled", "_worker", str(out), ",".join(slugs),
                    ",".join(targets), str(k), str(jobs)]
-            procs.append((out, subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                                text=True)))
+            log = open(Path(d) / f"log{k}.txt", "w")   # a file, not a pipe: a full pipe would stall the worker
+            procs.append((out, log, subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)))
         rows = []
-        for out, p in procs:
-            log, _ = p.communicate(timeout=timeout_s)
+        for out, log, p in procs:
+            p.wait(timeout=timeout_s)
+            log.close()
             if p.returncode != 0:
-                raise RuntimeError(f"compile worker failed (exit {p.returncode}):\n{log[-3000:]}")
+                text = Path(log.name).read_text()
+                raise RuntimeError(f"compile worker failed (exit {p.returncode}):\n{text[-3000:]}")
             rows += [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
     order = {s: n for n, s in enumerate(slugs)}
     tix = {t: n for n, t in enumerate(TARGETS)}
