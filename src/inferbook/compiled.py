@@ -416,7 +416,8 @@ def repo_root() -> Path:
 
 
 def default_cache_dir() -> Path:
-    return repo_root() / ".cache" / "triton-aot"
+    """.cache/triton-aot under the repository root (INFERBOOK_AOT_CACHE overrides): kept between runs."""
+    return Path(os.environ.get("INFERBOOK_AOT_CACHE") or repo_root() / ".cache" / "triton-aot")
 
 
 def inspect(slugs: list[str], targets: list[str], *, jobs: int = 2, cache_dir: str | Path | None = None,
