@@ -491,8 +491,17 @@ def save_table(slug: str, rows: list[dict], root: Path | None = None) -> Path:
            "note": "ahead-of-time compile for NVIDIA targets on a CPU machine (no GPU, no driver); "
                    "registers and spills from ptxas -v, MMA and load widths from the PTX",
            "rows": keep}
-    path.write_text(json.dumps(doc, indent=1, default=str) + "\n")
+    path.write_text(_dump(doc))
     return path
+
+
+def _dump(doc: dict) -> str:
+    """The record as JSON with one row per line (small diffs when a kernel changes)."""
+    head = {k: v for k, v in doc.items() if k != "rows"}
+    lines = json.dumps(head, indent=1, default=str)[:-2]
+    rows = ",\n".join("  " + json.dumps(r, default=str, ensure_ascii=False) for r in doc["rows"])
+    return f'{lines},\n "rows": [\n{rows}\n ]\n}}\n'
+
 
 
 def load_table(slug: str, root: Path | None = None) -> dict | None:
