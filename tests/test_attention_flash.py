@@ -163,13 +163,31 @@ def test_paged_batched_q_matches_reference():
     assert err <= 2 * ref_err + 2 * 2.0 ** -8
 
 
-@pytest.mark.parametrize("hk", [2, 1], ids=["GQA", "MQA"])
-def test_pack_gqa_on_off_bitwise(hk):
+@pytest.mark.parametrize("sq, sk", [(23, 50), (130, 130)])
+@pytest.mark.parametrize("hk", [4, 2, 1], ids=["MHA", "GQA", "MQA"])
+def test_pack_gqa_on_off_agree(hk, sq, sk):
+    """PackGQA changes which (position, head) rows share a tile, not any row's arithmetic: the same
+    K/V tiles in the same order, and fully masked tiles add exactly 0 with alpha exactly 1. Compiled,
+    the two agree bitwise; in the interpreter the dot products are numpy/BLAS calls whose summation
+    order may depend on the tile's shape (seen on AMD EPYC: one ulp in one LSE element), so across
+    different tilings only agreement to the rounding of fp32 is guaranteed. With one query head per
+    KV head (MHA) PackGQA is a no-op, the tiles are the same, and the results must be bitwise equal.
+    130x130 spans several packed row tiles on the causal diagonal, where a packed tile's key range
+    must come from its query positions (row // group), not its packed rows."""
     g = gen(9)
-    q, k, v = rnd(g, 2, 23, 4, 64), rnd(g, 2, 50, hk, 64), rnd(g, 2, 50, hk, 64)
+    q, k, v = rnd(g, 2, sq, 4, 64), rnd(g, 2, sk, hk, 64), rnd(g, 2, sk, hk, 64)
     on = flash.attention(q, k, v, causal=True, pack_gqa=True, return_lse=True)
     off = flash.attention(q, k, v, causal=True, pack_gqa=False, return_lse=True)
-    assert torch.equal(on[0], off[0]) and torch.equal(on[1], off[1])
+    assert torch.isfinite(on[1]).all() and not on[0].isnan().any()
+    if hk == q.shape[2]:
+        assert torch.equal(on[0], off[0]) and torch.equal(on[1], off[1])
+        return
+    # lse: a few fp32 ulps of its magnitude; out: one bf16/fp16 ulp (the fp32 values, a few fp32
+    # ulps apart, may round to neighbouring values) plus the fp32 error of a weighted mean of O(1)
+    # values. A wrong head or position mapping errs by O(0.1) and fails.
+    lse_tol = 8 * torch.finfo(torch.float32).eps * float(off[1].abs().max())
+    assert float((on[1] - off[1]).abs().max()) <= lse_tol
+    torch.testing.assert_close(on[0].float(), off[0].float(), rtol=torch.finfo(q.dtype).eps, atol=1e-5)
 
 
 # --- bad input is refused before any work -------------------------------------------------------

@@ -7,6 +7,7 @@
     inferbook results [--chapter C] [--compare A B]
     inferbook ceilings [--device D] [--save-reference]
     inferbook budgets [--preset P]
+    inferbook inspect CHAPTER|--all [--target sm_80|sm_90|sm_100|all] [--save] [--jobs N]
     inferbook workflow run FILE.json [--output-dir D] [--input-dir D] [--device D] [--no-cache]
     inferbook workflow validate FILE.json
 
@@ -237,6 +238,34 @@ class _OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"inferbook: error: {message} (see '{self.prog} --help')\n")
 
 
+def cmd_inspect(args) -> int:
+    """Compile a chapter's gpu-preset launches ahead of time for NVIDIA targets (no GPU needed) and
+    print one line per launch; the table is saved as a record (data/compiled/<slug>.json with
+    --save, else _build/compiled/<slug>.json)."""
+    from . import compiled, toc
+    from .errors import UserError, choices
+
+    if args.all == (args.chapter is not None):
+        raise UserError("give one CHAPTER or --all")
+    targets = list(compiled.TARGETS) if args.target == "all" else [args.target]
+    if args.target != "all" and args.target not in compiled.TARGETS:
+        raise UserError(f"unknown target {args.target!r}; choose {choices(list(compiled.TARGETS) + ['all'])}")
+    if args.jobs < 1:
+        raise UserError(f"--jobs must be >= 1, got {args.jobs}")
+    slugs = compiled.kernel_chapters() if args.all else [toc.get_chapter(args.chapter).slug]
+    if not args.all and not compiled.has_launches(slugs[0]):
+        raise UserError(f"chapter {slugs[0]!r} launches no Triton kernel at its gpu preset; chapters with kernels: "
+                        f"{', '.join(compiled.kernel_chapters())}")
+    rows = compiled.inspect(slugs, targets, jobs=args.jobs)
+    print(compiled.format_table(rows))
+    bad = [f"{r['launch']} on {r['target']}: {'; '.join(compiled.problems(r))}" for r in rows if compiled.problems(r)]
+    root = compiled.repo_root() if args.save else compiled.repo_root() / "_build"
+    for slug in slugs:
+        print(f"  record: {compiled.save_table(slug, rows, root=root)}")
+    print(f"{len(rows)} compiles, {len(bad)} problem(s)" + "".join(f"\n  {b}" for b in bad))
+    return 1 if bad else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = _OneLineParser(prog="inferbook", description="Execute, measure and render the inferbook chapters.")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -257,6 +286,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto")
     p.add_argument("--save-reference", action="store_true")
     p.set_defaults(fn=cmd_ceilings)
+    p = sub.add_parser("inspect", help="compile a chapter's gpu-preset Triton launches for sm_80/90/100 (no GPU)")
+    p.add_argument("chapter", nargs="?")
+    p.add_argument("--all", action="store_true", help="every chapter with Triton launches")
+    p.add_argument("--target", default="sm_90", help="sm_80, sm_90 (default), sm_100 or all")
+    p.add_argument("--save", action="store_true", help="write data/compiled/<slug>.json (commit it)")
+    p.add_argument("--jobs", type=int, default=2, help="compiling processes (default 2)")
+    p.set_defaults(fn=cmd_inspect)
     p = sub.add_parser("book", help="execute changed chapters and build _build/html")
     p.add_argument("--force", action="store_true", help="re-execute every chapter")
     p.add_argument("--keep-going", action="store_true", help="build the other chapters when one fails")

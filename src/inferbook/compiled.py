@@ -1,21 +1,50 @@
 """Ahead-of-time compilation of the launches a chapter's `gpu` preset makes, for real NVIDIA targets.
 
 A launch is described, not run: `Launch(name, kernel, args, kwargs, source)` carries the positional
-arguments as the launcher passes them (tensors may be `ptr(dtype)` stand-ins: only dtype and
-alignment matter to the compiler; Python ints as the launcher passes them, since Triton specialises
-on ints equal to 1 and divisible by 16) and the keyword arguments (constexprs, `num_warps`,
-`num_stages`). Each launcher builds its `Launch` from the same config function it launches with, so
-the check sees what a GPU would run.
+arguments as the launcher passes them (tensors may be `ptr(dtype)` stand-ins or `meta` tensors: only
+dtype and alignment matter to the compiler; Python ints as the launcher passes them, since Triton
+specialises on ints equal to 1 and divisible by 16) and the keyword arguments (constexprs,
+`num_warps`, `num_stages`). Each launcher builds its `Launch` from the same config function it
+launches with, so the check sees what a GPU would run. Each chapter module with Triton kernels
+declares `gpu_launches(params) -> list[Launch]` for its resolved `gpu` preset.
 
-(This module is filled in by the compile-check work: `compile_launch`, `inspect_chapter`, the
-report table. The `Launch` type and `ptr` are the stable interface kernel modules use.)
+Compiling needs no GPU and no driver: a stand-in driver reports the target (sm_80, sm_90, sm_100)
+and `JITFunction.run(..., warmup=True)` compiles without launching; registers and spills come from
+the `ptxas -v` log of Triton's bundled ptxas. The Triton interpreter must be off in the compiling
+process, so compiles run in subprocesses (`python -m inferbook.compiled _worker ...`) with
+`TRITON_INTERPRET=0`, whatever the calling process uses. The Triton cache lives in
+`.cache/triton-aot/` under the repository root (ignored by git), so a rerun only reads it.
+
+    rows = inspect(["chord-w4a16"], ["sm_90"])       # one dict per (launch, target)
+    print(format_table(rows))
+
+`data/compiled/<slug>.json` keeps the table for all three targets (`inferbook inspect --all --save`);
+the chapter pages read it (`compile_table`, `predicted_roofline`) and never compile.
 """
 from __future__ import annotations
 
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
+
+from .errors import UserError, choices
+
+# Per-block opt-in shared-memory limits (CUDA programming guide, "Technical specifications per
+# compute capability"): A100 163 KB, H100/H200 and B200 227 KB.
+TARGETS = {"sm_80": 80, "sm_90": 90, "sm_100": 100}
+SMEM_LIMIT_KB = {80: 163, 90: 227, 100: 227}
+TARGET_GPUS = {"sm_80": "A100", "sm_90": "H100/H200", "sm_100": "B200"}
+DATA_DIR = "data/compiled"
 
 
 @dataclass
@@ -25,9 +54,718 @@ class Launch:
     args: list         # positional arguments as the launcher passes them
     kwargs: dict = field(default_factory=dict)  # constexprs + num_warps / num_stages
     source: str = ""   # where the launch happens, e.g. "moe/fused_moe.py:moe_gemm"
+    grid: tuple = ()   # the launch grid the launcher would use (informational; compiling ignores it)
 
 
 def ptr(dtype: torch.dtype) -> torch.Tensor:
     """A one-element CPU tensor standing for a device pointer of `dtype`, 16-byte aligned as CUDA
     allocations are (the compiler reads only its dtype and alignment)."""
     return torch.empty(64, dtype=dtype)[:1]
+
+
+def meta(shape, dtype: torch.dtype, strides=None) -> torch.Tensor:
+    """A storage-less tensor of `shape`/`dtype` (and `strides`) for building launches: launchers'
+    own argument code reads shapes and strides from it; compiling replaces it by `ptr(dtype)`."""
+    shape = tuple(int(s) for s in shape)
+    if strides is None:
+        return torch.empty(shape, dtype=dtype, device="meta")
+    return torch.empty_strided(shape, tuple(int(s) for s in strides), dtype=dtype, device="meta")
+
+
+def gpu_device() -> torch.device:
+    """The device launch builders pass to the config functions: only its `.type` is read."""
+    return torch.device("cuda")
+
+
+def specialization_key(launch: Launch) -> tuple:
+    """What Triton compiles a separate kernel for: the kernel, tensor dtypes, for each int whether
+    it is 1, divisible by 16 or needs 64 bits, float vs int, and the keyword arguments."""
+    parts = []
+    for a in launch.args:
+        if isinstance(a, torch.Tensor):
+            parts.append(("t", str(a.dtype)))
+        elif isinstance(a, bool):
+            parts.append(("b", a))
+        elif isinstance(a, int):
+            parts.append(("i", a == 1, a % 16 == 0, not -2**31 <= a < 2**31))
+        elif isinstance(a, float):
+            parts.append(("f",))
+        elif a is None:
+            parts.append(("none",))
+        else:
+            parts.append((type(a).__name__,))
+    fn = getattr(launch.kernel, "fn", launch.kernel)
+    return (getattr(fn, "__module__", ""), getattr(fn, "__qualname__", str(fn)), tuple(parts),
+            tuple(sorted((k, repr(v)) for k, v in launch.kwargs.items())))
+
+
+def dedupe(launches: list[Launch]) -> list[Launch]:
+    """Launches that compile to different kernels, first of each kind kept (a sweep over sizes
+    that Triton does not specialise on is one compile)."""
+    seen, out = set(), []
+    for la in launches:
+        key = specialization_key(la)
+        if key not in seen:
+            seen.add(key)
+            out.append(la)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# What the compiler made: parsing PTX and the ptxas log (pure functions, unit-tested on fixed text)
+
+_RE_REGS = re.compile(r"Used (\d+) registers")
+_RE_SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+_RE_WGMMA = re.compile(r"\bwgmma\.mma_async(?:\.sp)?\.sync\.aligned\.(m\d+n\d+k\d+)")
+_RE_MMA_SYNC = re.compile(r"\bmma\.sync\.aligned\.(m\d+n\d+k\d+)")
+_RE_TCGEN05 = re.compile(r"\btcgen05\.mma(?:\.sp)?(?:\.cta_group::\d)?(?:\.(kind::\w+))?")
+_RE_LD = re.compile(r"\bld\.global((?:\.[A-Za-z0-9_:]+)*)")
+_RE_ST = re.compile(r"\bst\.global((?:\.[A-Za-z0-9_:]+)*)")
+_RE_CP_ASYNC = re.compile(r"\bcp\.async\.(?:ca|cg)\.shared(?:::cta)?\.global(?:\.[A-Za-z0-9_:]+)*\s+\[[^\]]*\],\s*\[[^\]]*\],\s*(\w+)")
+_RE_TMA = re.compile(r"\bcp\.async\.bulk\.tensor")
+_TYPE_BITS = re.compile(r"^[bsuf](8|16|32|64|128)$")
+
+
+def parse_ptxas(log: str) -> dict:
+    """Registers per thread and spill bytes from a `ptxas -v` log (the last function reported)."""
+    regs = _RE_REGS.findall(log)
+    spill = _RE_SPILL.findall(log)
+    st, ld = (int(spill[-1][0]), int(spill[-1][1])) if spill else (0, 0)
+    return {"regs": int(regs[-1]) if regs else None, "spill_stores": st, "spill_loads": ld,
+            "spill_bytes": st + ld}
+
+
+def mma_family(ptx: str) -> dict:
+    """The matrix instructions in a kernel's PTX: {'family', 'shapes', 'counts'}.
+
+    family: 'tcgen05' (Blackwell, sm_100), 'wgmma' (Hopper warpgroup MMA), 'mma.sync' (warp-level,
+    Ampere and the fallback elsewhere), several joined by '+', or '-' when the kernel has no MMA.
+    tcgen05.mma carries its shape in the instruction descriptor, not the mnemonic: its 'kind' is
+    reported instead (e.g. kind::f16)."""
+    counts: dict[str, int] = {}
+    shapes: list[str] = []
+    tc = _RE_TCGEN05.findall(ptx)
+    if tc:
+        counts["tcgen05"] = len(tc)
+        shapes += sorted({k for k in tc if k})
+    wg = _RE_WGMMA.findall(ptx)
+    if wg:
+        counts["wgmma"] = len(wg)
+        shapes += sorted(set(wg), key=_shape_key)
+    ms = _RE_MMA_SYNC.findall(ptx)
+    if ms:
+        counts["mma.sync"] = len(ms)
+        shapes += sorted(set(ms), key=_shape_key)
+    return {"family": "+".join(counts) or "-", "shapes": shapes, "counts": counts}
+
+
+def _shape_key(s: str):
+    return tuple(int(x) for x in re.findall(r"\d+", s))
+
+
+def _access_bytes(suffixes: str) -> int | None:
+    """Bytes one thread moves in one ld/st.global: vector width times element bits."""
+    vec, bits = 1, None
+    for part in suffixes.split("."):
+        if part in ("v2", "v4", "v8"):
+            vec = int(part[1:])
+        m = _TYPE_BITS.match(part)
+        if m:
+            bits = int(m.group(1))
+    return vec * bits // 8 if bits else None
+
+
+def global_loads(ptx: str) -> dict:
+    """Global-memory access widths in the PTX: {'ld': {bytes: count}, 'st': {bytes: count},
+    'cp_async': {bytes: count}, 'tma': count}. 16-byte accesses are what full bandwidth needs."""
+    def by_width(matches):
+        out: dict[int, int] = {}
+        for m in matches:
+            w = _access_bytes(m)
+            if w is not None:
+                out[w] = out.get(w, 0) + 1
+        return dict(sorted(out.items(), reverse=True))
+
+    cp: dict[int, int] = {}
+    for size in _RE_CP_ASYNC.findall(ptx):
+        try:
+            w = int(size, 0)
+        except ValueError:
+            continue
+        cp[w] = cp.get(w, 0) + 1
+    return {"ld": by_width(_RE_LD.findall(ptx)), "st": by_width(_RE_ST.findall(ptx)),
+            "cp_async": dict(sorted(cp.items(), reverse=True)), "tma": len(_RE_TMA.findall(ptx))}
+
+
+def loads_summary(loads: dict) -> str:
+    """'ld 16B×8 2B×1 · cp.async 16B×48 · tma×0' (counts of instructions in the PTX, not executions)."""
+    parts = []
+    if loads.get("ld"):
+        parts.append("ld " + " ".join(f"{w}B×{n}" for w, n in loads["ld"].items()))
+    if loads.get("cp_async"):
+        parts.append("cp.async " + " ".join(f"{w}B×{n}" for w, n in loads["cp_async"].items()))
+    if loads.get("tma"):
+        parts.append(f"tma×{loads['tma']}")
+    return " · ".join(parts) or "-"
+
+
+def mma_summary(mma: dict) -> str:
+    if mma["family"] == "-":
+        return "-"
+    return f"{mma['family']} {','.join(mma['shapes'])}".strip()
+
+
+# Kernels that must not spill registers, per target (issue 13: moe_gemm and mx_quantize on sm_90).
+NO_SPILL = {"sm_90": ("moe_gemm_kernel", "mx_quantize_kernel")}
+
+
+def problems(row: dict) -> list[str]:
+    """What makes a row a failure: a compile error, shared memory over the per-block limit, or spills
+    in a kernel that `NO_SPILL` says must not spill on that target."""
+    if not row.get("ok"):
+        return [f"compile error: {row.get('error', '?')}"]
+    out = []
+    if row["shared_kb"] > row["smem_limit_kb"]:
+        out.append(f"shared memory {row['shared_kb']:.1f} KB > {row['smem_limit_kb']} KB per-block limit "
+                   f"of {row['target']} ({TARGET_GPUS.get(row['target'], '')})")
+    if row.get("spill_bytes") and row.get("kernel") in NO_SPILL.get(row["target"], ()):
+        out.append(f"{row['spill_bytes']} bytes of register spills ({row['regs']} registers) in "
+                   f"{row['kernel']} on {row['target']}, which must not spill")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# Which launches: the chapters' gpu presets
+
+def gpu_params(slug: str) -> dict:
+    """The resolved `gpu` preset of a chapter."""
+    from . import toc
+    from .presets import resolve_params
+
+    info = toc.get_chapter(slug)
+    mod = toc.load_module(info)
+    return resolve_params(slug, mod.PARAMETERS, mod.PRESETS, "gpu", {})
+
+
+def has_launches(slug: str) -> bool:
+    from . import toc
+
+    return hasattr(toc.load_module(toc.get_chapter(slug)), "gpu_launches")
+
+
+def launches_for(slug: str) -> list[Launch]:
+    """The Triton launches chapter `slug` makes at its gpu preset ([] for chapters without kernels)."""
+    from . import toc
+
+    mod = toc.load_module(toc.get_chapter(slug))
+    fn = getattr(mod, "gpu_launches", None)
+    if fn is None:
+        return []
+    return list(fn(gpu_params(slug)))
+
+
+def kernel_chapters() -> list[str]:
+    """Slugs of the chapters whose modules declare `gpu_launches`."""
+    from . import toc
+
+    out = []
+    for slug in toc.CHAPTERS:
+        try:
+            if has_launches(slug):
+                out.append(slug)
+        except UserError:
+            continue
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# Compiling (only in a process whose Triton interpreter is off)
+
+class _AOTDriver:
+    """Stands in for the CUDA driver: reports the target; nothing is ever launched."""
+
+    def __init__(self, target):
+        self.target = target
+
+    def get_current_device(self):
+        return f"aot-sm{self.target.arch}"   # one JIT device cache per target
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_current_target(self):
+        return self.target
+
+    def is_active(self):
+        return True
+
+
+def _stand_in(a):
+    return ptr(a.dtype) if isinstance(a, torch.Tensor) else a
+
+
+def _jsonable(v):
+    if isinstance(v, (bool, int, float, str)) or v is None:
+        return v
+    return repr(v)
+
+
+def _facts_dir() -> Path:
+    d = Path(os.environ["TRITON_CACHE_DIR"]) / "inferbook-ptxas"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def _ptxas_log(ptx: str, arch: int, fp_fusion: bool) -> str:
+    """`ptxas -v` on the PTX with Triton's flags, for a kernel that came from Triton's cache (Triton
+    runs ptxas only on a cold compile, and the log is where registers and spills are)."""
+    from triton.backends.nvidia import compiler as nvc
+
+    with tempfile.TemporaryDirectory() as d:
+        src = Path(d) / "k.ptx"
+        src.write_text(ptx)
+        cmd = [nvc.get_ptxas(arch).path, "-lineinfo", *([] if fp_fusion else ["--fmad=false"]), "-v",
+               "--regAllocOptLevel=2", f"--gpu-name={nvc.sm_arch_from_capability(arch)}", str(src),
+               "-o", str(Path(d) / "k.o")]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        return r.stdout + r.stderr
+
+
+def compile_launch(launch: Launch, target: str) -> dict:
+    """Compile one launch for `target` ('sm_80' | 'sm_90' | 'sm_100') and describe the result.
+
+    Must run where TRITON_INTERPRET=0 was set before Triton was imported (see `inspect`)."""
+    import contextlib
+    import io
+
+    from triton import knobs
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime.driver import driver
+
+    arch = TARGETS[target]
+    kw = dict(launch.kwargs)
+    row = {"launch": launch.name, "target": target, "source": launch.source,
+           "kernel": getattr(getattr(launch.kernel, "fn", launch.kernel), "__name__", str(launch.kernel)),
+           "num_warps": kw.get("num_warps", 4), "num_stages": kw.get("num_stages", 3),
+           "constexprs": {k: _jsonable(v) for k, v in kw.items()}, "smem_limit_kb": SMEM_LIMIT_KB[arch]}
+    if not hasattr(launch.kernel, "run") or type(launch.kernel).__name__ == "InterpretedFunction":
+        return {**row, "ok": False, "error": "the Triton interpreter is on in the compiling process"}
+    knobs.nvidia.dump_ptxas_log = True
+    driver.set_active(_AOTDriver(GPUTarget("cuda", arch, 32)))
+    t0 = time.perf_counter()
+    buf = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(buf):
+            ck = launch.kernel.run(*[_stand_in(a) for a in launch.args], grid=(1,), warmup=True, **kw)
+    except Exception as e:  # a compile error is a result: keep its first lines
+        msg = f"{type(e).__name__}: {e}".strip().splitlines()
+        return {**row, "ok": False, "error": " ".join(msg[:3])[:600],
+                "compile_s": round(time.perf_counter() - t0, 2)}
+    ptx = ck.asm.get("ptx", "")
+    facts = _facts_dir() / f"{ck.hash}-{arch}.log"
+    log = buf.getvalue()
+    if _RE_REGS.search(log):
+        facts.write_text(log)
+    elif facts.is_file():
+        log = facts.read_text()
+    else:
+        log = _ptxas_log(ptx, arch, kw.get("enable_fp_fusion", True))
+        facts.write_text(log)
+    md = ck.metadata
+    mma = mma_family(ptx)
+    loads = global_loads(ptx)
+    row.update(ok=True, compile_s=round(time.perf_counter() - t0, 2), shared_kb=round(int(md.shared) / 1024, 1),
+               num_warps=int(md.num_warps), num_stages=int(md.num_stages), **parse_ptxas(log),
+               mma=mma_summary(mma), mma_family=mma["family"], mma_counts=mma["counts"], loads=loads,
+               loads_summary=loads_summary(loads))
+    row["smem_ok"] = row["shared_kb"] <= row["smem_limit_kb"]
+    return row
+
+
+def _worker(out_path: str, slugs: list[str], targets: list[str], shard: int, shards: int) -> None:
+    """Compile every shards-th (launch, target) job of `slugs`, starting at `shard`; one JSON row per line."""
+    from . import device
+
+    assert not device.triton_interpreted(), "the Triton interpreter is on in the compiling process"
+    jobs = []
+    rows = []
+    for slug in slugs:
+        try:
+            launches = launches_for(slug)
+        except Exception as e:  # a builder that no longer matches its kernel: a failure row, named
+            if shard == 0:
+                for t in targets:
+                    rows.append({"slug": slug, "index": -1, "launch": f"{slug}: gpu_launches()", "target": t,
+                                 "ok": False, "error": f"building the launches failed: {type(e).__name__}: {e}"[:600],
+                                 "smem_limit_kb": SMEM_LIMIT_KB[TARGETS[t]], "source": "", "kernel": ""})
+            continue
+        jobs += [(slug, i, launch, t) for i, launch in enumerate(launches) for t in targets]
+    with open(out_path, "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+        for j, (slug, i, launch, t) in enumerate(jobs):
+            if j % shards != shard:
+                continue
+            r = compile_launch(launch, t)
+            f.write(json.dumps({"slug": slug, "index": i, **r}, default=str) + "\n")
+            f.flush()
+
+
+def repo_root() -> Path:
+    return Path(__file__).resolve().parents[2]
+
+
+def default_cache_dir() -> Path:
+    """.cache/triton-aot under the repository root (INFERBOOK_AOT_CACHE overrides): kept between runs."""
+    return Path(os.environ.get("INFERBOOK_AOT_CACHE") or repo_root() / ".cache" / "triton-aot")
+
+
+def inspect(slugs: list[str], targets: list[str], *, jobs: int = 2, cache_dir: str | Path | None = None,
+            timeout_s: float = 1800) -> list[dict]:
+    """Compile every gpu-preset launch of `slugs` for `targets` in `jobs` subprocesses with the
+    interpreter off; returns one row per (launch, target), in launch order."""
+    for t in targets:
+        if t not in TARGETS:
+            raise UserError(f"unknown target {t!r}; choose {choices(TARGETS)} or all")
+    cache = Path(cache_dir) if cache_dir else default_cache_dir()
+    cache.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(cache),
+           "TRITON_DEFAULT_FP_FUSION": os.environ.get("TRITON_DEFAULT_FP_FUSION", "1"),
+           "PYTHONPATH": os.pathsep.join([str(repo_root() / "src"), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    jobs = max(1, int(jobs))
+    with tempfile.TemporaryDirectory() as d:
+        procs = []
+        for k in range(jobs):
+            out = Path(d) / f"rows{k}.jsonl"
+            cmd = [sys.executable, "-m", "inferbook.compiled", "_worker", str(out), ",".join(slugs),
+                   ",".join(targets), str(k), str(jobs)]
+            log = open(Path(d) / f"log{k}.txt", "w")   # a file, not a pipe: a full pipe would stall the worker
+            procs.append((out, log, subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)))
+        rows = []
+        for out, log, p in procs:
+            p.wait(timeout=timeout_s)
+            log.close()
+            if p.returncode != 0:
+                text = Path(log.name).read_text()
+                raise RuntimeError(f"compile worker failed (exit {p.returncode}):\n{text[-3000:]}")
+            rows += [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
+    order = {s: n for n, s in enumerate(slugs)}
+    tix = {t: n for n, t in enumerate(TARGETS)}
+    rows.sort(key=lambda r: (order[r["slug"]], r["index"], tix[r["target"]]))
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------
+# The table: printed by `inferbook inspect`, kept in data/compiled/<slug>.json, shown on the pages
+
+def format_row(r: dict) -> str:
+    name = r["launch"][:64]
+    if not r.get("ok"):
+        return f"{name:64s} {r['target']:6s} ERROR {r.get('error', '')[:200]}"
+    flag = "" if r["shared_kb"] <= r["smem_limit_kb"] else "  <-- over the shared-memory limit"
+    return (f"{name:64s} {r['target']:6s} ok    {r['shared_kb']:6.1f}/{r['smem_limit_kb']:<3d} "
+            f"{r['regs'] or 0:4d} {r['spill_bytes']:6d}  {r['mma']:34s} {r['loads_summary']}{flag}")
+
+
+def format_table(rows: list[dict]) -> str:
+    head = (f"{'launch':64s} {'target':6s} {'':5s} {'smem KB':>10s} {'regs':>4s} {'spill':>6s}  "
+            f"{'MMA':34s} global loads (PTX instructions by width)")
+    return "\n".join([head] + [format_row(r) for r in rows])
+
+
+def record_path(slug: str, root: Path | None = None) -> Path:
+    return (root or repo_root()) / DATA_DIR / f"{slug}.json"
+
+
+def save_table(slug: str, rows: list[dict], root: Path | None = None) -> Path:
+    """Write data/compiled/<slug>.json: the rows plus the versions that made them."""
+    import triton
+
+    from .context import git_state
+
+    path = record_path(slug, root)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    keep = [{k: v for k, v in r.items() if k not in ("compile_s",)} for r in rows if r["slug"] == slug]
+    doc = {"chapter": slug, "triton": triton.__version__, "torch": torch.__version__,
+           "git": git_state().get("commit", "unknown"), "targets": sorted({r["target"] for r in keep}, key=list(TARGETS).index),
+           "note": "ahead-of-time compile for NVIDIA targets on a CPU machine (no GPU, no driver); "
+                   "registers and spills from ptxas -v, MMA and load widths from the PTX",
+           "rows": keep}
+    path.write_text(_dump(doc))
+    return path
+
+
+def _dump(doc: dict) -> str:
+    """The record as JSON with one row per line (small diffs when a kernel changes)."""
+    head = {k: v for k, v in doc.items() if k != "rows"}
+    lines = json.dumps(head, indent=1, default=str)[:-2]
+    rows = ",\n".join("  " + json.dumps(r, default=str, ensure_ascii=False) for r in doc["rows"])
+    return f'{lines},\n "rows": [\n{rows}\n ]\n}}\n'
+
+
+
+def load_table(slug: str, root: Path | None = None) -> dict | None:
+    path = record_path(slug, root)
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def compile_table(slug: str, root: Path | None = None):
+    """The chapter page's table (a DataFrame) from data/compiled/<slug>.json: launch, target,
+    shared KB (of the limit), registers, spills, MMA, load widths. Never compiles."""
+    import pandas as pd
+
+    doc = load_table(slug, root)
+    if doc is None:
+        return pd.DataFrame([{"launch": f"no compile record: run `inferbook inspect {slug} --target all --save`"}])
+    out = []
+    for r in doc["rows"]:
+        if not r.get("ok"):
+            out.append({"launch": r["launch"], "target": r["target"], "shared KB": "—", "regs": "—", "spill B": "—",
+                        "MMA": "compile error", "global loads": r.get("error", "")[:80]})
+            continue
+        out.append({"launch": r["launch"], "target": r["target"],
+                    "shared KB": f"{r['shared_kb']:.1f} / {r['smem_limit_kb']}" + (" ✗" if not r["smem_ok"] else ""),
+                    "regs": r["regs"], "spill B": r["spill_bytes"], "MMA": r["mma"],
+                    "global loads": r["loads_summary"]})
+    return pd.DataFrame(out)
+
+
+def table_facts(slug: str, root: Path | None = None) -> dict:
+    """Summary facts of a chapter's compile record for glued prose: counts of launches and
+    failures, the largest shared memory and spills with their launch, MMA families per target."""
+    doc = load_table(slug, root) or {"rows": []}
+    rows = doc["rows"]
+    facts: dict[str, Any] = {"launches": len({r["launch"] for r in rows}), "failures": [], "targets": {}}
+    for t in TARGETS:
+        tr = [r for r in rows if r["target"] == t]
+        if not tr:
+            continue
+        ok = [r for r in tr if r.get("ok")]
+        fam = sorted({f for r in ok for f in r["mma_family"].split("+") if f != "-"})
+        top_smem = max(ok, key=lambda r: r["shared_kb"], default=None)
+        top_regs = max(ok, key=lambda r: r["regs"] or 0, default=None)
+        spills = [r for r in ok if r["spill_bytes"]]
+        facts["targets"][t] = {
+            "compiled": len(ok), "of": len(tr), "mma_families": fam,
+            "max_shared_kb": top_smem["shared_kb"] if top_smem else 0.0,
+            "max_shared_launch": top_smem["launch"] if top_smem else "",
+            "max_regs": (top_regs["regs"] or 0) if top_regs else 0,
+            "max_regs_launch": top_regs["launch"] if top_regs else "",
+            "spilling": [(r["launch"], r["spill_bytes"]) for r in spills],
+        }
+        facts["failures"] += [f"{r['launch']} on {t}: {'; '.join(problems(r))}" for r in tr if problems(r)]
+    return facts
+
+
+# ---------------------------------------------------------------------------------------------------
+# Predicted roofline time on three cards
+
+# Published dense (no sparsity) BF16 tensor-core rates and HBM bandwidths, SXM parts:
+# H100 SXM5: 3.35 TB/s, 989 TFLOP/s (NVIDIA H100 datasheet); H200 SXM: 4.8 TB/s, 989 TFLOP/s
+# (NVIDIA H200 datasheet: the H100's compute with more, faster HBM3e); B200: 8 TB/s,
+# 2.25 PFLOP/s dense BF16 (NVIDIA DGX B200 / HGX B200 datasheet: 4.5 PFLOP/s is with sparsity).
+CARDS = {
+    "H100 SXM": {"bandwidth_TBps": 3.35, "bf16_TFLOPs": 989.0, "source": "NVIDIA H100 datasheet"},
+    "H200 SXM": {"bandwidth_TBps": 4.8, "bf16_TFLOPs": 989.0, "source": "NVIDIA H200 datasheet"},
+    "B200": {"bandwidth_TBps": 8.0, "bf16_TFLOPs": 2250.0, "source": "NVIDIA HGX B200 datasheet (dense)"},
+}
+_CARD_MATCH = {"H100 SXM": ("h100",), "H200 SXM": ("h200",), "B200": ("b200",)}
+
+
+def _si(x: float, unit: str) -> str:
+    """16537600 B -> '16.5 MB' (decimal prefixes, 3 significant figures)."""
+    from .measure import significant
+
+    if not x:
+        return "0"
+    for p, f in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(x) >= f:
+            return f"{significant(x / f, 3)} {p}{unit}"
+    return f"{significant(x, 3)} {unit}"
+
+
+def roofline_bound(bytes_moved: float, flops: float, card: str) -> str:
+    """'memory' when moving the bytes takes longer than the flops at `card`'s published rates."""
+    c = CARDS[card]
+    return "memory" if bytes_moved / c["bandwidth_TBps"] >= flops / c["bf16_TFLOPs"] else "compute"
+
+
+def roofline_seconds(bytes_moved: float, flops: float, card: str) -> float:
+    """max(bytes / bandwidth, flops / BF16 rate): the time no kernel on `card` can beat."""
+    c = CARDS[card]
+    return max(bytes_moved / (c["bandwidth_TBps"] * 1e12), flops / (c["bf16_TFLOPs"] * 1e12))
+
+
+def predicted_roofline(chapter: str, work: list[dict], measured: dict | None = None):
+    """A DataFrame: for each workload {'name', 'bytes', 'flops'} (the chapter's own counts at the gpu
+    preset) the roofline time on H100, H200 and B200, each labelled *predicted, not measured*;
+    where `measured` ({(name, card): seconds}, e.g. from a reference run in data/results/) has a
+    value, that measurement is shown instead and labelled measured."""
+    import pandas as pd
+
+    from .measure import significant
+
+    measured = measured or {}
+    rows = []
+    for w in work:
+        row = {"workload": w["name"], "bytes": _si(w["bytes"], "B"), "flops": _si(w["flops"], "FLOP")}
+        for card in CARDS:
+            m = measured.get((w["name"], card))
+            if m is not None:
+                row[card] = f"{significant(m * 1e6, 3)} µs (measured)"
+            else:
+                c = CARDS[card]
+                t_mem = w["bytes"] / (c["bandwidth_TBps"] * 1e12)
+                t_flop = w["flops"] / (c["bf16_TFLOPs"] * 1e12)
+                bound = "memory" if t_mem >= t_flop else "compute"
+                row[card] = f"{significant(max(t_mem, t_flop) * 1e6, 3)} µs ({bound}-bound, predicted, not measured)"
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def reference_times(chapter: str, work: list[dict]) -> dict:
+    """{(workload, card): seconds} from committed reference runs (data/results/<hw>/<chapter>.json):
+    each workload may name the record and measurement holding its measured time ('record', optional
+    'variant', 'metric', and 'match': extra fields the measurement must carry, e.g. {'batch': 1})."""
+    from .context import reference_records
+
+    out = {}
+    try:
+        refs = reference_records(chapter)
+    except Exception:
+        return out
+    for _slug, records in refs.items():
+        for r in records:
+            label = " ".join(str(v) for v in (r.hardware or {}).values()).lower()
+            card = next((c for c, keys in _CARD_MATCH.items() if any(k in label for k in keys)), None)
+            if card is None:
+                continue
+            for w in work:
+                if w.get("record") != r.name or ("variant" in w and w["variant"] != r.variant):
+                    continue
+                for m in r.measurements:
+                    if m["name"] == w.get("metric") and m.get("unit") == "s" and \
+                            all(m.get(k) == v for k, v in (w.get("match") or {}).items()):
+                        out[(w["name"], card)] = float(m["value"])
+    return out
+
+
+REGS_PER_SM, SMEM_PER_SM_KB, MAX_WARPS_PER_SM = 65536, {80: 164, 90: 228, 100: 228}, 64
+
+
+def occupancy(row: dict) -> dict:
+    """CTAs per SM a launch can keep resident, and what bounds it (registers, shared memory, warps)."""
+    warps = row["num_warps"]
+    regs = max(row["regs"] or 1, 1)
+    per_warp = -(-regs * 32 // 256) * 256                       # allocation granularity: 256 registers a warp
+    by = {"registers": REGS_PER_SM // (per_warp * warps), "warps": MAX_WARPS_PER_SM // warps,
+          "shared memory": int(SMEM_PER_SM_KB[TARGETS[row["target"]]] // (row["shared_kb"] + 1))
+          if row["shared_kb"] else 32}
+    limit = min(by, key=by.get)
+    return {"ctas_per_sm": min(by[limit], 32), "limit": limit, "warps_per_sm": min(by[limit], 32) * warps}
+
+
+def launch_row(slug: str, prefix: str, target: str, root: Path | None = None) -> dict | None:
+    """The first row of a chapter's compile record whose launch name starts with `prefix`."""
+    doc = load_table(slug, root) or {"rows": []}
+    return next((r for r in doc["rows"] if r["launch"].startswith(prefix) and r["target"] == target), None)
+
+
+def launch_mma(slug: str, prefix: str, target: str, root: Path | None = None) -> str:
+    """The MMA instructions of the first launch named `prefix...` on `target`, for glued prose."""
+    r = launch_row(slug, prefix, target, root)
+    if r is None:
+        return "not compiled"
+    if not r.get("ok"):
+        return "a compile error"
+    return "no MMA instruction" if r["mma"] == "-" else r["mma"]
+
+
+class CompilerSection:
+    """What a chapter's "What the compiler made of it" cell shows and glues: the compile table for
+    the three targets (from data/compiled/<slug>.json; nothing is compiled here) and the predicted
+    roofline time of the chapter's gpu-preset workloads on H100, H200 and B200."""
+
+    def __init__(self, slug: str, work: list[dict] | None = None, root: Path | None = None):
+        self.slug = slug
+        self.root = root
+        self.table = compile_table(slug, root)
+        self.work = work or []
+        self.roofline = predicted_roofline(slug, self.work, reference_times(slug, self.work)) if self.work else None
+        self.facts = table_facts(slug, root)
+        self.glue = self._glue_values()
+
+    def _glue_values(self) -> dict[str, str]:
+        f = self.facts
+        p = "cc_" + self.slug.replace("-", "_")
+        out = {f"{p}_launches": str(f["launches"])}
+        doc = load_table(self.slug, self.root) or {"rows": []}
+        for t in TARGETS:
+            short = t.replace("_", "")
+            tf = f["targets"].get(t)
+            if tf is None:
+                for k in ("mma", "max_smem", "max_regs", "spills", "limit"):
+                    out[f"{p}_{short}_{k}"] = "not compiled"
+                continue
+            out[f"{p}_{short}_mma"] = ", ".join(tf["mma_families"]) or "no MMA instruction"
+            out[f"{p}_{short}_max_smem"] = f"{tf['max_shared_kb']:.1f} KB ({tf['max_shared_launch']})"
+            out[f"{p}_{short}_max_regs"] = f"{tf['max_regs']} ({tf['max_regs_launch']})"
+            sp = tf["spilling"]
+            out[f"{p}_{short}_spills"] = ("no launch spills" if not sp else
+                                          f"{len(sp)} launch(es) spill, most {max(b for _, b in sp)} B "
+                                          f"({max(sp, key=lambda x: x[1])[0]})")
+            ok = [r for r in doc["rows"] if r["target"] == t and r.get("ok")]
+            out[f"{p}_{short}_limit"] = "not compiled"
+            if ok:
+                worst = min(ok, key=lambda r: occupancy(r)["warps_per_sm"])
+                occ = occupancy(worst)
+                out[f"{p}_{short}_limit"] = (f"{worst['launch']}: {occ['ctas_per_sm']} CTA(s) of {worst['num_warps']} "
+                                             f"warps per SM, bounded by {occ['limit']}")
+        out[f"{p}_failures"] = ("none" if not f["failures"] else
+                                f"{len(f['failures'])}: " + "; ".join(f["failures"][:4]) +
+                                (" …" if len(f["failures"]) > 4 else ""))
+        return out
+
+    def _repr_html_(self) -> str:
+        doc = load_table(self.slug, self.root) or {}
+        head = (f"<p><b>Compiled ahead of time</b> for sm_80 (A100), sm_90 (H100/H200) and sm_100 (B200) with "
+                f"Triton {doc.get('triton', '?')} on a machine without a GPU (<code>inferbook inspect {self.slug} "
+                f"--target all</code>): shared memory per CTA against the per-block limit, registers per thread and "
+                f"spilled bytes from ptxas, the MMA instructions and the global-load widths in the PTX "
+                f"(instruction counts, not executions).</p>")
+        html = head + self.table.to_html(index=False, escape=True)
+        if self.roofline is not None:
+            cards = "; ".join(f"{c} {v['bandwidth_TBps']} TB/s and {v['bf16_TFLOPs']:g} TFLOP/s dense BF16 "
+                              f"({v['source']})" for c, v in CARDS.items())
+            html += (f"<p><b>Roofline time, predicted, not measured</b> unless marked measured (a committed reference "
+                     f"run): max(bytes / bandwidth, flops / BF16 rate) for this chapter's own byte and flop counts at "
+                     f"the gpu preset. Cards: {cards}.</p>" + self.roofline.to_html(index=False, escape=True))
+        return html
+
+    def __repr__(self) -> str:
+        out = self.table.to_string(index=False)
+        if self.roofline is not None:
+            out += "\n\nroofline (predicted, not measured):\n" + self.roofline.to_string(index=False)
+        return out
+
+
+def chapter_section(slug: str, work: list[dict] | None = None, glue=None) -> CompilerSection:
+    """Build the section and glue its facts (`glue(name, value)`, e.g. `notebook.glue`)."""
+    sec = CompilerSection(slug, work)
+    if glue is not None:
+        for k, v in sec.glue.items():
+            glue(k, v)
+    return sec
+
+
+def _main(argv: list[str]) -> int:
+    if argv and argv[0] == "_worker":
+        out, slugs, targets, shard, shards = argv[1:6]
+        _worker(out, [s for s in slugs.split(",") if s], targets.split(","), int(shard), int(shards))
+        return 0
+    print("usage: inferbook inspect CHAPTER [--target sm_80|sm_90|sm_100|all]", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))

@@ -247,6 +247,49 @@ if triton is not None:
 select_backend = _device.select_backend  # kept as this module's name: chapters call it here
 
 
+def _decode_launches(q, k, v, lens, out, plan: dict, scale: float, *, device: torch.device) -> list:
+    """The split and merge launches (`compiled.Launch`) of `decode_attention` for contiguous
+    q [B, H, D], k/v [B, S, Hk, D], int32 lens [B] and out (tensors or `meta` stand-ins)."""
+    from ..compiled import Launch
+
+    B, H, D = q.shape
+    Hk = k.shape[2]
+    G = H // Hk
+    ns = plan["num_splits"]
+    mid_o = torch.empty(B, H, ns, D, dtype=torch.float32, device=q.device)
+    mid_lse = torch.empty(B, H, ns, dtype=torch.float32, device=q.device)
+    BLOCK_D = max(16, triton.next_power_of_2(D))   # tl.dot needs every dimension >= 16
+    BLOCK_G = max(16, triton.next_power_of_2(G))
+    emu = _device.bf16_cast_needs_emulation(device)
+    split = Launch("split", _split_kernel,
+                   [q, k, v, lens, mid_o, mid_lse, scale * LOG2E, plan["split_len"], ns,
+                    q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2)],
+                   dict(G=G, D=D, BLOCK_G=BLOCK_G, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N,
+                        DOT_FP32=_device.dot_needs_fp32(device), EMU=emu, num_warps=4),
+                   "attention/decode.py:decode_attention", (B, Hk, ns))
+    merge = Launch("merge", _merge_kernel, [mid_o, mid_lse, lens, out, plan["split_len"], ns, H],
+                   dict(D=D, BLOCK_D=BLOCK_D, EMU=emu, num_warps=1), "attention/decode.py:decode_attention", (B, H))
+    return [split, merge]
+
+
+def decode_launches(batch: int, heads: int, kv_heads: int, head_dim: int, max_seqlen: int, *,
+                    deterministic: bool, split_size: int = DEFAULT_SPLIT_SIZE, sms: int = 132,
+                    dtype=torch.bfloat16, name: str = "") -> list:
+    """The launches `decode_attention` makes for a batch of this shape on a GPU with `sms` SMs
+    (132: H100/H200), without running them. The cache is [batch, max_seqlen, kv_heads, head_dim]."""
+    from ..compiled import meta
+
+    plan = plan_splits(batch, kv_heads, max_seqlen, deterministic=deterministic, sms=sms, split_size=split_size)
+    q = meta((batch, heads, head_dim), dtype)
+    k = meta((batch, max_seqlen, kv_heads, head_dim), dtype)
+    launches = _decode_launches(q, k, meta(k.shape, dtype), meta((batch,), torch.int32), meta(q.shape, dtype),
+                                plan, 1.0 / math.sqrt(head_dim), device=torch.device("cuda"))
+    tag = f"B{batch} {'det' if deterministic else 'adaptive'} x{plan['num_splits']} H{heads}/{kv_heads} D{head_dim} S{max_seqlen}"
+    for la in launches:
+        la.name = f"{name} {la.name} {tag}".strip()
+    return launches
+
+
 def decode_attention(q, k_cache, v_cache, seqlens, deterministic: bool = False, *, split_size: int = DEFAULT_SPLIT_SIZE,
                      scale: float | None = None, sms: int | None = None, backend: str = "auto",
                      return_plan: bool = False, max_seqlen: int | None = None):
@@ -271,22 +314,10 @@ def decode_attention(q, k_cache, v_cache, seqlens, deterministic: bool = False, 
     out = torch.empty_like(q)
     if B == 0:
         return (out, plan) if return_plan else out
-    G = H // Hk
-    ns = plan["num_splits"]
     q_, k_, v_ = q.contiguous(), k_cache.contiguous(), v_cache.contiguous()
     lens = seqlens if seqlens.dtype == torch.int32 and seqlens.device == q.device else seqlens.to(q.device, torch.int32)
-    lens = lens.contiguous()
-    mid_o = torch.empty(B, H, ns, D, dtype=torch.float32, device=q.device)
-    mid_lse = torch.empty(B, H, ns, dtype=torch.float32, device=q.device)
-    BLOCK_D = max(16, triton.next_power_of_2(D))   # tl.dot needs every dimension >= 16
-    BLOCK_G = max(16, triton.next_power_of_2(G))
-    _split_kernel[(B, Hk, ns)](q_, k_, v_, lens, mid_o, mid_lse, scale * LOG2E, plan["split_len"], ns,
-                               q_.stride(0), q_.stride(1), k_.stride(0), k_.stride(1), k_.stride(2),
-                               G=G, D=D, BLOCK_G=BLOCK_G, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N,
-                               DOT_FP32=_device.dot_needs_fp32(q.device), EMU=_device.bf16_cast_needs_emulation(q.device),
-                               num_warps=4)
-    _merge_kernel[(B, H)](mid_o, mid_lse, lens, out, plan["split_len"], ns, H, D=D, BLOCK_D=BLOCK_D,
-                          EMU=_device.bf16_cast_needs_emulation(q.device), num_warps=1)
+    for launch in _decode_launches(q_, k_, v_, lens.contiguous(), out, plan, scale, device=q.device):
+        launch.kernel[launch.grid](*launch.args, **launch.kwargs)
     return (out, plan) if return_plan else out
 
 
@@ -383,12 +414,32 @@ def batch_invariant_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tenso
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
         return out
-    BM, BN, BK = 16, 64, 32
-    _bi_matmul_kernel[(triton.cdiv(M, BM), triton.cdiv(N, BN))](
-        x, weight, out, M, N, K, x.stride(0), weight.stride(0), out.stride(0),
-        BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, DOT_FP32=_device.dot_needs_fp32(x.device),
-        EMU=_device.bf16_cast_needs_emulation(x.device), num_warps=4)
+    launch = _bi_matmul_launch(x, weight, out, device=x.device)
+    launch.kernel[launch.grid](*launch.args, **launch.kwargs)
     return out
+
+
+BI_MATMUL_TILES = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=32)   # fixed: a row's result never depends on M
+
+
+def _bi_matmul_launch(x, weight, out, *, device: torch.device):
+    from ..compiled import Launch
+
+    M, K = x.shape
+    N = weight.shape[0]
+    t = BI_MATMUL_TILES
+    return Launch(f"bi_matmul M{M} N{N} K{K}", _bi_matmul_kernel,
+                  [x, weight, out, M, N, K, x.stride(0), weight.stride(0), out.stride(0)],
+                  dict(**t, DOT_FP32=_device.dot_needs_fp32(device), EMU=_device.bf16_cast_needs_emulation(device),
+                       num_warps=4), "attention/decode.py:batch_invariant_matmul",
+                  (triton.cdiv(M, t["BLOCK_M"]), triton.cdiv(N, t["BLOCK_N"])))
+
+
+def bi_matmul_launches(m: int, n: int, k: int, dtype=torch.bfloat16) -> list:
+    """The launch `batch_invariant_matmul` makes for x [m, k] @ weight[n, k]^T, without running it."""
+    from ..compiled import meta
+
+    return [_bi_matmul_launch(meta((m, k), dtype), meta((n, k), dtype), meta((m, n), dtype), device=torch.device("cuda"))]
 
 
 def matmul_batch_invariance(fn, *, m_values, k: int, n: int, dtype=torch.bfloat16, device="cpu", seed: int = 0) -> dict:

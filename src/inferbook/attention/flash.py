@@ -523,18 +523,21 @@ def _strides4(t: torch.Tensor, varlen: bool) -> tuple[int, int, int, int]:
     return (0, *t.stride()) if varlen else tuple(t.stride())
 
 
-def _forward(q, k, v, sinks, meta: _Meta, *, kv_mode: int = 0, page_table=None, page_size: int = 1):
+def _forward_launch(q, k, v, sinks, meta: _Meta, out, lse, *, kv_mode: int, page_table, page_size: int,
+                    device: torch.device):
+    """The forward kernel's launch (a `compiled.Launch`) for these tensors, or None when nothing is
+    launched. `device` picks the config (`block_config`); the tensors may be `meta` tensors."""
+    from ..compiled import Launch
+
     H, D = q.shape[-2], q.shape[-1]
     Hk = k.shape[-2]
     group = H // Hk
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty((H, meta.rows), dtype=torch.float32, device=q.device)
-    cfg = block_config(q.device, D, "fwd")
+    cfg = block_config(device, D, "fwd")
     pack = meta.pack_gqa and group > 1
     rows_per_seq = meta.max_seqlen_q * (group if pack else 1)
     grid = (triton.cdiv(rows_per_seq, cfg["BLOCK_M"]), meta.batch, Hk if pack else H)
     if rows_per_seq == 0 or meta.batch == 0 or meta.rows == 0:
-        return out, lse
+        return None
     dummy = torch.zeros(1, dtype=torch.int32, device=q.device)
     indptr, indices, last = page_table if page_table is not None else (dummy, dummy, dummy)
     sq_ = _strides4(q, meta.varlen)
@@ -543,23 +546,71 @@ def _forward(q, k, v, sinks, meta: _Meta, *, kv_mode: int = 0, page_table=None, 
     else:
         sk_, sv_ = _strides4(k, meta.varlen), _strides4(v, meta.varlen)
     so = _strides4(out, meta.varlen)
-    _attn_fwd_kernel[grid](
-        q, _nonempty(k), _nonempty(v), out, lse, sinks if sinks is not None else lse,
-        meta.cu_q if meta.cu_q is not None else dummy, meta.cu_k if meta.cu_k is not None else dummy,
-        indptr, _nonempty(indices), last,
-        *sq_, *sk_, *sv_, so[0], so[1], so[2], lse.stride(0),
-        meta.seqlen_q, meta.seqlen_k, D, group, meta.scale * LOG2E, page_size,
-        CAUSAL=meta.causal, VARLEN_Q=meta.varlen, KV_MODE=kv_mode, PACK_GQA=pack,
-        HAS_SINKS=sinks is not None, DOT_FP32=_device.dot_needs_fp32(q.device),
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=cfg["BLOCK_D"], EVEN_D=cfg["BLOCK_D"] == D,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    args = [q, _nonempty(k), _nonempty(v), out, lse, sinks if sinks is not None else lse,
+            meta.cu_q if meta.cu_q is not None else dummy, meta.cu_k if meta.cu_k is not None else dummy,
+            indptr, _nonempty(indices), last,
+            *sq_, *sk_, *sv_, so[0], so[1], so[2], lse.stride(0),
+            meta.seqlen_q, meta.seqlen_k, D, group, meta.scale * LOG2E, page_size]
+    kwargs = dict(CAUSAL=meta.causal, VARLEN_Q=meta.varlen, KV_MODE=kv_mode, PACK_GQA=pack,
+                  HAS_SINKS=sinks is not None, DOT_FP32=_device.dot_needs_fp32(device),
+                  BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=cfg["BLOCK_D"], EVEN_D=cfg["BLOCK_D"] == D,
+                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return Launch("fwd", _attn_fwd_kernel, args, kwargs, "attention/flash.py:_forward", grid)
+
+
+def _forward(q, k, v, sinks, meta: _Meta, *, kv_mode: int = 0, page_table=None, page_size: int = 1):
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((q.shape[-2], meta.rows), dtype=torch.float32, device=q.device)
+    launch = _forward_launch(q, k, v, sinks, meta, out, lse, kv_mode=kv_mode, page_table=page_table,
+                             page_size=page_size, device=q.device)
+    if launch is not None:
+        launch.kernel[launch.grid](*launch.args, **launch.kwargs)
     return out, lse
 
 
-def _backward(dout, q, k, v, out, lse, sinks, meta: _Meta):
+def _backward_launches(dout, q, k, v, lse, delta, dq, dk, dv, meta: _Meta, *, device: torch.device) -> list:
+    """The dK/dV and dQ kernels' launches (`compiled.Launch`) for these tensors (may be `meta`)."""
+    from ..compiled import Launch
+
     H, D = q.shape[-2], q.shape[-1]
     Hk = k.shape[-2]
     group = H // Hk
+    if meta.rows == 0 or k.numel() == 0 or meta.batch == 0:
+        return []
+    dummy = torch.zeros(1, dtype=torch.int32, device=q.device)
+    cu_q = meta.cu_q if meta.cu_q is not None else dummy
+    cu_k = meta.cu_k if meta.cu_k is not None else dummy
+    common = (*_strides4(q, meta.varlen), *_strides4(k, meta.varlen), *_strides4(v, meta.varlen),
+              *_strides4(dout, meta.varlen))
+    dot_fp32 = _device.dot_needs_fp32(device)
+    launches = []
+    cfg = block_config(device, D, "dkdv")
+    gk = _strides4(dk, meta.varlen)
+    grid = (triton.cdiv(meta.max_seqlen_k, cfg["BLOCK_N"]), meta.batch, Hk)
+    if grid[0] > 0:
+        launches.append(Launch("bwd dkdv", _attn_bwd_dkdv_kernel, [
+            _nonempty(q), k, v, _nonempty(dout), _nonempty(lse), _nonempty(delta), dk, dv, cu_q, cu_k,
+            *common, gk[0], gk[1], gk[2], lse.stride(0),
+            meta.seqlen_q, meta.seqlen_k, D, group, meta.scale * LOG2E, meta.scale],
+            dict(CAUSAL=meta.causal, VARLEN=meta.varlen, KV_MODE=1 if meta.varlen else 0, DOT_FP32=dot_fp32,
+                 BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=cfg["BLOCK_D"],
+                 num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]), "attention/flash.py:_backward", grid))
+    cfg = block_config(device, D, "dq")
+    gq = _strides4(dq, meta.varlen)
+    grid = (triton.cdiv(meta.max_seqlen_q, cfg["BLOCK_M"]), meta.batch, H)
+    if grid[0] > 0:
+        launches.append(Launch("bwd dq", _attn_bwd_dq_kernel, [
+            q, k, v, dout, lse, delta, dq, cu_q, cu_k,
+            *common, gq[0], gq[1], gq[2], lse.stride(0),
+            meta.seqlen_q, meta.seqlen_k, D, group, meta.scale * LOG2E, meta.scale],
+            dict(CAUSAL=meta.causal, VARLEN=meta.varlen, KV_MODE=1 if meta.varlen else 0, DOT_FP32=dot_fp32,
+                 BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=cfg["BLOCK_D"],
+                 num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]), "attention/flash.py:_backward", grid))
+    return launches
+
+
+def _backward(dout, q, k, v, out, lse, sinks, meta: _Meta):
+    H = q.shape[-2]
     dq = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.zeros(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
@@ -569,37 +620,61 @@ def _backward(dout, q, k, v, out, lse, sinks, meta: _Meta):
     if sinks is not None:
         # the sink logit has no value vector: dL/dsink_h = -sum_i exp(sink_h - lse_i) * delta_i
         dsinks = -(torch.exp(sinks[:, None] - lse) * delta).sum(1)
-    if meta.rows == 0 or k.numel() == 0 or meta.batch == 0:
-        return dq, dk, dv, dsinks
-    dummy = torch.zeros(1, dtype=torch.int32, device=q.device)
-    cu_q = meta.cu_q if meta.cu_q is not None else dummy
-    cu_k = meta.cu_k if meta.cu_k is not None else dummy
-    common = (*_strides4(q, meta.varlen), *_strides4(k, meta.varlen), *_strides4(v, meta.varlen),
-              *_strides4(dout, meta.varlen))
-    dot_fp32 = _device.dot_needs_fp32(q.device)
-    cfg = block_config(q.device, D, "dkdv")
-    gk = _strides4(dk, meta.varlen)
-    grid = (triton.cdiv(meta.max_seqlen_k, cfg["BLOCK_N"]), meta.batch, Hk)
-    if grid[0] > 0:
-        _attn_bwd_dkdv_kernel[grid](
-            _nonempty(q), k, v, _nonempty(dout), _nonempty(lse), _nonempty(delta), dk, dv, cu_q, cu_k,
-            *common, gk[0], gk[1], gk[2], lse.stride(0),
-            meta.seqlen_q, meta.seqlen_k, D, group, meta.scale * LOG2E, meta.scale,
-            CAUSAL=meta.causal, VARLEN=meta.varlen, KV_MODE=1 if meta.varlen else 0, DOT_FP32=dot_fp32,
-            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=cfg["BLOCK_D"],
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    cfg = block_config(q.device, D, "dq")
-    gq = _strides4(dq, meta.varlen)
-    grid = (triton.cdiv(meta.max_seqlen_q, cfg["BLOCK_M"]), meta.batch, H)
-    if grid[0] > 0:
-        _attn_bwd_dq_kernel[grid](
-            q, k, v, dout, lse, delta, dq, cu_q, cu_k,
-            *common, gq[0], gq[1], gq[2], lse.stride(0),
-            meta.seqlen_q, meta.seqlen_k, D, group, meta.scale * LOG2E, meta.scale,
-            CAUSAL=meta.causal, VARLEN=meta.varlen, KV_MODE=1 if meta.varlen else 0, DOT_FP32=dot_fp32,
-            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=cfg["BLOCK_D"],
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    for launch in _backward_launches(dout, q, k, v, lse, delta, dq, dk, dv, meta, device=q.device):
+        launch.kernel[launch.grid](*launch.args, **launch.kwargs)
     return dq, dk, dv, dsinks
+
+
+def attention_launches(q, k, v, *, causal: bool = False, seqlens_q: list[int] | None = None,
+                       seqlens_k: list[int] | None = None, sinks: bool = False, pack_gqa: bool = True,
+                       backward: bool = False, paged: bool = False, device: torch.device | None = None,
+                       name: str = "") -> list:
+    """The launches `attention` / `paged_attention` (and, with `backward`, autograd's backward) make
+    for q, k, v of these shapes, strides and dtype, without running them (`compiled.Launch` list).
+
+    q, k, v: tensors or `compiled.meta(...)` stand-ins in the layouts `attention` takes; with
+    `paged`, k and v are the caches [num_pages, page_size, Hk, D]. `seqlens_q`/`seqlens_k`: the
+    varlen sequence lengths (varlen when given; `seqlens_k` also gives the paged lengths).
+    `device`: whose config (default: a CUDA device's)."""
+    dev = device or torch.device("cuda")
+    H = q.shape[-2]
+    varlen = seqlens_q is not None
+    i32 = dict(dtype=torch.int32, device=q.device)
+    if varlen:
+        B = len(seqlens_q)
+        rows = q.shape[0]
+        cu_q = torch.empty(B + 1, **i32)
+        cu_k = torch.empty(B + 1, **i32) if not paged else None
+        lk = max(seqlens_k, default=0) if seqlens_k is not None else 0
+        meta = _Meta(causal, 1.0 / math.sqrt(q.shape[-1]), True, B, 0, 0, max(seqlens_q, default=0), lk,
+                     cu_q, cu_k, pack_gqa, rows)
+    else:
+        B, Sq = q.shape[0], q.shape[1]
+        Sk = 0 if paged else k.shape[1]
+        lk = max(seqlens_k, default=0) if paged and seqlens_k is not None else Sk
+        meta = _Meta(causal, 1.0 / math.sqrt(q.shape[-1]), False, B, Sq, Sk, Sq, lk, None, None, pack_gqa, B * Sq)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((H, meta.rows), dtype=torch.float32, device=q.device)
+    sk_t = torch.empty(H, dtype=torch.float32, device=q.device) if sinks else None
+    page_table = None
+    page_size = 1
+    if paged:
+        page_size = k.shape[1]
+        page_table = (torch.empty(B + 1, **i32), torch.empty(max(k.shape[0], 1), **i32), torch.empty(max(B, 1), **i32))
+    launches = []
+    fwd = _forward_launch(q, k, v, sk_t, meta, out, lse, kv_mode=2 if paged else (1 if varlen else 0),
+                          page_table=page_table, page_size=page_size, device=dev)
+    if fwd is not None:
+        launches.append(fwd)
+    if backward and not paged:
+        delta = torch.empty((H, meta.rows), dtype=torch.float32, device=q.device)
+        launches += _backward_launches(torch.empty(q.shape, dtype=q.dtype, device=q.device), q, k, v, lse, delta,
+                                       torch.empty(q.shape, dtype=q.dtype, device=q.device),
+                                       torch.empty(k.shape, dtype=k.dtype, device=k.device),
+                                       torch.empty(v.shape, dtype=v.dtype, device=v.device), meta, device=dev)
+    for la in launches:
+        la.name = f"{name} {la.name}".strip() if name else la.name
+    return launches
 
 
 class _FlashAttention(torch.autograd.Function):

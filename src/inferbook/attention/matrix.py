@@ -323,6 +323,18 @@ def run_case(case: Case, *, batch: int, n_heads: int, base: tuple[int, int], dev
     return rows
 
 
+def matrix_cases(axes: dict | None, preset: str, *, mode: str | None = None, seed: int = 0) -> list[Case]:
+    """The cases `run_matrix` runs for these axes (overriding the preset's), preset and mode."""
+    if preset not in MATRIX_PRESETS:
+        raise ValueError(f"unknown matrix preset {preset!r}; choose {sorted(MATRIX_PRESETS)}")
+    p = MATRIX_PRESETS[preset]
+    mode = mode or p["mode"]
+    if mode not in ("pairwise", "product"):
+        raise ValueError(f"matrix mode must be 'pairwise' or 'product', got {mode!r}")
+    full = check_axes({**p["axes"], **(axes or {})})
+    return pairwise_cases(full, seed) if mode == "pairwise" else product_cases(full)
+
+
 def run_matrix(axes: dict | None = None, preset: str = "smoke", *, device=None, seed: int = 0,
                mode: str | None = None, batch: int | None = None, n_heads: int | None = None,
                base: tuple[int, int] | None = None, progress=None) -> list[dict]:
@@ -332,15 +344,9 @@ def run_matrix(axes: dict | None = None, preset: str = "smoke", *, device=None, 
     `axes`: {axis: values} overriding the preset's (which override `AXES`); `preset`: smoke, cpu
     or gpu (sizes and default axes, `MATRIX_PRESETS`); `mode`: pairwise or product.
     """
-    if preset not in MATRIX_PRESETS:
-        raise ValueError(f"unknown matrix preset {preset!r}; choose {sorted(MATRIX_PRESETS)}")
-    p = MATRIX_PRESETS[preset]
-    mode = mode or p["mode"]
-    if mode not in ("pairwise", "product"):
-        raise ValueError(f"matrix mode must be 'pairwise' or 'product', got {mode!r}")
-    full = check_axes({**p["axes"], **(axes or {})})
+    p = MATRIX_PRESETS.get(preset)
+    cases = matrix_cases(axes, preset, mode=mode, seed=seed)
     device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    cases = pairwise_cases(full, seed) if mode == "pairwise" else product_cases(full)
     g = torch.Generator(device=device).manual_seed(seed)
     rows = []
     for i, case in enumerate(cases):
@@ -524,3 +530,39 @@ def run_special(axes: dict[str, tuple], *, batch: int, n_heads: int, base, devic
     rows += variant_rows(head_dim=_pick(axes["head_dim"], 0), base=base, batch=batch, n_heads=n_heads,
                          device=device, seed=seed)
     return rows
+
+
+# Launch builder (inferbook.compiled): the kernel launches one case makes on a GPU
+
+def case_launches(case: Case, *, batch: int, n_heads: int, base: tuple[int, int]) -> list:
+    """The Triton launches `run_case` makes for `case` on a GPU (forward, and backward for 'bwd'
+    cases), with the tensors `make_inputs` and `_run` pass: storage-less `meta` stand-ins of the
+    same shapes, strides and dtypes (fixed layout: head slices of a fused QKV buffer; the kernel
+    path of `_run` gives `attention` clones of them and `paged_attention` the raw slice)."""
+    from ..compiled import meta
+
+    dt = getattr(torch, case.dtype)
+    H, Hk = _heads(case, n_heads)
+    D = case.head_dim
+    sq, sk = shape_lengths(case, base)
+    paged = case.kv.startswith("paged")
+    seqlens_q = seqlens_k = None
+    if case.layout == "fixed":
+        qkv = meta((batch, max(sq, sk), H + 2 * Hk, D), dt)
+        q, k, v = qkv[:, :sq, :H], qkv[:, :sk, H:H + Hk], qkv[:, :sk, H + Hk:]
+        lens_k = [sk] * batch
+    else:
+        bq, bk = base
+        seqlens_q = [bq // 2 + 1, sq, max(bq // 3, 1)]
+        lens_k = seqlens_k = [max(bk - 7, 1), sk, bk // 2 + 1]
+        q, k, v = meta((sum(seqlens_q), H, D), dt), meta((sum(lens_k), Hk, D), dt), meta((sum(lens_k), Hk, D), dt)
+    if paged:
+        page = int(case.kv.split("-")[1])
+        pages = sum(-(-n // page) for n in lens_k) + 2          # paged_from_contiguous's pool (2 spare pages)
+        k = v = meta((pages, page, Hk, D), dt)
+        return flash.attention_launches(q, k, v, causal=case.causal, seqlens_q=seqlens_q, seqlens_k=lens_k,
+                                        sinks=case.sinks, pack_gqa=case.pack_gqa, paged=True, name=case.label)
+    q, k, v = q.clone(), k.clone(), v.clone()                   # _run's leaves: clones (contiguous)
+    return flash.attention_launches(q, k, v, causal=case.causal, seqlens_q=seqlens_q, seqlens_k=seqlens_k,
+                                    sinks=case.sinks, pack_gqa=case.pack_gqa, backward=case.direction == "bwd",
+                                    name=case.label)

@@ -226,3 +226,40 @@ def measure(ctx, *, mode, head_dims, kv, shapes, batch, n_heads, base_q, base_k,
     records = [matrix_record(ctx, rows, params)]
     records += throughput(ctx, seqlen=tp_seqlen, batch=tp_batch, heads=tp_heads)
     return records
+
+
+def gpu_launches(params: dict) -> list:
+    """The Triton launches of this chapter at its gpu preset (`inferbook.compiled`): every case of
+    the matrix (one per distinct compiled kernel) and the d128 throughput runs, forward and backward."""
+    import torch
+
+    from .. import compiled
+
+    axes = axes_from(params)
+    cases = matrix.matrix_cases(axes, "gpu", mode=params["mode"])
+    launches = []
+    for case in cases:
+        launches += matrix.case_launches(case, batch=params["batch"], n_heads=params["n_heads"],
+                                         base=(params["base_q"], params["base_k"]))
+    shape = (params["tp_batch"], params["tp_seqlen"], params["tp_heads"], 128)
+    for causal in (False, True):
+        q, k, v = (compiled.meta(shape, torch.bfloat16) for _ in range(3))
+        launches += flash.attention_launches(q, k, v, causal=causal, backward=True,
+                                             name=f"throughput d128 {'causal' if causal else 'full'} "
+                                                  f"B{shape[0]} S{shape[1]} H{shape[2]}")
+    return compiled.dedupe(launches)
+
+
+def roofline_work(params: dict) -> list[dict]:
+    """The throughput runs as {name, bytes, flops} (flops as `flash.attention_flops` counts them;
+    bytes: q, k, v read and out written forward, plus dO read and dQ, dK, dV written backward)."""
+    B, S, H, D = params["tp_batch"], params["tp_seqlen"], params["tp_heads"], 128
+    tensor = B * S * H * D * 2
+    out = []
+    for causal in (False, True):
+        kind = "causal" if causal else "full"
+        for direction, n in (("fwd", 4), ("bwd", 9)):
+            out.append({"name": f"{direction} d128 {kind} B{B} S{S} H{H}", "bytes": n * tensor,
+                        "flops": flash.attention_flops(B, H, S, S, D, causal=causal, direction=direction),
+                        "record": f"throughput-triton-{kind}", "metric": f"{direction}_time"})
+    return out

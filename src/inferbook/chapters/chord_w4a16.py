@@ -279,12 +279,13 @@ def cpu_timings(ctx, gemm_n, gemm_k, ms, reps) -> list[RunRecord]:
 
 
 def mma_instructions(ptx: str) -> dict:
-    """Matrix instructions in a kernel's PTX: Hopper wgmma vs the warp-level mma.sync."""
-    import re
+    """Matrix instructions in a kernel's PTX: Blackwell tcgen05.mma, Hopper wgmma and the warp-level
+    mma.sync (the parser `inferbook.compiled` uses for its compile tables)."""
+    from ..compiled import mma_family
 
-    shapes = sorted(set(re.findall(r"mma\.sync\.aligned\.(m\d+n\d+k\d+)", ptx)))
-    return {"wgmma": ptx.count("wgmma.mma_async"), "mma_sync": len(re.findall(r"mma\.sync\.aligned", ptx)),
-            "mma_sync_shapes": shapes}
+    m = mma_family(ptx)
+    return {"wgmma": m["counts"].get("wgmma", 0), "mma_sync": m["counts"].get("mma.sync", 0),
+            "tcgen05": m["counts"].get("tcgen05", 0), "mma_sync_shapes": [x for x in m["shapes"] if x.startswith("m16")]}
 
 
 def sass_instructions(cubin: bytes) -> dict | None:
@@ -330,6 +331,7 @@ def gpu_timings(ctx, gemm_n, gemm_k, ms, reps, prefill_tokens, prefill_experts, 
             tri.add(f"ptx_mma_sync_m{m}", ins["mma_sync"], "instructions", phase="compile", m=m,
                     shapes=ins["mma_sync_shapes"])
             tri.add(f"ptx_wgmma_m{m}", ins["wgmma"], "instructions", phase="compile", m=m)
+            tri.add(f"ptx_tcgen05_m{m}", ins["tcgen05"], "instructions", phase="compile", m=m)
             sass = sass_instructions(kernel.asm.get("cubin", b""))
             if sass is not None:
                 tri.add(f"sass_hmma_m{m}", sass["HMMA"], "instructions", phase="compile", m=m, shapes=sass["hmma_shapes"])
@@ -424,3 +426,36 @@ def measure(ctx, *, route_tokens, skew, hidden, inter, experts, top_k, tokens, g
         records += cpu_timings(ctx, gemm_n, gemm_k, ms, reps)
     records += seed_records(ctx)
     return records
+
+
+def gpu_launches(params: dict) -> list:
+    """The Triton launches of this chapter at its gpu preset (`inferbook.compiled`): the timed dense
+    W4A16 GEMM at every M of the sweep, the dense check in every layout, the fused MoE check in
+    every layout and the grouped prefill; one per distinct compiled kernel."""
+    from .. import compiled
+
+    p = params
+    launches = []
+    for m in parse_ints(p["m_sweep"], "m_sweep"):
+        launches += W.linear_launches(m, p["gemm_n"], p["gemm_k"], "indexed", name=f"decode sweep M{m} N{p['gemm_n']} "
+                                      f"K{p['gemm_k']} cfg {'x'.join(str(v) for v in list(W.linear_config(m, False).values())[:3])}")
+    for layout in W.LAYOUTS:                                   # check_dense: x [37, hidden], w [2*inter + 3, hidden]
+        launches += W.linear_launches(37, 2 * p["inter"] + 3, p["hidden"], layout)
+    for layout in W.LAYOUTS:                                   # check_layouts
+        launches += FM.fused_moe_launches(p["tokens"], p["top_k"], p["experts"], p["hidden"], p["inter"], layout,
+                                          name="check")
+    if p["prefill_tokens"]:
+        launches += FM.fused_moe_launches(p["prefill_tokens"], p["top_k"], p["prefill_experts"], p["hidden"],
+                                          p["inter"], "grouped_contiguous", name="prefill")
+    return compiled.dedupe(launches)
+
+
+def roofline_work(params: dict) -> list[dict]:
+    """The gpu preset's timed GEMMs as {name, bytes, flops} (this chapter's `gemm_traffic`), with the
+    record and measurement that hold their GPU time, for `compiled.chapter_section`."""
+    out = []
+    for m in parse_ints(params["m_sweep"], "m_sweep"):
+        t = gemm_traffic(m, params["gemm_n"], params["gemm_k"], "w4a16")
+        out.append({"name": f"W4A16 GEMM M={m} N={params['gemm_n']} K={params['gemm_k']}", "bytes": t["bytes"],
+                    "flops": t["flops"], "record": "gpu-w4a16-triton", "metric": f"gemm_m{m}"})
+    return out

@@ -430,3 +430,40 @@ def engine_record(ctx, *, requests: int, new_tokens: int, layers: int, split_siz
     if ctx.device.type != "cuda":
         rec.notes = "No engine times on CPU: every mode runs Triton kernels in the interpreter."
     return rec
+
+
+def gpu_launches(params: dict) -> list:
+    """The Triton launches of this chapter at its gpu preset (`inferbook.compiled`): split-KV decode
+    (both modes) at every timed and swept batch size, the correctness shapes, and the
+    batch-invariant matmul at every M of the invariance check; one per distinct compiled kernel."""
+    from .. import compiled
+
+    dt = getattr(torch, params["dtype"])
+    H, Hk, D, split = params["heads"], params["kv_heads"], params["head_dim"], params["split_size"]
+    sms = params["sms"] or 132                      # 0 = this GPU's count: an H100/H200 has 132 SMs
+    launches = []
+    for det in (False, True):
+        for B in _ints(params["time_batches"]):
+            launches += decode.decode_launches(B, H, Hk, D, params["time_seqlen"], deterministic=det,
+                                               split_size=split, sms=sms, dtype=dt, name="timed")
+        for B in _ints(params["batch_sizes"]):
+            launches += decode.decode_launches(B, H, Hk, D, params["max_seqlen"], deterministic=det,
+                                               split_size=split, sms=sms, dtype=dt, name="invariance")
+        for B, Hc, Hkc, Dc, S in ((4, 4, 2, 32, 2 * split + 5), (3, 6, 6, 40, split), (2, 8, 1, 64, 3 * split)):
+            launches += decode.decode_launches(B, Hc, Hkc, Dc, S, deterministic=det, split_size=split, sms=sms,
+                                               dtype=dt, name="correctness")   # as correctness_rows
+    for m in _ints(params["mm_m_values"]):
+        launches += decode.bi_matmul_launches(m, params["mm_n"], params["mm_k"], dt)
+    return compiled.dedupe(launches)
+
+
+def roofline_work(params: dict) -> list[dict]:
+    """Timed decode steps as {name, bytes, flops}: bytes as the chapter counts them (the K and V
+    caches read, q read and out written), flops 4·B·H·S·D; deterministic mode's record rows."""
+    H, Hk, D, S = params["heads"], params["kv_heads"], params["head_dim"], params["time_seqlen"]
+    out = []
+    for B in sorted({_ints(params["time_batches"])[0], _ints(params["time_batches"])[-1]}):
+        nbytes = 2 * (B * S * Hk * D) * 2 + 2 * (B * H * D) * 2
+        out.append({"name": f"decode B{B} H{H}/{Hk} D{D} S{S}", "bytes": nbytes, "flops": 4 * B * H * S * D,
+                    "record": "decode-time", "metric": "decode_time", "match": {"batch": B, "deterministic": True}})
+    return out

@@ -282,3 +282,25 @@ def forward_speed_record(ctx, fns: dict, chunk_size: int, *, B, T, H, K) -> RunR
                     note="minimal traffic (q, k, v, g, beta read once, o written once) / time; only a kernel that "
                          "keeps the state on chip comes near moving just that")
     return rec
+
+
+def gpu_launches(params: dict) -> list:
+    """The Triton launches of this chapter at its gpu preset (`inferbook.compiled`): the fused
+    recurrent forward at every head dim, in bf16 and fp32, at the checked and the timed lengths."""
+    from .. import compiled
+
+    launches = []
+    for K in [int(x) for x in str(params["head_dims"]).split(",")]:
+        for dtype in (torch.bfloat16, torch.float32):
+            for T in [int(x) for x in str(params["lengths"]).split(",")] + [params["bench_len"]]:
+                launches += gdn.recurrent_launches(params["bench_batch"], T, params["bench_heads"], K, K, dtype)
+    return compiled.dedupe(launches)
+
+
+def roofline_work(params: dict) -> list[dict]:
+    """The timed forward as {name, bytes, flops}: bytes as `speed_forward` counts them (bf16), flops
+    `gdn.gdn_flops`."""
+    B, T, H, K = params["bench_batch"], params["bench_len"], params["bench_heads"], params["bench_head_dim"]
+    nbytes = B * T * H * (3 * K + 2) * 2 + B * T * H * K * 2
+    return [{"name": f"GDN recurrent forward B{B} T{T} H{H} K=V={K} bf16", "bytes": nbytes,
+             "flops": gdn.gdn_flops(B, T, H, K, K), "record": "speed-forward", "metric": "forward fused recurrent (triton)"}]

@@ -487,3 +487,51 @@ def amdahl_rows(records, speedups=(1, 1.5, 2, 3, 4, 6, 8, 12, 16, 32, 64)) -> tu
         summary["measured"] = {"backend": best, "vae_speedup": s_vae, "end_to_end_speedup": s_total,
                                "amdahl_prediction": toy_pipeline.amdahl(f, s_vae)}
     return rows, summary
+
+
+def gpu_launches(params: dict) -> list:
+    """The Triton launches of this chapter at its gpu preset (`inferbook.compiled`): norm + SiLU +
+    pad (with and without the residual, both norms) at the largest stage's shape with the blocks'
+    fp32 norm weights and in the decoder (weights in the model dtype), the GroupNorm statistics
+    pass, and the mid-block attention/FFN linears; one per distinct compiled kernel."""
+    from .. import compiled
+    from ..diffusion import fused as FU
+
+    dt = getattr(torch, params["dtype"])
+    pad = (2, 1, 1)
+    latent = (1, params["latent_frames"], params["latent_h"], params["latent_w"])
+    launches = []
+    for norm in params["norms"].split(","):
+        cfg = config_from(params, norm)
+        shape = largest_stage_shape(cfg, latent)
+        for res in (False, True):
+            launches += FU.norm_silu_pad_launches(shape, dt, norm, pad, groups=cfg.groups, residual=res,
+                                                  weight_dtype=torch.float32, name="block")
+            wide = (shape[0], cfg.channels[-2], *shape[2:])            # the last stage's first ResBlock norm
+            launches += FU.norm_silu_pad_launches(wide, dt, norm, pad, groups=cfg.groups, residual=res,
+                                                  weight_dtype=dt, name="decoder")
+        C0 = cfg.channels[0]
+        M = latent[0] * latent[1] * latent[2] * latent[3]             # tokens of the mid attention
+        Fm = cfg.ffn_mult * C0
+        launches += FU.fused_linear_launches(M, 3 * C0, C0, dt, norm=True, name="attn.qkv")
+        launches += FU.fused_linear_launches(M, C0, C0, dt, residual=True, name="attn.out")
+        launches += FU.fused_linear_launches(M, Fm, C0, dt, norm=True, swiglu=True, name="ffn.up")
+        launches += FU.fused_linear_launches(M, C0, Fm, dt, residual=True, name="ffn.down")
+    return compiled.dedupe(launches)
+
+
+def roofline_work(params: dict) -> list[dict]:
+    """The fused blocks at the largest stage as {name, bytes, flops}: bytes `fused_bytes_moved`
+    (memory-bound; flops not counted)."""
+    from ..diffusion.fused import fused_bytes_moved
+
+    dt = getattr(torch, params["dtype"])
+    latent = (1, params["latent_frames"], params["latent_h"], params["latent_w"])
+    out = []
+    for norm in params["norms"].split(","):
+        shape = largest_stage_shape(config_from(params, norm), latent)
+        for op, res in (("norm_silu_pad", False), ("add_norm_silu_pad", True)):
+            out.append({"name": f"{op}[{norm}] {'x'.join(map(str, shape))}",
+                        "bytes": fused_bytes_moved(shape, dt.itemsize, (2, 1, 1), norm=norm, residual=res),
+                        "flops": 0.0, "record": f"block:{op}[{norm}]", "variant": "triton fused", "metric": "time"})
+    return out

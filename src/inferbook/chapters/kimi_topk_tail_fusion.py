@@ -230,3 +230,38 @@ def rows(records: list[RunRecord]) -> list[dict]:
             pass
         out.append(row)
     return out
+
+
+def gpu_launches(params: dict) -> list:
+    """The Triton launches of this chapter at its gpu preset (`inferbook.compiled`): the decode tail
+    fused and separate (BF16 and fp32 rows) in every weight format at every token count, and the
+    MXFP4 weight packing (MX quantize of W2)."""
+    from .. import compiled
+    from ..numerics import mx as MX
+
+    p = params
+    E, k, H, I = p["experts"], p["top_k"], p["hidden"], p["inter"]
+    launches = []
+    for fmt in parse_formats(p["formats"]):
+        for T in parse_ints(p["tokens"], "tokens"):
+            launches += FM.moe_tail_launches(T, k, E, H, I, fmt, fused=True)
+            for inter_dtype in (torch.bfloat16, torch.float32):
+                launches += FM.moe_tail_launches(T, k, E, H, I, fmt, fused=False, inter_dtype=inter_dtype)
+        if fmt == "mxfp4":
+            launches += MX.quantize_launches((E, H, I), torch.float32, MXF.ELEMENT, axis=-1, block=MXF.BLOCK,
+                                             scale_rounding=MXF.SCALE_ROUNDING, name=f"MXFP4 pack of W2 [{E}, {H}, {I}]")
+    return compiled.dedupe(launches)
+
+
+def roofline_work(params: dict) -> list[dict]:
+    """The fused tail per format at the largest T as {name, bytes, flops}: bytes `traffic` with the
+    experts T·k uniformly routed slots are expected to touch; flops 2·T·k·H·I."""
+    E, k, H, I = params["experts"], params["top_k"], params["hidden"], params["inter"]
+    T = parse_ints(params["tokens"], "tokens")[-1]
+    active = round(E * (1 - (1 - 1 / E) ** (T * k)))
+    out = []
+    for fmt in parse_formats(params["formats"]):
+        tr = traffic(T, k, H, I, fmt, active)
+        out.append({"name": f"{fmt} tail fused T{T}", "bytes": tr["fused_bytes"], "flops": 2 * T * k * H * I,
+                    "record": f"{fmt}-T{T}-fused", "metric": "tail"})
+    return out

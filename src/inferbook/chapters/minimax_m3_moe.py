@@ -223,3 +223,36 @@ def measure(ctx, *, hidden, inter, experts, top_k, concurrency, tps, reps) -> li
     records += shared_timings(ctx, hidden, inter, experts, top_k, cs, reps)
     records += seed_records(ctx)
     return records
+
+
+def gpu_launches(params: dict) -> list:
+    """The Triton launches of this chapter at its gpu preset (`inferbook.compiled`): at every
+    concurrency C, the fused path (routed experts plus the shared expert as slot k+1) and the
+    separate path (routed fused MoE plus the shared expert's own two GEMMs); one per distinct kernel."""
+    from .. import compiled
+
+    p = params
+    E, k, H, I = p["experts"], p["top_k"], p["hidden"], p["inter"]
+    launches = []
+    for C in parse_ints(p["concurrency"], "concurrency") + [19]:   # 19: shared_check's T
+        launches += FM.fused_moe_launches(C, k + 1, E + 1, H, I, "indexed", name=f"fused-slot C{C}")
+        launches += FM.fused_moe_launches(C, k, E, H, I, "indexed", name=f"routed C{C}")
+        launches += W.linear_launches(C, 2 * I, H, "indexed", name=f"shared_mlp gate/up C{C}")
+        launches += W.linear_launches(C, H, I, "indexed", name=f"shared_mlp down C{C}")
+    launches += FM.fused_moe_launches(19, 1, 1, H, I, "indexed", name="shared as its own MoE (check)")
+    return compiled.dedupe(launches)
+
+
+def roofline_work(params: dict) -> list[dict]:
+    """One fused decode layer per concurrency C as {name, bytes, flops}: the W4A16 weights of the
+    experts C tokens are expected to touch (uniform routing: E·(1-(1-k/E)^C), plus the shared
+    expert), activations in and out; flops 2·C·(k+1)·3·H·I."""
+    E, k, H, I = params["experts"], params["top_k"], params["hidden"], params["inter"]
+    per_expert = W.weight_bytes(2 * I, H, "w4a16") + W.weight_bytes(H, I, "w4a16")
+    out = []
+    for C in parse_ints(params["concurrency"], "concurrency"):
+        active = E * (1 - (1 - k / E) ** C) + 1
+        nbytes = active * per_expert + 2 * C * H * 2 + C * (k + 1) * (2 * I + I) * 2 * 2
+        out.append({"name": f"fused layer C={C}", "bytes": nbytes, "flops": 2 * C * (k + 1) * 3 * H * I,
+                    "record": f"shared-fused-c{C}", "metric": "layer"})
+    return out

@@ -397,3 +397,19 @@ def measure(ctx, *, world_size, tokens, hidden, topk_per_rank, dtype, check_nume
                   phase="derived", vocab=vocab, batch=b)
     records.append(g_rec)
     return records
+
+
+def gpu_launches(params: dict) -> list:
+    """The Triton launches of this chapter at its gpu preset (`inferbook.compiled`): the tail's
+    finalize, unfused, fused and naive-fused kernels at the preset's shape."""
+    dtype = getattr(torch, params["dtype"])
+    return tail.tail_launches(params["world_size"], params["tokens"], params["hidden"], params["topk_per_rank"], dtype)
+
+
+def roofline_work(params: dict) -> list[dict]:
+    """The tail variants as {name, bytes, flops}: bytes `tail.tail_bytes` (per rank, after the
+    exchange); memory-bound, flops not counted."""
+    dt = getattr(torch, params["dtype"])
+    nbytes = tail.tail_bytes(params["world_size"], params["tokens"], params["hidden"], dt.itemsize)
+    return [{"name": f"tail {v} N{params['world_size']} T{params['tokens']} H{params['hidden']}", "bytes": b,
+             "flops": 0.0, "record": "tail", "metric": f"time_{v}"} for v, b in nbytes.items()]

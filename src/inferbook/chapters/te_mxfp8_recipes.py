@@ -442,3 +442,33 @@ def measure(ctx, *, m, k, n, outlier_scale, recipes, d_in, d_hidden, train_batch
     if g is not None:
         records.append(g)
     return records
+
+
+def gpu_launches(params: dict) -> list:
+    """The Triton launches of this chapter at its gpu preset (`inferbook.compiled`): MX quantize for
+    the timed bf16 input and the bit-exactness check (every format, rounding and layout), and the
+    grouped-GEMM checker (its GPU shapes, with and without the injected fault)."""
+    from .. import compiled
+
+    launches = []
+    for layout, kw in LAYOUTS.items():
+        launches += mx.quantize_launches((params["quant_m"], params["quant_k"]), torch.bfloat16, "e4m3",
+                                         scale_rounding="floor", name=f"quantize-speed e4m3 floor {layout}", **kw)
+    for fmt in mx.FORMATS:
+        for rule in mx.SCALE_ROUNDING:
+            for layout, kw in LAYOUTS.items():
+                launches += mx.quantize_launches((params["check_m"], params["check_n"]), torch.float32, fmt,
+                                                 scale_rounding=rule, name=f"bit-exact {fmt} {rule} {layout}", **kw)
+    for K, N in ((64, 48), (33, 70), (256, 200)):          # grouped_record's GPU shapes
+        for skip in (False, True):
+            launches += grouped.grouped_gemm_launches(params["max_rows"], params["n_groups"], N, K, torch.bfloat16,
+                                                      skip_last_row=skip)
+    return compiled.dedupe(launches)
+
+
+def roofline_work(params: dict) -> list[dict]:
+    """The timed MXFP8 quantize as {name, bytes, flops}: bytes as `quantize_speed` counts them (read
+    bf16, write 1-byte codes and one scale per 32 values); no flops counted."""
+    n = params["quant_m"] * params["quant_k"]
+    return [{"name": f"quantize {layout} {params['quant_m']}x{params['quant_k']} bf16", "bytes": 2 * n + n + n // 32,
+             "flops": 0.0, "record": "quantize-speed", "metric": f"quantize {layout}"} for layout in LAYOUTS]

@@ -288,6 +288,62 @@ def _launch_cfg(H: int, device: torch.device) -> dict:
 select_backend = _device.select_backend  # kept as this module's name: chapters call it here
 
 
+def _run(launch) -> None:
+    launch.kernel[launch.grid](*launch.args, **launch.kwargs)
+
+
+def _finalize_launch(expert_out, topk_weights, out, *, device: torch.device):
+    """`finalize`'s launch (`compiled.Launch`): expert_out [T, K, H], topk_weights fp32 [T, K] -> out [T, H]."""
+    from ..compiled import Launch
+
+    T, K, H = expert_out.shape
+    return Launch(f"finalize -> {str(out.dtype)[6:]} T{T} K{K} H{H}", _finalize_kernel,
+                  [expert_out, topk_weights, out, H], dict(K=K, **_launch_cfg(H, device)), "comm/tail.py:finalize", (T,))
+
+
+def _unfused_launches(p, s, r, w, ar, h, residual_out, out, eps: float, *, device: torch.device) -> list:
+    """`unfused_tail`'s four launches: partials [N, T, H], shared/residual [T, H], norm weight [H]."""
+    from ..compiled import Launch
+
+    N, T, H = p.shape
+    cfg = _launch_cfg(H, device)
+    src = "comm/tail.py:unfused_tail"
+    return [Launch(f"allreduce_sum N{N} T{T} H{H}", _allreduce_sum_kernel, [p, ar, H, T * H], dict(N=N, **cfg), src, (T,)),
+            Launch(f"add (shared) T{T} H{H}", _add_kernel, [ar, s, h, H], dict(cfg), src, (T,)),
+            Launch(f"add (residual) T{T} H{H}", _add_kernel, [h, r, residual_out, H], dict(cfg), src, (T,)),
+            Launch(f"rmsnorm T{T} H{H}", _rmsnorm_kernel, [residual_out, w, out, H, float(H), float(eps)], dict(cfg),
+                   src, (T,))]
+
+
+def _tail_launch(kernel, p, s, r, w, out, residual_out, eps: float, *, device: torch.device):
+    """`fused_tail`'s or `naive_fused_tail`'s one launch (the kernel says which)."""
+    from ..compiled import Launch
+
+    N, T, H = p.shape
+    which = "fused_tail" if kernel is _fused_tail_kernel else "naive_fused_tail"
+    return Launch(f"{which} N{N} T{T} H{H} partials:{str(p.dtype)[6:]}", kernel,
+                  [p, s, r, w, out, residual_out, H, float(H), float(eps), T * H], dict(N=N, **_launch_cfg(H, device)),
+                  f"comm/tail.py:{which}", (T,))
+
+
+def tail_launches(world_size: int, tokens: int, hidden: int, top_k: int, dtype=torch.bfloat16, eps: float = 1e-6) -> list:
+    """Every launch of the tail at these shapes on a GPU, without running them: finalize (to `dtype`
+    and to fp32), the unfused four, the fused one and the naive fp32 fusion."""
+    from ..compiled import meta
+
+    N, T, H = world_size, tokens, hidden
+    dev = torch.device("cuda")
+    th = lambda: meta((T, H), dtype)  # noqa: E731
+    out = [_finalize_launch(meta((T, top_k, H), dtype), meta((T, top_k), torch.float32), meta((T, H), odt), device=dev)
+           for odt in (dtype, torch.float32)]
+    p = meta((N, T, H), dtype)
+    out += _unfused_launches(p, th(), th(), meta((H,), dtype), th(), th(), th(), th(), eps, device=dev)
+    out.append(_tail_launch(_fused_tail_kernel, p, th(), th(), meta((H,), dtype), th(), th(), eps, device=dev))
+    out.append(_tail_launch(_naive_tail_kernel, meta((N, T, H), torch.float32), th(), th(), meta((H,), dtype), th(), th(),
+                            eps, device=dev))
+    return out
+
+
 def finalize(expert_out, topk_weights, out_dtype=None, backend: str = "auto") -> torch.Tensor:
     """Rounding point 1 (or fp32 partials with out_dtype=float32, for the naive fusion)."""
     T, K, H = check_finalize_inputs(expert_out, topk_weights)
@@ -295,7 +351,7 @@ def finalize(expert_out, topk_weights, out_dtype=None, backend: str = "auto") ->
         return finalize_reference(expert_out, topk_weights, out_dtype)
     out = torch.empty(T, H, dtype=out_dtype or expert_out.dtype, device=expert_out.device)
     if T:
-        _finalize_kernel[(T,)](expert_out.contiguous(), topk_weights.contiguous(), out, H, K=K, **_launch_cfg(H, expert_out.device))
+        _run(_finalize_launch(expert_out.contiguous(), topk_weights.contiguous(), out, device=expert_out.device))
     return out
 
 
@@ -304,15 +360,11 @@ def unfused_tail(partials, shared, residual, norm_weight, eps=1e-6, backend: str
     N, T, H = check_tail_inputs(partials, shared, residual, norm_weight, eps)
     if select_backend(partials.device, backend)[0] == "torch":
         return tail_reference(partials, shared, residual, norm_weight, eps)
-    cfg = _launch_cfg(H, partials.device)
     p, s, r, w = (t.contiguous() for t in (partials, shared, residual, norm_weight))
     ar, h, residual_out, out = (torch.empty_like(s) for _ in range(4))
     if T:
-        grid = (T,)
-        _allreduce_sum_kernel[grid](p, ar, H, T * H, N=N, **cfg)
-        _add_kernel[grid](ar, s, h, H, **cfg)
-        _add_kernel[grid](h, r, residual_out, H, **cfg)
-        _rmsnorm_kernel[grid](residual_out, w, out, H, float(H), float(eps), **cfg)
+        for launch in _unfused_launches(p, s, r, w, ar, h, residual_out, out, eps, device=partials.device):
+            _run(launch)
     return out, residual_out
 
 
@@ -327,7 +379,7 @@ def fused_tail(partials, shared, residual, norm_weight, eps=1e-6, backend: str =
     p, s, r, w = (t.contiguous() for t in (partials, shared, residual, norm_weight))
     out, residual_out = torch.empty_like(s), torch.empty_like(s)
     if T:
-        _fused_tail_kernel[(T,)](p, s, r, w, out, residual_out, H, float(H), float(eps), T * H, N=N, **_launch_cfg(H, p.device))
+        _run(_tail_launch(_fused_tail_kernel, p, s, r, w, out, residual_out, eps, device=p.device))
     return out, residual_out
 
 
@@ -341,7 +393,7 @@ def naive_fused_tail(partials_fp32, shared, residual, norm_weight, eps=1e-6, bac
     p, s, r, w = (t.contiguous() for t in (partials_fp32, shared, residual, norm_weight))
     out, residual_out = torch.empty_like(s), torch.empty_like(s)
     if T:
-        _naive_tail_kernel[(T,)](p, s, r, w, out, residual_out, H, float(H), float(eps), T * H, N=N, **_launch_cfg(H, p.device))
+        _run(_tail_launch(_naive_tail_kernel, p, s, r, w, out, residual_out, eps, device=p.device))
     return out, residual_out
 
 

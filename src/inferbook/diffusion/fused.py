@@ -578,3 +578,84 @@ def fused_bytes_moved(shape, itemsize: int, pad, *, norm: str, residual: bool) -
         return itemsize * ((2 * n if residual else n) + (n if residual else 0) + n_pad)
     stats = (2 * n + n) if residual else n
     return itemsize * (stats + n + n_pad)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Launch builders (inferbook.compiled): what the fused ops launch on a GPU, without running them
+
+def norm_silu_pad_launches(shape, dtype, kind: str, pad, *, groups: int = 32, residual: bool = False,
+                           bias: bool = True, weight_dtype=torch.float32, silu: bool = True, name: str = "") -> list:
+    """`norm_silu_pad_triton`'s launches for x [B, C, T, H, W] of `dtype` with a `kind` ('rms' |
+    'group') norm whose weight/bias are `weight_dtype`: the group-statistics pass (group norm)
+    and the apply pass, from the same `_block_sizes` and argument lists (`meta` stand-ins)."""
+    from ..compiled import Launch, meta
+
+    B, C, T, H, W = shape
+    pt, ph, pw = pad
+    To, Ho, Wo = T + pt, H + 2 * ph, W + 2 * pw
+    x = meta(shape, dtype)
+    out_t = meta((B, C, To, Ho, Wo), dtype)
+    launches = []
+    mean = rstd = y = None
+    src, has_r = x, residual
+    if kind == "group":
+        launches += group_stats_launches(shape, dtype, groups, residual=residual, name=name)
+        mean, rstd = meta((B, C), torch.float32), meta((B, C), torch.float32)
+        if residual:
+            y = meta(shape, dtype)
+            src, has_r = y, False
+    elif residual:
+        y = meta(shape, dtype)
+    rr = meta(shape, dtype) if has_r else src
+    BLOCK_C, BLOCK_W = _block_sizes(C, Wo)
+    w = meta((C,), weight_dtype)
+    launches.append(Launch(
+        f"{name} norm_silu_pad {kind}{'+res' if residual else ''} C{C} {T}x{H}x{W} w:{str(weight_dtype)[6:]}".strip(),
+        _norm_silu_pad_kernel,
+        [src, rr, y if (y is not None and has_r) else out_t, out_t, w, w,
+         mean if mean is not None else out_t, rstd if rstd is not None else out_t,
+         C, T, H, W, To, Ho, Wo, pt, ph, pw, T * H * W, To * Ho * Wo, *src.stride(), *rr.stride(), 1e-6],
+        dict(NORM_RMS=kind == "rms", HAS_RES=has_r, HAS_BIAS=bias, APPLY_SILU=silu, BLOCK_C=BLOCK_C, BLOCK_W=BLOCK_W,
+             num_warps=4),
+        "diffusion/fused.py:norm_silu_pad_triton", (B * To * Ho, triton.cdiv(Wo, BLOCK_W))))
+    return launches
+
+
+def group_stats_launches(shape, dtype, groups: int, *, residual: bool = False, name: str = "") -> list:
+    """`_group_stats`'s launch (the GroupNorm statistics pass, fused with the residual add)."""
+    from ..compiled import Launch, meta
+
+    B = shape[0]
+    n = 1
+    for s in shape:
+        n *= s
+    n_group = n // (B * groups)
+    BLOCK, target = 1024, 512
+    split = max(1, min(triton.cdiv(n_group, BLOCK), target // (B * groups)))
+    chunk = triton.cdiv(triton.cdiv(n_group, split), BLOCK) * BLOCK
+    split = triton.cdiv(n_group, chunk)
+    x = meta(shape, dtype)
+    return [Launch(f"{name} group_stats{' +res' if residual else ''} {'x'.join(map(str, shape))} grid {B * groups}x{split}".strip(),
+                   _group_stats_kernel,
+                   [x, meta(shape, dtype) if residual else x, meta(shape, dtype) if residual else x,
+                    meta((B * groups, split, 3), torch.float32), n_group, chunk, split],
+                   dict(HAS_RES=residual, BLOCK=BLOCK), "diffusion/fused.py:_group_stats", (B * groups, split))]
+
+
+def fused_linear_launches(m: int, n: int, k: int, dtype=torch.bfloat16, *, norm: bool = False, swiglu: bool = False,
+                          residual: bool = False, bias: bool = False, name: str = "") -> list:
+    """`fused_linear_triton`'s launch for x [m, k] @ weight [n (2n with swiglu), k]^T on a GPU."""
+    from ..compiled import Launch, meta
+
+    x2 = meta((m, k), dtype)
+    weight = meta((2 * n if swiglu else n, k), dtype)
+    out = meta((m, n), dtype)
+    r2 = meta((m, n), dtype) if residual else out
+    BM, BN, BK = 64, 64, 32
+    return [Launch(f"{name} fused_linear M{m} N{n} K{k}{' norm' if norm else ''}{' swiglu' if swiglu else ''}"
+                   f"{' +res' if residual else ''}".strip(), _fused_linear_kernel,
+                   [x2, weight, weight, weight, r2, out, m, n, k, *x2.stride(), *weight.stride(), *r2.stride(),
+                    *out.stride(), 1e-6],
+                   dict(HAS_NORM=norm, HAS_BIAS=bias, SWIGLU=swiglu, HAS_RES=residual, DOT_FP32=False,
+                        IEEE=dtype == torch.float32, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, num_warps=4),
+                   "diffusion/fused.py:fused_linear_triton", (triton.cdiv(m, BM), triton.cdiv(n, BN)))]

@@ -485,3 +485,115 @@ def shared_fused(x, w13_all, w2_all, weights_all, ids_all, layout: str | None = 
                  check: bool = True) -> torch.Tensor:
     """The routed grouped GEMM with the shared expert as slot k (see `with_shared_slot`)."""
     return fused_moe(x, w13_all, w2_all, weights_all, ids_all, layout, check=check)
+
+
+# ---------------------------------------------------------------------------
+# Launch builders (inferbook.compiled): what `fused_moe`, `combine` and `moe_tail` launch on a
+# GPU for given shapes, from the same config functions and argument lists, without running them
+
+def fused_moe_launches(tokens: int, top_k: int, experts: int, hidden: int, inter: int, layout: str = "indexed", *,
+                       max_m: int | None = None, inter_dtype=torch.bfloat16, out_dtype=torch.bfloat16,
+                       group_size: int = 32, block: dict | None = None, name: str = "") -> list:
+    """`fused_moe`'s gate/up and down launches plus its combine for x [tokens, hidden] routed to
+    `top_k` of `experts` experts (w13 [E, 2*inter, hidden], w2 [E, hidden, inter] packed for
+    `layout`). `max_m` (masked layout): rows per expert (default: twice the mean, rounded up)."""
+    from ..compiled import Launch, meta
+
+    T, k, E, H, I = tokens, top_k, experts, hidden, inter
+    cfg = dict(block or moe_config(T * k / E, False))
+    BM, BN = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    common = dict(LAYOUT=LAYOUT_CODE[layout], GROUP=group_size, DOT_FP32=False, **cfg)
+    i32, bf16, f32 = torch.int32, torch.bfloat16, torch.float32
+    qdt = torch.uint8 if layout == "grouped_masked" else i32
+    per_q = (lambda N, K: N * K // 2) if layout == "grouped_masked" else (lambda N, K: N * K // 8)  # noqa: E731
+    dummy = meta((1,), i32)
+    tag = f"{layout} T{T} k{k} E{E} H{H} I{I} cfg {BM}x{BN}x{cfg['BLOCK_K']} w{cfg.get('num_warps', 4)} s{cfg.get('num_stages', 3)}"
+    out = []
+
+    def gemm(stage, a, c, rows, block_expert, counts, dest, n_rows, N, K, grid, *, ROWS, A_DIV, SCATTER, GATED,
+             MUL_ROW_WEIGHT, m_max=0):
+        NW = 2 * N if GATED else N
+        out.append(Launch(f"{name} {stage} {tag}".strip(), moe_gemm_kernel,
+                          [a, meta((1,), qdt), meta((1,), bf16), c, rows, block_expert, counts, dest, meta((T * k,), f32),
+                           n_rows, N, K, m_max, per_q(NW, K), NW * K // group_size,
+                           a.stride(0), a.stride(1), c.stride(0), c.stride(1)],
+                          dict(ROWS=ROWS, A_DIV=A_DIV, SCATTER=SCATTER, GATED=GATED, MUL_ROW_WEIGHT=MUL_ROW_WEIGHT,
+                               OUT_BF16=c.dtype == torch.bfloat16, **common),
+                          "moe/fused_moe.py:fused_moe", grid))
+
+    y = meta((T * k, H), inter_dtype)
+    if layout == "indexed":
+        P = (T * k + E * (BM - 1) + BM - 1) // BM * BM          # routing.align_indexed's worst-case buffer
+        nb = P // BM
+        ids, be = meta((P,), i32), meta((nb,), i32)
+        act = meta((T * k, I), bf16)
+        gemm("gate_up", meta((T, H), bf16), act, ids, be, dummy, dummy, T * k, I, H, (nb, triton.cdiv(I, BN)),
+             ROWS=0, A_DIV=k, SCATTER=False, GATED=True, MUL_ROW_WEIGHT=False)
+        gemm("down", act, y, ids, be, dummy, dummy, T * k, H, I, (nb, triton.cdiv(H, BN)),
+             ROWS=0, A_DIV=1, SCATTER=False, GATED=False, MUL_ROW_WEIGHT=True)
+    elif layout == "grouped_contiguous":
+        per = -(-T * k // E)                                       # an even split, each padded to BLOCK_M
+        P = E * (-(-per // BM) * BM)
+        nb = P // BM
+        be, dest = meta((nb,), i32), meta((P,), i32)
+        act = meta((P, I), bf16)
+        gemm("gate_up", meta((P, H), bf16), act, dummy, be, dummy, dummy, P, I, H, (nb, triton.cdiv(I, BN)),
+             ROWS=1, A_DIV=1, SCATTER=False, GATED=True, MUL_ROW_WEIGHT=False)
+        gemm("down", act, y, dummy, be, dummy, dest, P, H, I, (nb, triton.cdiv(H, BN)),
+             ROWS=1, A_DIV=1, SCATTER=True, GATED=False, MUL_ROW_WEIGHT=True)
+    else:
+        mm = max_m or max(1, 2 * -(-T * k // E))
+        counts, dest = meta((E,), i32), meta((E * mm,), i32)
+        act = meta((E * mm, I), bf16)
+        mb = triton.cdiv(mm, BM)
+        gemm("gate_up", meta((E * mm, H), bf16), act, dummy, dummy, counts, dummy, E * mm, I, H,
+             (mb, triton.cdiv(I, BN), E), ROWS=2, A_DIV=1, SCATTER=False, GATED=True, MUL_ROW_WEIGHT=False, m_max=mm)
+        gemm("down", act, y, dummy, dummy, counts, dest, E * mm, H, I, (mb, triton.cdiv(H, BN), E),
+             ROWS=2, A_DIV=1, SCATTER=True, GATED=False, MUL_ROW_WEIGHT=True, m_max=mm)
+    out += combine_launches(T, k, H, inter_dtype, out_dtype, name=name)
+    return out
+
+
+def combine_launches(tokens: int, top_k: int, hidden: int, y_dtype=torch.bfloat16, out_dtype=torch.bfloat16,
+                     name: str = "") -> list:
+    """`combine`'s launch for y [tokens*top_k, hidden] -> [tokens, hidden] on a GPU."""
+    from ..compiled import Launch, meta
+
+    BT, BH = 8, 128
+    return [Launch(f"{name} combine y:{str(y_dtype)[6:]} -> {str(out_dtype)[6:]} T{tokens} k{top_k} H{hidden}".strip(),
+                   combine_kernel, [meta((tokens * top_k, hidden), y_dtype), meta((tokens, hidden), out_dtype),
+                                    tokens, hidden, top_k],
+                   dict(OUT_BF16=out_dtype == torch.bfloat16, EMULATE=False, BLOCK_T=BT, BLOCK_H=BH),
+                   "moe/fused_moe.py:combine", (triton.cdiv(tokens, BT), triton.cdiv(hidden, BH)))]
+
+
+def moe_tail_launches(tokens: int, top_k: int, experts: int, hidden: int, inter: int, fmt: str, *, fused: bool,
+                      inter_dtype=torch.bfloat16, name: str = "") -> list:
+    """`moe_tail`'s launches on a GPU for act [tokens*top_k, inter] and w2 [E, hidden, inter] in
+    `fmt` ('bf16', 'w4a16' (indexed) or 'mxfp4'): the down kernel, plus `combine` when not fused."""
+    from ..compiled import Launch, meta
+
+    T, k, E, H, I = tokens, top_k, experts, hidden, inter
+    if fmt == "bf16":
+        qw = sc = meta((E, H, I), torch.bfloat16)
+        code, group, q_es, s_es = LAYOUT_CODE["bf16"], 32, H * I, H * I
+    elif fmt == "w4a16":
+        qw, sc = meta((E, H, I // 8), torch.int32), meta((E, H, I // 32), torch.bfloat16)
+        code, group, q_es, s_es = LAYOUT_CODE["indexed"], 32, H * I // 8, H * I // 32
+    elif fmt == "mxfp4":
+        qw, sc = meta((E, H, I // 2), torch.uint8), meta((E, H, I // MXF.BLOCK), torch.uint8)
+        code, group, q_es, s_es = MXF.LAYOUT_CODE, MXF.BLOCK, H * I // 2, H * I // MXF.BLOCK
+    else:
+        raise ValueError(f"fmt must be 'bf16', 'w4a16' or 'mxfp4', got {fmt!r}")
+    cfg = dict(BLOCK_N=64, BLOCK_K=128, num_warps=4)
+    c = meta((T, H), torch.bfloat16) if fused else meta((T * k, H), inter_dtype)
+    out = [Launch(f"{name} down_tail {fmt} {'fused' if fused else 'separate y:' + str(inter_dtype)[6:]} T{T} k{k} H{H} I{I}".strip(),
+                  down_tail_kernel,
+                  [meta((T * k, I), torch.bfloat16), qw, sc, meta((T, k), torch.int32), meta((T, k), torch.float32), c,
+                   H, I, k, q_es, s_es],
+                  dict(FUSED=fused, OUT_BF16=fused or inter_dtype == torch.bfloat16, LAYOUT=code, GROUP=group,
+                       EMULATE=False, **cfg, enable_fp_fusion=False),
+                  "moe/fused_moe.py:moe_tail", (T, triton.cdiv(H, cfg["BLOCK_N"])))]
+    if not fused:
+        out += combine_launches(T, k, H, inter_dtype, torch.bfloat16, name=name)
+    return out

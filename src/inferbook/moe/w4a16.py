@@ -459,3 +459,25 @@ def weight_bytes(n: int, k: int, fmt: str, group_size: int = GROUP_SIZE) -> int:
     if fmt == "w4a16":
         return n * k // 2 + 2 * n * (k // group_size)
     raise ValueError(f"unknown weight format {fmt!r}; choose 'bf16' or 'w4a16'")
+
+
+# ---------------------------------------------------------------------------
+# Launch builder (inferbook.compiled): what `linear` launches on a GPU, without running it
+
+def linear_launches(m: int, n: int, k: int, layout: str = "indexed", *, group_size: int = GROUP_SIZE,
+                    block: dict | None = None, name: str = "") -> list:
+    """The launch `linear(x [m, k] bf16, q [n, k] packed for `layout`)` makes on a GPU, from the
+    same `linear_config` and arguments (`compiled.Launch` list; tensors are `meta` stand-ins)."""
+    from ..compiled import meta
+
+    cfg = dict(block or linear_config(m, False))
+    qdt = torch.uint8 if layout == "grouped_masked" else (torch.bfloat16 if layout == "bf16" else torch.int32)
+    x2, out = meta((m, k), torch.bfloat16), meta((m, n), torch.bfloat16)
+    from ..compiled import Launch
+
+    return [Launch(name or f"w4a16 linear {layout} M{m} N{n} K{k} cfg {cfg['BLOCK_M']}x{cfg['BLOCK_N']}x{cfg['BLOCK_K']}",
+                   _w4a16_linear_kernel,
+                   [x2, meta((1,), qdt), meta((1,), torch.bfloat16), out, m, n, k, x2.stride(0), x2.stride(1),
+                    out.stride(0), out.stride(1)],
+                   dict(LAYOUT=LAYOUT_CODE[layout], GROUP=group_size, DOT_FP32=False, **cfg),
+                   "moe/w4a16.py:linear", (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"])))]

@@ -232,6 +232,43 @@ if triton is not None:
         tl.store(hT_ptr + s_off, S, mask=m_s)
 
 
+def recurrent_blocks(K: int, V: int, device: torch.device) -> tuple[int, int]:
+    """(BK, BV) of the recurrent kernel: on a GPU the fp32 state block [BK, BV] stays <= 4K values
+    (registers); the interpreter runs one program at a time with numpy, so one block of all V
+    columns is cheapest there."""
+    BK = triton.next_power_of_2(K)
+    if device.type == "cuda":
+        return BK, min(triton.next_power_of_2(V), max(16, 4096 // BK))
+    return BK, triton.next_power_of_2(V)
+
+
+def _recurrent_launch(q, k, v, g, beta, h0, o, hT, scale: float, has_h0: bool, *, device: torch.device):
+    """The launch (`compiled.Launch`) of `recurrent_triton` for contiguous q, k [B, T, H, K], v [B, T, H, V],
+    g, beta [B, T, H], fp32 h0/hT [B, H, K, V] and fp32 o [B, T, H, V] (tensors or `meta` stand-ins)."""
+    from ..compiled import Launch
+
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    BK, BV = recurrent_blocks(K, V, device)
+    return Launch(f"gdn recurrent fwd K{K} V{V} BV{BV} {str(q.dtype)[6:]}", gdn_recurrent_fwd_kernel,
+                  [q, k, v, g, beta, h0, o, hT, T, H, K, V, scale], dict(BK=BK, BV=BV, HAS_H0=has_h0),
+                  "numerics/gdn.py:recurrent_triton", (triton.cdiv(V, BV), B * H))
+
+
+def recurrent_launches(batch: int, seqlen: int, heads: int, k_dim: int, v_dim: int, dtype=torch.bfloat16,
+                       has_h0: bool = False) -> list:
+    """The launch `recurrent_triton` makes for these shapes on a GPU, without running it."""
+    from ..compiled import meta
+
+    qk = (batch, seqlen, heads, k_dim)
+    f32 = torch.float32
+    st = meta((batch, heads, k_dim, v_dim), f32)
+    return [_recurrent_launch(meta(qk, dtype), meta(qk, dtype), meta((batch, seqlen, heads, v_dim), dtype),
+                              meta((batch, seqlen, heads), dtype), meta((batch, seqlen, heads), dtype), st,
+                              meta((batch, seqlen, heads, v_dim), f32), st, k_dim ** -0.5, has_h0,
+                              device=torch.device("cuda"))]
+
+
 def recurrent_triton(q, k, v, g, beta, scale=None, initial_state=None, *, cu_seqlens=None, use_qk_l2norm=False):
     """Forward-only Gated DeltaNet in one Triton kernel (no autograd). Returns (o in v.dtype, S fp32).
 
@@ -258,15 +295,9 @@ def recurrent_triton(q, k, v, g, beta, scale=None, initial_state=None, *, cu_seq
     o = torch.empty(B, T, H, V, dtype=torch.float32, device=q.device)
     hT = torch.empty(B, H, K, V, dtype=torch.float32, device=q.device)
     h0 = initial_state.float().contiguous() if initial_state is not None else hT
-    BK = triton.next_power_of_2(K)
-    if q.device.type == "cuda":
-        BV = min(triton.next_power_of_2(V), max(16, 4096 // BK))  # state block <= 4K fp32 in registers
-    else:  # the interpreter runs one program at a time with numpy: one block of all V columns is cheapest
-        BV = triton.next_power_of_2(V)
     if T > 0 or initial_state is not None:
-        grid = (triton.cdiv(V, BV), B * H)
-        gdn_recurrent_fwd_kernel[grid](q, k, v, g, beta, h0, o, hT, T, H, K, V, scale, BK=BK, BV=BV,
-                                       HAS_H0=initial_state is not None)
+        launch = _recurrent_launch(q, k, v, g, beta, h0, o, hT, scale, initial_state is not None, device=q.device)
+        launch.kernel[launch.grid](*launch.args, **launch.kwargs)
     else:
         hT.zero_()
     return o.to(v.dtype), hT

@@ -104,14 +104,40 @@ def grouped_gemm_triton(x: torch.Tensor, w: torch.Tensor, group_sizes, *, block_
     tg = torch.tensor(tile_group, dtype=torch.int32, device=dev)
     tr = torch.tensor(tile_row, dtype=torch.int32, device=dev)
     ge = torch.tensor(ends, dtype=torch.int32, device=dev)
-    grid = (len(tile_group), triton.cdiv(N, block_n))
-    grouped_gemm_kernel[grid](x, w, buf, tg, tr, ge, N, K, x.stride(0), x.stride(1), w.stride(0), w.stride(1),
-                              w.stride(2), buf.stride(0), buf.stride(1), BM=block_m, BN=block_n, BK=block_k,
-                              DOT_FP32=dot_needs_fp32(dev), IEEE=dot_needs_fp32(dev) or x.dtype == torch.float32,
-                              SKIP_LAST_ROW=_skip_last_row)
+    launch = _grouped_launch(x, w, buf, tg, tr, ge, block_m, block_n, block_k, _skip_last_row, device=dev)
+    launch.kernel[launch.grid](*launch.args, **launch.kwargs)
     if buf is not out:
         out.copy_(buf)
     return out
+
+
+def _grouped_launch(x, w, buf, tg, tr, ge, block_m: int, block_n: int, block_k: int, skip_last_row: bool, *,
+                    device: torch.device):
+    """The launch (`compiled.Launch`) of `grouped_gemm_triton` for x [M, K], w [G, N, K], the fp32
+    output buffer [M, N] and the int32 tile tables (tensors or `meta` stand-ins)."""
+    from ..compiled import Launch
+
+    K = x.shape[1]
+    N = w.shape[1]
+    return Launch(f"grouped_gemm N{N} K{K}{' fault' if skip_last_row else ''}", grouped_gemm_kernel,
+                  [x, w, buf, tg, tr, ge, N, K, x.stride(0), x.stride(1), w.stride(0), w.stride(1),
+                   w.stride(2), buf.stride(0), buf.stride(1)],
+                  dict(BM=block_m, BN=block_n, BK=block_k, DOT_FP32=dot_needs_fp32(device),
+                       IEEE=dot_needs_fp32(device) or x.dtype == torch.float32, SKIP_LAST_ROW=skip_last_row),
+                  "numerics/grouped.py:grouped_gemm_triton", (tg.shape[0], triton.cdiv(N, block_n)))
+
+
+def grouped_gemm_launches(rows: int, groups: int, n: int, k: int, dtype=torch.bfloat16, *, block_m: int = 32,
+                          block_n: int = 32, block_k: int = 32, skip_last_row: bool = False) -> list:
+    """The launch `grouped_gemm_triton` makes for x [rows, k] and w [groups, n, k] (one tile per
+    block_m rows of each group; the tile count only sizes the grid), without running it."""
+    from ..compiled import meta
+
+    tiles = max(1, -(-rows // block_m))
+    i32 = torch.int32
+    return [_grouped_launch(meta((rows, k), dtype), meta((groups, n, k), dtype), meta((rows, n), torch.float32),
+                            meta((tiles,), i32), meta((tiles,), i32), meta((groups,), i32), block_m, block_n, block_k,
+                            skip_last_row, device=torch.device("cuda"))]
 
 
 def broken_grouped_gemm(x, w, group_sizes, out=None):

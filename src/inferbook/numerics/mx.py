@@ -781,3 +781,29 @@ def direction_disagreement(x: torch.Tensor, fmt: str, scale_rounding: str = "flo
     a = qdq(x, fmt, axis=1, scale_rounding=scale_rounding, backend="torch")
     b = qdq(x, fmt, axis=0, scale_rounding=scale_rounding, backend="torch")
     return float((a != b).float().mean())
+
+
+# ---------------------------------------------------------------------------
+# Launch builder (inferbook.compiled): what `quantize_triton` launches on a GPU, without running it
+
+def quantize_launches(shape, dtype=torch.bfloat16, fmt: str = "e4m3", axis: int | None = -1, block=32,
+                      scale_rounding: str = "floor", name: str = "") -> list:
+    """The launch `quantize_triton(x of `shape`/`dtype`, fmt, axis, block, scale_rounding)` makes,
+    from the same `_as_2d` / `_tile` and arguments (`compiled.Launch` list; `meta` stand-ins)."""
+    from ..compiled import Launch, meta
+
+    x = meta(shape, dtype)
+    axis, block = _check_args(x, fmt, axis, block, scale_rounding)
+    f = FORMATS[fmt]
+    x2d, sr, sc, _ = _as_2d(x, axis, block)
+    M, N = x2d.shape
+    MB, NB = -(-M // sr), -(-N // sc)
+    e2d, s2d = meta((M, N), torch.uint8), meta((MB, NB), torch.uint8)
+    nbr, nbc = _tile(sr, sc)
+    return [Launch(name or f"mx_quantize {fmt} {scale_rounding} {sr}x{sc} {str(dtype)[6:]} {M}x{N}", mx_quantize_kernel,
+                   [x2d, e2d, s2d, M, N, MB, NB, x2d.stride(0), x2d.stride(1), e2d.stride(0), e2d.stride(1),
+                    s2d.stride(0), s2d.stride(1)],
+                   dict(SR=sr, SC=sc, NBR=nbr, NBC=nbc, EMAX=f.emax, EMIN=f.emin, MBITS=f.mbits,
+                        SIGN_SHIFT=f.sign_shift, MAX_NORMAL=f.max_normal, MAX_MANT=f.max_mant, NAN_CODE=f.nan_code,
+                        ROUND_UP=scale_rounding == "up"),
+                   "numerics/mx.py:quantize_triton", (triton.cdiv(MB, nbr), triton.cdiv(NB, nbc)))]
