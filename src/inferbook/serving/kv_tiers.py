@@ -29,9 +29,11 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import hmac
 import json
 import os
 import queue
+import secrets
 import socket
 import struct
 import subprocess
@@ -339,6 +341,8 @@ class FileTier:
                 if hlen > 1 << 16:
                     return self._corrupt(p, "header too long")
                 header = json.loads(f.read(hlen).decode())
+                if not isinstance(header, dict):     # valid JSON, but a list, number or string
+                    return self._corrupt(p, f"header is a JSON {type(header).__name__}, not an object")
                 if header.get("key") != key or header.get("namespace") != self.ns \
                         or header.get("nbytes") != self.row_bytes:
                     return self._corrupt(p, "header does not match")
@@ -370,12 +374,29 @@ class FileTier:
 # ---------------------------------------------------------------------------
 # Remote peer: a second process on loopback holding blocks in its memory
 #
-# Wire format. Request: op (1 byte) + key (64 ascii hex). PUT adds length (u64) + sha256 (32 bytes)
-# + payload; GET/HAS add nothing; FAULT adds a mode byte; CLEAR and STOP are one byte. Reply: PUT -> b"K" (stored) or b"E";
-# HAS -> b"1"/b"0"; GET -> b"0", or b"1" + length (u64) + sha256 (32) + payload.
+# Who may talk to it. The parent draws a per-run secret (`secrets.token_hex`) and hands it to the
+# child in the child's environment (`PEER_SECRET_ENV`), never on the command line (which any
+# local user can read in /proc). Every connection starts with a challenge: the peer sends a
+# 32-byte nonce, the client answers HMAC-SHA256(secret, nonce), and the peer answers b"K" or
+# closes. The secret itself never crosses the socket. A connection that does not answer within
+# `HANDSHAKE_TIMEOUT_S` is closed; at most `max_connections` are open at once (a further one is
+# answered b"B" and closed). The peer watches its parent: when the parent is gone (its parent
+# pid changes), it exits within `PARENT_POLL_S`.
+#
+# Wire format, after the handshake. Request: op (1 byte) + key (64 ascii hex). PUT adds length
+# (u64) + sha256 (32 bytes) + payload; GET/HAS add nothing; FAULT adds a mode byte; CLEAR and
+# STOP are one byte. Reply: PUT -> b"K" (stored) or b"E"; HAS -> b"1"/b"0"; GET -> b"0", or
+# b"1" + length (u64) + sha256 (32) + payload.
 
 _OP_PUT, _OP_GET, _OP_HAS, _OP_FAULT, _OP_STOP, _OP_CLEAR = b"P", b"G", b"H", b"F", b"S", b"C"
 FAULTS = {b"n": "none", b"d": "die mid-transfer", b"s": "stall mid-transfer"}
+PEER_SECRET_ENV = "INFERBOOK_KV_PEER_SECRET"
+HANDSHAKE_TIMEOUT_S = 2.0
+PARENT_POLL_S = 0.2
+MAX_PEER_CONNECTIONS = 8
+_NONCE_BYTES = 32
+_KEY_CHARS = frozenset(b"0123456789abcdef")
+_PEER_SECRETS: dict[tuple[str, int], str] = {}    # address -> secret of the peers this process started
 
 
 def _recv_exact(sock: socket.socket, n: int, into: memoryview | None = None) -> bytes | memoryview:
@@ -389,20 +410,59 @@ def _recv_exact(sock: socket.socket, n: int, into: memoryview | None = None) -> 
     return buf if into is not None else bytes(buf)
 
 
-def serve_peer(port: int = 0, capacity_bytes: int = 1 << 34, port_file: str | None = None) -> None:
-    """The peer process: hold blocks in memory (LRU within `capacity_bytes`), answer on 127.0.0.1,
-    one thread per connection.
+def handshake_answer(secret: str, nonce: bytes) -> bytes:
+    """The client's answer to the peer's challenge: HMAC-SHA256(secret, nonce), 32 bytes."""
+    return hmac.new(secret.encode(), nonce, hashlib.sha256).digest()
 
+
+def _watch_parent(parent_pid: int) -> None:
+    """Exit the peer as soon as the process that started it is gone (reparented: ppid changes)."""
+    while True:
+        if os.getppid() != parent_pid:
+            os._exit(0)
+        time.sleep(PARENT_POLL_S)
+
+
+def serve_peer(port: int = 0, capacity_bytes: int = 1 << 34, port_file: str | None = None, *,
+               secret: str | None = None, parent_pid: int | None = None,
+               max_connections: int = MAX_PEER_CONNECTIONS) -> None:
+    """The peer process: hold blocks in memory (LRU within `capacity_bytes`), answer on 127.0.0.1,
+    one thread per authenticated connection, at most `max_connections` at once.
+
+    `secret` (default: the `PEER_SECRET_ENV` environment variable) is required: without one the
+    peer refuses to start. `parent_pid`: exit when that process is no longer the parent.
     Reports its port on stdout (and in `port_file`) once listening. A FAULT request arms the
     next GET to send half its payload and then exit ('d') or stall ('s') — the tests' way to
     make a peer disappear mid-transfer."""
+    secret = secret if secret is not None else os.environ.get(PEER_SECRET_ENV, "")
+    if len(secret) < 16:
+        raise UserError(f"the KV peer needs a per-run secret of at least 16 characters in ${PEER_SECRET_ENV}")
+    if parent_pid is not None:
+        if os.getppid() != parent_pid:
+            os._exit(0)
+        threading.Thread(target=_watch_parent, args=(parent_pid,), name="kv-peer-parent-watch", daemon=True).start()
     store: OrderedDict[str, tuple[bytes, bytes]] = OrderedDict()
-    state = {"size": 0, "fault": b"n"}
+    state = {"size": 0, "fault": b"n", "open": 0, "refused": 0, "denied": 0}
     lock, stop = threading.Lock(), threading.Event()
+
+    def authenticate(conn: socket.socket) -> bool:
+        nonce = secrets.token_bytes(_NONCE_BYTES)
+        conn.settimeout(HANDSHAKE_TIMEOUT_S)
+        conn.sendall(nonce)
+        answer = _recv_exact(conn, 32)
+        if not hmac.compare_digest(answer, handshake_answer(secret, nonce)):
+            return False
+        conn.sendall(b"K")
+        conn.settimeout(None)
+        return True
 
     def handle(conn: socket.socket) -> None:
         with conn:
             try:
+                if not authenticate(conn):
+                    with lock:
+                        state["denied"] += 1
+                    return
                 while True:
                     op = conn.recv(1)
                     if not op:
@@ -421,9 +481,14 @@ def serve_peer(port: int = 0, capacity_bytes: int = 1 << 34, port_file: str | No
                         state["fault"] = _recv_exact(conn, 1)
                         conn.sendall(b"K")
                         continue
-                    key = _recv_exact(conn, 64).decode()
+                    raw = _recv_exact(conn, 64)
+                    if not set(raw) <= _KEY_CHARS:
+                        return          # not a key this store ever makes: drop the connection
+                    key = raw.decode()
                     if op == _OP_PUT:
                         (n,) = struct.unpack("<Q", _recv_exact(conn, 8))
+                        if n > capacity_bytes:
+                            return
                         digest = _recv_exact(conn, 32)
                         payload = _recv_exact(conn, n)
                         if hashlib.sha256(payload).digest() != digest:
@@ -459,30 +524,53 @@ def serve_peer(port: int = 0, capacity_bytes: int = 1 << 34, port_file: str | No
                         conn.sendall(head + payload)
                     else:
                         return
-            except (ConnectionError, OSError):
+            except (ConnectionError, OSError, struct.error):
                 return
+            finally:
+                with lock:
+                    state["open"] -= 1
 
     srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     srv.bind((LOOPBACK, port))
-    srv.listen(16)
+    srv.listen(max_connections)
     port = srv.getsockname()[1]
     if port_file:
         Path(port_file).write_text(str(port))
     print(port, flush=True)
     while not stop.is_set():
         conn, _ = srv.accept()
+        with lock:
+            full = state["open"] >= max_connections
+            if not full:
+                state["open"] += 1
+            else:
+                state["refused"] += 1
+        if full:            # over the cap: say so and close, before any thread or handshake
+            try:
+                conn.sendall(b"B")
+            except OSError:
+                pass
+            conn.close()
+            continue
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         threading.Thread(target=handle, args=(conn,), daemon=True).start()
 
 
 class PeerProcess:
-    """A peer started as `python -m inferbook.serving.kv_tiers peer` on 127.0.0.1 (a free port)."""
+    """A peer started as `python -m inferbook.serving.kv_tiers peer` on 127.0.0.1 (a free port),
+    with a fresh secret in its environment and this process as the parent it watches.
 
-    def __init__(self, capacity_bytes: int = 1 << 34, start_timeout_s: float = 60.0):
+    `secret` is this run's secret (a `PeerTier` to this address finds it by itself)."""
+
+    def __init__(self, capacity_bytes: int = 1 << 34, start_timeout_s: float = 60.0,
+                 max_connections: int = MAX_PEER_CONNECTIONS):
+        self.secret = secrets.token_hex(32)
         env = dict(os.environ, OMP_NUM_THREADS="1")
+        env[PEER_SECRET_ENV] = self.secret
         self.proc = subprocess.Popen([sys.executable, "-m", "inferbook.serving.kv_tiers", "peer",
-                                      "--capacity-bytes", str(int(capacity_bytes))],
+                                      "--capacity-bytes", str(int(capacity_bytes)), "--parent-pid", str(os.getpid()),
+                                      "--max-connections", str(int(max_connections))],
                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True)
         deadline = time.monotonic() + start_timeout_s
         port = None
@@ -496,6 +584,7 @@ class PeerProcess:
             self.stop()
             raise RuntimeError(f"KV peer did not start within {start_timeout_s:.0f} s")
         self.address = (LOOPBACK, port)
+        _PEER_SECRETS[self.address] = self.secret
 
     @property
     def alive(self) -> bool:
@@ -510,6 +599,7 @@ class PeerProcess:
             pass
         if self.proc.stdout:
             self.proc.stdout.close()
+        _PEER_SECRETS.pop(getattr(self, "address", None), None)
 
     def __enter__(self):
         return self
@@ -524,13 +614,16 @@ class PeerTier:
 
     name = "peer"
 
-    def __init__(self, address: tuple[str, int], row_bytes: int, *, timeout_s: float = 2.0, max_failures: int = 3):
+    def __init__(self, address: tuple[str, int], row_bytes: int, *, timeout_s: float = 2.0, max_failures: int = 3,
+                 secret: str | None = None):
         host, port = address
         if host != LOOPBACK:
             raise UserError(f"peer address {host!r} is not allowed: the remote-peer tier runs on loopback ({LOOPBACK}) only")
         if not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
             raise UserError(f"peer timeout_s={timeout_s!r} must be a positive number of seconds")
         self.address, self.row_bytes, self.timeout_s = (host, int(port)), row_bytes, float(timeout_s)
+        # the run's secret: given, or the one of the peer this process started at that address
+        self.secret = secret if secret is not None else _PEER_SECRETS.get(self.address, "")
         self.max_failures, self.disabled, self._consecutive_failures = max_failures, False, 0
         self.sock: socket.socket | None = None
         self.lock = threading.Lock()
@@ -539,8 +632,16 @@ class PeerTier:
     def _conn(self) -> socket.socket:
         if self.sock is None:
             s = socket.create_connection(self.address, timeout=self.timeout_s)
-            s.settimeout(self.timeout_s)
-            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            try:
+                s.settimeout(self.timeout_s)
+                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                nonce = _recv_exact(s, _NONCE_BYTES)     # a peer at its cap sends b"B" and closes: ConnectionError
+                s.sendall(handshake_answer(self.secret, nonce))
+                if _recv_exact(s, 1) != b"K":
+                    raise ConnectionError("peer refused the handshake")
+            except BaseException:
+                s.close()
+                raise
             self.sock = s
         return self.sock
 
@@ -625,12 +726,21 @@ class PeerTier:
         self.stats.read_s += time.perf_counter() - t0
         return True
 
-    def clear(self) -> None:
-        """Empty the peer's store (a fresh run on a long-lived peer)."""
+    def clear(self) -> bool:
+        """Empty the peer's store (a fresh run on a long-lived peer). False, counted as a failure,
+        when the peer is gone or refuses: never raises."""
         with self.lock:
-            s = self._conn()
-            s.sendall(_OP_CLEAR)
-            _recv_exact(s, 1)
+            try:
+                s = self._conn()
+                s.sendall(_OP_CLEAR)
+                ok = _recv_exact(s, 1) == b"K"
+            except (OSError, ConnectionError) as e:
+                self.stats.failures += 1
+                self._drop(e, isinstance(e, TimeoutError | socket.timeout))
+                return False
+        if not ok:
+            self.stats.failures += 1
+        return ok
 
     def arm_fault(self, mode: str) -> None:
         """Tests only: make the peer's next GET send half and then die ('die') or stall ('stall')."""
@@ -997,8 +1107,14 @@ def main(argv: list[str] | None = None) -> None:
     peer.add_argument("--port", type=int, default=0)
     peer.add_argument("--capacity-bytes", type=int, default=1 << 34)
     peer.add_argument("--port-file", default=None)
+    peer.add_argument("--parent-pid", type=int, default=None, help="exit when this process is no longer the parent")
+    peer.add_argument("--max-connections", type=int, default=MAX_PEER_CONNECTIONS)
     a = p.parse_args(argv)
-    serve_peer(a.port, a.capacity_bytes, a.port_file)
+    try:
+        serve_peer(a.port, a.capacity_bytes, a.port_file, parent_pid=a.parent_pid, max_connections=a.max_connections)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":
