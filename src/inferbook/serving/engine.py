@@ -115,7 +115,13 @@ class LLMEngine:
         t0 = self._tick()
         num_running = len(self.scheduler.running)
         out = self.scheduler.schedule()
+        tiers = self.block_manager.tiers
+        if tiers is not None:
+            tiers.note_step()
         if not out.chunks:
+            if tiers is not None and tiers.busy():   # waiting for a KV fetch or for blocks under copy
+                tiers.wait_for_progress(0.005)
+                return []
             if self.has_unfinished():
                 raise RuntimeError("scheduler made no progress: no budget, seat or KV blocks for any request")
             return []

@@ -47,7 +47,6 @@ from pathlib import Path
 
 import torch
 
-from ..device import synchronize
 from ..errors import UserError
 
 TIER_NAMES = ("host", "file", "peer")
@@ -781,13 +780,31 @@ class TieredKVStore:
     """Host tier plus optional filesystem and peer tiers for rows of one `BlockLayout`.
 
     offload: `reserve` host rows, copy into them (the caller's copy: device -> host), `commit`
-    (publish; queue background writes of each row to every slower tier). lookup: longest prefix
-    of keys present in any tier. fetch: bring that prefix into host rows, verified."""
+    (publish; queue background writes of each admitted row to every slower tier). lookup: longest
+    prefix of keys present in any tier. fetch: bring that prefix into host rows, verified.
+
+    Eviction: the host tier is an LRU cache over published rows (a fetch or a repeated offload
+    refreshes a row); rows pinned by a copy, a reader or a pending slow-tier write are never
+    evicted. The file tier (with `file_capacity_bytes`) and the peer are LRU too.
+
+    Admission into the slow tiers is gated on reuse, as vLLM's `FilterReusedOffloadingManager`
+    gates its stores: a block is written below the host only once it has been used
+    `admit_after` times (each offload of a request that held it counts one use: its first
+    computation, and every later request that reused it from the device or a tier). With
+    `admit_after=1` every offloaded block is written below. Uses are counted in a bounded LRU
+    table of `max_tracked` keys."""
 
     def __init__(self, layout: BlockLayout, ns: str, *, host_capacity_blocks: int, pin: bool = False,
                  file_dir: str | os.PathLike | None = None, file_capacity_bytes: int | None = None,
                  durable: bool = True, peer_address: tuple[str, int] | None = None, peer_timeout_s: float = 2.0,
-                 background: bool = True):
+                 peer_secret: str | None = None, background: bool = True, admit_after: int = 1,
+                 max_tracked: int = 1 << 16):
+        if isinstance(admit_after, bool) or not isinstance(admit_after, int) or admit_after < 1:
+            raise UserError(f"admit_after={admit_after!r} must be a positive int (uses before a block goes below host)")
+        self.admit_after, self.max_tracked = admit_after, max_tracked
+        self.uses: OrderedDict[str, int] = OrderedDict()     # key -> uses seen (bounded, LRU)
+        self.admitted: set[str] = set()                      # keys queued for (or written to) the slow tiers
+        self.not_admitted = 0                                # commits kept in host only: not reused (yet)
         self.layout, self.ns = layout, ns
         self.row_bytes = layout.nbytes
         self.host = HostTier(host_capacity_blocks, self.row_bytes, pin=pin)
@@ -795,7 +812,7 @@ class TieredKVStore:
         if file_dir is not None:
             self.lower.append(FileTier(file_dir, ns, self.row_bytes, capacity_bytes=file_capacity_bytes, durable=durable))
         if peer_address is not None:
-            self.lower.append(PeerTier(peer_address, self.row_bytes, timeout_s=peer_timeout_s))
+            self.lower.append(PeerTier(peer_address, self.row_bytes, timeout_s=peer_timeout_s, secret=peer_secret))
         self.background = background
         self._jobs: queue.Queue = queue.Queue()
         self._idle = threading.Condition()
@@ -824,22 +841,59 @@ class TieredKVStore:
             self.host.stats.skipped += 1
         return slot
 
+    def note_use(self, key: str) -> int:
+        """Count one use of `key` (see the class docstring); returns its count."""
+        with self.host.lock:
+            n = self.uses.pop(key, 0) + 1
+            self.uses[key] = n
+            while len(self.uses) > self.max_tracked:
+                self.uses.popitem(last=False)
+            return n
+
+    def _admit(self, key: str) -> bool:
+        with self.host.lock:
+            if not self.lower or key in self.admitted:
+                return False
+            if self.admit_after > 1 and self.uses.get(key, 0) < self.admit_after:
+                return False
+            self.admitted.add(key)
+            return True
+
+    def _queue_lower(self, key: str, slot: int) -> None:
+        with self._idle:
+            self._outstanding += 1
+        if self._writer is not None:
+            self._jobs.put((key, slot))     # the row stays pinned until written everywhere
+        else:
+            self._write_lower(key, slot)
+
+    def admit_if_reused(self, key: str) -> bool:
+        """A block already in the host tier that has now been used often enough: write it below,
+        from its host row. True if a write was queued."""
+        if not self._admit(key):
+            return False
+        slot = self.host.get(key)          # pinned until written
+        if slot is None:                   # evicted meanwhile: nothing to write from
+            with self.host.lock:
+                self.admitted.discard(key)
+            return False
+        self._queue_lower(key, slot)
+        return True
+
     def commit(self, items: list[tuple[str, int]]) -> None:
-        """Publish rows whose copy has completed, then write them to slower tiers from host memory."""
+        """Publish rows whose copy has completed, then write the admitted ones to slower tiers
+        from host memory."""
         for key, slot in items:
             if not isinstance(slot, int):
                 raise TypeError(f"commit needs the int slot `reserve` returned for {key[:12]}, got {slot!r}")
             self.host.publish(key, slot)
             self.host.stats.writes += 1
             self.host.stats.bytes_written += self.row_bytes
-            if self.lower:
-                with self._idle:
-                    self._outstanding += 1
-                if self._writer is not None:
-                    self._jobs.put((key, slot))     # the row stays pinned until written everywhere
-                else:
-                    self._write_lower(key, slot)
+            if self._admit(key):
+                self._queue_lower(key, slot)
             else:
+                if self.lower:
+                    self.not_admitted += 1
                 self.host.unpin(slot)
 
     def _write_lower(self, key: str, slot: int) -> None:
@@ -943,46 +997,213 @@ class TieredKVStore:
 
 
 # ---------------------------------------------------------------------------
+# Copies off the engine thread
+
+@dataclass(eq=False)
+class CopyJob:
+    """One batch of block copies. `t_submit`/`t_done`: perf_counter at submission and at completion
+    (the event completed on CUDA; the worker's copy returned on CPU)."""
+
+    on_done: object
+    copy_fn: object = None
+    event: object = None
+    t_submit: float = 0.0
+    t_done: float = 0.0
+    error: BaseException | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+class CopyStream:
+    """Block copies that never run on (or wait on) the engine thread.
+
+    CUDA: one dedicated stream. `submit` makes the stream wait for the compute stream (the KV to
+    copy was written there), launches the copies non_blocking (pinned host rows), records an
+    event and returns at once; a completion thread waits on the events in submission order and
+    runs each job's `on_done(job)` — as vLLM's CPU offload worker queries its transfer events.
+    CPU: the same jobs run on a worker thread that performs the copies itself (threads stand in
+    for streams). Jobs complete in submission order in both cases."""
+
+    def __init__(self, device: torch.device, name: str = "kv-copy"):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device=device) if self.cuda else None
+        self._jobs: queue.Queue = queue.Queue()
+        self._cv = threading.Condition()
+        self._inflight = 0
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, copy_fn, on_done, *, after_compute: bool = True) -> CopyJob:
+        job = CopyJob(on_done=on_done, t_submit=time.perf_counter())
+        with self._cv:
+            self._inflight += 1
+        if self.cuda:
+            if after_compute:
+                self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.stream):
+                copy_fn()
+                job.event = torch.cuda.Event()
+                job.event.record(self.stream)
+        else:
+            job.copy_fn = copy_fn
+        self._jobs.put(job)
+        return job
+
+    def submit_from_worker(self, copy_fn, on_done) -> CopyJob:
+        """A follow-up job submitted from an `on_done` callback (on the copy stream after the jobs
+        before it, so it needs no new wait on the compute stream)."""
+        return self.submit(copy_fn, on_done, after_compute=False)
+
+    def _loop(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            try:
+                if self.cuda:
+                    job.event.synchronize()
+                else:
+                    job.copy_fn()
+            except BaseException as e:      # a failed copy is reported to its callback, never raised here
+                job.error = e
+            job.t_done = time.perf_counter()
+            try:
+                job.on_done(job)
+            finally:
+                job.done.set()
+                with self._cv:
+                    self._inflight -= 1
+                    self._cv.notify_all()
+
+    @property
+    def busy(self) -> bool:
+        with self._cv:
+            return self._inflight > 0
+
+    def wait_idle(self, timeout_s: float = 60.0) -> bool:
+        deadline = time.monotonic() + timeout_s
+        with self._cv:
+            while self._inflight:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cv.wait(timeout=left)
+        return True
+
+    def close(self) -> None:
+        self.wait_idle(30.0)
+        self._jobs.put(None)
+        self._thread.join(timeout=10)
+
+
+# ---------------------------------------------------------------------------
 # The engine's side: the paged KV pool <-> host rows
 
 @dataclass
 class EngineTierStats:
     """Per-request timings the seed says to watch: time to free device blocks (offload), time to
-    re-allocate and fill them (restore), and how many prompt blocks came from where."""
+    re-allocate and fill them (restore), and how many prompt blocks came from where.
+
+    free_s: per offloaded request, submission of its device->host copy until the copy completed
+    and its blocks were handed back (off the engine thread). offload_call_s: what the engine
+    thread spent in `offload` (keys, host rows, launching the copy). fetch_wait_s: per request
+    with a slow-tier fetch, from starting the fetch until its rows were in host memory (the
+    request waits; the engine steps). realloc_s: taking device blocks once the data is in host
+    memory and copying it in (on CUDA: launching the copy; the forward waits on its event)."""
 
     offloads: int = 0
     offloaded_blocks: int = 0
     free_s: list = field(default_factory=list)
+    offload_call_s: list = field(default_factory=list)
     restores: int = 0
     restored_blocks: dict = field(default_factory=lambda: {t: 0 for t in TIER_NAMES})
     fetch_s: list = field(default_factory=list)
+    fetch_wait_s: list = field(default_factory=list)
     realloc_s: list = field(default_factory=list)
     device_hit_blocks: int = 0
     prompt_blocks: int = 0
+    fetches_started: int = 0
+    steps_with_fetch_in_flight: int = 0
+    copy_failures: int = 0
     mirror_share: list = field(default_factory=list)   # at each admission: host blocks also in the device cache
 
 
+CROSS_LAYER = "cross_layer"
+LAYER_MAJOR = "layer_major"
+KV_LAYOUTS = (CROSS_LAYER, LAYER_MAJOR)
+
+
+def use_cross_layer_blocks(runner) -> None:
+    """Re-lay the runner's paged KV pool so that one block of every layer, K and V, is one contiguous
+    piece of memory: `runner.kv_blocks` [blocks, layers, 2, block_size, kv_heads, head_dim], with
+    `k_cache`/`v_cache` per-layer strided views [layers, blocks, block_size, kv_heads, head_dim]
+    (vLLM's cross-layer KV layout). Offloading a block is then one copy, not 2 x layers. Only
+    before any request has run (the pool's contents are not carried over)."""
+    L, slots, Hkv, D = runner.k_cache.shape
+    bs = runner.block_size
+    kv = torch.zeros((slots // bs, L, 2, bs, Hkv, D), dtype=runner.k_cache.dtype, device=runner.k_cache.device)
+    runner.kv_blocks = kv
+    runner.k_cache = kv[:, :, 0].transpose(0, 1)      # [L, blocks, bs, Hkv, D], a view
+    runner.v_cache = kv[:, :, 1].transpose(0, 1)
+    runner.kv_layout = CROSS_LAYER
+
+
+def runner_kv_layout(runner) -> str:
+    return getattr(runner, "kv_layout", LAYER_MAJOR)
+
+
 def engine_layout(runner) -> BlockLayout:
-    """k and v of one block, all layers: [layers, block_size, kv_heads, head_dim] each."""
+    """One block's host row. Cross-layer pool: one field `kv` [layers, 2, block_size, kv_heads, head_dim]
+    (the device block's own bytes). Layer-major pool: `k` and `v`, each [layers, block_size, kv_heads, head_dim]."""
+    if runner_kv_layout(runner) == CROSS_LAYER:
+        _, L, two, bs, Hkv, D = runner.kv_blocks.shape
+        return BlockLayout((("kv", runner.dtype, (L, two, bs, Hkv, D)),))
     L, _, Hkv, D = runner.k_cache.shape
     shape = (L, runner.block_size, Hkv, D)
     return BlockLayout((("k", runner.dtype, shape), ("v", runner.dtype, shape)))
 
 
-def copy_blocks_to_rows(k_cache: torch.Tensor, v_cache: torch.Tensor, block_size: int, layout: BlockLayout,
-                        pairs: list[tuple[int, torch.Tensor]]) -> None:
-    """Device blocks -> host rows, then wait until the copy has completed.
+def block_pieces(runner, block: int) -> list[torch.Tensor]:
+    """The device memory of one block, as the contiguous pieces a copy moves: 1 for a cross-layer
+    pool, 2 x layers for a layer-major one (K and V of each layer)."""
+    if runner_kv_layout(runner) == CROSS_LAYER:
+        return [runner.kv_blocks[block]]
+    bs = runner.block_size
+    sl = slice(block * bs, (block + 1) * bs)
+    return [c[i, sl] for c in (runner.k_cache, runner.v_cache) for i in range(c.shape[0])]
 
-    k_cache/v_cache: [layers, slots, kv_heads, head_dim] paged pools; pairs: (block, uint8 row).
-    On CUDA the copies are asynchronous into pinned rows and one synchronize ends them all; a
-    block is 2 x layers contiguous pieces of block_size x kv_heads x head_dim elements."""
-    nb = k_cache.device.type == "cuda"
+
+def row_pieces(layout: BlockLayout, row: torch.Tensor) -> list[torch.Tensor]:
+    """The host row cut into the same pieces as `block_pieces` (same order)."""
+    v = layout.views(row)
+    if "kv" in v:
+        return [v["kv"]]
+    return [t[i] for t in (v["k"], v["v"]) for i in range(t.shape[0])]
+
+
+def copy_blocks_to_rows(runner, layout: BlockLayout, pairs: list[tuple[int, torch.Tensor]], *,
+                        non_blocking: bool | None = None) -> int:
+    """Device blocks -> host rows, one `copy_` per contiguous piece (see `block_pieces`); returns
+    the number of copies launched. Asynchronous into pinned rows on CUDA (the caller records
+    an event); complete on return on CPU."""
+    nb = runner.k_cache.device.type == "cuda" if non_blocking is None else non_blocking
+    n = 0
     for block, row in pairs:
-        v = layout.views(row)
-        sl = slice(block * block_size, (block + 1) * block_size)
-        v["k"].copy_(k_cache[:, sl], non_blocking=nb)
-        v["v"].copy_(v_cache[:, sl], non_blocking=nb)
-    synchronize(k_cache.device)
+        for dst, src in zip(row_pieces(layout, row), block_pieces(runner, block)):
+            dst.copy_(src, non_blocking=nb)
+            n += 1
+    return n
+
+
+def copy_rows_to_blocks(runner, layout: BlockLayout, pairs: list[tuple[int, torch.Tensor]]) -> int:
+    """Host rows -> device blocks, one `copy_` per piece; asynchronous from pinned rows on CUDA."""
+    nb = runner.k_cache.device.type == "cuda"
+    n = 0
+    for block, row in pairs:
+        for dst, src in zip(block_pieces(runner, block), row_pieces(layout, row)):
+            dst.copy_(src, non_blocking=nb)
+            n += 1
+    return n
 
 
 def model_fingerprint(model) -> str:
@@ -994,15 +1215,42 @@ def model_fingerprint(model) -> str:
     return h.hexdigest()[:16]
 
 
+@dataclass(eq=False)
+class _Fetch:
+    """A request's prefix on its way from the slow tiers into host rows (fetch thread)."""
+
+    keys: list[str]
+    start_block: int
+    t_start: float
+    got: Fetched | None = None
+    t_ready: float = 0.0
+    done: threading.Event = field(default_factory=threading.Event)
+
+
 class EngineKVTiers:
-    """Offload a finishing request's full prompt blocks; restore a new request's prefix.
+    """Offload a finishing request's full prompt blocks; restore a new request's prefix — both
+    without holding up the engine thread.
 
-    Installed on an engine's block manager (`attach`): `BlockManager.free` calls `offload(seq)`
-    while the request still owns its blocks, and `BlockManager.allocate` calls `restore(...)`
-    after its device prefix-cache lookup."""
+    Installed on an engine's block manager (`attach` in `__init__`). Offload: `BlockManager.free`
+    calls `offload(seq)`, which launches the device->host copy (`CopyStream`) and returns the
+    blocks under copy; the block manager holds them (a reference each) until `completed_blocks`
+    hands them back, after the copy completed, and only then can they be reused. Restore: the
+    scheduler asks `loading(seq)` before admitting a request; if a slow tier holds part of its
+    prefix, a fetch thread brings it into host rows while the engine keeps stepping other
+    requests, and the request waits. Once the rows are in host memory, `BlockManager.allocate`
+    calls `restore`, which takes device blocks only then and copies the rows in.
 
-    def __init__(self, engine, store_kwargs: dict, model_id: str | None = None):
+    kv_layout: "cross_layer" (default; one copy per block, see `use_cross_layer_blocks`) or
+    "layer_major" (the runner's own pool; 2 x layers copies per block)."""
+
+    def __init__(self, engine, store_kwargs: dict, model_id: str | None = None, kv_layout: str = CROSS_LAYER):
+        if kv_layout not in KV_LAYOUTS:
+            raise UserError(f"kv_layout={kv_layout!r} unknown; choose one of {', '.join(KV_LAYOUTS)}")
         self.engine, self.runner, self.bm = engine, engine.runner, engine.block_manager
+        if kv_layout == CROSS_LAYER and runner_kv_layout(self.runner) != CROSS_LAYER:
+            if engine.finished or engine.has_unfinished():
+                raise UserError("the cross-layer KV layout is set before the engine serves any request")
+            use_cross_layer_blocks(self.runner)
         self.layout = engine_layout(self.runner)
         self.ns = namespace(model_id or model_fingerprint(engine.model), self.runner.block_size, self.runner.dtype,
                             self.layout)
@@ -1010,8 +1258,18 @@ class EngineKVTiers:
         self.store = TieredKVStore(self.layout, self.ns, pin=pin, **store_kwargs)
         self.stats = EngineTierStats()
         self._device_hash: dict[str, int | None] = {}
+        self._released: queue.SimpleQueue = queue.SimpleQueue()   # blocks whose copy completed
+        self._held = 0                                             # blocks handed to the copier, not yet back
+        self._lock = threading.Lock()
+        self._progress = threading.Condition()
+        self.copier = CopyStream(self.runner.device, "kv-offload-copy")
+        self._fetches: dict[int, _Fetch] = {}                      # seq_id -> its fetch
+        self._fetch_jobs: queue.Queue = queue.Queue()
+        self._fetcher = threading.Thread(target=self._fetch_loop, name="kv-tier-fetch", daemon=True)
+        self._fetcher.start()
         self.bm.tiers = self
 
+    # -- what the block manager and the scheduler ask ---------------------------------
     def mirrored_share(self) -> float:
         """Share of the host tier's blocks that the device prefix cache also holds right now: a host
         tier that only mirrors the device can never serve a hit (the device is asked first)."""
@@ -1022,71 +1280,230 @@ class EngineKVTiers:
         h2b = self.bm.hash_to_block
         return sum(1 for k in keys if self._device_hash.get(k) is not None and self._device_hash[k] in h2b) / len(keys)
 
-    def _block_views(self, block: int):
-        bs = self.runner.block_size
-        sl = slice(block * bs, (block + 1) * bs)
-        return self.runner.k_cache[:, sl], self.runner.v_cache[:, sl]
+    def completed_blocks(self) -> list[int]:
+        """Device blocks whose device->host copy has completed since the last call (engine thread;
+        never waits)."""
+        out = []
+        while True:
+            try:
+                out.append(self._released.get_nowait())
+            except queue.Empty:
+                break
+        with self._lock:
+            self._held -= len(out)
+        return out
 
-    def copy_rows_from_device(self, pairs: list[tuple[int, torch.Tensor]]) -> None:
-        copy_blocks_to_rows(self.runner.k_cache, self.runner.v_cache, self.runner.block_size, self.layout, pairs)
+    def busy(self) -> bool:
+        """A copy or a fetch is in flight: the engine may have nothing to run until it completes."""
+        with self._lock:
+            held = self._held
+        return held > 0 or any(not f.done.is_set() for f in self._fetches.values())
 
-    def offload(self, seq) -> None:
-        """Called by `BlockManager.free` before the blocks go back: copy the full prompt blocks not
-        yet in the host tier, wait for that copy, publish. The caller frees the blocks right after."""
+    def wait_for_progress(self, timeout_s: float = 0.05) -> None:
+        """Sleep until a copy or fetch completes (or `timeout_s`): for an engine with nothing to run."""
+        with self._progress:
+            self._progress.wait(timeout=timeout_s)
+
+    def _notify(self) -> None:
+        with self._progress:
+            self._progress.notify_all()
+
+    # -- offload -----------------------------------------------------------------------
+    def offload(self, seq) -> list[int]:
+        """Called by `BlockManager.free` while the request still owns its blocks: count a use of
+        each full prompt block, launch the device->host copy of those not yet in the host tier,
+        and return the device blocks under copy (the block manager holds them until
+        `completed_blocks` returns them)."""
         t0 = time.perf_counter()
         bs = self.runner.block_size
         n = min(seq.num_computed_tokens, seq.num_prompt_tokens) // bs
         keys = prefix_keys(seq.prompt[:n * bs], bs, self.ns)
+        want = []
         for i, key in enumerate(keys):   # which device-cache entry holds the same block (for `mirror_share`)
             self._device_hash[key] = self.bm.block_hash[seq.block_table[i]]
-        want = [(key, seq.block_table[i]) for i, key in enumerate(keys) if not self.store.host.touch(key)]
-        done = 0
-        while want:
-            # as many rows as the host can give now; a host tier smaller than the request takes it in rounds
-            todo = []
-            while want:
-                slot = self.store.reserve(want[0][0], count=False)
-                if slot is None:
-                    break
-                key, block = want.pop(0)
-                todo.append((key, slot, block))
-            if not todo:
-                self.store.host.stats.skipped += len(want)   # host full of rows still being written
-                break
-            self.copy_rows_from_device([(b, self.store.host.row(s)) for _, s, b in todo])
-            self.store.commit([(k, s) for k, s, _ in todo])
-            done += len(todo)
+            self.store.note_use(key)
+            if self.store.host.touch(key):
+                self.store.admit_if_reused(key)      # reused often enough now: write it below, from host
+            else:
+                want.append((key, seq.block_table[i]))
         self.stats.offloads += 1
-        self.stats.offloaded_blocks += done
-        self.stats.free_s.append(time.perf_counter() - t0)
+        if not want:
+            self.stats.offload_call_s.append(time.perf_counter() - t0)
+            return []
+        blocks = [b for _, b in want]
+        with self._lock:
+            self._held += len(blocks)
+        if not self._offload_round({"want": want, "t0": t0, "done": 0}, first=True):
+            with self._lock:            # nothing launched: the caller frees these blocks at once
+                self._held -= len(blocks)
+            blocks = []
+        self.stats.offload_call_s.append(time.perf_counter() - t0)
+        return blocks
 
-    def restore(self, seq, start_block: int, take_block) -> list[int]:
-        """Blocks `start_block..` of `seq`'s prompt from the tiers: fetch into host first, then take
-        device blocks (`take_block()`) and copy in. Returns the device blocks filled, in order."""
+    def _offload_round(self, state: dict, first: bool) -> bool:
+        """Reserve host rows for as many wanted blocks as the host can give now and launch their
+        copy; blocks that get no row are skipped (counted) and handed back. A host tier smaller
+        than the request takes it in rounds: each round starts when the one before completed."""
+        want = state["want"]
+        todo = []
+        while want:
+            slot = self.store.reserve(want[0][0], count=False)
+            if slot is None:
+                break
+            key, block = want.pop(0)
+            todo.append((key, slot, block))
+        if not todo:
+            if want:
+                self.store.host.stats.skipped += len(want)   # host full of rows still being written or read
+                if not first:                                # (the first round's blocks were never held)
+                    for _, block in want:
+                        self._released.put(block)
+                want.clear()
+            self.stats.free_s.append(time.perf_counter() - state["t0"])
+            self.stats.offloaded_blocks += state["done"]
+            self._notify()
+            return False
+        pairs = [(b, self.store.host.row(s)) for _, s, b in todo]
+
+        def copy():
+            copy_blocks_to_rows(self.runner, self.layout, pairs)
+
+        def done(job: CopyJob):
+            if job.error is not None:
+                self.stats.copy_failures += 1
+                for key, slot, _ in todo:
+                    self.store.host.abandon(key, slot)
+            else:
+                self.store.commit([(k, s) for k, s, _ in todo])   # visible only now: the copy completed
+                state["done"] += len(todo)
+            for _, _, block in todo:
+                self._released.put(block)
+            self._offload_round(state, first=False)
+
+        if first:
+            self.copier.submit(copy, done)
+        else:
+            self.copier.submit_from_worker(copy, done)
+        return True
+
+    # -- restore -----------------------------------------------------------------------
+    def _device_prefix_blocks(self, seq) -> int:
+        """Prompt blocks the device prefix cache holds for `seq` now (the block manager's own lookup)."""
+        bm, bs = self.bm, self.runner.block_size
+        if not bm.enable_prefix_caching:
+            return 0
+        prev, n = None, 0
+        for i in range((seq.num_prompt_tokens - 1) // bs):
+            prev = bm._chain_hash(prev, seq.prompt[i * bs:(i + 1) * bs])
+            if prev not in bm.hash_to_block:
+                break
+            n += 1
+        return n
+
+    def _restorable_keys(self, seq, start_block: int) -> list[str]:
         bs = self.runner.block_size
         limit = (seq.num_prompt_tokens - 1) // bs      # never the block holding the last prompt token
-        self.stats.prompt_blocks += limit
-        self.stats.device_hit_blocks += start_block
-        self.stats.mirror_share.append(self.mirrored_share())
         if start_block >= limit:
             return []
-        keys = prefix_keys(seq.prompt[:limit * bs], bs, self.ns)[start_block:]
+        return prefix_keys(seq.prompt[:limit * bs], bs, self.ns)[start_block:]
+
+    def _needs_slow_tier(self, keys: list[str]) -> bool:
+        """Does the prefix continue, past what the host tier holds, in a slower tier? Host and file
+        membership are checked here (a dict, a stat); the peer's answer takes a round trip, so a
+        configured peer always sends the request through the fetch thread."""
+        for key in keys:
+            if self.store.host.contains(key):
+                continue
+            for t in self.store.lower:
+                if getattr(t, "disabled", False):
+                    continue
+                if t.name == "peer" or t.contains(key):
+                    return True
+            return False
+        return False
+
+    def loading(self, seq) -> bool:
+        """Scheduler, before admitting `seq`: True while part of its prefix is still on its way from a
+        slow tier into host rows (it waits; others run). Starts that fetch on first sight."""
+        f = self._fetches.get(seq.seq_id)
+        if f is not None:
+            return not f.done.is_set()
+        start = self._device_prefix_blocks(seq)
+        keys = self._restorable_keys(seq, start)
+        if not keys or not self._needs_slow_tier(keys):
+            return False
+        f = _Fetch(keys=keys, start_block=start, t_start=time.perf_counter())
+        self._fetches[seq.seq_id] = f
+        self.stats.fetches_started += 1
+        self._fetch_jobs.put(f)
+        return True
+
+    def note_step(self) -> None:
+        if any(not f.done.is_set() for f in self._fetches.values()):
+            self.stats.steps_with_fetch_in_flight += 1
+
+    def _fetch_loop(self) -> None:
+        while True:
+            f = self._fetch_jobs.get()
+            if f is None:
+                return
+            try:
+                f.got = self.store.fetch(f.keys)
+            except BaseException as e:      # a tier must never take the engine down: a miss
+                f.got = Fetched(self.store, [], [], [])
+                self.store.host.stats.last_error = f"fetch: {type(e).__name__}: {e}"
+            f.t_ready = time.perf_counter()
+            f.done.set()
+            self._notify()
+
+    def restore(self, seq, start_block: int, take_block) -> list[int]:
+        """Blocks `start_block..` of `seq`'s prompt from the tiers: rows already in host memory (a
+        completed fetch, or host-tier hits fetched now), then device blocks (`take_block()`) taken
+        and filled. Returns the device blocks filled, in order."""
+        bs = self.runner.block_size
+        limit = (seq.num_prompt_tokens - 1) // bs
+        self.stats.prompt_blocks += max(limit, 0)
+        self.stats.device_hit_blocks += start_block
+        self.stats.mirror_share.append(self.mirrored_share())
+        f = self._fetches.pop(getattr(seq, "seq_id", None), None)
         t0 = time.perf_counter()
-        got = self.store.fetch(keys)
-        t1 = time.perf_counter()
-        try:
-            if not got.rows:
+        if f is not None:
+            if not f.done.wait(timeout=60):      # not reached: the scheduler admits only finished fetches
+                raise RuntimeError("restore called while the request's fetch is in flight")
+            got = f.got
+            self.stats.fetch_wait_s.append(f.t_ready - f.t_start)
+            skip = start_block - f.start_block   # the device cache may have gained (or lost) blocks meanwhile
+            if skip < 0:
+                got.release()
                 return []
-            blocks = [take_block() for _ in got.rows]   # allocated only now that the data is ready
-            nb = self.runner.device.type == "cuda"
-            for block, row in zip(blocks, got.rows):
-                v = self.layout.views(row)
-                k_dst, v_dst = self._block_views(block)
-                k_dst.copy_(v["k"], non_blocking=nb)
-                v_dst.copy_(v["v"], non_blocking=nb)
-            synchronize(self.runner.device)
-        finally:
+            got = Fetched(self.store, got.keys[skip:], got.rows[skip:], got.sources[skip:], got._slots[skip:]) \
+                if skip else got
+            if skip:
+                for s in f.got._slots[:skip]:
+                    if s is not None:
+                        self.store.host.unpin(s)
+        else:
+            keys = self._restorable_keys(seq, start_block)
+            if not keys:
+                return []
+            got = self.store.fetch(keys)     # host hits only, unless the scheduler skipped `loading`
+        t1 = time.perf_counter()
+        if not got.rows:
             got.release()
+            return []
+        blocks = [take_block() for _ in got.rows]   # allocated only now that the data is in host memory
+        pairs = list(zip(blocks, got.rows))
+        if self.runner.device.type == "cuda":
+            # on the copy stream; the compute stream waits on its event (no host synchronisation),
+            # and the pinned rows are released once the copy completed
+            job = self.copier.submit(lambda: copy_rows_to_blocks(self.runner, self.layout, pairs),
+                                     lambda job: got.release(), after_compute=True)
+            torch.cuda.current_stream(self.runner.device).wait_event(job.event)
+        else:
+            try:
+                copy_rows_to_blocks(self.runner, self.layout, pairs)
+            finally:
+                got.release()
         self.stats.restores += 1
         for s in got.sources:
             self.stats.restored_blocks[s] += 1
@@ -1094,7 +1511,32 @@ class EngineKVTiers:
         self.stats.realloc_s.append(time.perf_counter() - t1)
         return blocks
 
+    def forget(self, seq) -> None:
+        """A request leaves before admission: release its fetched rows."""
+        f = self._fetches.pop(seq.seq_id, None)
+        if f is not None and f.done.wait(timeout=60) and f.got is not None:
+            f.got.release()
+
+    def block_bytes(self, block: int) -> torch.Tensor:
+        """One device block's KV as bytes, in the host row's order (tests and checks)."""
+        return torch.cat([p.contiguous().view(-1).view(torch.uint8).cpu() for p in block_pieces(self.runner, block)])
+
+    def flush(self, timeout_s: float = 60.0) -> bool:
+        """Wait for every copy in flight, hand its blocks back to the block manager, then wait for the
+        slow-tier writes."""
+        ok = self.copier.wait_idle(timeout_s)
+        self.bm.reclaim()
+        return self.store.flush(timeout_s) and ok
+
     def close(self) -> None:
+        self.flush(30.0)
+        self.copier.close()
+        self._fetch_jobs.put(None)
+        self._fetcher.join(timeout=10)
+        for f in list(self._fetches.values()):
+            if f.done.is_set() and f.got is not None:
+                f.got.release()
+        self._fetches.clear()
         self.store.close()
 
 
