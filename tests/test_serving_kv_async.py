@@ -120,7 +120,7 @@ def test_blocks_return_only_when_the_copy_completes(model, monkeypatch):
         assert t.copier.wait_idle(10)
         while e.has_unfinished():
             e.step()
-        bm.reclaim()
+        assert t.flush(10)                         # B's own offload copy, launched as it finished
         assert bm.num_free == 40 and len(t.store.host) >= held
         assert [a.output_ids, b.output_ids] == ref
         assert len(t.stats.free_s) >= 1 and all(x > 0 for x in t.stats.free_s)

@@ -627,6 +627,14 @@ class PeerTier:
         self.sock: socket.socket | None = None
         self.lock = threading.Lock()
         self.stats = TierStats("peer")
+        # keys this client stored: a lookup hint that needs no round trip (the peer is this run's own
+        # and `clear`ed at start; a key it evicted since is a miss when read, counted there)
+        self.stored: OrderedDict[str, None] = OrderedDict()
+        self.max_stored_hints = 1 << 20
+
+    def maybe_contains(self, key: str) -> bool:
+        """Whether this client stored `key` (no round trip); False means not worth asking."""
+        return not self.disabled and key in self.stored
 
     def _conn(self) -> socket.socket:
         if self.sock is None:
@@ -678,6 +686,10 @@ class PeerTier:
             self.stats.failures += 1
             return False
         self._consecutive_failures = 0
+        with self.lock:
+            self.stored[key] = None
+            while len(self.stored) > self.max_stored_hints:
+                self.stored.popitem(last=False)
         self.stats.writes += 1
         self.stats.bytes_written += len(payload)
         self.stats.write_s += time.perf_counter() - t0
@@ -737,6 +749,8 @@ class PeerTier:
                 self.stats.failures += 1
                 self._drop(e, isinstance(e, TimeoutError | socket.timeout))
                 return False
+            if ok:
+                self.stored.clear()
         if not ok:
             self.stats.failures += 1
         return ok
@@ -1408,16 +1422,17 @@ class EngineKVTiers:
         return prefix_keys(seq.prompt[:limit * bs], bs, self.ns)[start_block:]
 
     def _needs_slow_tier(self, keys: list[str]) -> bool:
-        """Does the prefix continue, past what the host tier holds, in a slower tier? Host and file
-        membership are checked here (a dict, a stat); the peer's answer takes a round trip, so a
-        configured peer always sends the request through the fetch thread."""
+        """Does the prefix continue, past what the host tier holds, in a slower tier? Checked on the
+        engine thread without I/O waits: host membership (a dict), the file tier's (a stat), the
+        peer's from the keys this client stored there (`PeerTier.maybe_contains`, no round trip).
+        The fetch thread then asks the tiers themselves."""
         for key in keys:
             if self.store.host.contains(key):
                 continue
             for t in self.store.lower:
                 if getattr(t, "disabled", False):
                     continue
-                if t.name == "peer" or t.contains(key):
+                if (t.maybe_contains(key) if hasattr(t, "maybe_contains") else t.contains(key)):
                     return True
             return False
         return False
