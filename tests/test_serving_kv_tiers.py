@@ -356,6 +356,35 @@ def test_tp_shards_merge_and_restore_at_another_tp(tmp_path):
         tpm.head_range(4, 3, 0)
 
 
+def test_tp_merge_of_replicated_kv_heads(tmp_path):
+    """One latent KV head (MLA-like) held whole by both ranks: merged, it is written once per block
+    (the sharded layout writes every replica); read back at TP 1, 2 and 4, every rank gets it.
+    Two KV heads read at TP 4: heads replicated on pairs of ranks, as vLLM assigns them."""
+    from inferbook.serving import kv_tp_merge as tpm
+
+    assert [tpm.head_range(2, 4, r) for r in range(4)] == [(0, 1), (0, 1), (1, 2), (1, 2)]
+    assert [tpm.head_range(1, 2, r) for r in range(2)] == [(0, 1), (0, 1)] and tpm.replicas(2, 4) == 2
+    cfg = dict(vocab=128, d_model=64, n_layers=2, n_heads=4, n_kv_heads=1, ffn=96, max_seq=96)
+    args = dict(cfg=cfg, block_size=16, prompt_len=64, seed=fresh_seed() % 10000, model_id="tp-mla",
+                dir=str(tmp_path / "merged"), mode=["merged", "sharded"], durable=False)
+    res = tpm.launch(args, world_size=2, timeout_s=90)
+    assert [r["modes"]["merged"]["writes"] for r in res] == [4, 0]
+    assert [r["modes"]["sharded"]["writes"] for r in res] == [4, 4]      # each replica written again
+    assert res[0]["modes"]["merged"]["bytes_per_write"] == res[0]["modes"]["sharded"]["bytes_per_write"]
+    _, k, v = tpm.full_kv(cfg, args["seed"], 64, 16)
+    for tp in (1, 2, 4):
+        back = tpm.restore_at(args["dir"], args, tp)
+        assert all(torch.equal(back[r][i]["k"], k[i]) and torch.equal(back[r][i]["v"], v[i])
+                   for r in range(tp) for i in range(4))
+    full = torch.randn(3, 2, 8)          # [tokens, kv_heads=2, D]
+    shards = [tpm.shard_of(full, 4, r) for r in range(4)]
+    assert torch.equal(tpm.merge_shards(shards, 2), full)
+    bad = [s.clone() for s in shards]
+    bad[3].view(-1)[0] = bad[3].view(-1)[0] + 1      # one replica disagrees in one element
+    with pytest.raises(RuntimeError, match="replicas"):
+        tpm.merge_shards(bad, 2)
+
+
 @pytest.mark.parametrize("case", ["capacity", "peer_addr", "peer_timeout", "block_size", "layout", "tier_name"])
 def test_bad_input_is_a_clear_error(case, tmp_path):
     with pytest.raises(UserError) as e:

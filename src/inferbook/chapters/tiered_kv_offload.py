@@ -721,25 +721,36 @@ def hybrid_check(seed: int, workdir: Path) -> dict:
 
 def tp_check(seed: int, workdir: Path, use_cuda: bool = False, timeout_s: float = 120.0) -> dict:
     """Two TP ranks (torch.distributed on loopback) store a prompt's KV merged and sharded; the merged
-    rows are read back at TP 1, 2 and 4 and compared in bits with the reference shards."""
+    rows are read back at TP 1, 2 and 4 and compared in bits with the reference shards. Twice: with
+    4 KV heads (split 2 + 2) and with 1 KV head held whole by both ranks (replicated, as MLA's
+    latent is), where the merge writes each head once and TP 4 reads replicas."""
     from ..serving import kv_tp_merge as tpm
 
-    cfg = dict(vocab=128, d_model=64, n_layers=2, n_heads=4, n_kv_heads=4, ffn=96, max_seq=160)
-    args = dict(cfg=cfg, block_size=16, prompt_len=128, seed=seed + 61, model_id=f"tp-check-{seed}",
-                dir=str(Path(workdir) / "tp"), mode=["merged", "sharded"], durable=True, use_cuda=use_cuda)
-    res = tpm.launch(args, world_size=2, timeout_s=timeout_s)
-    _, k, v = tpm.full_kv(cfg, args["seed"], args["prompt_len"], 16)
-    exact = {}
-    for tp in (1, 2, 4):
-        back = tpm.restore_at(args["dir"], args, tp)
-        exact[tp] = all(back[r][i] is not None and torch.equal(back[r][i]["k"], tpm.shard_of(k[i], tp, r))
-                        and torch.equal(back[r][i]["v"], tpm.shard_of(v[i], tp, r))
-                        for r in range(tp) for i in range(k.shape[0]))
-    merged = [r["modes"]["merged"] for r in res]
-    sharded = [r["modes"]["sharded"] for r in res]
-    rows = [{"layout": "merged on rank 0", "files written": sum(m["writes"] for m in merged),
-             "bytes per file": merged[0]["bytes_per_write"], "seconds (slowest rank)": max(m["seconds"] for m in merged)},
-            {"layout": "one shard per rank", "files written": sum(s["writes"] for s in sharded),
-             "bytes per file": sharded[0]["bytes_per_write"], "seconds (slowest rank)": max(s["seconds"] for s in sharded)}]
-    return {"rows": rows, "restore exact at tp": exact, "backend": res[0]["backend"], "blocks": res[0]["blocks"],
-            "passed": all(exact.values()) and rows[0]["files written"] * 2 == rows[1]["files written"]}
+    rows, exact, res0, passed = [], {}, None, True
+    for kv_heads, what in ((4, "4 KV heads, split"), (1, "1 KV head, replicated")):
+        cfg = dict(vocab=128, d_model=64, n_layers=2, n_heads=4, n_kv_heads=kv_heads, ffn=96, max_seq=160)
+        args = dict(cfg=cfg, block_size=16, prompt_len=128, seed=seed + 61, model_id=f"tp-check-{seed}-{kv_heads}",
+                    dir=str(Path(workdir) / f"tp{kv_heads}"), mode=["merged", "sharded"], durable=True,
+                    use_cuda=use_cuda)
+        res = tpm.launch(args, world_size=2, timeout_s=timeout_s)
+        res0 = res0 or res[0]
+        _, k, v = tpm.full_kv(cfg, args["seed"], args["prompt_len"], 16)
+        for tp in (1, 2, 4):
+            back = tpm.restore_at(args["dir"], args, tp)
+            exact[f"{what}, TP {tp}"] = all(
+                back[r][i] is not None and torch.equal(back[r][i]["k"], tpm.shard_of(k[i], tp, r))
+                and torch.equal(back[r][i]["v"], tpm.shard_of(v[i], tp, r))
+                for r in range(tp) for i in range(k.shape[0]))
+        merged = [r["modes"]["merged"] for r in res]
+        sharded = [r["modes"]["sharded"] for r in res]
+        rows += [{"KV heads": what, "layout": "merged on rank 0", "files written": sum(m["writes"] for m in merged),
+                  "bytes per file": merged[0]["bytes_per_write"],
+                  "seconds (slowest rank)": significant(max(m["seconds"] for m in merged))},
+                 {"KV heads": what, "layout": "one shard per rank", "files written": sum(s_["writes"] for s_ in sharded),
+                  "bytes per file": sharded[0]["bytes_per_write"],
+                  "seconds (slowest rank)": significant(max(s_["seconds"] for s_ in sharded))}]
+        factor = 2 if kv_heads == 4 else 1     # split: merged files are twice the size; replicated: the same size
+        passed = passed and rows[-2]["files written"] * 2 == rows[-1]["files written"] \
+            and rows[-2]["bytes per file"] == factor * rows[-1]["bytes per file"]
+    return {"rows": rows, "restore exact at tp": exact, "backend": res0["backend"], "blocks": res0["blocks"],
+            "passed": passed and all(exact.values())}
