@@ -1169,30 +1169,36 @@ def runner_kv_layout(runner) -> str:
 def engine_layout(runner) -> BlockLayout:
     """One block's host row. Cross-layer pool: one field `kv` [layers, 2, block_size, kv_heads, head_dim]
     (the device block's own bytes). Layer-major pool: `k` and `v`, each [layers, block_size, kv_heads, head_dim]."""
+    state = getattr(runner, "state_blocks", None)     # a hybrid model's recurrent state slot per block
+    extra = (("state", state.dtype, tuple(state.shape[1:])),) if state is not None else ()
     if runner_kv_layout(runner) == CROSS_LAYER:
         _, L, two, bs, Hkv, D = runner.kv_blocks.shape
-        return BlockLayout((("kv", runner.dtype, (L, two, bs, Hkv, D)),))
+        return BlockLayout((("kv", runner.dtype, (L, two, bs, Hkv, D)),) + extra)
     L, _, Hkv, D = runner.k_cache.shape
     shape = (L, runner.block_size, Hkv, D)
-    return BlockLayout((("k", runner.dtype, shape), ("v", runner.dtype, shape)))
+    return BlockLayout((("k", runner.dtype, shape), ("v", runner.dtype, shape)) + extra)
 
 
 def block_pieces(runner, block: int) -> list[torch.Tensor]:
     """The device memory of one block, as the contiguous pieces a copy moves: 1 for a cross-layer
-    pool, 2 x layers for a layer-major one (K and V of each layer)."""
+    pool, 2 x layers for a layer-major one (K and V of each layer); a hybrid runner's recurrent
+    state slot of the block is one more."""
+    state = getattr(runner, "state_blocks", None)
+    extra = [state[block]] if state is not None else []
     if runner_kv_layout(runner) == CROSS_LAYER:
-        return [runner.kv_blocks[block]]
+        return [runner.kv_blocks[block]] + extra
     bs = runner.block_size
     sl = slice(block * bs, (block + 1) * bs)
-    return [c[i, sl] for c in (runner.k_cache, runner.v_cache) for i in range(c.shape[0])]
+    return [c[i, sl] for c in (runner.k_cache, runner.v_cache) for i in range(c.shape[0])] + extra
 
 
 def row_pieces(layout: BlockLayout, row: torch.Tensor) -> list[torch.Tensor]:
     """The host row cut into the same pieces as `block_pieces` (same order)."""
     v = layout.views(row)
+    extra = [v["state"]] if "state" in v else []
     if "kv" in v:
-        return [v["kv"]]
-    return [t[i] for t in (v["k"], v["v"]) for i in range(t.shape[0])]
+        return [v["kv"]] + extra
+    return [t[i] for t in (v["k"], v["v"]) for i in range(t.shape[0])] + extra
 
 
 def copy_blocks_to_rows(runner, layout: BlockLayout, pairs: list[tuple[int, torch.Tensor]], *,
