@@ -68,25 +68,26 @@ PARAMETERS = {
     "file_total_mb": Param(int, help="MB written through the file tier in the filesystem benchmark"),
     "use_peer": Param(bool, help="add the remote-peer tier (a second process on 127.0.0.1)"),
     "admit_after": Param(int, help="uses of a block before it is written below the host (the 'admit on reuse' config)"),
-    "repeats": Param(int, help="runs of each engine configuration, interleaved; TTFTs of all runs are compared"),
+    "repeats": Param(int, help="runs of each engine configuration, interleaved; their median TTFTs are compared"),
+    "restore_reps": Param(int, help="timed single requests per source in the restore-vs-recompute benchmark"),
     "cpu_threads": Param(int, 1, help="torch threads on CPU during the measurement (0: leave as is)"),
 }
 
 PRESETS = {
     "smoke": dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn=176, vocab=256, dtype="float32",
                   block_size=16, prefix_len=96, suffix_len=16, output_len=4, num_prefixes=6, num_requests=24,
-                  max_num_seqs=2, max_num_batched_tokens=128, device_blocks=32, host_blocks=24,
-                  host_sweep="0.5,1,2,3", copy_block_mb="1,4", copy_total_mb=32, file_total_mb=8, use_peer=True, admit_after=2, repeats=2),
+                  max_num_seqs=2, max_num_batched_tokens=128, device_blocks=32, host_blocks=64,
+                  host_sweep="0.5,1,2,3", copy_block_mb="1,4", copy_total_mb=32, file_total_mb=8, use_peer=True, admit_after=2, repeats=3, restore_reps=6),
     "cpu": dict(d_model=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn=688, vocab=512, dtype="float32",
                 block_size=16, prefix_len=384, suffix_len=32, output_len=8, num_prefixes=8, num_requests=48,
-                max_num_seqs=4, max_num_batched_tokens=512, device_blocks=160, host_blocks=120,
+                max_num_seqs=4, max_num_batched_tokens=512, device_blocks=160, host_blocks=320,
                 host_sweep="0.25,0.5,0.75,1,1.5", copy_block_mb="1,2,4,8", copy_total_mb=256, file_total_mb=64,
-                use_peer=True, admit_after=2, repeats=3),
+                use_peer=True, admit_after=2, repeats=4, restore_reps=15),
     "gpu": dict(d_model=1024, n_layers=8, n_heads=16, n_kv_heads=8, ffn=2816, vocab=32000, dtype="bfloat16",
                 block_size=16, prefix_len=2048, suffix_len=128, output_len=32, num_prefixes=16, num_requests=64,
-                max_num_seqs=8, max_num_batched_tokens=8192, device_blocks=2048, host_blocks=1536,
+                max_num_seqs=8, max_num_batched_tokens=8192, device_blocks=2048, host_blocks=4096,
                 host_sweep="0.25,0.5,0.75,1,1.5,2", copy_block_mb="1,2,4,8,16", copy_total_mb=1024, file_total_mb=512,
-                use_peer=True, admit_after=2, repeats=3),
+                use_peer=True, admit_after=2, repeats=5, restore_reps=15),
 }
 
 WORKLOADS = ("shared", "none")
@@ -123,9 +124,13 @@ def check_params(P: dict) -> None:
     """Every size the measurement relies on, checked before any work."""
     for name in ("d_model", "n_layers", "n_heads", "n_kv_heads", "ffn", "vocab", "block_size", "prefix_len",
                  "suffix_len", "output_len", "num_prefixes", "num_requests", "max_num_seqs", "max_num_batched_tokens",
-                 "device_blocks", "host_blocks", "copy_total_mb", "file_total_mb", "admit_after", "repeats"):
+                 "device_blocks", "host_blocks", "copy_total_mb", "file_total_mb", "admit_after", "repeats",
+                 "restore_reps"):
         if P[name] < 1:
             raise UserError(f"{name}={P[name]!r} must be a positive int")
+    if P["repeats"] < 2 or P["restore_reps"] < 2:
+        raise UserError(f"repeats={P['repeats']} and restore_reps={P['restore_reps']} must be at least 2: a "
+                        "comparison needs at least two samples a side")
     if P["prefix_len"] < P["block_size"]:
         raise UserError(f"prefix_len={P['prefix_len']} is shorter than one block (block_size={P['block_size']}); "
                         "nothing could be reused")
@@ -312,6 +317,62 @@ def run_workload(model, prompts, P: dict, config: str, *, host_blocks: int, scra
     return engine, tiers, run
 
 
+RESTORE_SOURCES = ("recompute", "host", "file")
+
+
+def first_token_time(engine, prompt: list[int]) -> float:
+    """Seconds from admitting `prompt` (one request, engine otherwise idle) to its first token."""
+    t0 = engine.clock()
+    seq = engine.add_request(prompt, SamplingParams(max_tokens=1))
+    while seq.first_token_s is None:
+        engine.step()
+    while engine.has_unfinished():
+        engine.step()
+    return seq.first_token_s - t0
+
+
+def restore_vs_recompute(model, P: dict, scratch: Path, seed: int) -> dict:
+    """One request with a shared prefix of `prefix_len` tokens and a fresh suffix, timed to its first
+    token `restore_reps` times per source, the sources interleaved: `recompute` (no tiers; the
+    device cache is off, so the prefix is prefilled every time), `host` (restored from the host
+    tier), `file` (a one-block host tier over the file tier: the prefix comes from files). The
+    device prefix cache is off in all three, so nothing but the source differs. Returns
+    {source: Timing, "restored_tokens": {source: [...]}}."""
+    g = torch.Generator().manual_seed(seed + 7)
+    prefix = torch.randint(P["vocab"], (P["prefix_len"],), generator=g).tolist()
+    ecfg = EngineConfig(max_num_seqs=1, max_num_batched_tokens=P["max_num_batched_tokens"],
+                        block_size=P["block_size"], num_blocks=P["device_blocks"], enable_prefix_caching=False)
+    engines, tiers = {}, {}
+    for src in RESTORE_SOURCES:
+        engines[src] = LLMEngine(model, ecfg)
+        if src != "recompute":
+            kw = {"host_capacity_blocks": P["host_blocks"] if src == "host" else 1}
+            if src == "file":   # written in the copy's completion, so a one-row host tier passes every block down
+                kw.update(file_dir=scratch / "restore-file", background=False)
+            tiers[src] = EngineKVTiers(engines[src], kw, model_id=f"restore-{seed}")
+    samples = {src: [] for src in RESTORE_SOURCES}
+    cached = {src: [] for src in RESTORE_SOURCES}
+    try:
+        for src in RESTORE_SOURCES:      # warm-up; puts the prefix into the tiers
+            first_token_time(engines[src], prefix + [0])
+            if src in tiers:
+                tiers[src].flush()
+        for _ in range(P["restore_reps"]):
+            for src in RESTORE_SOURCES:
+                suffix = torch.randint(P["vocab"], (P["suffix_len"],), generator=g).tolist()
+                samples[src].append(first_token_time(engines[src], prefix + suffix))
+                cached[src].append(engines[src].finished[-1].num_cached_tokens)
+                if src in tiers:
+                    tiers[src].flush()     # the offload of this request, outside the timed region
+    finally:
+        for t in tiers.values():
+            t.close()
+    out = {src: Timing(label=f"first token, prefix from {src}", samples_s=samples[src], timer="perf_counter", warmup=1)
+           for src in RESTORE_SOURCES}
+    out["restored_tokens"] = cached
+    return out
+
+
 def _median(xs):
     return statistics.median(xs) if xs else 0.0
 
@@ -457,13 +518,15 @@ def _measure(ctx, P: dict) -> list[RunRecord]:
         for kind in WORKLOADS:
             for config in configs(P):
                 plan.append((f"{kind}/{config}", kind, config, P["host_blocks"], None))
+        sweep = []
         for mult in parse_floats("host_sweep", P["host_sweep"]):
             hb = max(1, round(mult * P["device_blocks"]))
-            plan.append((f"sweep/host={hb}", "shared", "host", hb, mult))
+            sweep.append((f"sweep/host={hb}", "shared", "host", hb, mult))
         prompts = {kind: make_workload(kind, P, ctx.seed) for kind in WORKLOADS}
         outputs = {}
-        for _ in range(P["repeats"]):
-            for name, kind, config, hb, mult in plan:
+        # the sweep counts blocks (the same every run), so it runs once; the comparisons repeat
+        for rep in range(P["repeats"]):
+            for name, kind, config, hb, mult in plan + (sweep if rep == 0 else []):
                 engine, tiers, run = run_workload(model, prompts[kind], P, config, host_blocks=hb,
                                                   scratch=scratch_root / name.replace("/", "-").replace("+", "-"),
                                                   peer_address=addr, seed=ctx.seed)
@@ -486,8 +549,9 @@ def _measure(ctx, P: dict) -> list[RunRecord]:
     for name, rec in first.items():
         # times: the median over repeats (every run kept); counts: the first run's (the same workload each time)
         rs = runs[name]
-        # every request's TTFT of every repeat, for `measure.compare_timings` (request mix is the same each run)
-        rec.add_timing("ttft", Timing(label=f"{name} ttft", samples_s=[q.ttft_s for r in rs for q in r.requests],
+        # one sample per run: the run's median TTFT. The requests of one run share its machine load, so
+        # they are not independent samples; comparisons go over runs (`verdicts`).
+        rec.add_timing("ttft", Timing(label=f"{name} median ttft per run", samples_s=[r.median("ttft_s") for r in rs],
                                       timer="perf_counter", warmup=0), phase="ttft")
         for metric, fn in (("mean_ttft", lambda r: r.mean("ttft_s")), ("median_ttft", lambda r: r.median("ttft_s")),
                            ("output_throughput", lambda r: r.output_throughput),
@@ -497,6 +561,20 @@ def _measure(ctx, P: dict) -> list[RunRecord]:
             m["value"], m["runs"], m["aggregate"] = statistics.median(vals), vals, f"median of {len(vals)} run(s)"
         ref = outputs[f"{rec.workload['workload']}/no tiers"]
         rec.add_check("same greedy tokens as without tiers", all(r.outputs == ref for r in rs))
+        records.append(rec)
+
+    # 5. one request: its prefix restored (host, file) against recomputed, on this model
+    rv = restore_vs_recompute(model, P, scratch_root, ctx.seed)
+    shutil.rmtree(scratch_root, ignore_errors=True)
+    for src in RESTORE_SOURCES:
+        rec = ctx.new_record(f"restore-{src}", variant=f"prefix from {src}", workload={
+            "model": f"tiny-decoder L{cfg.n_layers} d{cfg.d_model} h{cfg.n_heads}/{cfg.n_kv_heads} V{cfg.vocab} "
+                     f"({cfg.n_params() / 1e6:.2f}M params)", "dtype": P["dtype"], "prefix_len": P["prefix_len"],
+            "suffix_len": P["suffix_len"], "requests": "one at a time, device prefix cache off"}, topology={"ranks": 1})
+        rec.add_timing("first_token_time", rv[src], phase="ttft")
+        rec.add("restored_tokens_median", statistics.median(rv["restored_tokens"][src]), "tokens", phase="ttft")
+        want = 0 if src == "recompute" else P["prefix_len"] // P["block_size"] * P["block_size"]
+        rec.add_check("the prefix came from this source", all(n == want for n in rv["restored_tokens"][src]))
         records.append(rec)
     return records
 
@@ -518,8 +596,8 @@ def workload_rows(records: list[RunRecord]) -> list[dict]:
             continue
         rows.append({"workload": r.workload["workload"], "tiers": r.variant,
                      "mean TTFT ms": _ms(r.value("mean_ttft")),
-                     "median TTFT ms (all runs)": _ms(r.value("ttft")),
-                     "TTFT samples": r.get("ttft")["n"],
+                     "median TTFT ms (median of runs)": _ms(r.value("ttft")),
+                     "runs": r.get("ttft")["n"],
                      "total tok/s": significant(r.value("total_throughput")),
                      "prompt reused": f"{100 * r.value('reused_prompt_share'):.0f}%",
                      "blocks from device": int(_v(r, "device_hit_blocks")),
@@ -577,6 +655,17 @@ def sweep_rows(records: list[RunRecord]) -> list[dict]:
     return rows
 
 
+def restore_rows(records: list[RunRecord]) -> list[dict]:
+    by = {r.name: r for r in records}
+    rows = []
+    for src in RESTORE_SOURCES:
+        t = by[f"restore-{src}"].get("first_token_time")
+        rows.append({"prefix from": src, "first token ms (median)": _ms(t["value"]), "p10 ms": _ms(t["p10_s"]),
+                     "p90 ms": _ms(t["p90_s"]), "samples": t["n"],
+                     "prompt tokens restored": int(by[f"restore-{src}"].value("restored_tokens_median"))})
+    return rows
+
+
 def copy_rows(records: list[RunRecord]) -> list[dict]:
     """Per block size: both layouts' offload rate, their ratio through `compare_timings`."""
     by = {r.name: r for r in records if r.name.startswith("copy-")}
@@ -599,8 +688,9 @@ def copy_rows(records: list[RunRecord]) -> list[dict]:
 
 
 def verdicts(records: list[RunRecord], P: dict) -> dict:
-    """The TTFT comparisons the page states, each from `compare_timings` over every request of every
-    repeat: restoring against recomputing with shared prefixes, and the tiers' cost without."""
+    """The comparisons the page states, each from `compare_timings`: workload TTFTs over runs (one
+    median per run), with shared prefixes and without; and one request's first-token time with its
+    prefix restored (host, file) against recomputed."""
     by = {r.name: r for r in records}
     cs = configs(P)
     pairs = {"shared_host": ("shared", cs[1], cs[0]), "shared_all": ("shared", cs[2], cs[0]),
@@ -610,6 +700,9 @@ def verdicts(records: list[RunRecord], P: dict) -> dict:
     out = {}
     for key, (kind, a, b) in pairs.items():
         out[key] = compare_timings(by[f"{kind}/{a}"].get("ttft"), by[f"{kind}/{b}"].get("ttft"))
+    for src in RESTORE_SOURCES[1:]:
+        out[f"restore_{src}"] = compare_timings(by[f"restore-{src}"].get("first_token_time"),
+                                                by["restore-recompute"].get("first_token_time"))
     return out
 
 
@@ -648,8 +741,12 @@ def restore_checks(seed: int, workdir: Path, peer_address=None) -> list[dict]:
             if t.name == "peer":
                 t.clear()
         out = engine.generate(prompts, params)
-        tiers.flush()          # the last offload copies run off the engine thread
-        # the bits: the last request's first prefix block, fetched back, against its device block
+        # the bits: a fresh prompt's first block, offloaded, fetched back, against the device block it was
+        # copied from (still device-cached)
+        tiers.flush()          # a one-row host tier refuses (counts as skipped) blocks while its row is busy
+        fresh = torch.randint(256, (40,), generator=g).tolist()
+        engine.generate([fresh], SamplingParams(max_tokens=1))
+        tiers.flush()          # the offload copies run off the engine thread
         seq, bm = engine.finished[-1], engine.block_manager
         key = prefix_keys(seq.prompt[:16], 16, tiers.ns)[0]
         got = tiers.store.fetch([key])
@@ -696,27 +793,12 @@ def corruption_check(seed: int, workdir: Path) -> dict:
 
 
 def hybrid_check(seed: int, workdir: Path) -> dict:
-    """The toy hybrid model: a prefix restored with its recurrent state continues exactly as if
-    computed; restored without the state, it does not."""
-    from ..serving.hybrid import HybridConfig, HybridPrefixCache, HybridToy
+    """The hybrid model inside the serving engine (`serving.hybrid.hybrid_restore_check`): a prefix
+    restored from the file tier with its recurrent state continues as the whole-sequence reference;
+    restored without the state, it does not."""
+    from ..serving.hybrid import hybrid_restore_check
 
-    m = HybridToy(HybridConfig(), seed=seed + 51)
-    g = torch.Generator().manual_seed(seed + 52)
-    prefix = torch.randint(64, (40,), generator=g).tolist()
-    p1, p2 = prefix + torch.randint(64, (3,), generator=g).tolist(), prefix + torch.randint(64, (5,), generator=g).tolist()
-    cache = HybridPrefixCache(m, 8, host_capacity_blocks=1, file_dir=Path(workdir) / "hybrid", background=False)
-    want, _ = cache.generate(p2, 12, use_cache=False)
-    ref_logits = cache.last_prompt_logits
-    cache.generate(p1, 4)
-    got, restored = cache.generate(p2, 12)
-    diff_with = float((cache.last_prompt_logits - ref_logits).abs().max())
-    wrong, _ = cache.generate(p2, 12, restore_state=False)
-    diff_without = float((cache.last_prompt_logits - ref_logits).abs().max())
-    cache.close()
-    return {"restored prompt tokens": restored, "tokens equal with state": got == want,
-            "max |logit diff| with state": diff_with, "tokens equal without state": wrong == want,
-            "max |logit diff| without state": diff_without,
-            "passed": restored > 0 and got == want and diff_with == 0.0 and diff_without > 0.0}
+    return hybrid_restore_check(seed + 51, workdir)
 
 
 def tp_check(seed: int, workdir: Path, use_cuda: bool = False, timeout_s: float = 120.0) -> dict:
