@@ -28,6 +28,7 @@ import os
 import shutil
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -687,6 +688,44 @@ def copy_rows(records: list[RunRecord]) -> list[dict]:
     return rows
 
 
+@dataclass(frozen=True)
+class RunComparison:
+    """`measure.compare_timings` over a handful of runs a side, with one more condition before a
+    verdict: every run of one side below every run of the other. A percentile bootstrap of a
+    median over 4 or 5 samples has few distinct values and states too narrow an interval; complete
+    separation of n runs against n happens by chance with probability 2 / C(2n, n) under no
+    difference (2/70 for n = 4)."""
+
+    c: object
+    a_runs: tuple
+    b_runs: tuple
+
+    @property
+    def overlap(self) -> bool:
+        return not (max(self.a_runs) < min(self.b_runs) or max(self.b_runs) < min(self.a_runs))
+
+    @property
+    def verdict(self) -> str:
+        return self.c.verdict if not self.overlap else "no difference this run can see"
+
+    @property
+    def ratio(self) -> float:
+        return self.c.ratio
+
+    def sentence(self, a: str, b: str) -> str:
+        if self.c.separated and self.overlap:
+            ms = lambda xs: f"{significant(1e3 * min(xs))}–{significant(1e3 * max(xs))} ms"  # noqa: E731
+            return (f"{a} and {b} show no difference this run can see ({a} at {significant(self.c.ratio)}× the time "
+                    f"of {b}; the bootstrap interval {self.c.interval()} excludes 1, but the runs overlap: "
+                    f"{ms(self.a_runs)} against {ms(self.b_runs)}, {len(self.a_runs)} and {len(self.b_runs)} runs)")
+        return self.c.sentence(a, b)
+
+
+def compare_runs(a: dict, b: dict) -> RunComparison:
+    """`RunComparison` of two records' per-run timings (measurements kept with `samples_s`)."""
+    return RunComparison(compare_timings(a, b), tuple(a["samples_s"]), tuple(b["samples_s"]))
+
+
 def verdicts(records: list[RunRecord], P: dict) -> dict:
     """The comparisons the page states, each from `compare_timings`: workload TTFTs over runs (one
     median per run), with shared prefixes and without; and one request's first-token time with its
@@ -699,7 +738,7 @@ def verdicts(records: list[RunRecord], P: dict) -> dict:
              "none_gated_vs_all": ("none", cs[3], cs[2])}
     out = {}
     for key, (kind, a, b) in pairs.items():
-        out[key] = compare_timings(by[f"{kind}/{a}"].get("ttft"), by[f"{kind}/{b}"].get("ttft"))
+        out[key] = compare_runs(by[f"{kind}/{a}"].get("ttft"), by[f"{kind}/{b}"].get("ttft"))
     for src in RESTORE_SOURCES[1:]:
         out[f"restore_{src}"] = compare_timings(by[f"restore-{src}"].get("first_token_time"),
                                                 by["restore-recompute"].get("first_token_time"))
