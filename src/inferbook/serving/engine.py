@@ -106,7 +106,11 @@ class LLMEngine:
 
     # -- one step ------------------------------------------------------------------
     def _tick(self) -> float:
-        synchronize(self.device)
+        # the compute stream only: the KV tiers' copies run on their own stream and must not hold the engine
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        else:
+            synchronize(self.device)
         return self.clock()
 
     @torch.no_grad()
