@@ -164,3 +164,13 @@ def test_file_header_that_is_json_but_not_an_object_is_a_counted_miss(tmp_path):
         assert ft.read_into(key, torch.empty(ROW, dtype=torch.uint8)) is False
         assert ft.stats.corrupt == before + 1 and "not an object" in ft.stats.last_error
         assert not path.exists()
+
+
+def test_lookup_hint_knows_only_what_this_client_stored(peer):
+    """The engine's no-round-trip check: a key is 'maybe there' only after this client stored it,
+    and `clear` forgets every hint with the peer's contents."""
+    t = kt.PeerTier(peer.address, ROW)
+    key = "9a" * 32
+    assert not t.maybe_contains(key)
+    assert t.put(key, _row(4)) and t.maybe_contains(key) and t.contains(key)
+    assert t.clear() and not t.maybe_contains(key) and not t.contains(key)
