@@ -12,18 +12,28 @@ This file answers one question: *where does a KV block live, and how does it get
   recurrent state), packed into one contiguous uint8 row — the unified host representation.
 - `prefix_keys`: a SHA-256 chain over the token ids of each full block, with model, block size,
   dtype and layout in the namespace, so a key names exactly one block content.
-- `HostTier` (a slab of rows, pinned where the device is CUDA; capacity and LRU), `FileTier`
-  (one checksummed file per block, written atomically), `PeerTier` (a second process on loopback,
-  spoken to over a socket with timeouts), each with its own `TierStats`.
-- `TieredKVStore`: offload (publish into host, queue background writes), lookup (longest prefix
-  in any tier), fetch (into host rows, verified), per-tier metrics.
-- `EngineKVTiers`: binds a store to the serving engine's paged KV pool and block manager.
+- `HostTier` (a slab of rows, pinned where the device is CUDA; an LRU cache that never evicts a
+  pinned row), `FileTier` (one checksummed file per block, written atomically), `PeerTier` (a
+  second process on loopback that serves only its parent: per-run secret, HMAC challenge,
+  connection cap, exit on parent death), each with its own `TierStats`.
+- `TieredKVStore`: offload (publish into host, queue background writes of the blocks admitted
+  below the host: all, or only those reused `admit_after` times), lookup, fetch (into host rows,
+  verified), per-tier metrics.
+- `CopyStream`: block copies off the engine thread — a CUDA stream and its events on a GPU, a
+  worker thread on a CPU.
+- `use_cross_layer_blocks`: the engine's paged pool re-laid so one block of every layer is one
+  contiguous piece (one copy per block instead of 2 x layers).
+- `EngineKVTiers`: binds a store to the serving engine. Offload launches the device->host copy
+  and the block manager holds the blocks until the copy completed; a request whose prefix is in
+  a slow tier waits for a fetch thread while the engine steps the others; device blocks are
+  taken only once the rows are in host memory.
 
 Reliability rules kept here: a host row is visible only after its copy completed; a file is
 visible only after `os.replace` of a fully written, fsync'ed temporary file, and its SHA-256 is
-verified on every read (mismatch -> counted, removed, a miss); the peer stores a value only after
-receiving all of it with a matching digest, and a client read that times out or ends early is a
-miss. A failing tier is counted and skipped; it never raises into the engine.
+verified on every read (mismatch or a header that is not a JSON object -> counted, removed, a
+miss); the peer stores a value only after receiving all of it with a matching digest, and a
+client read that times out or ends early is a miss. A failing tier is counted and skipped; it
+never raises into the engine.
 """
 from __future__ import annotations
 
