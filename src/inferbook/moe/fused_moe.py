@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from ..device import dot_needs_fp32, triton_backend_for
 from . import mxfp4 as MXF, routing
 from .mxfp4 import PackedMXFP4
-from .w4a16 import LAYOUT_CODE, LAYOUTS, PackedW4, cat_experts, dequantize, expert, linear, triton
+from .w4a16 import LAYOUT_CODE, LAYOUTS, PackedW4, cat_experts, check_block_k, dequantize, expert, linear, triton
 
 if triton is not None:
     import triton.language as tl
@@ -82,13 +82,13 @@ if triton is not None:
             offs_k = k0 + tl.arange(0, BLOCK_K)
             a = tl.load(a_ptr + a_row[:, None].to(tl.int64) * stride_am + offs_k[None, :] * stride_ak,
                         mask=valid[:, None] & (offs_k[None, :] < K), other=0.0)
-            b = w4_tile(qw, sc, offs_k, offs_n, NW, K, LAYOUT, GROUP, DOT_FP32)
+            b = w4_tile(qw, sc, k0, offs_n, NW, K, LAYOUT, GROUP, BLOCK_K, DOT_FP32)
             if DOT_FP32:
                 acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
             else:
                 acc = tl.dot(a, b, acc)
             if GATED:
-                b_up = w4_tile(qw, sc, offs_k, offs_n + N, NW, K, LAYOUT, GROUP, DOT_FP32)
+                b_up = w4_tile(qw, sc, k0, offs_n + N, NW, K, LAYOUT, GROUP, BLOCK_K, DOT_FP32)
                 if DOT_FP32:
                     acc_up = tl.dot(a.to(tl.float32), b_up.to(tl.float32), acc_up)
                 else:
@@ -147,8 +147,8 @@ if triton is not None:
                     b = mxfp4_tile(qw_ptr + e * q_expert_stride, s_ptr + e * s_expert_stride, offs_k, offs_n,
                                    N, K, EMULATE)
                 else:
-                    b = w4_tile(qw_ptr + e * q_expert_stride, s_ptr + e * s_expert_stride, offs_k, offs_n, N, K,
-                                LAYOUT, GROUP, EMULATE).to(tl.float32)
+                    b = w4_tile(qw_ptr + e * q_expert_stride, s_ptr + e * s_expert_stride, k0, offs_n, N, K,
+                                LAYOUT, GROUP, BLOCK_K, EMULATE).to(tl.float32)
                 part += tl.sum(a[:, None] * b, axis=0)
             if FUSED:
                 acc += wt * part
@@ -290,6 +290,7 @@ def fused_moe(x, w13: PackedW4, w2: PackedW4, topk_weights, topk_ids, layout: st
         return fused_moe_torch(x, w13, w2, topk_weights, topk_ids).to(out_dtype)
     interp = x.device.type != "cuda"
     cfg = dict(block or moe_config(T * k / E, interp))
+    check_block_k(cfg["BLOCK_K"], w13.group_size)
     BM, BN = cfg["BLOCK_M"], cfg["BLOCK_N"]
     emu = dot_needs_fp32(x.device)
     weights_flat = topk_weights.float().contiguous().flatten()

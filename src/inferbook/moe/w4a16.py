@@ -19,6 +19,10 @@ arithmetic of its own spec (a buffer of another spec would be read as garbage, s
 - ``grouped_masked``     uint8 ``[E, N, K/2]``: two values per byte along K (low nibble first,
                          +8 offset), scales ``[E, N, K/32]``; the decode kernel reads narrow rows.
 
+Every kernel reads each packed 32-bit word once and splits its eight values in registers
+(`w4_tile`, `unpack_words`), and each BF16 scale once per group of 32: the tile it stages in
+shared memory is the packed bytes, not one word per weight.
+
 Conversions between specs are explicit (`to_layout`). The reference for every kernel is
 `dequantize` to fp32 and a matmul in fp32.
 """
@@ -332,38 +336,87 @@ if triton is not None:
         return x.to(tl.bfloat16)
 
     @triton.jit
-    def w4_tile(qw_ptr, s_ptr, offs_k, offs_n, N, K, LAYOUT: tl.constexpr, GROUP: tl.constexpr,
-                EMULATE: tl.constexpr):
-        """Weight tile W[offs_n, offs_k] dequantized to BF16, returned transposed as [BLOCK_K, BLOCK_N].
+    def unpack_words(word):
+        """int32 [R, C] -> int32 [R, 8C]: the eight 4-bit fields of each word, field i (bits 4i..4i+3)
+        at column 8c + i, values 0..15 (the stored nibble, offset not yet removed).
+
+        The word is read from memory once; its fields are split in registers by shift and mask, as
+        Marlin's dequantize does. `tl.join` adds a register-minor axis, so each thread keeps all
+        eight fields of the words it loaded and the final reshape moves no data: the tree joins
+        fields (0,4), (2,6), (1,5), (3,7), then pairs, so the flat index of field i is i."""
+        v0 = word & 0xF
+        v1 = (word >> 4) & 0xF
+        v2 = (word >> 8) & 0xF
+        v3 = (word >> 12) & 0xF
+        v4 = (word >> 16) & 0xF
+        v5 = (word >> 20) & 0xF
+        v6 = (word >> 24) & 0xF
+        v7 = (word >> 28) & 0xF  # >> is arithmetic on int32: the mask drops the sign bits
+        lo = tl.join(tl.join(v0, v4), tl.join(v2, v6))   # [R, C, 2, 2]: (a, b) -> field 4a + 2b
+        hi = tl.join(tl.join(v1, v5), tl.join(v3, v7))   # the same, + 1
+        both = tl.join(lo, hi)                           # [R, C, 2, 2, 2]: (a, b, c) -> 4a + 2b + c
+        return tl.reshape(both, (word.shape[0], word.shape[1] * 8))
+
+    @triton.jit
+    def w4_tile(qw_ptr, s_ptr, k0, offs_n, N, K, LAYOUT: tl.constexpr, GROUP: tl.constexpr,
+                BLOCK_K: tl.constexpr, EMULATE: tl.constexpr):
+        """Weight tile W[offs_n, k0 : k0 + BLOCK_K] dequantized to BF16, returned transposed as
+        [BLOCK_K, BLOCK_N]. Out-of-range elements come back as 0.
 
         `qw_ptr`/`s_ptr` point at one expert's [N, K] matrix. The address arithmetic is the packing spec:
-        each LAYOUT code reads only its own arrangement. Out-of-range elements come back as 0.
-        """
-        mask = (offs_k[:, None] < K) & (offs_n[None, :] < N)
-        kk = offs_k[:, None]
-        nn = offs_n[None, :]
+        each LAYOUT code reads only its own arrangement. Each packed 32-bit word is loaded once (a
+        [BLOCK_N, BLOCK_K/8] int32 tile, an eighth of the elements) and split into its eight values in
+        registers (`unpack_words`); each scale is loaded once per group ([BLOCK_N, BLOCK_K/GROUP]) and
+        broadcast over its GROUP values. K is a multiple of GROUP (hence of 8)."""
+        WORDS: tl.constexpr = BLOCK_K // 8
+        offs_kw = k0 // 8 + tl.arange(0, WORDS)
+        nn = offs_n[:, None]
+        kw = offs_kw[None, :]
         if EMULATE:  # the interpreter checks every int32 add/mul for overflow (slow); int64 is skipped
-            kk = kk.to(tl.int64)
             nn = nn.to(tl.int64)
-        if LAYOUT == 3:  # plain BF16 [N, K] (baseline)
-            w = tl.load(qw_ptr + nn * K + kk, mask=mask, other=0.0).to(tl.bfloat16)
+            kw = kw.to(tl.int64)
+        if LAYOUT == 3:  # plain BF16 [N, K] (baseline): no packing
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            kk = offs_k[None, :]
+            if EMULATE:
+                kk = kk.to(tl.int64)
+            w = tl.load(qw_ptr + nn * K + kk, mask=(nn < N) & (kk < K), other=0.0).to(tl.bfloat16)
         else:
-            if LAYOUT == 0:    # indexed: int32 [N, K/8]
-                word = tl.load(qw_ptr + nn * (K // 8) + kk // 8, mask=mask, other=0)
-                u = (word >> ((kk % 8) * 4)) & 0xF
-                s = tl.load(s_ptr + nn * (K // GROUP) + kk // GROUP, mask=mask, other=0.0)
-            elif LAYOUT == 1:  # grouped_contiguous: int32 [K/8, N]
-                word = tl.load(qw_ptr + (kk // 8) * N + nn, mask=mask, other=0)
-                u = (word >> ((kk % 8) * 4)) & 0xF
-                s = tl.load(s_ptr + (kk // GROUP) * N + nn, mask=mask, other=0.0)
-            else:              # grouped_masked: uint8 [N, K/2]
-                byte = tl.load(qw_ptr + nn * (K // 2) + kk // 2, mask=mask, other=0).to(tl.int32)
-                u = (byte >> ((kk % 2) * 4)) & 0xF
-                s = tl.load(s_ptr + nn * (K // GROUP) + kk // GROUP, mask=mask, other=0.0)
+            wmask = (nn < N) & (kw < K // 8)
+            if LAYOUT == 1:  # grouped_contiguous: int32 [K/8, N] (words of one column n contiguous along N)
+                word = tl.load(qw_ptr + kw * N + nn, mask=wmask, other=0)
+            elif LAYOUT == 0:  # indexed: int32 [N, K/8] (compressed-tensors)
+                word = tl.load(qw_ptr + nn * (K // 8) + kw, mask=wmask, other=0)
+            else:  # grouped_masked: uint8 [N, K/2], read as its int32 words (4 bytes = 8 nibbles)
+                word = tl.load(qw_ptr.to(tl.pointer_type(tl.int32)) + nn * (K // 8) + kw, mask=wmask, other=0)
+            # nibble u -> fp32 (u - 8) without an int-to-float convert (I2F issues at a quarter of the
+            # ALU rate): u | 0x4B000000 is the fp32 2**23 + u, and subtracting 2**23 + 8 is exact.
+            # One OR and one FADD per value, at full rate (the trick Marlin plays with fp16 magic numbers).
+            magic = (unpack_words(word) | 0x4B000000).to(tl.float32, bitcast=True)
+            q = magic - 8388616.0  # [BLOCK_N, BLOCK_K] in [-8, 7]; padding words give -8 (scale 0)
+            if BLOCK_K % GROUP == 0:  # whole groups in the tile: one scale per (row, group)
+                GROUPS: tl.constexpr = BLOCK_K // GROUP
+                offs_g = k0 // GROUP + tl.arange(0, GROUPS)
+                gg = offs_g[None, :]
+                smask = (nn < N) & (gg < K // GROUP)
+                if LAYOUT == 1:
+                    s = tl.load(s_ptr + gg * N + nn, mask=smask, other=0.0)
+                else:
+                    s = tl.load(s_ptr + nn * (K // GROUP) + gg, mask=smask, other=0.0)
+                w = tl.reshape(q, (offs_n.shape[0], GROUPS, GROUP)) * s.to(tl.float32)[:, :, None]
+                w = tl.reshape(w, (offs_n.shape[0], BLOCK_K))
+            else:  # the tile lies inside one group (GROUP a multiple of BLOCK_K): one scale per row
+                g = k0 // GROUP
+                if LAYOUT == 1:
+                    s = tl.load(s_ptr + g * N + nn, mask=nn < N, other=0.0)
+                else:
+                    s = tl.load(s_ptr + nn * (K // GROUP) + g, mask=nn < N, other=0.0)
+                w = q * s.to(tl.float32)
             # q * scale is exact in fp32 (4-bit times 8-bit significands); one rounding to BF16,
-            # the same one `dequantize(q, torch.bfloat16)` makes.
-            w = round_bf16((u - 8).to(tl.float32) * s.to(tl.float32), EMULATE)
-        return w
+            # the same one `dequantize(q, torch.bfloat16)` makes. Masked-out scales are 0, so the
+            # padding comes back as (-8) * 0 = 0.
+            w = round_bf16(w, EMULATE)
+        return tl.trans(w)
 
     @triton.jit
     def _w4a16_linear_kernel(x_ptr, qw_ptr, s_ptr, out_ptr, M, N, K, stride_xm, stride_xk, stride_om, stride_on,
@@ -378,7 +431,7 @@ if triton is not None:
             offs_k = k0 + tl.arange(0, BLOCK_K)
             a = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
                         mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0)
-            b = w4_tile(qw_ptr, s_ptr, offs_k, offs_n, N, K, LAYOUT, GROUP, DOT_FP32)
+            b = w4_tile(qw_ptr, s_ptr, k0, offs_n, N, K, LAYOUT, GROUP, BLOCK_K, DOT_FP32)
             # DOT_FP32 (interpreter only): its bf16 tl.dot is wrong, and its fp32 -> bf16 casts truncate;
             # both are worked around under this one flag (device.dot_needs_fp32).
             if DOT_FP32:
@@ -394,11 +447,19 @@ def linear_config(M: int, interpreted: bool) -> dict:
     stream the weights; the interpreter wants few, large programs (it is numpy underneath)."""
     if interpreted:
         return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64)
-    if M <= 16:
-        return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4)
+    if M <= 16:  # BLOCK_K 256: each CTA keeps 3 x 32 x 128 B of weights in flight (the bandwidth needs bytes in flight)
+        return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=4)
     if M <= 64:
         return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4)
     return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
+
+
+def check_block_k(block_k: int, group_size: int) -> None:
+    """The tile loader reads whole 32-bit words and whole scale groups: BLOCK_K must be a multiple
+    of 8 and either hold whole groups (BLOCK_K % group == 0) or lie inside one (group % BLOCK_K == 0)."""
+    if block_k % 8 or (block_k % group_size and group_size % block_k):
+        raise ValueError(f"BLOCK_K = {block_k} must be a multiple of 8 that divides, or is a multiple of, "
+                         f"the group size {group_size}")
 
 
 def _check_activations(x: torch.Tensor, K: int, what: str) -> None:
@@ -443,6 +504,7 @@ def linear(x: torch.Tensor, q: PackedW4, *, block: dict | None = None, return_ke
         out = linear_torch(x2, q)
         return (out.reshape(*lead, N), None) if return_kernel else out.reshape(*lead, N)
     cfg = dict(block or linear_config(M, x.device.type != "cuda"))
+    check_block_k(cfg["BLOCK_K"], q.group_size)
     BM, BN = cfg["BLOCK_M"], cfg["BLOCK_N"]
     grid = (triton.cdiv(M, BM), triton.cdiv(N, BN))
     kernel = _w4a16_linear_kernel[grid](x2, q.qweight, q.scales, out, M, N, K, x2.stride(0), x2.stride(1),
