@@ -274,7 +274,9 @@ def fused_moe(x, w13: PackedW4, w2: PackedW4, topk_weights, topk_ids, layout: st
     keep the combine's sum unrounded, as the shared-expert check does). `inter_dtype` is the dtype
     of the `[T*k, H]` weighted rows between the down GEMM and the combine. `check=False` skips the
     checks that read values back to the host (expert-id range, finite weights): the indexed path
-    then makes no device-to-host sync and can be captured in a CUDA graph.
+    then makes no device-to-host sync and can be captured in a CUDA graph. `block`: None =
+    `moe_config` for this device, "gpu" = the GPU's exact block constexprs even when interpreted
+    (for the test matrix), or a dict of BLOCK_M/N/K (+ num_warps, num_stages).
     """
     layout = layout or getattr(w13, "layout", None)
     _validate(x, w13, w2, topk_weights, topk_ids, layout, check)
@@ -289,7 +291,8 @@ def fused_moe(x, w13: PackedW4, w2: PackedW4, topk_weights, topk_ids, layout: st
     if not ok:
         return fused_moe_torch(x, w13, w2, topk_weights, topk_ids).to(out_dtype)
     interp = x.device.type != "cuda"
-    cfg = dict(block or moe_config(T * k / E, interp))
+    gpu_cfg = block == "gpu"  # the GPU's exact tiles, also in the interpreter
+    cfg = dict(moe_config(T * k / E, False) if gpu_cfg else (block or moe_config(T * k / E, interp)))
     check_block_k(cfg["BLOCK_K"], w13.group_size)
     BM, BN = cfg["BLOCK_M"], cfg["BLOCK_N"]
     emu = dot_needs_fp32(x.device)
@@ -331,11 +334,17 @@ def fused_moe(x, w13: PackedW4, w2: PackedW4, topk_weights, topk_ids, layout: st
              ROWS=2, A_DIV=1, SCATTER=False, GATED=True, MUL_ROW_WEIGHT=False, m_max=m.max_m)
         gemm(act, w2, y, dummy, dummy, m.counts, m.dest, E * m.max_m, H, I, (mb, triton.cdiv(H, BN), E),
              ROWS=2, A_DIV=1, SCATTER=True, GATED=False, MUL_ROW_WEIGHT=True, m_max=m.max_m)
-    return combine(y, k, out_dtype)
+    return combine(y, k, out_dtype, block="gpu" if gpu_cfg else None)
 
 
-def combine(y: torch.Tensor, k: int, out_dtype=torch.bfloat16) -> torch.Tensor:
-    """[T*k, H] weighted rows -> [T, H]: each token's k rows summed in fp32, slot order."""
+def combine_config(interpreted: bool) -> dict:
+    """Combine tiles: the interpreter wants few, large programs; a GPU many small ones."""
+    return dict(BLOCK_T=64, BLOCK_H=128) if interpreted else dict(BLOCK_T=8, BLOCK_H=128)
+
+
+def combine(y: torch.Tensor, k: int, out_dtype=torch.bfloat16, *, block=None) -> torch.Tensor:
+    """[T*k, H] weighted rows -> [T, H]: each token's k rows summed in fp32, slot order.
+    `block="gpu"`: the GPU's tiles even when interpreted."""
     TK, H = y.shape
     T = TK // k
     out = torch.empty((T, H), dtype=out_dtype, device=y.device)
@@ -347,7 +356,8 @@ def combine(y: torch.Tensor, k: int, out_dtype=torch.bfloat16) -> torch.Tensor:
         for j in range(k):
             acc += y.reshape(T, k, H)[:, j].float()
         return acc.to(out_dtype)
-    BT, BH = (64, 128) if y.device.type != "cuda" else (8, 128)
+    cfg = combine_config(block != "gpu" and y.device.type != "cuda")
+    BT, BH = cfg["BLOCK_T"], cfg["BLOCK_H"]
     combine_kernel[(triton.cdiv(T, BT), triton.cdiv(H, BH))](y.contiguous(), out, T, H, k,
                                                             OUT_BF16=out_dtype == torch.bfloat16,
                                                             EMULATE=dot_needs_fp32(y.device), BLOCK_T=BT, BLOCK_H=BH)
@@ -379,6 +389,11 @@ def _tail_weights(w2):
                      f"got {type(w2).__name__}")
 
 
+def tail_config(interpreted: bool) -> dict:
+    """Decode-tail tiles (`block="gpu"` forces the GPU's in the interpreter)."""
+    return dict(BLOCK_N=128, BLOCK_K=128) if interpreted else dict(BLOCK_N=64, BLOCK_K=128, num_warps=4)
+
+
 def moe_tail(act: torch.Tensor, w2, topk_weights, topk_ids, *, fused: bool, inter_dtype=torch.bfloat16,
              block: dict | None = None, check: bool = True):
     """Down projection of routed activations `act [T*k, I]` (slot order) plus the top-k combine.
@@ -400,8 +415,8 @@ def moe_tail(act: torch.Tensor, w2, topk_weights, topk_ids, *, fused: bool, inte
     ok, _ = triton_backend_for(act.device)
     if not ok or T == 0:
         return moe_tail_torch(act, w2, topk_weights, topk_ids, fused=fused, inter_dtype=inter_dtype), (1 if fused else 2), 0
-    cfg = dict(block or (dict(BLOCK_N=128, BLOCK_K=128) if act.device.type != "cuda"
-                         else dict(BLOCK_N=64, BLOCK_K=128, num_warps=4)))
+    gpu_cfg = block == "gpu"
+    cfg = dict(tail_config(False) if gpu_cfg else (block or tail_config(act.device.type != "cuda")))
     emu = dot_needs_fp32(act.device)
     ids = topk_ids.to(torch.int32).contiguous()
     w = topk_weights.float().contiguous()
@@ -418,7 +433,7 @@ def moe_tail(act: torch.Tensor, w2, topk_weights, topk_ids, *, fused: bool, inte
     y = torch.empty((T * k, H), dtype=inter_dtype, device=act.device)
     down_tail_kernel[grid](a, qw, sc, ids, w, y, H, I, k, q_es, s_es, FUSED=False,
                            OUT_BF16=inter_dtype == torch.bfloat16, LAYOUT=code, GROUP=group, EMULATE=emu, **cfg, **extra)
-    return combine(y, k), 2, y.numel() * y.element_size()
+    return combine(y, k, block="gpu" if gpu_cfg else None), 2, y.numel() * y.element_size()
 
 
 def moe_tail_torch(act, w2, topk_weights, topk_ids, *, fused: bool = False, inter_dtype=torch.bfloat16):

@@ -485,7 +485,9 @@ def linear(x: torch.Tensor, q: PackedW4, *, block: dict | None = None, return_ke
     """Dense W4A16 GEMM: `x [..., K]` BF16 times INT4 `q [N, K]` (any layout) -> BF16 `[..., N]`.
 
     Runs the Triton kernel (compiled on CUDA, interpreted on CPU); falls back to `linear_torch` where
-    Triton cannot run. `return_kernel=True` also returns the compiled kernel (for PTX inspection).
+    Triton cannot run. `block`: None = `linear_config` for this device; "gpu" = the exact block
+    constexprs (and warps, stages) a GPU would run, also in the interpreter (the test matrix checks
+    the GPU's tiles on CPU this way); or a dict. `return_kernel=True` also returns the compiled kernel (for PTX inspection).
     """
     if not isinstance(q, PackedW4) or len(q.shape) != 2:
         raise ValueError(f"linear needs a 2-D PackedW4 weight [N, K], got {getattr(q, 'shape', type(q).__name__)}")
@@ -503,7 +505,7 @@ def linear(x: torch.Tensor, q: PackedW4, *, block: dict | None = None, return_ke
     if not ok:
         out = linear_torch(x2, q)
         return (out.reshape(*lead, N), None) if return_kernel else out.reshape(*lead, N)
-    cfg = dict(block or linear_config(M, x.device.type != "cuda"))
+    cfg = dict(linear_config(M, False) if block == "gpu" else (block or linear_config(M, x.device.type != "cuda")))
     check_block_k(cfg["BLOCK_K"], q.group_size)
     BM, BN = cfg["BLOCK_M"], cfg["BLOCK_N"]
     grid = (triton.cdiv(M, BM), triton.cdiv(N, BN))
