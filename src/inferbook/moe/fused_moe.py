@@ -293,7 +293,7 @@ def fused_moe(x, w13: PackedW4, w2: PackedW4, topk_weights, topk_ids, layout: st
     interp = x.device.type != "cuda"
     gpu_cfg = block == "gpu"  # the GPU's exact tiles, also in the interpreter
     cfg = dict(moe_config(T * k / E, False) if gpu_cfg else (block or moe_config(T * k / E, interp)))
-    check_block_k(cfg["BLOCK_K"], w13.group_size)
+    check_block_k(cfg["BLOCK_K"], w13.group_size, layout)
     BM, BN = cfg["BLOCK_M"], cfg["BLOCK_N"]
     emu = dot_needs_fp32(x.device)
     weights_flat = topk_weights.float().contiguous().flatten()

@@ -5,19 +5,32 @@ BF16 scale per 32 consecutive K values: `W ≈ q * scale`. Storage is 4 bits per
 16 bits per 32 weights = 4.5 bits per weight, so the best a memory-bound W4A16 GEMM can do
 against BF16 weights is 16 / 4.5 ≈ 3.56x, not 4x.
 
-Three packing specs, one per MoE kernel family (as Chord has); a packed buffer carries its
-layout, and every kernel entry point checks it, because each kernel hard-codes the address
-arithmetic of its own spec (a buffer of another spec would be read as garbage, silently):
+Three packing specs, one per MoE kernel family (as Chord has), and they are different bytes; a
+packed buffer carries its layout, and every kernel entry point checks it, because each kernel
+hard-codes the address arithmetic of its own spec (a buffer of another spec is read as wrong
+numbers, silently: `reinterpret` shows it):
 
-- ``indexed``            int32 ``[E, N, K/8]``: eight values along K per word, value i in bits
-                         4i..4i+3, stored with a +8 offset; scales ``[E, N, K/32]``. This is the
-                         compressed-tensors ``pack-quantized`` layout of public Kimi-K2 INT4
-                         checkpoints, so import is a copy, not a conversion.
-- ``grouped_contiguous`` int32 ``[E, K/8, N]``: the same words, transposed so a prefill tile
-                         ``[BLOCK_K, BLOCK_N]`` is read along N (coalesced across many columns);
-                         scales ``[E, K/32, N]``.
-- ``grouped_masked``     uint8 ``[E, N, K/2]``: two values per byte along K (low nibble first,
-                         +8 offset), scales ``[E, N, K/32]``; the decode kernel reads narrow rows.
+- ``indexed``            int32 ``[E, N, K/8]``: eight consecutive K values per word, value i in
+                         bits 4i..4i+3, stored with a +8 offset; scales ``[E, N, K/g]``. This is
+                         the compressed-tensors ``pack-quantized`` layout of public Kimi-K2 INT4
+                         checkpoints, so import is a copy; a load profile (`LOAD_PROFILES`) decides
+                         at model load whether to keep it or repack for a grouped kernel.
+- ``grouped_contiguous`` int32 ``[E, K/8, N]``, words in *fragment order*: scales ``[E, K/g, N]``.
+                         Prefill (large M, wide N tiles): a ``[BLOCK_K/8, BLOCK_N]`` word tile is
+                         BLOCK_N consecutive words per row, read in wide coalesced rows.
+- ``grouped_masked``     int32 ``[E, ceil(N/16), K/8, 16]``, words in fragment order, in panels
+                         of 16 output rows: scales ``[E, N, K/g]``. Decode (small M, narrow N
+                         blocks streaming all of K): each 16-row panel is one contiguous run of
+                         K/2 x 16 bytes, so a CTA's whole weight stream is a few long runs.
+
+*Fragment order* (both grouped specs, Marlin's pre-shuffle): within each run of 32 K values, word j
+(j = 0..3) holds the K offsets {2j, 2j+1} + {0, 8, 16, 24} — the values one thread of an
+``mma.sync m16n8k16`` B fragment holds over two k16 steps — with Marlin's interleave, field
+f = 4b + a holding offset 8a + 2j + b, so fields f and f + 4 are the consecutive pair (k, k+1)
+that fills one BF16x2 register. One 32-bit word feeds one fragment's dequantize. Triton chooses
+its own register layouts, so our kernel undoes the order with a register permute after the unpack
+(the compiler may route that through shared memory); the bytes are Marlin's arrangement, the
+instruction sequence is not Marlin's `lop3` one. The grouped specs need K % 32 == 0.
 
 Every kernel reads each packed 32-bit word once and splits its eight values in registers
 (`w4_tile`, `unpack_words`), and each BF16 scale once per group of 32: the tile it stages in
@@ -50,6 +63,23 @@ OFFSET = 8  # stored nibble = q + 8 (compressed-tensors' offset encoding)
 BITS_PER_WEIGHT = 4 + 16 / GROUP_SIZE  # 4.5
 
 
+PANEL = 16      # grouped_masked: output rows per contiguous panel
+FRAG_K = 32     # grouped specs: the K run one fragment-order block of four words covers
+
+
+def _fragment_order() -> torch.Tensor:
+    """int64 [32]: position p of a 32-value run (word p // 8, field p % 8) holds K offset
+    8a + 2j + b, with j = p // 8 and field f = p % 8 = 4b + a (see the module docstring)."""
+    p = torch.arange(FRAG_K)
+    j, f = p // 8, p % 8
+    b, a = f // 4, f % 4
+    return 8 * a + 2 * j + b
+
+
+FRAGMENT_ORDER = _fragment_order()
+FRAGMENT_INVERSE = torch.argsort(FRAGMENT_ORDER)
+
+
 class LayoutError(ValueError):
     """A packed buffer was given to a kernel built for another packing spec."""
 
@@ -65,9 +95,9 @@ class PackingSpec:
 PACKING_SPECS = {
     "indexed": PackingSpec("indexed", "int32 [E, N, K/8] (8 nibbles along K, +8 offset)", "bf16 [E, N, K/g]",
                            "indexed fused MoE (tokens sorted and padded per expert, gathered by index)"),
-    "grouped_contiguous": PackingSpec("grouped_contiguous", "int32 [E, K/8, N] (8 nibbles along K, N contiguous)",
+    "grouped_contiguous": PackingSpec("grouped_contiguous", "int32 [E, K/8, N] (fragment-order words, N contiguous)",
                                       "bf16 [E, K/g, N]", "grouped GEMM over contiguous per-expert segments (prefill)"),
-    "grouped_masked": PackingSpec("grouped_masked", "uint8 [E, N, K/2] (2 nibbles along K, +8 offset)",
+    "grouped_masked": PackingSpec("grouped_masked", "int32 [E, N/16, K/8, 16] (fragment-order words, 16-row panels)",
                                   "bf16 [E, N, K/g]", "grouped GEMM over [E, max_m, K] with per-expert counts (decode)"),
 }
 
@@ -168,14 +198,38 @@ def _unpack_nibbles_int32(word: torch.Tensor) -> torch.Tensor:
     return (u - OFFSET).to(torch.int8).reshape(*word.shape[:-1], word.shape[-1] * 8)
 
 
+def _check_grouped_k(K: int, layout: str) -> None:
+    if layout != "indexed" and K % FRAG_K:
+        raise ValueError(f"the {layout!r} spec stores words in fragment order over runs of {FRAG_K} K values: "
+                         f"K = {K} must be a multiple of {FRAG_K}")
+
+
+def _to_fragment_order(q3: torch.Tensor) -> torch.Tensor:
+    """int8 [E, N, K] -> the same values with each 32-run of K in fragment order."""
+    E, N, K = q3.shape
+    return q3.reshape(E, N, K // FRAG_K, FRAG_K)[..., FRAGMENT_ORDER.to(q3.device)].reshape(E, N, K)
+
+
+def _from_fragment_order(v3: torch.Tensor) -> torch.Tensor:
+    E, N, K = v3.shape
+    return v3.reshape(E, N, K // FRAG_K, FRAG_K)[..., FRAGMENT_INVERSE.to(v3.device)].reshape(E, N, K)
+
+
 def _pack(q3: torch.Tensor, s3: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
     """q3 int8 [E, N, K], s3 bf16 [E, N, K/g] -> (qweight, scales) in `layout`'s spec, contiguous."""
     if layout == "indexed":
         return _pack_nibbles_int32(q3).contiguous(), s3.contiguous()
+    E, N, K = q3.shape
+    _check_grouped_k(K, layout)
+    words = _pack_nibbles_int32(_to_fragment_order(q3))            # [E, N, K/8], fragment order
     if layout == "grouped_contiguous":
-        return _pack_nibbles_int32(q3).transpose(1, 2).contiguous(), s3.transpose(1, 2).contiguous()
-    u = (q3.to(torch.int16) + OFFSET).reshape(*q3.shape[:-1], q3.shape[-1] // 2, 2)
-    return (u[..., 0] | (u[..., 1] << 4)).to(torch.uint8).contiguous(), s3.contiguous()
+        return words.transpose(1, 2).contiguous(), s3.transpose(1, 2).contiguous()
+    n_pad = -N % PANEL                                             # pad rows: value 0 (never read)
+    if n_pad:
+        words = torch.cat([words, torch.full((E, n_pad, K // 8), -2004318072, dtype=torch.int32,  # 0x88888888
+                                             device=words.device)], 1)
+    panels = words.reshape(E, (N + n_pad) // PANEL, PANEL, K // 8).transpose(2, 3)
+    return panels.contiguous(), s3.contiguous()
 
 
 def unpack(q: PackedW4) -> tuple[torch.Tensor, torch.Tensor]:
@@ -185,10 +239,29 @@ def unpack(q: PackedW4) -> tuple[torch.Tensor, torch.Tensor]:
         return _unpack_nibbles_int32(q.qweight.reshape(E, N, K // 8)), q.scales.reshape(E, N, -1)
     if q.layout == "grouped_contiguous":
         words = q.qweight.reshape(E, K // 8, N).transpose(1, 2)
-        return _unpack_nibbles_int32(words), q.scales.reshape(E, -1, N).transpose(1, 2)
-    b = q.qweight.reshape(E, N, K // 2).to(torch.int16)
-    vals = torch.stack([b & 0xF, (b >> 4) & 0xF], -1).reshape(E, N, K) - OFFSET
-    return vals.to(torch.int8), q.scales.reshape(E, N, -1)
+        return _from_fragment_order(_unpack_nibbles_int32(words)), q.scales.reshape(E, -1, N).transpose(1, 2)
+    panels = q.qweight.reshape(E, -1, K // 8, PANEL)
+    words = panels.transpose(2, 3).reshape(E, -1, K // 8)[:, :N]
+    return _from_fragment_order(_unpack_nibbles_int32(words)), q.scales.reshape(E, N, -1)
+
+
+def reinterpret(q: PackedW4, layout: str) -> PackedW4:
+    """The same bytes tagged as another layout: what happens when one spec's buffer is fed to
+    another spec's kernel. For the demonstration only (the kernels then read wrong numbers);
+    needs buffers of equal size (N a multiple of 16 for grouped_masked)."""
+    _check_layout(layout)
+    E, N, K = _as3d(q.shape)
+    _check_grouped_k(K, layout)
+    want = {"indexed": (E, N, K // 8), "grouped_contiguous": (E, K // 8, N),
+            "grouped_masked": (E, -(-N // PANEL), K // 8, PANEL)}[layout]
+    swant = (E, K // q.group_size, N) if layout == "grouped_contiguous" else (E, N, K // q.group_size)
+    if q.qweight.numel() != torch.Size([abs(d) for d in want]).numel():
+        raise ValueError(f"cannot reinterpret a {q.layout!r} buffer of {q.qweight.numel()} words as {layout!r} "
+                         f"{want}: sizes differ")
+    qw, sc = q.qweight.reshape(want), q.scales.reshape(swant)
+    if len(q.shape) == 2:
+        qw, sc = qw[0], sc[0]
+    return PackedW4(qw, sc, q.shape, q.group_size, layout)
 
 
 def quantize(w: torch.Tensor, group_size: int = GROUP_SIZE, layout: str = "indexed") -> PackedW4:
@@ -201,6 +274,25 @@ def quantize(w: torch.Tensor, group_size: int = GROUP_SIZE, layout: str = "index
     if len(shape) == 2:
         qw, sc = qw[0], sc[0]
     return PackedW4(qw, sc, shape, group_size, layout)
+
+
+# A load profile decides, at model load, which packing the experts get (the seed: the indexed
+# profile picks its packing when the model loads). The checkpoint is always compressed-tensors
+# (indexed); a profile for a grouped kernel repacks once, offline, never per call.
+LOAD_PROFILES = {
+    "indexed": dict(layout="indexed", kernel="indexed fused MoE", when="any M; checkpoint bytes as they are"),
+    "sm90-grouped-decode": dict(layout="grouped_masked", kernel="masked grouped GEMM",
+                                when="decode: a few rows per expert, fixed [E, max_m] shapes (CUDA graphs)"),
+    "sm90-grouped-prefill": dict(layout="grouped_contiguous", kernel="contiguous grouped GEMM",
+                                 when="prefill: long per-expert segments"),
+}
+
+
+def packing_for_profile(profile: str) -> str:
+    """The layout a load profile packs the experts in (`LOAD_PROFILES`)."""
+    if profile not in LOAD_PROFILES:
+        raise ValueError(f"unknown load profile {profile!r}; choose one of {', '.join(map(repr, LOAD_PROFILES))}")
+    return LOAD_PROFILES[profile]["layout"]
 
 
 def to_layout(q: PackedW4, layout: str) -> PackedW4:
@@ -311,6 +403,13 @@ def import_moe_compressed_tensors(tensors: dict[str, torch.Tensor], prefix: str,
     return to_layout(stack(w13), layout), to_layout(stack(w2), layout)
 
 
+def load_moe_experts(tensors: dict[str, torch.Tensor], prefix: str, num_experts: int,
+                     profile: str = "indexed") -> tuple[PackedW4, PackedW4]:
+    """Model load: read a compressed-tensors INT4 checkpoint's experts and pack them, once, in the
+    layout the load `profile` chooses (`LOAD_PROFILES`); the kernels then take only that layout."""
+    return import_moe_compressed_tensors(tensors, prefix, num_experts, packing_for_profile(profile))
+
+
 def cat_rows(a: PackedW4, b: PackedW4) -> PackedW4:
     """[N1, K] and [N2, K] indexed-packed -> [N1 + N2, K] (gate and up into w13)."""
     a.require("indexed", "cat_rows")
@@ -387,12 +486,17 @@ if triton is not None:
                 word = tl.load(qw_ptr + kw * N + nn, mask=wmask, other=0)
             elif LAYOUT == 0:  # indexed: int32 [N, K/8] (compressed-tensors)
                 word = tl.load(qw_ptr + nn * (K // 8) + kw, mask=wmask, other=0)
-            else:  # grouped_masked: uint8 [N, K/2], read as its int32 words (4 bytes = 8 nibbles)
-                word = tl.load(qw_ptr.to(tl.pointer_type(tl.int32)) + nn * (K // 8) + kw, mask=wmask, other=0)
+            else:  # grouped_masked: int32 [N/16, K/8, 16] (16-row panels, each one contiguous run)
+                word = tl.load(qw_ptr + ((nn // 16) * (K // 8) + kw) * 16 + nn % 16, mask=wmask, other=0)
+            u = unpack_words(word)  # [BLOCK_N, BLOCK_K] in the spec's field order
+            if LAYOUT != 0:
+                # fragment order -> K order: column 32r + 8j + 4b + a holds K offset 32r + 8a + 2j + b
+                u = tl.reshape(u, (offs_n.shape[0], BLOCK_K // 32, 4, 2, 4))   # (n, r, j, b, a)
+                u = tl.reshape(tl.permute(u, (0, 1, 4, 2, 3)), (offs_n.shape[0], BLOCK_K))
             # nibble u -> fp32 (u - 8) without an int-to-float convert (I2F issues at a quarter of the
             # ALU rate): u | 0x4B000000 is the fp32 2**23 + u, and subtracting 2**23 + 8 is exact.
             # One OR and one FADD per value, at full rate (the trick Marlin plays with fp16 magic numbers).
-            magic = (unpack_words(word) | 0x4B000000).to(tl.float32, bitcast=True)
+            magic = (u | 0x4B000000).to(tl.float32, bitcast=True)
             q = magic - 8388616.0  # [BLOCK_N, BLOCK_K] in [-8, 7]; padding words give -8 (scale 0)
             if BLOCK_K % GROUP == 0:  # whole groups in the tile: one scale per (row, group)
                 GROUPS: tl.constexpr = BLOCK_K // GROUP
@@ -454,12 +558,15 @@ def linear_config(M: int, interpreted: bool) -> dict:
     return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
 
 
-def check_block_k(block_k: int, group_size: int) -> None:
+def check_block_k(block_k: int, group_size: int, layout: str = "indexed") -> None:
     """The tile loader reads whole 32-bit words and whole scale groups: BLOCK_K must be a multiple
-    of 8 and either hold whole groups (BLOCK_K % group == 0) or lie inside one (group % BLOCK_K == 0)."""
+    of 8 and either hold whole groups (BLOCK_K % group == 0) or lie inside one (group % BLOCK_K == 0);
+    the grouped specs' fragment order needs whole 32-runs (BLOCK_K % 32 == 0)."""
     if block_k % 8 or (block_k % group_size and group_size % block_k):
         raise ValueError(f"BLOCK_K = {block_k} must be a multiple of 8 that divides, or is a multiple of, "
                          f"the group size {group_size}")
+    if layout != "indexed" and block_k % FRAG_K:
+        raise ValueError(f"BLOCK_K = {block_k} must be a multiple of {FRAG_K} for the {layout!r} spec")
 
 
 def _check_activations(x: torch.Tensor, K: int, what: str) -> None:
@@ -481,7 +588,8 @@ def linear_torch(x: torch.Tensor, q: PackedW4) -> torch.Tensor:
     return x @ dequantize(q, torch.bfloat16).T
 
 
-def linear(x: torch.Tensor, q: PackedW4, *, block: dict | None = None, return_kernel: bool = False):
+def linear(x: torch.Tensor, q: PackedW4, *, layout: str | None = None, block: dict | str | None = None,
+           return_kernel: bool = False):
     """Dense W4A16 GEMM: `x [..., K]` BF16 times INT4 `q [N, K]` (any layout) -> BF16 `[..., N]`.
 
     Runs the Triton kernel (compiled on CUDA, interpreted on CPU); falls back to `linear_torch` where
@@ -491,6 +599,9 @@ def linear(x: torch.Tensor, q: PackedW4, *, block: dict | None = None, return_ke
     """
     if not isinstance(q, PackedW4) or len(q.shape) != 2:
         raise ValueError(f"linear needs a 2-D PackedW4 weight [N, K], got {getattr(q, 'shape', type(q).__name__)}")
+    if layout is not None:  # the caller's kernel family: refuse another spec's buffer
+        _check_layout(layout)
+        q.require(layout, f"the {layout!r} dense W4A16 kernel")
     N, K = q.shape
     _check_activations(x, K, "linear")
     if x.device != q.device:
@@ -506,7 +617,7 @@ def linear(x: torch.Tensor, q: PackedW4, *, block: dict | None = None, return_ke
         out = linear_torch(x2, q)
         return (out.reshape(*lead, N), None) if return_kernel else out.reshape(*lead, N)
     cfg = dict(linear_config(M, False) if block == "gpu" else (block or linear_config(M, x.device.type != "cuda")))
-    check_block_k(cfg["BLOCK_K"], q.group_size)
+    check_block_k(cfg["BLOCK_K"], q.group_size, q.layout)
     BM, BN = cfg["BLOCK_M"], cfg["BLOCK_N"]
     grid = (triton.cdiv(M, BM), triton.cdiv(N, BN))
     kernel = _w4a16_linear_kernel[grid](x2, q.qweight, q.scales, out, M, N, K, x2.stride(0), x2.stride(1),
