@@ -56,6 +56,8 @@ if triton is not None:
             c_row = slot
         elif ROWS == 1:  # contiguous: this block lies inside one expert's segment
             e = tl.load(block_expert_ptr + pid_m)
+            k_end = tl.where(e >= 0, K, 0)  # a block past the last segment (-1, worst-case sizing) loads nothing
+            e = tl.maximum(e, 0)
             valid = offs < n_rows
             a_row = offs
             c_row = offs
@@ -274,7 +276,8 @@ def fused_moe(x, w13: PackedW4, w2: PackedW4, topk_weights, topk_ids, layout: st
     keep the combine's sum unrounded, as the shared-expert check does). `inter_dtype` is the dtype
     of the `[T*k, H]` weighted rows between the down GEMM and the combine. `check=False` skips the
     checks that read values back to the host (expert-id range, finite weights): the indexed path
-    then makes no device-to-host sync and can be captured in a CUDA graph. `block`: None =
+    then makes no device-to-host sync and can be captured in a CUDA graph (every layout; the masked
+    one when `max_m` is given). `block`: None =
     `moe_config` for this device, "gpu" = the GPU's exact block constexprs even when interpreted
     (for the test matrix), or a dict of BLOCK_M/N/K (+ num_warps, num_stages).
     """
@@ -318,7 +321,7 @@ def fused_moe(x, w13: PackedW4, w2: PackedW4, topk_weights, topk_ids, layout: st
         gemm(act, w2, y, al.sorted_ids, al.block_expert, dummy, dummy, T * k, H, I, (nb, triton.cdiv(H, BN)),
              ROWS=0, A_DIV=1, SCATTER=False, GATED=False, MUL_ROW_WEIGHT=True)
     elif layout == "grouped_contiguous":
-        pc = routing.permute_contiguous(x, topk_ids, E, BM)
+        pc = routing.permute_contiguous(x, topk_ids, E, BM, check=False)  # ids checked above (or check=False)
         P, nb = pc.x.shape[0], pc.block_expert.numel()
         act = torch.empty((P, I), dtype=torch.bfloat16, device=x.device)
         gemm(pc.x, w13, act, dummy, pc.block_expert, dummy, dummy, P, I, H, (nb, triton.cdiv(I, BN)),
@@ -326,7 +329,7 @@ def fused_moe(x, w13: PackedW4, w2: PackedW4, topk_weights, topk_ids, layout: st
         gemm(act, w2, y, dummy, pc.block_expert, dummy, pc.dest, P, H, I, (nb, triton.cdiv(H, BN)),
              ROWS=1, A_DIV=1, SCATTER=True, GATED=False, MUL_ROW_WEIGHT=True)
     else:
-        m = routing.to_masked(x, topk_ids, E, max_m)
+        m = routing.to_masked(x, topk_ids, E, max_m, check=check)
         xm = m.x.reshape(E * m.max_m, H)
         act = torch.empty((E * m.max_m, I), dtype=torch.bfloat16, device=x.device)
         mb = triton.cdiv(m.max_m, BM)
