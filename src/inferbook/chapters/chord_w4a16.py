@@ -280,8 +280,9 @@ def wrong_layout_rows(rec: RunRecord) -> list[dict]:
 # The decode sweep: every local expert sees exactly M rows
 
 def even_routing(experts: int, top_k: int, m: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Routing in which each of `experts` experts receives exactly `m` rows: T = ceil(E*m/k) tokens,
-    token t's slots are experts (t*k + j) mod E (distinct while k <= E). Weights random, sum 1."""
+    """Routing in which each of `experts` experts receives `m` rows (exactly m when k divides E*m, as at
+    Kimi-K2 EP8's 48 experts and top-8; else m or m + 1): T = ceil(E*m/k) tokens, token t's slots are
+    experts (t*k + j) mod E (distinct while k <= E). Weights random, summing to 1."""
     if not 1 <= top_k <= experts:
         raise ValueError(f"top_k must be in [1, experts={experts}], got {top_k}")
     T = -(-experts * m // top_k)
@@ -435,6 +436,7 @@ def gpu_decode_sweep(ctx, experts, hidden, inter, top_k, ms, reps, ceil, why) ->
     """Fused MoE per layout with every local expert at exactly M rows, timed over CUDA graphs
     (check=False: no host syncs; the routing bookkeeping of each layout is inside the step)."""
     recs = []
+    top_k = min(top_k, experts)
     base13, base2 = make_experts(ctx, experts, hidden, inter, "indexed")
     for layout in ("indexed", "grouped_masked", "grouped_contiguous"):
         w13, w2 = W.to_layout(base13, layout), W.to_layout(base2, layout)
