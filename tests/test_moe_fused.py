@@ -171,23 +171,32 @@ def test_tail_fusion_equals_separate_combine(fmt, T):
         FM.moe_tail(act, W.to_layout(W.quantize(w2f), "grouped_masked"), tw, ids, fused=True)
 
 
+@pytest.mark.parametrize("rsf", [1.0, 2.5], ids=["rsf1", "rsf2.5"])
 @pytest.mark.parametrize("layout", ["indexed", "grouped_masked"])
-def test_shared_expert_slot_is_exactly_the_separate_path(layout):
+def test_shared_expert_slot_is_exactly_the_separate_path(layout, rsf):
     E, k, T = 8, 2, 19
     w13, w2 = _experts(E, 3, layout)
     s13, s2 = _experts(1, 4, layout)
     tw, ids = _routing(T, E, k, 6, dead=(2,))
     x = _x(T, 6)
-    a13, a2, aw, aid = FM.with_shared_slot(w13, w2, s13, s2, tw, ids)
+    a13, a2, aw, aid = FM.with_shared_slot(w13, w2, s13, s2, tw, ids, rsf)
+    assert torch.equal(aw[:, -1], torch.ones(T)) and torch.equal(aid[:, -1], torch.full((T,), E, dtype=torch.int32))
     fused = FM.shared_fused(x, a13, a2, aw, aid)
-    same_rounding = FM.shared_separate(x, w13, w2, tw, ids, s13, s2)
+    same_rounding = FM.shared_separate(x, w13, w2, tw, ids, s13, s2, routed_scaling_factor=rsf)
     assert torch.equal(fused, same_rounding)
-    old = FM.shared_separate(x, w13, w2, tw, ids, s13, s2, round_each=True)
-    ref = FM.fused_moe_reference(x, a13, a2, aw, aid)
+    step = FM.shared_fused_step(x, a13, a2, tw, ids, routed_scaling_factor=rsf)   # the table built inside the step
+    assert torch.equal(step, fused)
+    old = FM.shared_separate(x, w13, w2, tw, ids, s13, s2, round_each=True, routed_scaling_factor=rsf)
+    # reference from the definition: rsf * routed + shared, each computed on its own
+    ref = FM.shared_reference(x, w13, w2, tw, ids, s13, s2, routed_scaling_factor=rsf)
+    assert torch.allclose(ref, FM.fused_moe_reference(x, a13, a2, aw, aid), rtol=1e-5, atol=1e-5)
     pt = FM.fused_moe_torch(x, a13, a2, aw, aid)
-    for out in (fused, old):
-        err, tol, ok = FM.within_tolerance(out, ref, pt)
+    for out, factor in ((fused, 2.0), (old, 3.0)):
+        err, tol, ok = FM.within_tolerance(out, ref, pt, factor=factor)
         assert ok, (err, tol)
+    if rsf != 1.0:  # scaling the shared expert too (the wrong order) is caught
+        wrong = FM.shared_fused(x, a13, a2, aw * torch.tensor([1.0] * k + [rsf]), aid)
+        assert not FM.within_tolerance(wrong, ref, pt)[2]
 
 
 def test_shared_mlp_path_matches_reference():
@@ -196,11 +205,24 @@ def test_shared_mlp_path_matches_reference():
     s13, s2 = _experts(1, 4, "indexed")
     tw, ids = _routing(T, E, k, 6)
     x = _x(T, 6)
-    a13, a2, aw, aid = FM.with_shared_slot(w13, w2, s13, s2, tw, ids)
-    out = FM.routed_plus_shared_mlp(x, w13, w2, tw, ids, s13, s2)
-    err, tol, ok = FM.within_tolerance(out, FM.fused_moe_reference(x, a13, a2, aw, aid),
+    a13, a2, aw, aid = FM.with_shared_slot(w13, w2, s13, s2, tw, ids, 2.5)
+    out = FM.routed_plus_shared_mlp(x, w13, w2, tw, ids, s13, s2, routed_scaling_factor=2.5)
+    err, tol, ok = FM.within_tolerance(out, FM.shared_reference(x, w13, w2, tw, ids, s13, s2, routed_scaling_factor=2.5),
                                        FM.fused_moe_torch(x, a13, a2, aw, aid), factor=3.0)
     assert ok, (err, tol)
+    with pytest.raises(ValueError, match="routed_scaling_factor"):
+        FM.shared_slot_routing(tw, ids, E, 0.0)
+
+
+def test_ep_places_a_shared_copy_on_every_rank():
+    place = FM.ep_shared_placement(8, 4)
+    assert [p["physical slots"] for p in place] == [3] * 4 and place[2]["shared copy"] == "physical id 8"
+    ids = torch.tensor([[0, 5, 8], [7, 2, 8]], dtype=torch.int32)       # slot 2: the shared expert (id 8)
+    phys = FM.ep_physical_ids(ids, 8, 4, torch.tensor([3, 1]))
+    # routed e -> e + e // 2 (one shared slot after every 2 routed); shared -> the token's own rank
+    assert phys.tolist() == [[0, 7, 3 * 3 + 2], [10, 3, 1 * 3 + 2]]
+    with pytest.raises(ValueError, match="divisor"):
+        FM.ep_shared_placement(8, 3)
 
 
 def test_gpu_time_refuses_cpu():

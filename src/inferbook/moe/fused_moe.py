@@ -461,46 +461,127 @@ def moe_tail_reference(act, w2, topk_weights, topk_ids) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------
-# Shared expert: a separate path, or one more always-selected slot with weight 1
+# Shared expert: a separate path, or one more always-selected slot
+#
+# Ordering (SGLang's `moe_fused_gate`, DeepGEMM #409's MegaMoE): out = rsf * Σ_j w_j y_j + shared(x),
+# `routed_scaling_factor` (rsf) scales the routed sum *before* the shared expert's output is added;
+# the shared expert is never scaled. In the fused form the rsf is folded into the routed slots'
+# weights and the shared slot gets weight 1 (SGLang gives it sum(w) / rsf and scales the whole
+# output by rsf after renormalizing, which is the same product).
+
+def _check_rsf(routed_scaling_factor) -> float:
+    rsf = float(routed_scaling_factor)
+    if not (rsf > 0 and rsf < float("inf")):
+        raise ValueError(f"routed_scaling_factor must be a finite positive number, got {routed_scaling_factor!r}")
+    return rsf
+
 
 def shared_separate(x, w13, w2, topk_weights, topk_ids, shared_w13: PackedW4, shared_w2: PackedW4, *,
-                    round_each: bool = False, layout: str | None = None) -> torch.Tensor:
-    """Routed experts and the shared expert as two MoE calls, added. `round_each=True` rounds each
-    branch to BF16 before the add (the usual separate path); False keeps both in fp32 and rounds once."""
+                    round_each: bool = False, layout: str | None = None, routed_scaling_factor: float = 1.0,
+                    block=None) -> torch.Tensor:
+    """Routed experts (weights scaled by `routed_scaling_factor`) and the shared expert as two MoE
+    calls, added. `round_each=True` rounds each branch to BF16 before the add (the usual separate
+    path); False keeps both in fp32 and rounds once."""
+    rsf = _check_rsf(routed_scaling_factor)
     T = x.shape[0]
     dt = torch.bfloat16 if round_each else torch.float32
-    routed = fused_moe(x, w13, w2, topk_weights, topk_ids, layout, out_dtype=dt)
+    routed = fused_moe(x, w13, w2, topk_weights.float() * rsf, topk_ids, layout, out_dtype=dt, block=block)
     ones = torch.ones((T, 1), dtype=torch.float32, device=x.device)
     zeros = torch.zeros((T, 1), dtype=torch.int32, device=x.device)
-    shared = fused_moe(x, shared_w13, shared_w2, ones, zeros, layout, out_dtype=dt)
+    shared = fused_moe(x, shared_w13, shared_w2, ones, zeros, layout, out_dtype=dt, block=block)
     return (routed.float() + shared.float()).to(torch.bfloat16) if not round_each else routed + shared
 
 
-def shared_mlp(x, shared_w13: PackedW4, shared_w2: PackedW4) -> torch.Tensor:
+def shared_mlp(x, shared_w13: PackedW4, shared_w2: PackedW4, *, block=None) -> torch.Tensor:
     """The shared expert as its own dense MLP: gate/up GEMM, SiLU-and-mul, down GEMM (BF16 out)."""
     g13, g2 = expert(shared_w13, 0), expert(shared_w2, 0)
-    h = linear(x, g13)
+    h = linear(x, g13, block=block)
     I = h.shape[-1] // 2
-    return linear(F.silu(h[:, :I]) * h[:, I:], g2)
+    return linear(F.silu(h[:, :I]) * h[:, I:], g2, block=block)
 
 
 def routed_plus_shared_mlp(x, w13, w2, topk_weights, topk_ids, shared_w13, shared_w2, *,
-                           check: bool = True) -> torch.Tensor:
-    """The path before the fusion: routed MoE, the shared expert's own GEMMs and activation, the add."""
-    return fused_moe(x, w13, w2, topk_weights, topk_ids, check=check) + shared_mlp(x, shared_w13, shared_w2)
+                           routed_scaling_factor: float = 1.0, check: bool = True, block=None) -> torch.Tensor:
+    """The path before the fusion: routed MoE (its weights times `routed_scaling_factor`), the shared
+    expert's own GEMMs and activation, the add. `block` applies to every launch (equal tiles)."""
+    rsf = _check_rsf(routed_scaling_factor)
+    routed = fused_moe(x, w13, w2, topk_weights.float() * rsf, topk_ids, check=check, block=block)
+    return routed + shared_mlp(x, shared_w13, shared_w2, block=block)
 
 
-def with_shared_slot(w13, w2, shared_w13, shared_w2, topk_weights, topk_ids):
-    """Expert tables with the shared expert appended as expert E, and routing with one more slot
-    (id E, weight 1) per token: the shared expert becomes part of the routed grouped GEMM."""
-    E = w13.shape[0]
+def shared_slot_weights(w13, w2, shared_w13, shared_w2):
+    """Expert tables with the shared expert appended as expert E (done once, at load time)."""
+    return cat_experts(w13, shared_w13), cat_experts(w2, shared_w2)
+
+
+def shared_slot_routing(topk_weights, topk_ids, num_routed: int, routed_scaling_factor: float = 1.0):
+    """The per-step routing table for k+1 slots: the routed slots' weights times
+    `routed_scaling_factor`, then slot k = the shared expert (id `num_routed`) with weight 1.
+    Returns (weights fp32 [T, k+1], ids int32 [T, k+1]). Device ops only (no host sync)."""
+    rsf = _check_rsf(routed_scaling_factor)
     T = topk_ids.shape[0]
-    ids = torch.cat([topk_ids.to(torch.int32), torch.full((T, 1), E, dtype=torch.int32, device=topk_ids.device)], 1)
-    weights = torch.cat([topk_weights.float(), torch.ones((T, 1), dtype=torch.float32, device=topk_weights.device)], 1)
-    return cat_experts(w13, shared_w13), cat_experts(w2, shared_w2), weights, ids
+    dev = topk_ids.device
+    ids = torch.cat([topk_ids.to(torch.int32), torch.full((T, 1), num_routed, dtype=torch.int32, device=dev)], 1)
+    weights = torch.cat([topk_weights.float() * rsf, torch.ones((T, 1), dtype=torch.float32, device=dev)], 1)
+    return weights, ids
+
+
+def with_shared_slot(w13, w2, shared_w13, shared_w2, topk_weights, topk_ids, routed_scaling_factor: float = 1.0):
+    """Expert tables with the shared expert appended as expert E, and routing with one more slot
+    (id E, weight 1; routed weights times `routed_scaling_factor`) per token: the shared expert
+    becomes part of the routed grouped GEMM."""
+    a13, a2 = shared_slot_weights(w13, w2, shared_w13, shared_w2)
+    weights, ids = shared_slot_routing(topk_weights, topk_ids, w13.shape[0], routed_scaling_factor)
+    return a13, a2, weights, ids
 
 
 def shared_fused(x, w13_all, w2_all, weights_all, ids_all, layout: str | None = None, *,
-                 check: bool = True) -> torch.Tensor:
+                 check: bool = True, block=None) -> torch.Tensor:
     """The routed grouped GEMM with the shared expert as slot k (see `with_shared_slot`)."""
-    return fused_moe(x, w13_all, w2_all, weights_all, ids_all, layout, check=check)
+    return fused_moe(x, w13_all, w2_all, weights_all, ids_all, layout, check=check, block=block)
+
+
+def shared_fused_step(x, w13_all, w2_all, topk_weights, topk_ids, *, routed_scaling_factor: float = 1.0,
+                      check: bool = True, block=None) -> torch.Tensor:
+    """One decode step of the fused form as a server runs it: build the k+1-slot routing table
+    from this step's router output, then one grouped MoE (the table build is part of the step)."""
+    weights, ids = shared_slot_routing(topk_weights, topk_ids, w13_all.shape[0] - 1, routed_scaling_factor)
+    return fused_moe(x, w13_all, w2_all, weights, ids, check=check, block=block)
+
+
+def shared_reference(x, w13, w2, topk_weights, topk_ids, shared_w13, shared_w2, *,
+                     routed_scaling_factor: float = 1.0) -> torch.Tensor:
+    """fp32, from the definition: rsf * routed MoE + shared MLP, each computed on its own."""
+    rsf = _check_rsf(routed_scaling_factor)
+    T = x.shape[0]
+    routed = fused_moe_reference(x, w13, w2, topk_weights, topk_ids)
+    one = torch.ones((T, 1), dtype=torch.float32, device=x.device)
+    shared = fused_moe_reference(x, shared_w13, shared_w2, one, torch.zeros((T, 1), dtype=torch.int32, device=x.device))
+    return rsf * routed + shared
+
+
+def ep_shared_placement(num_routed: int, ep: int, num_shared: int = 1) -> list[dict]:
+    """Where each expert lives under expert parallelism `ep` with the shared expert(s) fused as
+    slots (SGLang's DeepEP shared-expert fusion, #20089; ROCm ATOM's all-to-all fusion): every
+    rank's physical table is its E/ep routed experts followed by its own copy of the shared
+    expert(s), so a token's shared slot is served on the token's own rank (no dispatch) and the
+    shared weights are replicated ep times. One row per rank."""
+    if isinstance(ep, bool) or not isinstance(ep, int) or ep <= 0 or num_routed % ep:
+        raise ValueError(f"ep = {ep!r} must be a positive divisor of the {num_routed} routed experts")
+    local = num_routed // ep
+    return [{"rank": r, "routed experts": f"{r * local}..{(r + 1) * local - 1}", "physical slots": local + num_shared,
+             "shared copy": f"physical id {r * (local + num_shared) + local}", "shared copies in total": ep}
+            for r in range(ep)]
+
+
+def ep_physical_ids(ids_all: torch.Tensor, num_routed: int, ep: int, token_rank: torch.Tensor,
+                    num_shared: int = 1) -> torch.Tensor:
+    """Logical k+1-slot ids -> physical ids in the widened per-rank layout of `ep_shared_placement`:
+    routed id e -> e + (e // (E/ep)) * num_shared; the shared slot -> the copy on the token's rank
+    (`token_rank` int [T]). As SGLang's `_fused_remap_deepep_kernel` maps them."""
+    local = num_routed // ep
+    ids = ids_all.long()
+    routed = ids < num_routed
+    phys_routed = ids + (ids // local) * num_shared
+    phys_shared = token_rank.long()[:, None] * (local + num_shared) + local + (ids - num_routed)
+    return torch.where(routed, phys_routed, phys_shared).to(torch.int32)
