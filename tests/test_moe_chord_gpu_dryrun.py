@@ -35,3 +35,23 @@ def test_even_routing_gives_every_expert_m_rows():
         assert int(counts.min()) >= m and int(counts.max()) <= m + 1
         assert all(len(set(row)) == k for row in ids.tolist())
         assert torch.allclose(tw.sum(-1), torch.ones(ids.shape[0]))
+
+
+def test_m3_gpu_branch_dry_run_times_both_paths_at_each_tile_config(monkeypatch):
+    from inferbook.chapters import minimax_m3_moe as m3
+
+    ctx = inferbook.setup("minimax-m3-moe", device="cpu", preset="smoke")
+
+    def loop_time(fn, device, *, label, reps, inner=10, uses_triton=True):
+        fn()
+        return benchmark(fn, device, label=label, min_reps=2, warmup=0, min_time_s=0.0), "plain loop (dry run)"
+
+    monkeypatch.setattr(m3, "gpu_time", loop_time)
+    monkeypatch.setattr(m3, "on_gpu", lambda ctx: True)
+    # C = 64, E = 8, k = 2: 16 rows per routed expert, 21.3 per expert with the shared slot -> two configs
+    assert len(m3.tile_configs(64, 8, 2)) == 2
+    recs = m3.shared_timings(ctx, 64, 32, 8, 2, [64], 2, 2.5)
+    tags = {r.get("layer")["tiles"] for r in recs}
+    assert len(tags) == 2 and len(recs) == 4
+    gains = [m for r in recs for m in r.measurements if m["name"] == "gain_vs_separate"]
+    assert {g["tiles"] for g in gains} == tags and all("sentence" in g for g in gains)
