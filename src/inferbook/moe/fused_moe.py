@@ -39,9 +39,14 @@ if triton is not None:
                         ROWS: tl.constexpr, A_DIV: tl.constexpr, SCATTER: tl.constexpr, GATED: tl.constexpr,
                         MUL_ROW_WEIGHT: tl.constexpr, OUT_BF16: tl.constexpr, LAYOUT: tl.constexpr,
                         GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        DOT_FP32: tl.constexpr):
+                        DOT_FP32: tl.constexpr, OUT_DIV: tl.constexpr = 1, ATOMIC: tl.constexpr = False):
         """C[rows, n] = A[rows] @ W[e].T for one expert's row block. GATED: N output columns from
-        2N weight rows, out = SiLU(gate) * up. ROWS 0 = indexed, 1 = contiguous, 2 = masked."""
+        2N weight rows, out = SiLU(gate) * up. ROWS 0 = indexed, 1 = contiguous, 2 = masked.
+        LAYOUT 0-2 = W4A16 specs, 3 = BF16 [N, K], 4 = MXFP4 (decoded in registers).
+
+        Epilogue: the router weight of the row's slot (MUL_ROW_WEIGHT), then the row is written at
+        slot // OUT_DIV; ATOMIC adds it into an fp32 C instead (OUT_DIV = k: the top-k combine as a
+        scatter-add into the token's row, as TensorRT-LLM's fused-finalize epilogue does)."""
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         offs = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -84,13 +89,19 @@ if triton is not None:
             offs_k = k0 + tl.arange(0, BLOCK_K)
             a = tl.load(a_ptr + a_row[:, None].to(tl.int64) * stride_am + offs_k[None, :] * stride_ak,
                         mask=valid[:, None] & (offs_k[None, :] < K), other=0.0)
-            b = w4_tile(qw, sc, k0, offs_n, NW, K, LAYOUT, GROUP, BLOCK_K, DOT_FP32)
+            if LAYOUT == 4:  # MXFP4: e2m1 x E8M0 is exact in BF16
+                b = mxfp4_tile(qw, sc, offs_k, offs_n, NW, K, DOT_FP32).to(tl.bfloat16)
+            else:
+                b = w4_tile(qw, sc, k0, offs_n, NW, K, LAYOUT, GROUP, BLOCK_K, DOT_FP32)
             if DOT_FP32:
                 acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
             else:
                 acc = tl.dot(a, b, acc)
             if GATED:
-                b_up = w4_tile(qw, sc, k0, offs_n + N, NW, K, LAYOUT, GROUP, BLOCK_K, DOT_FP32)
+                if LAYOUT == 4:
+                    b_up = mxfp4_tile(qw, sc, offs_k, offs_n + N, NW, K, DOT_FP32).to(tl.bfloat16)
+                else:
+                    b_up = w4_tile(qw, sc, k0, offs_n + N, NW, K, LAYOUT, GROUP, BLOCK_K, DOT_FP32)
                 if DOT_FP32:
                     acc_up = tl.dot(a.to(tl.float32), b_up.to(tl.float32), acc_up)
                 else:
@@ -101,8 +112,11 @@ if triton is not None:
             w = tl.load(roww_ptr + c_row, mask=valid, other=0.0)
             acc = acc * w[:, None]
         mask = valid[:, None] & (offs_n[None, :] < N)
-        ptrs = c_ptr + c_row[:, None].to(tl.int64) * stride_cm + offs_n[None, :] * stride_cn
-        if OUT_BF16:
+        out_row = c_row // OUT_DIV
+        ptrs = c_ptr + out_row[:, None].to(tl.int64) * stride_cm + offs_n[None, :] * stride_cn
+        if ATOMIC:  # fp32 C, zeroed by the caller; the k adds of a token land in any order
+            tl.atomic_add(ptrs, acc, mask=mask, sem="relaxed")
+        elif OUT_BF16:
             tl.store(ptrs, round_bf16(acc, DOT_FP32), mask=mask)
         else:
             tl.store(ptrs, acc, mask=mask)
@@ -392,20 +406,35 @@ def _tail_weights(w2):
                      f"got {type(w2).__name__}")
 
 
-def tail_config(interpreted: bool) -> dict:
-    """Decode-tail tiles (`block="gpu"` forces the GPU's in the interpreter)."""
+def token_major_config(interpreted: bool) -> dict:
+    """Tiles of the token-major GEMV tail (`kernel="token-major"`)."""
     return dict(BLOCK_N=128, BLOCK_K=128) if interpreted else dict(BLOCK_N=64, BLOCK_K=128, num_warps=4)
 
 
+TAIL_KERNELS = ("expert-major", "token-major")
+
+
 def moe_tail(act: torch.Tensor, w2, topk_weights, topk_ids, *, fused: bool, inter_dtype=torch.bfloat16,
-             block: dict | None = None, check: bool = True):
+             block=None, check: bool = True, kernel: str = "expert-major"):
     """Down projection of routed activations `act [T*k, I]` (slot order) plus the top-k combine.
 
-    fused=True: one launch, the k weighted rows summed in registers, `[T, H]` stored.
-    fused=False: the down launch stores `[T*k, H]` rows (`inter_dtype`), `combine` sums them.
-    Returns (out [T, H] BF16, launches, intermediate bytes written).
+    kernel="expert-major" (default; tensor cores): the slots are sorted by expert (`align_indexed`)
+    and each row block of one expert goes through `moe_gemm_kernel`'s `tl.dot`, the router weight in
+    its epilogue. fused=False: the epilogue writes one `[T*k, H]` row per slot (`inter_dtype`) and
+    `combine` (vLLM's `moe_sum`) adds each token's k rows in slot order. fused=True: the epilogue
+    adds the weighted row into the token's row of a zeroed fp32 `[T, H]` accumulator (atomic
+    scatter-add, TensorRT-LLM's fused finalize), then one cast to BF16; the `[T*k, H]` rows never
+    exist, and the k adds of a token land in whatever order the CTAs finish (not bitwise
+    reproducible on a GPU).
+    kernel="token-major": the older GEMV kernel, one program per token (no tensor cores), the k
+    rows summed in registers in slot order when fused.
+
+    Returns (out [T, H] BF16, launches, buffers): `buffers` maps each intermediate tensor the call
+    allocated to its bytes, {"rows": [T*k, H] rows, "accumulator": fp32 [T, H]} (0 where absent).
     """
     qw, sc, code, group, E, H, I = _tail_weights(w2)
+    if kernel not in TAIL_KERNELS:
+        raise ValueError(f"kernel must be one of {TAIL_KERNELS}, got {kernel!r}")
     if not isinstance(act, torch.Tensor) or act.dtype != torch.bfloat16 or act.ndim != 2 or act.shape[1] != I:
         raise ValueError(f"act must be BF16 [T*k, {I}], got {getattr(act, 'dtype', None)} {tuple(getattr(act, 'shape', ()))}")
     if check:  # reads the ids back to the host; check=False for CUDA-graph capture
@@ -416,48 +445,114 @@ def moe_tail(act: torch.Tensor, w2, topk_weights, topk_ids, *, fused: bool, inte
     if inter_dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"inter_dtype must be torch.bfloat16 or torch.float32, got {inter_dtype}")
     ok, _ = triton_backend_for(act.device)
+    none = {"rows": 0, "accumulator": 0}
     if not ok or T == 0:
-        return moe_tail_torch(act, w2, topk_weights, topk_ids, fused=fused, inter_dtype=inter_dtype), (1 if fused else 2), 0
+        return moe_tail_torch(act, w2, topk_weights, topk_ids, fused=fused, inter_dtype=inter_dtype), (1 if fused else 2), none
     gpu_cfg = block == "gpu"
-    cfg = dict(tail_config(False) if gpu_cfg else (block or tail_config(act.device.type != "cuda")))
+    interp = act.device.type != "cuda"
     emu = dot_needs_fp32(act.device)
     ids = topk_ids.to(torch.int32).contiguous()
     w = topk_weights.float().contiguous()
     a = act.contiguous()
-    grid = (T, triton.cdiv(H, cfg["BLOCK_N"]))
-    # No contraction of w * part + acc into an FMA: the fused and separate paths must round alike.
-    extra = {"enable_fp_fusion": False}
     q_es, s_es = qw[0].numel(), sc[0].numel()
+    if kernel == "token-major":
+        cfg = dict(token_major_config(False) if gpu_cfg else (block or token_major_config(interp)))
+        grid = (T, triton.cdiv(H, cfg["BLOCK_N"]))
+        extra = {"enable_fp_fusion": False}  # no FMA contraction: the fused and separate paths round alike
+        if fused:
+            out = torch.empty((T, H), dtype=torch.bfloat16, device=act.device)
+            down_tail_kernel[grid](a, qw, sc, ids, w, out, H, I, k, q_es, s_es, FUSED=True, OUT_BF16=True, LAYOUT=code,
+                                   GROUP=group, EMULATE=emu, **cfg, **extra)
+            return out, 1, none
+        y = torch.empty((T * k, H), dtype=inter_dtype, device=act.device)
+        down_tail_kernel[grid](a, qw, sc, ids, w, y, H, I, k, q_es, s_es, FUSED=False,
+                               OUT_BF16=inter_dtype == torch.bfloat16, LAYOUT=code, GROUP=group, EMULATE=emu, **cfg,
+                               **extra)
+        return combine(y, k, block="gpu" if gpu_cfg else None), 2, {"rows": y.numel() * y.element_size(), "accumulator": 0}
+    cfg = dict(moe_config(T * k / E, False) if gpu_cfg else (block or moe_config(T * k / E, interp)))
+    if code != MXF.LAYOUT_CODE:
+        check_block_k(cfg["BLOCK_K"], group, "indexed")
+    BM, BN = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    al = routing.align_indexed(ids, E, BM, check=False)
+    dummy = torch.empty(1, dtype=torch.int32, device=act.device)
+    grid = (al.block_expert.numel(), triton.cdiv(H, BN))
+
+    def launch(c, *, out_div, atomic):
+        moe_gemm_kernel[grid](a, qw, sc, c, al.sorted_ids, al.block_expert, dummy, dummy, w.flatten(),
+                              T * k, H, I, 0, q_es, s_es, a.stride(0), a.stride(1), c.stride(0), c.stride(1),
+                              ROWS=0, A_DIV=1, SCATTER=False, GATED=False, MUL_ROW_WEIGHT=True,
+                              OUT_BF16=c.dtype == torch.bfloat16, LAYOUT=code, GROUP=group, DOT_FP32=emu,
+                              OUT_DIV=out_div, ATOMIC=atomic, **cfg)
+
     if fused:
-        out = torch.empty((T, H), dtype=torch.bfloat16, device=act.device)
-        down_tail_kernel[grid](a, qw, sc, ids, w, out, H, I, k, q_es, s_es, FUSED=True, OUT_BF16=True, LAYOUT=code,
-                               GROUP=group, EMULATE=emu, **cfg, **extra)
-        return out, 1, 0
+        acc = torch.zeros((T, H), dtype=torch.float32, device=act.device)
+        launch(acc, out_div=k, atomic=True)
+        return acc.to(torch.bfloat16), 3, {"rows": 0, "accumulator": acc.numel() * acc.element_size()}
     y = torch.empty((T * k, H), dtype=inter_dtype, device=act.device)
-    down_tail_kernel[grid](a, qw, sc, ids, w, y, H, I, k, q_es, s_es, FUSED=False,
-                           OUT_BF16=inter_dtype == torch.bfloat16, LAYOUT=code, GROUP=group, EMULATE=emu, **cfg, **extra)
-    return combine(y, k, block="gpu" if gpu_cfg else None), 2, y.numel() * y.element_size()
+    launch(y, out_div=1, atomic=False)
+    return combine(y, k, block="gpu" if gpu_cfg else None), 2, {"rows": y.numel() * y.element_size(), "accumulator": 0}
+
+
+def reorder_bound(out_a: torch.Tensor, out_b: torch.Tensor, act, w2, topk_weights, topk_ids):
+    """Whether two BF16 tails that add the same k fp32 terms per element, in different orders, each
+    rounded once to BF16, differ by no more than that allows: per element
+    2 (k - 1) 2**-24 Σ|terms| (two fp32 sums of k terms) plus one BF16 ulp of the larger magnitude.
+    Returns (ok, max |a - b| / bound). NaN fails."""
+    k = topk_ids.shape[1]
+    scale = moe_tail_reference(act, w2, topk_weights, topk_ids, absolute=True)
+    order = 2 * max(k - 1, 1) * 2.0 ** -24 * scale * 1.01
+    mag = torch.maximum(out_a.float().abs(), out_b.float().abs()) + order
+    ulp = torch.where(mag > 0, torch.exp2(torch.floor(torch.log2(mag.clamp_min(1e-38))) - 7), torch.zeros_like(mag))
+    bound = order + ulp
+    diff = (out_a.float() - out_b.float()).abs()
+    worst = float((diff / bound.clamp_min(1e-38)).max()) if diff.numel() else 0.0
+    ok = bool(torch.isfinite(out_a.float()).all() and torch.isfinite(out_b.float()).all()) and bool((diff <= bound).all())
+    return ok, worst
+
+
+def _expert_weight(w2, e: int, dtype) -> torch.Tensor:
+    """Expert e's [H, I] weights, dequantized (one expert at a time: bounded memory)."""
+    if isinstance(w2, PackedW4):
+        return dequantize(expert(w2, e), dtype)
+    if isinstance(w2, PackedMXFP4):
+        return MXF.dequantize(PackedMXFP4(w2.qweight[e], w2.scales[e], tuple(w2.shape[1:])), dtype)
+    return w2[e].to(dtype)
+
+
+def _tail_rows(act, w2, topk_weights, topk_ids, *, absolute: bool = False) -> torch.Tensor:
+    """fp32 [T*k, H]: w[t, j] · W2[e] act[t*k + j], one expert at a time (the memory is the
+    output plus one expert's weights, never a [T*k, H, I] gather). `absolute`: |w| |W2| |act|."""
+    T, k = topk_ids.shape
+    flat = topk_ids.flatten().long()
+    wts = topk_weights.float().flatten()
+    a = act.float()
+    if absolute:
+        wts, a = wts.abs(), a.abs()
+    y = torch.zeros((T * k, _tail_weights(w2)[5]), dtype=torch.float32, device=act.device)
+    for e in torch.unique(flat).tolist():
+        slots = (flat == e).nonzero().flatten()
+        We = _expert_weight(w2, e, torch.float32)
+        if absolute:
+            We = We.abs()
+        y[slots] = (a[slots] @ We.T) * wts[slots, None]
+    return y
 
 
 def moe_tail_torch(act, w2, topk_weights, topk_ids, *, fused: bool = False, inter_dtype=torch.bfloat16):
-    """PyTorch tail: per-slot GEMVs into `[T*k, H]` (in `inter_dtype`), then the sum over k.
+    """PyTorch tail: per-expert GEMMs into `[T*k, H]` (in `inter_dtype`), then the sum over k.
     PyTorch has no epilogue to fold the combine into; `fused` only keeps the rows in fp32."""
-    W2 = _weights(w2, torch.float32)
     T, k = topk_ids.shape
-    ids = topk_ids.flatten().long()
-    y = torch.bmm(W2[ids], act.float().unsqueeze(-1)).squeeze(-1) * topk_weights.float().flatten()[:, None]
+    y = _tail_rows(act, w2, topk_weights, topk_ids)
     if not fused:
         y = y.to(inter_dtype).float()
     return y.reshape(T, k, -1).sum(1).to(torch.bfloat16)
 
 
-def moe_tail_reference(act, w2, topk_weights, topk_ids) -> torch.Tensor:
-    """fp32: Σ_j w[t, j] · W2[e] act[t*k + j]."""
-    W2 = _weights(w2, torch.float32)
+def moe_tail_reference(act, w2, topk_weights, topk_ids, *, absolute: bool = False) -> torch.Tensor:
+    """fp32: Σ_j w[t, j] · W2[e] act[t*k + j]. `absolute=True`: Σ_j |w| |W2| |act| (the scale of the
+    terms, for bounding how much summation order can change an fp32 sum)."""
     T, k = topk_ids.shape
-    ids = topk_ids.flatten().long()
-    y = torch.bmm(W2[ids], act.float().unsqueeze(-1)).squeeze(-1) * topk_weights.float().flatten()[:, None]
-    return y.reshape(T, k, -1).sum(1)
+    return _tail_rows(act, w2, topk_weights, topk_ids, absolute=absolute).reshape(T, k, -1).sum(1)
 
 
 # ---------------------------------------------------------------------------
