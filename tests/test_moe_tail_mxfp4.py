@@ -44,7 +44,7 @@ def test_packing_is_numerics_mx_and_4_25_bits():
 def _tile_kernel(qw_ptr, s_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     offs_k = tl.arange(0, BLOCK_K)
     offs_n = tl.arange(0, BLOCK_N)
-    t = MXF.mxfp4_tile(qw_ptr, s_ptr, offs_k, offs_n, N, K, True)
+    t = MXF.mxfp4_tile(qw_ptr, s_ptr, 0, offs_n, N, K, BLOCK_K, True)
     tl.store(out_ptr + offs_k[:, None] * BLOCK_N + offs_n[None, :], t)
 
 

@@ -238,20 +238,25 @@ def measure(ctx, *, hidden, inter, experts, top_k, tokens, formats, reps) -> lis
 
 
 def cpu_record(ctx, act, w2, tw, ids, fmt, T, p, reps) -> RunRecord:
-    """PyTorch on this CPU: the whole tail (per-slot GEMVs into [T*k, H], then the sum), and the
+    """PyTorch on this CPU: the whole tail (per-expert GEMMs into [T*k, H], then the sum), and the
     combine pass alone, so its share of the tail is a measured number (labelled CPU)."""
     rec = ctx.new_record(f"cpu-{fmt}-T{T}", variant="pytorch separate combine", workload={
         "model": f"MoE tail: E{p['experts']} H{p['hidden']} I{p['inter']} top-{p['top_k']}",
         "quantization": QUANT_LABEL[fmt], "batch": T, "dtype": "bfloat16"})
-    rec.set_backend("moe_tail", "torch (bmm per slot + sum over k)", reason="CPU: PyTorch paths only",
+    rec.set_backend("moe_tail", "torch (one matmul per active expert + sum over k)", reason="CPU: PyTorch paths only",
                     shapes={"act": list(act.shape)})
     W2 = dense_weights(w2)  # resident BF16 copy: time the tail, not dequant
     flat = ids.flatten().long()
     wts = tw.float().flatten()[:, None]
     k = ids.shape[1]
+    groups = [(e, (flat == e).nonzero().flatten()) for e in torch.unique(flat).tolist()]
+    H = W2.shape[1]
 
-    def down():
-        return (torch.bmm(W2[flat], act.unsqueeze(-1)).squeeze(-1).float() * wts).bfloat16()
+    def down():  # one GEMM per active expert: no [T*k, H, I] gather of the weights
+        y = torch.empty((T * k, H), dtype=torch.bfloat16)
+        for e, slots in groups:
+            y[slots] = ((act[slots] @ W2[e].T).float() * wts[slots]).bfloat16()
+        return y
 
     y = down()
     with cpu_threads(1):

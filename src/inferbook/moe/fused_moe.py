@@ -90,7 +90,7 @@ if triton is not None:
             a = tl.load(a_ptr + a_row[:, None].to(tl.int64) * stride_am + offs_k[None, :] * stride_ak,
                         mask=valid[:, None] & (offs_k[None, :] < K), other=0.0)
             if LAYOUT == 4:  # MXFP4: e2m1 x E8M0 is exact in BF16
-                b = mxfp4_tile(qw, sc, offs_k, offs_n, NW, K, DOT_FP32).to(tl.bfloat16)
+                b = mxfp4_tile(qw, sc, k0, offs_n, NW, K, BLOCK_K, DOT_FP32).to(tl.bfloat16)
             else:
                 b = w4_tile(qw, sc, k0, offs_n, NW, K, LAYOUT, GROUP, BLOCK_K, DOT_FP32)
             if DOT_FP32:
@@ -99,7 +99,7 @@ if triton is not None:
                 acc = tl.dot(a, b, acc)
             if GATED:
                 if LAYOUT == 4:
-                    b_up = mxfp4_tile(qw, sc, offs_k, offs_n + N, NW, K, DOT_FP32).to(tl.bfloat16)
+                    b_up = mxfp4_tile(qw, sc, k0, offs_n + N, NW, K, BLOCK_K, DOT_FP32).to(tl.bfloat16)
                 else:
                     b_up = w4_tile(qw, sc, k0, offs_n + N, NW, K, LAYOUT, GROUP, BLOCK_K, DOT_FP32)
                 if DOT_FP32:
@@ -160,8 +160,8 @@ if triton is not None:
                 offs_k = k0 + tl.arange(0, BLOCK_K)
                 a = tl.load(act_ptr + slot * K + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
                 if LAYOUT == 4:
-                    b = mxfp4_tile(qw_ptr + e * q_expert_stride, s_ptr + e * s_expert_stride, offs_k, offs_n,
-                                   N, K, EMULATE)
+                    b = mxfp4_tile(qw_ptr + e * q_expert_stride, s_ptr + e * s_expert_stride, k0, offs_n,
+                                   N, K, BLOCK_K, EMULATE)
                 else:
                     b = w4_tile(qw_ptr + e * q_expert_stride, s_ptr + e * s_expert_stride, k0, offs_n, N, K,
                                 LAYOUT, GROUP, BLOCK_K, EMULATE).to(tl.float32)
@@ -457,6 +457,7 @@ def moe_tail(act: torch.Tensor, w2, topk_weights, topk_ids, *, fused: bool, inte
     q_es, s_es = qw[0].numel(), sc[0].numel()
     if kernel == "token-major":
         cfg = dict(token_major_config(False) if gpu_cfg else (block or token_major_config(interp)))
+        check_block_k(cfg["BLOCK_K"], group, "indexed")
         grid = (T, triton.cdiv(H, cfg["BLOCK_N"]))
         extra = {"enable_fp_fusion": False}  # no FMA contraction: the fused and separate paths round alike
         if fused:
@@ -470,8 +471,7 @@ def moe_tail(act: torch.Tensor, w2, topk_weights, topk_ids, *, fused: bool, inte
                                **extra)
         return combine(y, k, block="gpu" if gpu_cfg else None), 2, {"rows": y.numel() * y.element_size(), "accumulator": 0}
     cfg = dict(moe_config(T * k / E, False) if gpu_cfg else (block or moe_config(T * k / E, interp)))
-    if code != MXF.LAYOUT_CODE:
-        check_block_k(cfg["BLOCK_K"], group, "indexed")
+    check_block_k(cfg["BLOCK_K"], group, "indexed")  # MXFP4: group 32, whole blocks per tile
     BM, BN = cfg["BLOCK_M"], cfg["BLOCK_N"]
     al = routing.align_indexed(ids, E, BM, check=False)
     dummy = torch.empty(1, dtype=torch.int32, device=act.device)
