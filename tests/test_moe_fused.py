@@ -250,3 +250,18 @@ def test_tolerance_rule_rejects_nan_and_accepts_reference_quality():
     bad = pt.clone()
     bad[1, 2] = float("nan")
     assert not FM.within_tolerance(bad, ref, pt)[2]
+
+
+@pytest.mark.parametrize("layout", W.LAYOUTS)
+def test_fused_moe_group16_k48_every_layout(layout):
+    # K = 48 (hidden and expert FFN) with groups of 16: not whole 32-runs, which the grouped specs pad
+    E, k, T, Hs, Is = 6, 2, 9, 48, 48
+    g = torch.Generator().manual_seed(21)
+    w13 = W.quantize(torch.randn(E, 2 * Is, Hs, generator=g) * 0.1, group_size=16, layout=layout)
+    w2 = W.quantize(torch.randn(E, Hs, Is, generator=g) * 0.1, group_size=16, layout=layout)
+    x = torch.randn(T, Hs, generator=g).bfloat16()
+    tw, ids = _routing(T, E, k, 22)
+    out = FM.fused_moe(x, w13, w2, tw, ids)
+    err, tol, ok = FM.within_tolerance(out, FM.fused_moe_reference(x, w13, w2, tw, ids),
+                                       FM.fused_moe_torch(x, w13, w2, tw, ids))
+    assert ok, (err, tol)

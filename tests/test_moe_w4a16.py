@@ -106,8 +106,22 @@ def test_load_profile_picks_the_packing():
         assert torch.equal(W.unpack(a13)[0], W.unpack(w13)[0])
     with pytest.raises(ValueError, match="unknown load profile"):
         W.load_moe_experts(tensors, "m", E, "sm100-tcgen05")
-    with pytest.raises(ValueError, match="multiple of 32"):
-        W.quantize(torch.randn(8, 48), group_size=16, layout="grouped_masked")
+
+
+@pytest.mark.parametrize("layout", W.LAYOUTS)
+def test_k_not_a_multiple_of_32(layout):
+    # group 16, K = 48: the grouped specs pad K to whole 32-runs with zeros; every kernel still exact
+    w = _weights((2, 40, 48), 16)
+    q = W.quantize(w, group_size=16, layout=layout)
+    ref_vals, _ = W.quantize_values(w, 16)
+    assert torch.equal(W.unpack(q)[0], ref_vals)
+    if layout != "indexed":
+        assert W.padded_k(48, layout) == 64 and q.qweight.numel() * 8 == 2 * 64 * (40 if layout == "grouped_contiguous" else 48)
+    x = torch.randn(5, 48, generator=torch.Generator().manual_seed(2)).bfloat16()
+    q2 = W.expert(q, 1)
+    err, tol, ok = within_tolerance(W.linear(x, q2, block=dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32)),
+                                    W.linear_reference(x, q2), W.linear_torch(x, q2))
+    assert ok, (err, tol)
 
 
 def test_indexed_words_follow_the_spec():

@@ -15,10 +15,11 @@ numbers, silently: `reinterpret` shows it):
                          the compressed-tensors ``pack-quantized`` layout of public Kimi-K2 INT4
                          checkpoints, so import is a copy; a load profile (`LOAD_PROFILES`) decides
                          at model load whether to keep it or repack for a grouped kernel.
-- ``grouped_contiguous`` int32 ``[E, K/8, N]``, words in *fragment order*: scales ``[E, K/g, N]``.
+- ``grouped_contiguous`` int32 ``[E, Kp/8, N]``, words in *fragment order* (Kp: K rounded up to
+                         a multiple of 32): scales ``[E, K/g, N]``.
                          Prefill (large M, wide N tiles): a ``[BLOCK_K/8, BLOCK_N]`` word tile is
                          BLOCK_N consecutive words per row, read in wide coalesced rows.
-- ``grouped_masked``     int32 ``[E, ceil(N/16), K/8, 16]``, words in fragment order, in panels
+- ``grouped_masked``     int32 ``[E, ceil(N/16), Kp/8, 16]``, words in fragment order, in panels
                          of 16 output rows: scales ``[E, N, K/g]``. Decode (small M, narrow N
                          blocks streaming all of K): each 16-row panel is one contiguous run of
                          K/2 x 16 bytes, so a CTA's whole weight stream is a few long runs.
@@ -30,7 +31,8 @@ f = 4b + a holding offset 8a + 2j + b, so fields f and f + 4 are the consecutive
 that fills one BF16x2 register. One 32-bit word feeds one fragment's dequantize. Triton chooses
 its own register layouts, so our kernel undoes the order with a register permute after the unpack
 (the compiler may route that through shared memory); the bytes are Marlin's arrangement, the
-instruction sequence is not Marlin's `lop3` one. The grouped specs need K % 32 == 0.
+instruction sequence is not Marlin's `lop3` one. The grouped specs store K rounded up to whole
+32-runs (the pad holds the value 0).
 
 Every kernel reads each packed 32-bit word once and splits its eight values in registers
 (`w4_tile`, `unpack_words`), and each BF16 scale once per group of 32: the tile it stages in
@@ -95,9 +97,9 @@ class PackingSpec:
 PACKING_SPECS = {
     "indexed": PackingSpec("indexed", "int32 [E, N, K/8] (8 nibbles along K, +8 offset)", "bf16 [E, N, K/g]",
                            "indexed fused MoE (tokens sorted and padded per expert, gathered by index)"),
-    "grouped_contiguous": PackingSpec("grouped_contiguous", "int32 [E, K/8, N] (fragment-order words, N contiguous)",
+    "grouped_contiguous": PackingSpec("grouped_contiguous", "int32 [E, Kp/8, N] (fragment-order words, N contiguous; Kp = K rounded up to 32)",
                                       "bf16 [E, K/g, N]", "grouped GEMM over contiguous per-expert segments (prefill)"),
-    "grouped_masked": PackingSpec("grouped_masked", "int32 [E, N/16, K/8, 16] (fragment-order words, 16-row panels)",
+    "grouped_masked": PackingSpec("grouped_masked", "int32 [E, N/16, Kp/8, 16] (fragment-order words, 16-row panels)",
                                   "bf16 [E, N, K/g]", "grouped GEMM over [E, max_m, K] with per-expert counts (decode)"),
 }
 
@@ -198,21 +200,24 @@ def _unpack_nibbles_int32(word: torch.Tensor) -> torch.Tensor:
     return (u - OFFSET).to(torch.int8).reshape(*word.shape[:-1], word.shape[-1] * 8)
 
 
-def _check_grouped_k(K: int, layout: str) -> None:
-    if layout != "indexed" and K % FRAG_K:
-        raise ValueError(f"the {layout!r} spec stores words in fragment order over runs of {FRAG_K} K values: "
-                         f"K = {K} must be a multiple of {FRAG_K}")
+def padded_k(K: int, layout: str) -> int:
+    """K as the spec stores it: the grouped specs round K up to whole 32-runs (the pad holds value 0,
+    so a kernel may read it: it contributes nothing); indexed stores K as it is."""
+    return K if layout == "indexed" else -(-K // FRAG_K) * FRAG_K
 
 
 def _to_fragment_order(q3: torch.Tensor) -> torch.Tensor:
-    """int8 [E, N, K] -> the same values with each 32-run of K in fragment order."""
+    """int8 [E, N, K] -> [E, N, Kp] (K padded with zeros to whole 32-runs), each run in fragment order."""
     E, N, K = q3.shape
-    return q3.reshape(E, N, K // FRAG_K, FRAG_K)[..., FRAGMENT_ORDER.to(q3.device)].reshape(E, N, K)
+    Kp = padded_k(K, "grouped")
+    if Kp != K:
+        q3 = torch.cat([q3, torch.zeros((E, N, Kp - K), dtype=q3.dtype, device=q3.device)], -1)
+    return q3.reshape(E, N, Kp // FRAG_K, FRAG_K)[..., FRAGMENT_ORDER.to(q3.device)].reshape(E, N, Kp)
 
 
-def _from_fragment_order(v3: torch.Tensor) -> torch.Tensor:
-    E, N, K = v3.shape
-    return v3.reshape(E, N, K // FRAG_K, FRAG_K)[..., FRAGMENT_INVERSE.to(v3.device)].reshape(E, N, K)
+def _from_fragment_order(v3: torch.Tensor, K: int) -> torch.Tensor:
+    E, N, Kp = v3.shape
+    return v3.reshape(E, N, Kp // FRAG_K, FRAG_K)[..., FRAGMENT_INVERSE.to(v3.device)].reshape(E, N, Kp)[..., :K]
 
 
 def _pack(q3: torch.Tensor, s3: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -220,15 +225,15 @@ def _pack(q3: torch.Tensor, s3: torch.Tensor, layout: str) -> tuple[torch.Tensor
     if layout == "indexed":
         return _pack_nibbles_int32(q3).contiguous(), s3.contiguous()
     E, N, K = q3.shape
-    _check_grouped_k(K, layout)
-    words = _pack_nibbles_int32(_to_fragment_order(q3))            # [E, N, K/8], fragment order
+    words = _pack_nibbles_int32(_to_fragment_order(q3))            # [E, N, Kp/8], fragment order
+    KW = words.shape[-1]
     if layout == "grouped_contiguous":
         return words.transpose(1, 2).contiguous(), s3.transpose(1, 2).contiguous()
     n_pad = -N % PANEL                                             # pad rows: value 0 (never read)
     if n_pad:
-        words = torch.cat([words, torch.full((E, n_pad, K // 8), -2004318072, dtype=torch.int32,  # 0x88888888
+        words = torch.cat([words, torch.full((E, n_pad, KW), -2004318072, dtype=torch.int32,  # 0x88888888
                                              device=words.device)], 1)
-    panels = words.reshape(E, (N + n_pad) // PANEL, PANEL, K // 8).transpose(2, 3)
+    panels = words.reshape(E, (N + n_pad) // PANEL, PANEL, KW).transpose(2, 3)
     return panels.contiguous(), s3.contiguous()
 
 
@@ -237,23 +242,24 @@ def unpack(q: PackedW4) -> tuple[torch.Tensor, torch.Tensor]:
     E, N, K = _as3d(q.shape)
     if q.layout == "indexed":
         return _unpack_nibbles_int32(q.qweight.reshape(E, N, K // 8)), q.scales.reshape(E, N, -1)
+    KW = padded_k(K, q.layout) // 8
     if q.layout == "grouped_contiguous":
-        words = q.qweight.reshape(E, K // 8, N).transpose(1, 2)
-        return _from_fragment_order(_unpack_nibbles_int32(words)), q.scales.reshape(E, -1, N).transpose(1, 2)
-    panels = q.qweight.reshape(E, -1, K // 8, PANEL)
-    words = panels.transpose(2, 3).reshape(E, -1, K // 8)[:, :N]
-    return _from_fragment_order(_unpack_nibbles_int32(words)), q.scales.reshape(E, N, -1)
+        words = q.qweight.reshape(E, KW, N).transpose(1, 2)
+        return _from_fragment_order(_unpack_nibbles_int32(words), K), q.scales.reshape(E, -1, N).transpose(1, 2)
+    panels = q.qweight.reshape(E, -1, KW, PANEL)
+    words = panels.transpose(2, 3).reshape(E, -1, KW)[:, :N]
+    return _from_fragment_order(_unpack_nibbles_int32(words), K), q.scales.reshape(E, N, -1)
 
 
 def reinterpret(q: PackedW4, layout: str) -> PackedW4:
     """The same bytes tagged as another layout: what happens when one spec's buffer is fed to
     another spec's kernel. For the demonstration only (the kernels then read wrong numbers);
-    needs buffers of equal size (N a multiple of 16 for grouped_masked)."""
+    needs buffers of equal size (N a multiple of 16 for grouped_masked, K of 32 for the grouped specs)."""
     _check_layout(layout)
     E, N, K = _as3d(q.shape)
-    _check_grouped_k(K, layout)
-    want = {"indexed": (E, N, K // 8), "grouped_contiguous": (E, K // 8, N),
-            "grouped_masked": (E, -(-N // PANEL), K // 8, PANEL)}[layout]
+    KW = padded_k(K, layout) // 8
+    want = {"indexed": (E, N, K // 8), "grouped_contiguous": (E, KW, N),
+            "grouped_masked": (E, -(-N // PANEL), KW, PANEL)}[layout]
     swant = (E, K // q.group_size, N) if layout == "grouped_contiguous" else (E, N, K // q.group_size)
     if q.qweight.numel() != torch.Size([abs(d) for d in want]).numel():
         raise ValueError(f"cannot reinterpret a {q.layout!r} buffer of {q.qweight.numel()} words as {layout!r} "
@@ -481,13 +487,17 @@ if triton is not None:
                 kk = kk.to(tl.int64)
             w = tl.load(qw_ptr + nn * K + kk, mask=(nn < N) & (kk < K), other=0.0).to(tl.bfloat16)
         else:
-            wmask = (nn < N) & (kw < K // 8)
-            if LAYOUT == 1:  # grouped_contiguous: int32 [K/8, N] (words of one column n contiguous along N)
+            if LAYOUT == 0:
+                KW = K // 8
+            else:  # the grouped specs store K rounded up to whole 32-runs; the pad holds value 0
+                KW = (K + 31) // 32 * 4
+            wmask = (nn < N) & (kw < KW)
+            if LAYOUT == 1:  # grouped_contiguous: int32 [Kp/8, N] (words of one column n contiguous along N)
                 word = tl.load(qw_ptr + kw * N + nn, mask=wmask, other=0)
             elif LAYOUT == 0:  # indexed: int32 [N, K/8] (compressed-tensors)
-                word = tl.load(qw_ptr + nn * (K // 8) + kw, mask=wmask, other=0)
-            else:  # grouped_masked: int32 [N/16, K/8, 16] (16-row panels, each one contiguous run)
-                word = tl.load(qw_ptr + ((nn // 16) * (K // 8) + kw) * 16 + nn % 16, mask=wmask, other=0)
+                word = tl.load(qw_ptr + nn * KW + kw, mask=wmask, other=0)
+            else:  # grouped_masked: int32 [N/16, Kp/8, 16] (16-row panels, each one contiguous run)
+                word = tl.load(qw_ptr + ((nn // 16) * KW + kw) * 16 + nn % 16, mask=wmask, other=0)
             u = unpack_words(word)  # [BLOCK_N, BLOCK_K] in the spec's field order
             if LAYOUT != 0:
                 # fragment order -> K order: column 32r + 8j + 4b + a holds K offset 32r + 8a + 2j + b
