@@ -437,9 +437,10 @@ def gpu_decode_sweep(ctx, experts, hidden, inter, top_k, ms, reps, ceil, why) ->
     (check=False: no host syncs; the routing bookkeeping of each layout is inside the step)."""
     recs = []
     top_k = min(top_k, experts)
-    base13, base2 = make_experts(ctx, experts, hidden, inter, "indexed")
     for layout in ("indexed", "grouped_masked", "grouped_contiguous"):
-        w13, w2 = W.to_layout(base13, layout), W.to_layout(base2, layout)
+        # the same weights (same generator seed) quantized straight into each layout, a chunk of experts
+        # at a time: one layout's buffers live at a time (the Kimi-K2 EP8 set is ~1.2 GB in W4A16)
+        w13, w2 = make_experts(ctx, experts, hidden, inter, layout)
         rec = ctx.new_record(f"gpu-decode-{layout}", variant=f"triton fused MoE {layout}", workload={
             "model": f"Kimi-K2 EP8 local MoE: {experts} experts, H{hidden}, I{inter}, top-{top_k}",
             "quantization": "w4a16 g32", "dtype": "bfloat16"}, topology={"ep": KIMI_K2["ep"], "rank": 0})
@@ -467,7 +468,6 @@ def gpu_prefill(ctx, hidden, inter, experts, top_k, tokens, reps, ceil, why) -> 
     """The prefill step per layout, over CUDA graphs with check=False: no host syncs inside (the
     contiguous layout is sized for the worst case; the masked one gets its max_m outside)."""
     recs = []
-    base13, base2 = make_experts(ctx, experts, hidden, inter, "indexed")
     g = torch.Generator(device=ctx.device).manual_seed(ctx.seed + 42)
     ids = torch.argsort(torch.rand(tokens, experts, device=ctx.device, generator=g), dim=1)[:, :top_k].to(torch.int32)
     tw = torch.full((tokens, top_k), 1.0 / top_k, device=ctx.device)
@@ -475,7 +475,7 @@ def gpu_prefill(ctx, hidden, inter, experts, top_k, tokens, reps, ceil, why) -> 
     busiest = int(R.tokens_per_expert(ids, experts).max())  # outside the timed step
     flops = 2 * tokens * top_k * 3 * inter * hidden
     for layout in W.LAYOUTS:
-        w13, w2 = W.to_layout(base13, layout), W.to_layout(base2, layout)
+        w13, w2 = make_experts(ctx, experts, hidden, inter, layout)
         kw = dict(max_m=busiest) if layout == "grouped_masked" else {}
         rec = ctx.new_record(f"gpu-prefill-{layout}", variant=f"triton fused MoE {layout}", workload={
             "model": f"MoE E{experts} H{hidden} I{inter} top-{top_k}", "quantization": "w4a16 g32",
