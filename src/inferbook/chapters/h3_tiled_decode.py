@@ -97,7 +97,8 @@ def seam_errors(decoder, latent, tile: int, overlap: int, full: torch.Tensor) ->
     band = float(err[mask].max()) if mask.any() else 0.0
     rest = float(err[~mask].max()) if (~mask).any() else 0.0
     return {"seam_rel": band / scale, "interior_rel": rest / scale, "max_rel": float(err.max()) / scale,
-            "tiles": info["tiles"], "finite": bool(torch.isfinite(video).all())}
+            "tiles": info["tiles"], "overlaps_h": info["overlaps_h"], "overlaps_w": info["overlaps_w"],
+            "finite": bool(torch.isfinite(video).all())}
 
 
 BATCHES = (1, 2, 4)
@@ -199,7 +200,9 @@ def measure(ctx, *, channels, z_dim, latent_frames, latent_h, latent_w, norm, dt
             e = seam_errors(dec, latent, tile, ov, full)
             rec = ctx.new_record(f"seam[{label}, overlap={ov}]", variant=label,
                                  workload=_workload(ctx, dec.cfg, latent, tile=tile, overlap=ov), topology=topo)
-            rec.add("seam_rel_error", e["seam_rel"], "fraction of max |full|")
+            # split_tiles spreads the spare length over the overlaps: `ov` is only their minimum
+            rec.add("seam_rel_error", e["seam_rel"], "fraction of max |full|", tiles=e["tiles"],
+                    overlaps_h=e["overlaps_h"], overlaps_w=e["overlaps_w"])
             rec.add("interior_rel_error", e["interior_rel"], "fraction of max |full|")
             rec.add_check("tiled output finite", e["finite"])
             records.append(rec)
