@@ -262,7 +262,7 @@ def _frame_stats_kernel(x_ptr, part_ptr, C, HW, CHUNK, SPLIT, sxb, sxt, T,
 @triton.jit
 def _norm_silu_pad_kernel(
     x_ptr, out_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr,
-    C, T, H, W, To, Ho, Wo, LEFT, TOP, FRONT, NCOLS, G, CPG,
+    C, T, H, W, To, Ho, Wo, LEFT, TOP, FRONT, NCOLS,
     sxb, sxt, sxh, sxw, eps,
     NORM: tl.constexpr, HAS_BIAS: tl.constexpr, APPLY_SILU: tl.constexpr, BORDER: tl.constexpr,
     VEC: tl.constexpr, EVEN_C: tl.constexpr, EMULATE_BF16: tl.constexpr,
@@ -325,9 +325,9 @@ def _norm_silu_pad_kernel(
         if NORM == 1:
             z = v * rstd_pix[:, None]
         elif NORM == 2:
-            g = cs // CPG
-            mu = tl.load(mean_ptr + bt * G + g, mask=cm, other=0.0)
-            rs = tl.load(rstd_ptr + bt * G + g, mask=cm, other=0.0)
+            # statistics expanded per channel [B*T, C] on the host: contiguous, so vector loads too
+            mu = tl.load(mean_ptr + bt * C + cs, mask=cm, other=0.0)
+            rs = tl.load(rstd_ptr + bt * C + cs, mask=cm, other=0.0)
             z = (v - mu[None, :]) * rs[None, :]
         else:
             z = v
@@ -378,7 +378,7 @@ def stats_config(B: int, T: int, C: int, HW: int, itemsize: int, target_programs
 
 
 def frame_group_stats_triton(x: torch.Tensor, groups: int, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-frame GroupNorm statistics of channels-last x [B, C, T, H, W]: (mean, rstd), float32 [B*T, G]."""
+    """Per-frame GroupNorm statistics of channels-last x [B, C, T, H, W]: (mean, rstd) float32 [B*T, G]."""
     B, C, T, H, W = x.shape
     cfg = stats_config(B, T, C, H * W, x.element_size())
     part = torch.empty(B * T, cfg["SPLIT"], 3, C, device=x.device, dtype=torch.float32)
@@ -413,10 +413,11 @@ def norm_silu_pad_triton(x: torch.Tensor, norm: Norm | None, pad, silu: bool = T
     out = torch.empty(B, C, To, Ho, Wo, device=x.device, dtype=x.dtype, memory_format=torch.channels_last_3d)
     kind = NORM_NONE if norm is None else (NORM_RMS if norm.kind == "rms" else NORM_GROUP)
     mean = rstd = out
-    G, cpg, eps = 1, C, 0.0
+    eps = 0.0
     if kind == NORM_GROUP:
         mean, rstd = frame_group_stats_triton(x, norm.groups, norm.eps)
-        G, cpg = norm.groups, C // norm.groups
+        cpg = C // norm.groups
+        mean, rstd = (t.repeat_interleave(cpg, dim=1).contiguous() for t in (mean, rstd))  # [B*T, C]
     if norm is not None:
         eps = norm.eps
     w = norm.weight if norm is not None else out
@@ -425,13 +426,14 @@ def norm_silu_pad_triton(x: torch.Tensor, norm: Norm | None, pad, silu: bool = T
     emulate = bf16_cast_needs_emulation(x.device)
     common = dict(NORM=kind, HAS_BIAS=norm is not None and norm.bias is not None, APPLY_SILU=silu,
                   EMULATE_BF16=emulate, num_warps=4)
-    args = (x, out, w, b, mean, rstd, C, T, H, W, To, Ho, Wo, left, top, front, left + right, G, cpg,
+    args = (x, out, w, b, mean, rstd, C, T, H, W, To, Ho, Wo, left, top, front, left + right,
             sxb, sxt, sxh, sxw, eps)
     cfg = norm_pad_config(C, W, x.element_size())
     _norm_silu_pad_kernel[(B * To * Ho, triton.cdiv(W, cfg["BLOCK_P"]))](*args, BORDER=False, **cfg, **common)
     if left + right:
         bcfg = {**cfg, "BLOCK_P": triton.next_power_of_2(left + right)}
-        _norm_silu_pad_kernel[(B * To * Ho, 1)](*args, BORDER=True, **bcfg, **common)
+        # a few columns per row: one warp, so each thread still holds a run of channels
+        _norm_silu_pad_kernel[(B * To * Ho, 1)](*args, BORDER=True, **bcfg, **{**common, "num_warps": 1})
     return out
 
 
