@@ -178,8 +178,9 @@ def measure(ctx, *, channels, z_dim, latent_frames, latent_h, latent_w, norm, dt
         rec.add_check(f"chooser picks {k} tile(s) per batch", max(info["batch_sizes"]) == k)
         records.append(rec)
 
-    # batching changes nothing beyond the working precision's own error
-    small = latent[:, :, :, : min(latent_h, 2 * tile - overlap), : min(latent_w, 3 * tile - 2 * overlap)]
+    # batching changes nothing beyond the working precision's own error: one frame, one tile row of up to
+    # four tiles (the float64 reference decode is the cost)
+    small = latent[:, :, :1, : min(latent_h, tile), : min(latent_w, 4 * tile - 3 * overlap)]
     with torch.no_grad():
         bc = batching_check(decoder, small, tile, overlap)
     rec = ctx.new_record("batching", variant="1 vs 4 tiles per call", workload=_workload(

@@ -239,13 +239,24 @@ def int8_quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def int_mm(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, str]:
-    """int8 [M, K] @ int8 [K, N] -> int32 [M, N] with `torch._int_mm` (cuBLAS INT8 GEMM on CUDA, oneDNN on
-    a CPU); CUDA needs M > 16 and K, N multiples of 8, else an exact int32 matmul runs, and says so."""
+    """int8 [M, K] @ int8 [K, N] -> int32 [M, N] with `torch._int_mm` (cuBLAS INT8 GEMM on CUDA, oneDNN on a
+    CPU). CUDA wants M > 16 and K, N multiples of 8: the operands are zero-padded to that (exact), and the
+    result sliced. If `_int_mm` is still refused, the exact fallback is a float matmul of the integers
+    (fp32 while K * 127^2 < 2^24, else fp64), and the returned label says so."""
     M, K = a.shape
     N = b.shape[1]
-    if a.is_cuda and (M <= 16 or K % 8 or N % 8):
-        return (a.to(torch.int32) @ b.to(torch.int32)), f"int32 matmul (M={M}, K={K}, N={N} outside _int_mm's limits)"
-    return torch._int_mm(a.contiguous(), b.contiguous()), "torch._int_mm"
+    if a.is_cuda:
+        pm, pk, pn = max(0, 17 - M), (-K) % 8, (-N) % 8
+        if pm or pk:
+            a = F.pad(a, (0, pk, 0, pm))
+        if pk or pn:
+            b = F.pad(b, (0, pn, 0, pk))
+    try:
+        return torch._int_mm(a.contiguous(), b)[:M, :N], "torch._int_mm"
+    except RuntimeError as e:  # a build without the INT8 GEMM for this layout
+        acc = torch.float32 if K * 127 * 127 < 2 ** 24 else torch.float64
+        out = (a.to(acc) @ b.to(acc))[:M, :N].round().to(torch.int32)
+        return out, f"exact {str(acc)[6:]} matmul of the int8 values (_int_mm refused: {str(e).splitlines()[0][:60]})"
 
 
 def int8_linear(x: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, bias=None) -> tuple[torch.Tensor, str]:
