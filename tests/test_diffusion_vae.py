@@ -87,8 +87,9 @@ def test_conv_decoder_fused_matches_and_is_causal():
         cfg = tiny(norm)
         dec = vae.init_decoder(cfg, 1)
         z = vae.make_latent(cfg, (1, 2, 3, 5), 2)
-        res = check_model(dec, z)
-        assert res["passed"], {k: v for k, v in res.items() if k != "log"}
+        if norm == "group":  # the rms path's kernels are in the op matrix; one whole-decoder check suffices
+            res = check_model(dec, z)
+            assert res["passed"], {k: v for k, v in res.items() if k != "log"}
         z2 = z.clone()
         z2[:, :, 1] = torch.randn_like(z2[:, :, 1])
         # latent frame 1 first reaches output frame 1: frame 0 must not move (GroupNorm is per frame)
