@@ -58,11 +58,11 @@ PARAMETERS = {
 
 PRESETS = {
     "smoke": dict(channels="32,32,32", z_dim=4, latent_frames=2, latent_h=8, latent_w=10, dtype="float32",
-                  tile=6, overlap=2, overlaps="0,2", reps=2),
+                  tile=6, overlap=2, overlaps="0,4", reps=2),
     "cpu": dict(channels="64,64,32,32", z_dim=16, latent_frames=2, latent_h=16, latent_w=24, dtype="float32",
-                tile=12, overlap=4, overlaps="0,2,4,6", reps=5),
+                tile=12, overlap=4, overlaps="0,6,8", reps=8),
     "gpu": dict(channels="384,384,192,96", z_dim=16, latent_frames=5, latent_h=60, latent_w=104, dtype="bfloat16",
-                tile=32, overlap=8, overlaps="0,4,8,16", reps=10),
+                tile=32, overlap=8, overlaps="0,8,16", reps=10),
 }
 
 

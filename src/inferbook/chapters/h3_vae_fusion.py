@@ -52,7 +52,7 @@ PRESETS = {
     "smoke": dict(ch=32, ch_mult="1,1", video="5,16,16", heads=2, dim_head=24, layers=1, dtype="float32",
                   compile=False, reps=2, steps=2, check_video="3,8,8"),
     "cpu": dict(ch=32, ch_mult="1,2,2,4", video="9,64,96", heads=4, dim_head=48, layers=2, dtype="float32",
-                compile=True, reps=7, steps=4, check_video="3,32,32"),
+                compile=True, reps=9, steps=4, check_video="3,32,32"),
     "gpu": dict(ch=128, ch_mult="1,2,2,4", video="17,256,448", heads=16, dim_head=64, layers=8, dtype="bfloat16",
                 compile=True, reps=20, steps=8, check_video="5,32,32"),
 }
