@@ -327,6 +327,47 @@ def _model_records(ctx, cfg, name: str, model, x, reps, do_compile, check) -> tu
     return records, fns
 
 
+LIBRARY_OPS = ("conv", "mm", "matmul", "scaled_dot_product", "attention")
+
+
+def library_share(fn, device) -> dict:
+    """One profiled call of `fn`: the share of self time in library kernels (convolutions, matmuls, attention:
+    what torch.compile leaves to the same cuDNN / cuBLAS / oneDNN calls) and in everything else (the
+    memory-bound ops fusion can remove). CUDA: device self time; CPU: CPU self time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.device(device).type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with torch.no_grad(), profile(activities=acts) as prof:
+        fn()
+        if cuda:
+            torch.cuda.synchronize(device)
+    lib = other = 0.0
+    for e in prof.key_averages():
+        t = (getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)) if cuda \
+            else e.self_cpu_time_total
+        if any(k in e.key for k in LIBRARY_OPS):
+            lib += t
+        else:
+            other += t
+    total = lib + other
+    return {"library_share": lib / total if total else float("nan"), "other_share": other / total if total else float("nan"),
+            "how": "torch.profiler self " + ("device" if cuda else "CPU") + " time, one call"}
+
+
+def _profile_records(ctx, cfg, models: dict) -> list[RunRecord]:
+    records = []
+    for name, (model, x) in models.items():
+        sh = library_share(lambda m=model, v=x: m(v, Ops("eager")), ctx.device)
+        rec = ctx.new_record(f"profile:{name}", variant="eager", workload=_workload(ctx, cfg, name, x.dtype,
+                                                                                     shapes={"input": list(x.shape)}),
+                             topology={"ranks": 1})
+        rec.add("library_share", sh["library_share"], "fraction", how=sh["how"], ops=list(LIBRARY_OPS))
+        rec.add("other_share", sh["other_share"], "fraction", how=sh["how"])
+        records.append(rec)
+    return records
+
+
 def _pipeline_records(ctx, cfg, latent_shape, dtype, steps, fps, decoders) -> list[RunRecord]:
     from ..context import results_dir
 
@@ -431,6 +472,7 @@ def measure(ctx, *, ch, ch_mult, video, heads, dim_head, layers, dtype, compile,
     records += recs
     block_shape = (1, cfg.widths[0], T, H, W)
     records += _block_records(ctx, cfg, block_shape, dt, reps, compile, ceil)
+    records += _profile_records(ctx, cfg, {"encoder": (enc, x), "decoder": (dec, z)})
     records += _pipeline_records(ctx, cfg, (1, z.shape[2], z.shape[3], z.shape[4]), dt, steps, fps, decoders)
     records += _gate_records(ctx, cfg, block_shape, dec, z, reps)
     records.append(_gate_checks(ctx, cfg, dec, zc, dt))
