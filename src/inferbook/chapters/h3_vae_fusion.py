@@ -10,6 +10,8 @@ epilogue, and a ViT3D decoder whose linears take RMSNorm, SwiGLU and a scaled re
 - `block:norm_silu_pad[group]` (variants eager, torch.compile, and on a GPU triton fused): the encoder's
   first-level pre-conv pass, with the bytes-moved model of each path and GB/s against the copy ceiling;
 - `encoder`, `decoder` (one per backend): the whole model, with the fused path's error against float64;
+- `profile:encoder`, `profile:decoder`: the eager model's share of self time in library kernels (conv,
+  matmul, attention), which torch.compile leaves to the same libraries;
 - `pipeline` (one per decoder backend): denoise / VAE decode / audio / save, each stage timed apart;
 - `gate:fp16_accumulation`, `gate:int8` (one per path): error against fp32 on every device, time where the
   path can be timed (the Triton kernels only on a GPU);
