@@ -467,7 +467,10 @@ def measure(ctx, *, ch, ch_mult, video, heads, dim_head, layers, dtype, compile,
     dec_check = check_model(dec, zc)
     x = make_video(cfg, (1, T, H, W), ctx.seed + 200, device=ctx.device, dtype=dt)
     with torch.no_grad():
-        z = enc(x)[:, :cfg.z_dim].contiguous()
+        # the means half of the moments, copied to standard strides: the denoiser's latents in the pipeline have
+        # them, and a compiled decoder (dynamic=False) would recompile for the slice's batch stride
+        m = enc(x)[:, :cfg.z_dim]
+        z = torch.empty(m.shape, device=m.device, dtype=m.dtype).copy_(m)
     recs, _ = _model_records(ctx, cfg, "encoder", enc, x, reps, compile, enc_check)
     records += recs
     recs, decoders = _model_records(ctx, cfg, "decoder", dec, z, reps, compile, dec_check)
