@@ -90,7 +90,7 @@ def test_canvas_blend_is_exact_for_a_pointwise_decoder(shape, tile, overlap):
 
 def test_free_memory_counts_like_comfyui():
     free, how = tiled.free_memory("cpu")
-    assert free > 0 and "psutil" in how
+    assert free > 0 and ("psutil" in how or "meminfo" in how)
 
 
 def test_choose_batch():

@@ -85,19 +85,27 @@ def blend(a: torch.Tensor, b: torch.Tensor, extent: int, dim: int) -> torch.Tens
     return torch.cat([blended, b.narrow(dim, extent, b.shape[dim] - extent)], dim=dim)
 
 
-def free_memory(device) -> tuple[int, str]:
+def free_memory(device) -> tuple[int | None, str]:
     """Bytes free for new tensors, as ComfyUI's get_free_memory counts them: on CUDA the device's free memory
     plus what the caching allocator holds reserved but not active (it reuses that before asking the driver);
-    on a CPU the available system memory (psutil). Returns (bytes, how)."""
+    on a CPU the available system memory (psutil as ComfyUI, else /proc/meminfo). Returns (bytes or None, how)."""
     device = torch.device(device)
     if device.type == "cuda":
         stats = torch.cuda.memory_stats(device)
         inactive = stats.get("reserved_bytes.all.current", 0) - stats.get("active_bytes.all.current", 0)
         free_cuda, _ = torch.cuda.mem_get_info(device)
         return int(free_cuda + inactive), "cuda mem_get_info free + allocator reserved-but-inactive"
-    import psutil
-
-    return int(psutil.virtual_memory().available), "psutil available system memory"
+    try:
+        import psutil  # what ComfyUI uses; not a dependency of this project
+        return int(psutil.virtual_memory().available), "psutil available system memory"
+    except ImportError:
+        pass
+    try:
+        with open("/proc/meminfo") as f:
+            kb = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+        return kb * 1024, "/proc/meminfo MemAvailable"
+    except (OSError, StopIteration, ValueError):
+        return None, "no free-memory count on this system: no limit"
 
 
 def weight_bytes(module: torch.nn.Module) -> int:
