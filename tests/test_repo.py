@@ -39,11 +39,12 @@ def test_chapter_source_is_text_without_outputs(src):
 
 
 @pytest.mark.parametrize("src", SOURCES, ids=lambda p: p.stem)
-def test_no_typed_speedups_or_cdn_math(src):
+def test_no_typed_speedups(src):
+    """Math is fine (MathJax ships with the book; the browser test proves no request leaves); typed
+    speed-ups are not: they are glued from the run."""
     text = src.read_text()
     prose = "\n".join(line for line in text.splitlines() if not line.startswith(("    ", "```")))
     assert not re.search(r"\b\d+(\.\d+)?[x×] (faster|slower|speedup)", prose), "glue numbers from the run"
-    assert not re.search(r"(?<!\\)\$[^$\n]+\$", prose), "no LaTeX math: the book has no MathJax offline"
 
 
 def test_toc_lists_exactly_the_written_chapters_in_book_order():

@@ -73,11 +73,25 @@ def parse_ints(name: str, text: str, n: int | None = None) -> tuple[int, ...]:
     return vals
 
 
+def video_shapes(cfg, video: str, check_video: str) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """(T, H, W) of the video and of the check video, refused (UserError) unless the encoder can read them."""
+    shapes = parse_ints("video", video, 3), parse_ints("check_video", check_video, 3)
+    p = cfg.patch
+    for nm, (_, hh, ww) in zip(("video", "check_video"), shapes):
+        if hh % p or ww % p:
+            raise UserError(f"{nm} H and W must be multiples of the encoder's downsampling {p}, got {hh}x{ww}")
+        if hh // p < 2 or ww // p < 2:
+            raise UserError(f"{nm} {hh}x{ww} leaves the last level {hh // p}x{ww // p}: reflect padding needs "
+                            f"at least 2x2 (H, W >= {2 * p})")
+    H, W = shapes[0][1:]
+    if (H // p) % 2 or (W // p) % 2:
+        raise UserError(f"video H/{p} and W/{p} must be even (the toy DiT's 2x2 patches), got {H // p}x{W // p}")
+    return shapes
+
+
 def check_params(P: dict) -> None:
     """Encoder widths, the video and the check video's sizes, before any work (`setup` calls this)."""
-    config_from(P)
-    parse_ints("video", P["video"], 3)
-    parse_ints("check_video", P["check_video"], 3)
+    video_shapes(config_from(P), P["video"], P["check_video"])
 
 
 def config_from(params: dict) -> H3Config:
@@ -453,18 +467,9 @@ def measure(ctx, *, ch, ch_mult, video, heads, dim_head, layers, dtype, compile,
     if reps < 2:
         raise UserError(f"reps must be >= 2 (a comparison needs two samples a side), got {reps}")
     cfg = config_from(dict(ch=ch, ch_mult=ch_mult, heads=heads, dim_head=dim_head, layers=layers))
-    T, H, W = parse_ints("video", video, 3)
-    ct, chh, cw = parse_ints("check_video", check_video, 3)
+    (T, H, W), (ct, chh, cw) = video_shapes(cfg, video, check_video)
     p = cfg.patch
-    for nm, (hh, ww) in (("video", (H, W)), ("check_video", (chh, cw))):
-        if hh % p or ww % p:
-            raise UserError(f"{nm} H and W must be multiples of the encoder's downsampling {p}, got {hh}x{ww}")
-        if hh // p < 2 or ww // p < 2:
-            raise UserError(f"{nm} {hh}x{ww} leaves the last level {hh // p}x{ww // p}: reflect padding needs "
-                            f"at least 2x2 (H, W >= {2 * p})")
     lat = (H // p) * (W // p)
-    if (H // p) % 2 or (W // p) % 2:
-        raise UserError(f"video H/{p} and W/{p} must be even (the toy DiT's 2x2 patches), got {H // p}x{W // p}")
     dt = dtype_of({"dtype": dtype})
     ceil = ceilings(ctx.device)
     enc, dec = init_h3(cfg, ctx.seed, device=ctx.device, dtype=dt)
@@ -658,17 +663,14 @@ def gpu_launches(params: dict) -> list:
 
 
 def roofline_work(params: dict) -> list[dict]:
-    """The fused blocks at the largest stage as {name, bytes, flops}: bytes `fused_bytes_moved`
-    (memory-bound; flops not counted)."""
+    """The fused norm + SiLU + pad pass the page times (the encoder's first level, its largest
+    activation) as {name, bytes, flops}: bytes from `fused_bytes_moved` (memory-bound; flops not counted)."""
     from ..diffusion.fused import fused_bytes_moved
 
     dt = getattr(torch, params["dtype"])
-    latent = (1, params["latent_frames"], params["latent_h"], params["latent_w"])
-    out = []
-    for norm in params["norms"].split(","):
-        shape = largest_stage_shape(config_from(params, norm), latent)
-        for op, res in (("norm_silu_pad", False), ("add_norm_silu_pad", True)):
-            out.append({"name": f"{op}[{norm}] {'x'.join(map(str, shape))}",
-                        "bytes": fused_bytes_moved(shape, dt.itemsize, (2, 1, 1), norm=norm, residual=res),
-                        "flops": 0.0, "record": f"block:{op}[{norm}]", "variant": "triton fused", "metric": "time"})
-    return out
+    cfg = config_from(params)
+    T, H, W = parse_ints("video", params["video"], 3)
+    shape = (1, cfg.widths[0], T, H, W)
+    return [{"name": f"norm_silu_pad[group] {'x'.join(map(str, shape))}",
+             "bytes": fused_bytes_moved(shape, dt.itemsize, (1, 1, 1, 1, 2), norm="group"),
+             "flops": 0.0, "record": "block:norm_silu_pad[group]", "variant": "triton fused", "metric": "time"}]

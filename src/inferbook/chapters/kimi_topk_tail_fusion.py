@@ -321,14 +321,16 @@ def gpu_launches(params: dict) -> list:
 
 
 def roofline_work(params: dict) -> list[dict]:
-    """The fused tail per format at the largest T as {name, bytes, flops}: bytes `traffic` with the
-    experts T·k uniformly routed slots are expected to touch; flops 2·T·k·H·I."""
+    """The fused tail per format at the largest T as {name, bytes, flops}: bytes `traffic` for the
+    T·k slots spread evenly over the experts (uniform routing: the counts a trained router only
+    approximates), at the GPU's BLOCK_M; flops 2·T·k·H·I."""
     E, k, H, I = params["experts"], params["top_k"], params["hidden"], params["inter"]
     T = parse_ints(params["tokens"], "tokens")[-1]
-    active = round(E * (1 - (1 - 1 / E) ** (T * k)))
+    counts = [T * k // E + (1 if e < T * k % E else 0) for e in range(E)]
+    block_m = FM.moe_config(T * k / E, False)["BLOCK_M"]
     out = []
     for fmt in parse_formats(params["formats"]):
-        tr = traffic(T, k, H, I, fmt, active)
-        out.append({"name": f"{fmt} tail fused T{T}", "bytes": tr["fused_bytes"], "flops": 2 * T * k * H * I,
+        tr = traffic(T, k, H, I, fmt, counts, block_m)
+        out.append({"name": f"{fmt} tail fused T{T}", "bytes": tr["fused"], "flops": 2 * T * k * H * I,
                     "record": f"{fmt}-T{T}-fused", "metric": "tail"})
     return out

@@ -383,5 +383,7 @@ def roofline_work(params: dict) -> list[dict]:
         active = E * (1 - (1 - k / E) ** C) + 1
         nbytes = active * per_expert + 2 * C * H * 2 + C * (k + 1) * (2 * I + I) * 2 * 2
         out.append({"name": f"fused layer C={C}", "bytes": nbytes, "flops": 2 * C * (k + 1) * 3 * H * I,
-                    "record": f"shared-fused-c{C}", "metric": "layer"})
+                    # the measured counterpart: the fused path at the tiles it picks on its own
+                    "record": f"shared-fused-c{C}-{tiles_tag(FM.moe_config(C * (k + 1) / (E + 1), False))}",
+                    "metric": "layer"})
     return out
