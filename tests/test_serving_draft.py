@@ -265,3 +265,43 @@ def test_the_drafter_computes_what_the_training_time_test_trained(tiny_pipeline)
     for j, (_, logits) in enumerate(outs):
         ref = torch.softmax(logits[0, S - 1] / temp, -1)
         assert float((q[0, j] - ref).abs().max()) <= 1e-5, (j, float((q[0, j] - ref).abs().max()))
+
+
+def test_the_engine_hands_over_the_features_of_every_accepted_position():
+    """At every round, each request's `draft_hidden_rows` are the target's features at the positions
+    before the tokens the drafter enters (the last step's new tokens), as a dense forward gives them;
+    with the committed (trained) models, so that rounds accept drafts and hand over several rows."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "data" / "models"
+    target = load_weights(root / "dspark-target.safetensors", "cpu").requires_grad_(False)
+    draft = load_draft(root / "dspark-draft-small.safetensors", target)
+    read = draft.cfg.layers_read
+
+    def dense_features(tokens):
+        k, v = target.new_cache(1)
+        h = target.embed(torch.tensor([tokens]))
+        outs = []
+        for j, layer in enumerate(target.layers):
+            h = layer(h, torch.arange(len(tokens)), target.cos, target.sin, k[j], v[j])
+            outs.append(h[0])
+        return torch.cat([outs[i - 1] for i in read[:-1]] + [target.norm(outs[-1])], dim=-1)
+
+    checked = []
+
+    class Checking(HiddenStateDrafter):
+        def propose(self, seqs, k, device):
+            for s in seqs:
+                rows, n = s.draft_hidden_rows, len(s.token_ids)
+                ref = dense_features(s.token_ids[:-1])[n - 1 - rows.shape[0]:]
+                assert rows.shape == ref.shape
+                assert float((rows - ref).abs().max()) <= 1e-4 * max(1.0, float(ref.abs().max()))
+                checked.append(rows.shape[0])
+            return super().propose(seqs, k, device)
+
+    prompts = [corpora.encode(d[:d.index("\nA:") + 3]) for d in corpora.load_corpus("math", "test")[:2]]
+    engine = LLMEngine(target, EngineConfig(max_num_batched_tokens=256, max_num_seqs=2, num_spec_tokens=4),
+                       drafter=Checking(draft))
+    with torch.no_grad():
+        engine.generate(prompts, SamplingParams(max_tokens=24))
+    assert max(checked) > 1, checked          # some rounds accepted drafts: several rows entered at once
