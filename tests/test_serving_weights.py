@@ -67,7 +67,7 @@ def test_target_file_is_refused_with_the_names(files, case):
 @pytest.mark.parametrize("case", list(CASES))
 def test_draft_file_is_refused_with_the_names(files, case):
     target, _, _, dpath = files
-    key = "blocks.1.w_up.weight"
+    key = "layers.1.mlp.up_proj.weight"
     edit, words = CASES[case]
     bad = rewrite(dpath, lambda s: edit(s, key))
     with pytest.raises(UserError) as e:
@@ -88,9 +88,9 @@ def test_good_files_load_exactly(files):
 
 def test_a_draft_that_claims_more_layers_than_it_holds_is_refused(files):
     target, _, _, dpath = files
-    # the metadata says 2 blocks; drop every tensor of block 1 (an untrained, partly saved draft)
-    bad = rewrite(dpath, lambda s: [s.pop(k) for k in list(s) if k.startswith("blocks.1.")])
-    with pytest.raises(UserError, match="missing tensors: blocks.1"):
+    # the metadata says 2 layers; drop every tensor of layer 1 (an untrained, partly saved draft)
+    bad = rewrite(dpath, lambda s: [s.pop(k) for k in list(s) if k.startswith("layers.1.")])
+    with pytest.raises(UserError, match="missing tensors: layers.1."):
         load_draft(bad, target)
 
 

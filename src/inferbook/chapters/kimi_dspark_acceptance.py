@@ -6,7 +6,7 @@ distribution changes acceptance — and warns that choosing a draft by acceptanc
 measuring per-round time, can pick a larger draft that is not faster.
 
 Here a small byte-level target and two hidden-state drafts (`draft.py`; 1 and 3 layers, each reading
-three target layers as EAGLE-3 does) were
+three target layers and attending over its own KV cache as EAGLE-3 does) were
 trained on three corpora (`corpora.py`: math, code, qa) by `train.py`, hidden-state extraction and
 draft training in separate processes; the weights are committed in `data/models/`. `measure`
 generates from held-out prompts of each task with k = 8 draft positions and returns records of
@@ -45,7 +45,7 @@ PARAMETERS = {
     "temperature": Param(float, 0.7, help="sampling temperature of target and drafts (0: greedy)"),
     "retrain": Param(bool, False, help="train target and drafts again in this run (minutes on CPU)"),
     "target_steps": Param(int, 600, help="target training steps when retraining"),
-    "draft_steps": Param(int, 400, help="draft training steps when retraining"),
+    "draft_steps": Param(int, 800, help="draft training steps when retraining"),
     "cpu_threads": Param(int, 1, min=0, help="torch threads on CPU during the measurement (0: leave as is)"),
     "timer": Param(str, help="'wall' (perf_counter, device synchronised) or 'process' (CPU seconds of this "
                              "process: on a shared CPU machine, excludes time spent waiting for a core)",
@@ -247,7 +247,9 @@ def _measure(ctx, *, num_spec_tokens, prompts_per_task, code_prompt_chars, outpu
             spread = cost_spread(steps, acc.accepted, k, seed=ctx.seed)
             meta = draft_metadata(paths[name])
             rec = ctx.new_record(f"{name}-{task}", variant=f"draft {name}", workload={
-                **common, "draft": f"hidden-state draft, {draft.cfg.n_layers} layer(s), ffn {draft.cfg.ffn}, reads "
+                **common, "draft": f"hidden-state draft, {draft.cfg.n_layers} layer(s) with own attention "
+                                   f"({draft.cfg.n_heads} heads, {draft.cfg.n_kv_heads} KV heads) and KV cache, "
+                                   f"ffn {draft.cfg.ffn}, reads "
                                    f"target layers {draft.cfg.feature_layers or target.cfg.n_layers} "
                                    f"({draft.cfg.n_params() / 1e6:.2f}M params)",
                 "draft_revision": f"sha256:{sha(paths[name])[:16]} (trained {meta.get('steps', '?')} steps from "

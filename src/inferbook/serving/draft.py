@@ -1,27 +1,36 @@
-"""A draft that reads the target's hidden states (EAGLE / DSpark style), and its drafter.
+"""A draft that reads the target's hidden states (EAGLE-3 / DSpark style), and its drafter.
 
-The draft never sees the context itself: the target's hidden states already summarise it.
-Given the target's features at position t and the next token x_{t+1}, it predicts the target's
-*next* final hidden state h_{t+1}; the target's own LM head turns that into logits for x_{t+2}.
-To propose k tokens it feeds its predicted hidden state back in (feature-level autoregression).
+Given the target's features at position t-1 and the token x_t, the draft predicts the target's
+final hidden state at t; the target's own LM head turns that into logits for x_{t+1}. To propose k
+tokens it feeds its predicted hidden state back in (feature-level autoregression).
 
-As EAGLE-3 and Speculators' drafts do, the first step can read several target layers
+As EAGLE-3 and Speculators' drafts do, the draft reads several target layers
 (`DraftConfig.feature_layers`, e.g. '1,2,4': a low, a middle and the last layer, the last one
-normed): each is RMS-normed and the concatenation is fused to d (`fuse`); later steps read the
-draft's own output instead. With no `feature_layers` it reads the final hidden state only.
-Unlike EAGLE-3 the draft has no attention and no KV cache of its own: its blocks are residual
-SwiGLU MLPs, so each position sees only the features handed to it, not the earlier positions.
+normed): each is RMS-normed and the concatenation is fused to d (`fuse`, EAGLE-3's `fc`); drafted
+positions read the draft's own output instead. With no `feature_layers` it reads the final hidden
+state only.
 
-The target's embedding and LM head are shared and frozen, so the draft file holds only the
-draft's own layers: `feature_norms` + `fuse` (multi-layer drafts), `fc` ([h; e(x)] -> d) and up to
-5 residual SwiGLU blocks.
+Each draft layer is a Llama-style decoder layer with its own causal self-attention over the draft's
+own positions (RoPE, grouped KV heads) and a SwiGLU MLP. With `token_input="eagle3"` (the default)
+the first layer is EAGLE-3's: its q/k/v projections read [input_norm(e(x_t)); hidden_norm(h)] (2d
+wide) and its residual is h; with "eagle1" (EAGLE-1/2's input) fc([e(x_t); h]) -> d starts the
+residual stream and every layer is a plain Llama layer. The draft
+keeps its own KV cache per request (`DraftKVCache`): entries for the positions whose features came
+from the target (the accepted prefix), to which each round appends its drafted positions; before
+the next round the cache is cut back to the accepted prefix and the newly accepted positions are
+entered again from the target's features — as EAGLE-3's `stable_kv` and vLLM's EAGLE proposer do.
+Unlike theirs, the cache starts at the prompt's last position (the engine hands over the target's
+features only for the rows it computes logits for), and it is a tensor per request inside the
+drafter, dropped when the request finishes, not pages in the engine's KV pool.
 
-Shapes: h [n, F*d] (first step, F target layers) or [n, d] (later steps), float32; x [n] int64 ->
-(h_next [n, d], logits [n, vocab]).
+The target's embedding and LM head are shared and frozen, so the draft file holds only the draft's
+own layers: `feature_norms` + `fuse` (multi-layer drafts), `fc` ("eagle1" only) and up to 5
+decoder layers + `norm`.
 """
 from __future__ import annotations
 
 import hashlib
+import weakref
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -34,6 +43,8 @@ from .model import RMSNorm, TinyDecoder
 from .sampler import exponential_race_sample
 
 MAX_DRAFT_LAYERS = 5
+# written into every draft file's metadata; the earlier drafts (MLP blocks, no attention) carry none
+DRAFT_FORMAT = "eagle3-attention-v1"
 
 
 @dataclass(frozen=True)
@@ -42,7 +53,13 @@ class DraftConfig:
     vocab: int
     n_layers: int = 1
     ffn: int = 256
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    rope_theta: float = 10000.0
     norm_eps: float = 1e-6
+    # how the token enters: "eagle3" (the first layer attends from [norm(e(x)); norm(h)], residual h) or
+    # "eagle1" (fc([e(x); h]) -> d starts the residual stream, then plain Llama layers)
+    token_input: str = "eagle3"
     # target layers whose outputs the first draft step reads, 1-based, comma-separated; the last is the
     # target's final (normed) hidden state. "" : only the final hidden state (one layer).
     feature_layers: str = ""
@@ -50,6 +67,13 @@ class DraftConfig:
     def __post_init__(self):
         if not 1 <= self.n_layers <= MAX_DRAFT_LAYERS:
             raise UserError(f"draft n_layers={self.n_layers} not allowed; use 1 to {MAX_DRAFT_LAYERS}")
+        if (self.n_heads < 1 or self.n_kv_heads < 1 or self.d_model % self.n_heads or self.n_heads % self.n_kv_heads
+                or (self.d_model // self.n_heads) % 2):
+            raise UserError(f"draft heads n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads} do not fit "
+                            f"d_model={self.d_model} (n_heads must divide d_model into an even head size, and "
+                            "n_kv_heads must divide n_heads)")
+        if self.token_input not in ("eagle3", "eagle1"):
+            raise UserError(f"draft token_input={self.token_input!r}: use 'eagle3' or 'eagle1'")
         if self.feature_layers:
             try:
                 layers = [int(v) for v in self.feature_layers.split(",")]
@@ -58,6 +82,10 @@ class DraftConfig:
             if not layers or min(layers) < 1 or layers != sorted(set(layers)):
                 raise UserError(f"draft feature_layers={self.feature_layers!r} must be increasing layer numbers "
                                 "from 1, comma-separated (e.g. '1,2,4')")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
 
     @property
     def layers_read(self) -> tuple[int, ...]:
@@ -69,22 +97,97 @@ class DraftConfig:
         return max(1, len(self.layers_read))
 
     def n_params(self) -> int:
-        d, f = self.d_model, self.n_features
+        d, f, dh = self.d_model, self.n_features, self.head_dim
         fuse = (f * d * d + f * d) if f > 1 else 0
-        return fuse + 2 * d * d + self.n_layers * (3 * d * self.ffn + d) + d
+
+        def layer(d_in: int, norms: int) -> int:
+            attn = d_in * dh * (self.n_heads + 2 * self.n_kv_heads) + self.n_heads * dh * d
+            return attn + 3 * d * self.ffn + norms * d
+
+        if self.token_input == "eagle1":
+            return fuse + 2 * d * d + self.n_layers * layer(d, 2) + d
+        return fuse + layer(2 * d, 3) + (self.n_layers - 1) * layer(d, 2) + d
 
 
-class DraftBlock(nn.Module):
-    def __init__(self, d: int, ffn: int, eps: float):
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [B, T] int64 -> cos, sin [B, 1, T, head_dim/2] float32 (the target's frequencies)."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
+    freqs = positions.float()[..., None] * inv
+    return freqs.cos()[:, None], freqs.sin()[:, None]
+
+
+def _rotate(x, cos, sin):
+    """x [B, H, T, D]: rotates (even, odd) pairs, as the target's `apply_rope`."""
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+
+
+class DraftAttention(nn.Module):
+    """Causal self-attention over the draft's own positions, with grouped KV heads and RoPE."""
+
+    def __init__(self, d_in: int, cfg: DraftConfig):
         super().__init__()
-        self.norm = RMSNorm(d, eps)
-        self.w_gate = nn.Linear(d, ffn, bias=False)
-        self.w_up = nn.Linear(d, ffn, bias=False)
-        self.w_down = nn.Linear(ffn, d, bias=False)
+        self.cfg = cfg
+        dh = cfg.head_dim
+        self.q_proj = nn.Linear(d_in, cfg.n_heads * dh, bias=False)
+        self.k_proj = nn.Linear(d_in, cfg.n_kv_heads * dh, bias=False)
+        self.v_proj = nn.Linear(d_in, cfg.n_kv_heads * dh, bias=False)
+        self.o_proj = nn.Linear(cfg.n_heads * dh, cfg.d_model, bias=False)
 
-    def forward(self, z):
-        h = self.norm(z)
-        return z + self.w_down(F.silu(self.w_gate(h)) * self.w_up(h))
+    def forward(self, x, cos, sin, past, mask):
+        """x [B, T, d_in]; cos/sin [B, 1, T, dh/2]; past: (K, V) [B, Hkv, P, dh] (keys rotated) or None;
+        mask [B, T, P + T] bool (True: may attend) or None (all of past, causal among the T new).
+        -> (out [B, T, d], (k, v) [B, Hkv, T, dh] of the T new positions)."""
+        cfg, (B, T, _) = self.cfg, x.shape
+        q = _rotate(self.q_proj(x).view(B, T, cfg.n_heads, cfg.head_dim).transpose(1, 2), cos, sin)
+        k = _rotate(self.k_proj(x).view(B, T, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2), cos, sin)
+        v = self.v_proj(x).view(B, T, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)
+        keys, values = (k, v) if past is None else (torch.cat([past[0], k], 2), torch.cat([past[1], v], 2))
+        rep = cfg.n_heads // cfg.n_kv_heads
+        if rep > 1:
+            keys, values = keys.repeat_interleave(rep, dim=1), values.repeat_interleave(rep, dim=1)
+        if mask is None:    # key j visible to query i iff j <= P + i
+            mask = torch.ones(T, keys.shape[2], dtype=torch.bool, device=x.device).tril(keys.shape[2] - T)
+        else:
+            mask = mask[:, None]
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, cfg.n_heads * cfg.head_dim)), (k, v)
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, d: int, ffn: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(d, ffn, bias=False)
+        self.up_proj = nn.Linear(d, ffn, bias=False)
+        self.down_proj = nn.Linear(ffn, d, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DraftLayer(nn.Module):
+    """A Llama decoder layer (pre-norm attention, then SwiGLU). The first layer is EAGLE-3's: attention
+    reads [input_layernorm(e(x)); hidden_norm(h)] (2d wide) and the residual stream starts at h."""
+
+    def __init__(self, cfg: DraftConfig, first: bool):
+        super().__init__()
+        d = cfg.d_model
+        self.first = first
+        self.input_layernorm = RMSNorm(d, cfg.norm_eps)
+        if first:
+            self.hidden_norm = RMSNorm(d, cfg.norm_eps)
+        self.self_attn = DraftAttention(2 * d if first else d, cfg)
+        self.post_attention_layernorm = RMSNorm(d, cfg.norm_eps)
+        self.mlp = SwiGLU(d, cfg.ffn)
+
+    def forward(self, z, emb, cos, sin, past, mask):
+        if self.first:
+            a_in = torch.cat([self.input_layernorm(emb), self.hidden_norm(z)], dim=-1)
+        else:
+            a_in = self.input_layernorm(z)
+        a, kv = self.self_attn(a_in, cos, sin, past, mask)
+        z = z + a
+        return z + self.mlp(self.post_attention_layernorm(z)), kv
 
 
 class HiddenStateDraft(nn.Module):
@@ -100,25 +203,35 @@ class HiddenStateDraft(nn.Module):
         if cfg.n_features > 1:   # EAGLE-3: low, middle and final target features, each normed, fused to d
             self.feature_norms = nn.ModuleList(RMSNorm(cfg.d_model, cfg.norm_eps) for _ in range(cfg.n_features))
             self.fuse = nn.Linear(cfg.n_features * cfg.d_model, cfg.d_model, bias=False)
-        self.fc = nn.Linear(2 * cfg.d_model, cfg.d_model, bias=False)
-        self.blocks = nn.ModuleList(DraftBlock(cfg.d_model, cfg.ffn, cfg.norm_eps) for _ in range(cfg.n_layers))
+        eagle3 = cfg.token_input == "eagle3"
+        if not eagle3:
+            self.fc = nn.Linear(2 * cfg.d_model, cfg.d_model, bias=False)
+        self.layers = nn.ModuleList(DraftLayer(cfg, first=eagle3 and i == 0) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         # shared with the target, frozen, not saved with the draft
         self.register_buffer("embed_weight", target.embed.weight.detach().clone(), persistent=False)
         self.register_buffer("lm_head_weight", target.lm_head.weight.detach().clone(), persistent=False)
 
-    def forward(self, h, x):
-        """h: the target's features [n, n_features * d] (first step) or the draft's own previous
-        output [n, d] (later steps, as in EAGLE-3); x [n] int64 -> (h_next [n, d], logits [n, V])."""
+    def forward(self, h, x, positions, past=None, mask=None):
+        """h [B, T, n_features * d]: the target's features at the positions before (first entries), or
+        [B, T, d]: the draft's own previous output (drafted positions, as in EAGLE-3); x [B, T] int64 the
+        tokens at `positions` [B, T] int64; past: per layer (K, V) [B, Hkv, P, dh] or None; mask
+        [B, T, P + T] bool or None (causal). -> (h_next [B, T, d], logits [B, T, V] float32,
+        per layer (k, v) [B, Hkv, T, dh] for the T positions, to be kept in the draft's KV cache)."""
         d = self.cfg.d_model
         if self.cfg.n_features > 1 and h.shape[-1] == self.cfg.n_features * d:
-            parts = h.view(*h.shape[:-1], self.cfg.n_features, d).unbind(-2)
+            parts = h.unflatten(-1, (self.cfg.n_features, d)).unbind(-2)
             h = self.fuse(torch.cat([norm(p) for norm, p in zip(self.feature_norms, parts)], dim=-1))
-        z = self.fc(torch.cat([h, F.embedding(x, self.embed_weight)], dim=-1))
-        for block in self.blocks:
-            z = block(z)
+        emb = F.embedding(x, self.embed_weight)
+        if self.cfg.token_input == "eagle1":
+            h = self.fc(torch.cat([emb, h], dim=-1))
+        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta)
+        z, new_kv = h, []
+        for i, layer in enumerate(self.layers):
+            z, kv = layer(z, emb, cos, sin, None if past is None else past[i], mask)
+            new_kv.append(kv)
         h_next = self.norm(z)
-        return h_next, F.linear(h_next, self.lm_head_weight).float()
+        return h_next, F.linear(h_next, self.lm_head_weight).float(), new_kv
 
 
 def save_draft(draft: HiddenStateDraft, path: str | Path, extra: dict | None = None) -> str:
@@ -127,7 +240,8 @@ def save_draft(draft: HiddenStateDraft, path: str | Path, extra: dict | None = N
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().contiguous().cpu() for k, v in draft.state_dict().items()}
-    meta = {k: str(v) for k, v in asdict(draft.cfg).items()} | {k: str(v) for k, v in (extra or {}).items()}
+    meta = ({k: str(v) for k, v in asdict(draft.cfg).items()} | {"draft_format": DRAFT_FORMAT}
+            | {k: str(v) for k, v in (extra or {}).items()})
     save_file(state, str(path), metadata=meta)
     from ..record import tensors_revision
 
@@ -137,19 +251,24 @@ def save_draft(draft: HiddenStateDraft, path: str | Path, extra: dict | None = N
 def load_draft(path: str | Path, target: TinyDecoder) -> HiddenStateDraft:
     """The draft from its safetensors file, loaded strictly: missing, renamed, extra or wrongly
     shaped tensors are refused with their names (a partly loaded draft would keep random layers
-    while its metadata still says how many steps it was trained)."""
+    while its metadata still says how many steps it was trained). A draft of the earlier format
+    (MLP blocks without attention) is refused by name."""
     from safetensors import safe_open
 
-    from .weights import config_from_metadata, load_strict
+    from .weights import config_from_metadata, load_strict, refuse_format
 
     try:
         with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
+            meta, names = f.metadata() or {}, list(f.keys())
     except FileNotFoundError:
         raise UserError(f"draft model file {path} does not exist") from None
     except Exception as e:
         raise UserError(f"draft model file {path} cannot be read as safetensors: {e}") from None
-    cfg = config_from_metadata(DraftConfig, meta, path, "draft model", required=("d_model", "vocab", "n_layers", "ffn"))
+    refuse_format(meta, names, path, "draft model", key="draft_format", expected=DRAFT_FORMAT,
+                  old_markers=("fc.weight", "blocks."),
+                  old_what="an MLP-only draft without attention (retrain it: data/models/README.md)")
+    cfg = config_from_metadata(DraftConfig, meta, path, "draft model",
+                               required=("d_model", "vocab", "n_layers", "ffn", "n_heads", "n_kv_heads"))
     p = next(target.parameters())
     draft = HiddenStateDraft(cfg, target)
     load_strict(draft, path, "draft model")
@@ -163,8 +282,34 @@ def draft_metadata(path: str | Path) -> dict:
         return dict(f.metadata() or {})
 
 
+class DraftKVCache:
+    """One request's draft KV cache: per draft layer (K, V) [Hkv, T, dh] for positions start .. start+T-1."""
+
+    def __init__(self, start: int, kv: list[tuple[torch.Tensor, torch.Tensor]]):
+        self.start, self.kv = start, kv
+
+    @property
+    def end(self) -> int:
+        """The first position not held."""
+        return self.start + self.kv[0][0].shape[1]
+
+    def __len__(self) -> int:
+        return self.kv[0][0].shape[1]
+
+    def truncate(self, end: int) -> None:
+        """Roll back: keep only the entries of positions before `end`."""
+        keep = max(0, end - self.start)
+        self.kv = [(k[:, :keep], v[:, :keep]) for k, v in self.kv]
+
+
 class HiddenStateDrafter:
-    """Engine drafter: k proposals from the draft, fed by each request's last target hidden state.
+    """Engine drafter: k proposals per request from the draft, which keeps its own KV cache per request.
+
+    Each round, per request: the cache is rolled back to the accepted prefix (the drafted entries of
+    the last round are dropped), the positions accepted since — one per token the target produced,
+    each paired with the target's features at the position before (`seq.draft_hidden_rows`, else
+    `seq.draft_hidden` alone) — are entered in one causal pass, and the k - 1 further positions are
+    drafted one at a time from the draft's own output, each written to the cache too.
 
     temperature 0: greedy proposals, deterministic, so their probabilities are one-hot.
     temperature > 0: each proposal is sampled from the draft's softmax at that temperature, and that
@@ -181,32 +326,111 @@ class HiddenStateDrafter:
         # which target layers the engine must hand over as `draft_hidden` (None: the final one)
         self.feature_layers = draft.cfg.layers_read or None
         self.generator: torch.Generator | None = None   # on the draft's device, made at first use
+        self.caches: dict[int, tuple[weakref.ref, DraftKVCache]] = {}   # request key -> (request, its cache)
 
     def _generator(self, device) -> torch.Generator:
         if self.generator is None or self.generator.device != torch.device(device):
             self.generator = torch.Generator(device=device).manual_seed(self.seed)
         return self.generator
 
+    @staticmethod
+    def _key(seq) -> int:
+        return getattr(seq, "seq_id", None) if getattr(seq, "seq_id", None) is not None else id(seq)
+
+    def _forget_finished(self) -> None:
+        """Drop the caches of requests that finished or no longer exist."""
+        for key in [k for k, (ref, _) in self.caches.items()
+                    if ref() is None or getattr(ref(), "finish_s", None) is not None]:
+            del self.caches[key]
+
+    def cache_for(self, seq, first: int) -> DraftKVCache | None:
+        """The request's cache rolled back to the positions before `first`, or None (no cache, or one
+        that misses positions before `first`: a step went by without drafting, so start again)."""
+        entry = self.caches.get(self._key(seq))
+        if entry is None or entry[0]() is not seq:
+            return None
+        cache = entry[1]
+        cache.truncate(first)   # roll back: drop last round's drafted (and any rejected) positions
+        if cache.end < first:
+            del self.caches[self._key(seq)]
+            return None
+        return cache
+
+    def _pick(self, logits, gen, probs: list):
+        if self.temperature == 0:
+            return logits.argmax(-1)
+        p = torch.softmax(logits / self.temperature, dim=-1)
+        probs.append(p)
+        return exponential_race_sample(p, gen)
+
     @torch.no_grad()
     def propose(self, seqs, k: int, device) -> tuple[torch.Tensor, torch.Tensor | None]:
         """-> (draft tokens [n, k] int64, draft probabilities [n, k, V], or None when greedy: one-hot).
 
         Everything stays on the draft's device: no `.cpu()`, `.item()` or host-side sampling per
-        position, so on a GPU the k positions are queued without a host sync. Sampling draws an
-        exact categorical sample as argmax(p / E), E ~ Exp(1) i.i.d. (the exponential race, as
-        vLLM's sampler does), from a generator on the same device."""
-        h = torch.stack([s.draft_hidden for s in seqs]).float()
-        x = torch.tensor([s.token_ids[-1] for s in seqs], dtype=torch.long).to(h.device, non_blocking=True)
+        position (the host builds only index and mask tensors from token counts it already has), so
+        on a GPU the k positions are queued without a host sync. Sampling draws an exact categorical
+        sample as argmax(p / E), E ~ Exp(1) i.i.d. (the exponential race, as vLLM's sampler does),
+        from a generator on the same device."""
+        draft = self.draft
+        dev = draft.embed_weight.device
+        cfg = draft.cfg
+        self._forget_finished()
+        n = len(seqs)
+        feats, toks, firsts, caches = [], [], [], []
+        for s in seqs:
+            rows = getattr(s, "draft_hidden_rows", None)
+            rows = s.draft_hidden[None] if rows is None else rows
+            first = len(s.token_ids) - rows.shape[0]   # rows[j]: the target's features at position first + j - 1
+            feats.append(rows)
+            toks.append(s.token_ids[first:])
+            firsts.append(first)
+            caches.append(self.cache_for(s, first))
+        ms = [len(t) for t in toks]
+        cs = [0 if c is None else len(c) for c in caches]
+        M, C = max(ms), max(cs)
+        h = torch.nn.utils.rnn.pad_sequence([f.float() for f in feats], batch_first=True).to(dev)
+        x = torch.tensor([t + [0] * (M - len(t)) for t in toks], dtype=torch.long).to(dev, non_blocking=True)
+        pos = (torch.tensor(firsts)[:, None] + torch.arange(M)).to(dev, non_blocking=True)
+        hkv, dh = cfg.n_kv_heads, cfg.head_dim
+        past = []
+        for layer in range(cfg.n_layers):
+            kv = []
+            for which in (0, 1):
+                buf = torch.zeros(n, hkv, C, dh, device=dev)
+                for i, c in enumerate(caches):
+                    if c is not None and cs[i]:
+                        buf[i, :, :cs[i]] = c.kv[layer][which]
+                kv.append(buf)
+            past.append(tuple(kv))
+        # [n, M, C + M]: the cached positions, then causal among the new ones (padded rows see themselves)
+        c_len, m_len = torch.tensor(cs)[:, None, None], torch.tensor(ms)[:, None, None]
+        qi, kj = torch.arange(M)[None, :, None], torch.arange(C + M)[None, None, :]
+        new_j = kj - C
+        mask = (kj < c_len) | ((kj >= C) & (new_j <= qi) & ((new_j < m_len) | (new_j == qi)))
+        h_all, logits_all, new_kv = draft(h, x, pos, past, mask.to(dev, non_blocking=True))
+        keys = [(torch.cat([pk, k_], 2), torch.cat([pv, v_], 2)) for (pk, pv), (k_, v_) in zip(past, new_kv)]
+        rows = torch.arange(n, device=dev)
+        last = torch.tensor([m - 1 for m in ms]).to(dev, non_blocking=True)
+        h_last, logits = h_all[rows, last][:, None], logits_all[rows, last]
+        # what a drafted position may see: the real cache entries, the new entries, then drafted ones
+        seen = ((kj < c_len) | ((kj >= C) & (new_j < m_len)))[:, :1].to(dev, non_blocking=True)   # [n, 1, C + M]
+        gen = self._generator(dev) if self.temperature > 0 else None
         tokens, probs = [], []
-        gen = self._generator(h.device) if self.temperature > 0 else None
-        for _ in range(k):
-            h, logits = self.draft(h, x)
-            if self.temperature == 0:
-                x = logits.argmax(-1)
-            else:
-                p = torch.softmax(logits / self.temperature, dim=-1)
-                x = exponential_race_sample(p, gen)
-                probs.append(p)
-            tokens.append(x)
-        toks = torch.stack(tokens, dim=1).to(device)
-        return toks, (torch.stack(probs, dim=1).to(device) if probs else None)
+        x_next = self._pick(logits, gen, probs)
+        tokens.append(x_next)
+        step_pos = torch.tensor([f + m for f, m in zip(firsts, ms)])[:, None].to(dev, non_blocking=True)
+        for j in range(1, k):
+            step_mask = torch.cat([seen, torch.ones(n, 1, j, dtype=torch.bool, device=dev)], dim=-1)
+            h_last, lg, kv = draft(h_last, x_next[:, None], step_pos + (j - 1), keys, step_mask)
+            keys = [(torch.cat([pk, k_], 2), torch.cat([pv, v_], 2)) for (pk, pv), (k_, v_) in zip(keys, kv)]
+            x_next = self._pick(lg[:, 0], gen, probs)
+            tokens.append(x_next)
+        # keep, per request: its cached entries, the new accepted ones and this round's drafted ones
+        # (the next round rolls the drafted ones back before entering what was accepted)
+        for i, s in enumerate(seqs):
+            kv_i = [tuple(torch.cat([t[i, :, :cs[i]], t[i, :, C:C + ms[i]], t[i, :, C + M:]], dim=1) for t in pair)
+                    for pair in keys]
+            self.caches[self._key(s)] = (weakref.ref(s), DraftKVCache(firsts[i] - cs[i], kv_i))
+        toks_out = torch.stack(tokens, dim=1).to(device)
+        return toks_out, (torch.stack(probs, dim=1).to(device) if probs else None)

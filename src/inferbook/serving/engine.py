@@ -227,6 +227,8 @@ class LLMEngine:
             # the target's hidden state at the row that produced the last new token
             last_row = rows[seq.seq_id] + (len(toks) - 1 if c.num_spec_tokens else 0)
             seq.draft_hidden = hidden[last_row]
+            # the features at every row that produced a new token: a draft with its own KV cache enters them all
+            seq.draft_hidden_rows = hidden[rows[seq.seq_id]:last_row + 1]
             seq.token_ids.extend(toks)
             if len(seq.output_ids) >= seq.params.max_tokens:
                 del seq.token_ids[seq.num_prompt_tokens + seq.params.max_tokens:]

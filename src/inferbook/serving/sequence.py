@@ -52,6 +52,7 @@ class Sequence:
     finish_s: float | None = None
     generator: torch.Generator | None = None
     draft_hidden: torch.Tensor | None = None  # target hidden state feeding a hidden-state draft
+    draft_hidden_rows: torch.Tensor | None = None  # [m, F*d]: features of the last step's m new tokens' rows
     accepted_per_round: list[int] = field(default_factory=list)
 
     def __post_init__(self):

@@ -155,34 +155,62 @@ def load_features(shards: Path) -> tuple[torch.Tensor, str]:
     return torch.cat([p["features"] for p in parts]).float(), info["feature_layers"]
 
 
-def draft_loss(draft: HiddenStateDraft, H: torch.Tensor, X: torch.Tensor, rows: torch.Tensor, t: torch.Tensor,
-               unroll: int, features: torch.Tensor | None = None) -> torch.Tensor:
-    """H [N, S, d] target hidden states, X [N, S] tokens; (rows, t) [R] pick R start positions.
-    From (features[t] (or H[t]), X[t+1]) predict H[t+1] and the target's distribution for X[t+2];
-    then continue `unroll - 1` steps from the draft's own predicted hidden state (what it sees at
-    inference), teacher-forcing the tokens."""
-    h = (features if features is not None else H)[rows, t]
-    total = 0.0
+def training_time_test(draft: HiddenStateDraft, h: torch.Tensor, x: torch.Tensor, positions: torch.Tensor,
+                       unroll: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """EAGLE-3's training-time test. h [B, S, F x d]: the target's features at positions p - 1 for S
+    draft positions p; x [B, S + unroll - 1]: the tokens at positions p, p + 1, ...; positions [B, S].
+
+    Step 0, all S positions at once (causal self-attention): from the features at p - 1 and the
+    token x_p. Step j = 1 .. unroll - 1: the chain that started at p continues from its own step j - 1
+    output with the token x_{p+j}, attending to the step-0 entries at positions <= p (what the draft's
+    cache holds at inference: the accepted prefix) and to its own earlier steps (its drafted
+    positions): a causal block, then one diagonal block per earlier step, as EAGLE-3's training mask.
+    -> per step (h_next, logits) [B, S, d], [B, S, V]; step j at chain p predicts position p + j."""
+    B, S = h.shape[:2]
+    causal = torch.ones(S, S, dtype=torch.bool, device=h.device).tril()
+    diag = torch.eye(S, dtype=torch.bool, device=h.device)
+    past, outs = None, []
     for j in range(unroll):
-        x_next = X[rows, t + 1 + j]
-        target_h = H[rows, t + 1 + j]
-        h, logits = draft(h, x_next)
+        mask = None if j == 0 else torch.cat([causal] + [diag] * j, dim=1).expand(B, S, (j + 1) * S)
+        h, logits, kv = draft(h, x[:, j:j + S], positions + j, past, mask)
+        past = kv if past is None else [(torch.cat([pk, k], 2), torch.cat([pv, v], 2))
+                                        for (pk, pv), (k, v) in zip(past, kv)]
+        outs.append((h, logits))
+    return outs
+
+
+def draft_loss(draft: HiddenStateDraft, H: torch.Tensor, X: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor,
+               window: int, unroll: int, features: torch.Tensor | None = None) -> torch.Tensor:
+    """H [N, S, d] target hidden states, X [N, S] tokens, features [N, S, F x d] (or None: H); window b
+    covers row rows[b], positions starts[b] .. starts[b] + window + unroll - 1. Each step of the
+    training-time test is scored against the target: KL from the target's next-token distribution
+    and smooth-L1 to its final hidden state at the predicted position."""
+    S, U = window, unroll
+    idx = starts[:, None] + torch.arange(S + U)
+    Xw, Hw = X[rows[:, None], idx], H[rows[:, None], idx]
+    h = (features if features is not None else H)[rows[:, None], idx][:, :S]
+    total = 0.0
+    for j, (h_next, logits) in enumerate(training_time_test(draft, h, Xw[:, 1:], idx[:, 1:S + 1], U)):
+        target_h = Hw[:, 1 + j:S + 1 + j]
         with torch.no_grad():
             p = F.softmax(F.linear(target_h, draft.lm_head_weight), dim=-1)
         kl = (p * (p.clamp_min(1e-9).log() - F.log_softmax(logits, -1))).sum(-1).mean()
-        total = total + kl + F.smooth_l1_loss(h, target_h)
+        total = total + kl + F.smooth_l1_loss(h_next, target_h)
     return total / unroll
 
 
-def train_draft(shards: Path, target_path: Path, out: Path, *, name="small", steps=400, batch=512, lr=2e-3,
-                unroll=3, seed=0, log=print) -> dict:
+def train_draft(shards: Path, target_path: Path, out: Path, *, name="small", steps=800, windows=8, window=124,
+                lr=2e-3, unroll=3, token_input="eagle3", seed=0, log=print) -> dict:
     torch.manual_seed(seed)
     n_layers, ffn = DRAFTS[name]
     target = load_weights(target_path, "cpu")           # only its embedding and LM head are used
     H, X = load_shards(shards)
     features, layers = load_features(shards)
-    draft = HiddenStateDraft(DraftConfig(d_model=target.cfg.d_model, vocab=target.cfg.vocab, n_layers=n_layers,
-                                         ffn=ffn, feature_layers=layers), target)
+    window = min(window, H.shape[1] - 1 - unroll)
+    tc = target.cfg
+    draft = HiddenStateDraft(DraftConfig(d_model=tc.d_model, vocab=tc.vocab, n_layers=n_layers, ffn=ffn,
+                                         n_heads=tc.n_heads, n_kv_heads=tc.n_kv_heads, rope_theta=tc.rope_theta,
+                                         feature_layers=layers, token_input=token_input), target)
     del target
     opt = torch.optim.AdamW(draft.parameters(), lr=lr, weight_decay=0.0)
     g = torch.Generator().manual_seed(seed)
@@ -190,22 +218,22 @@ def train_draft(shards: Path, target_path: Path, out: Path, *, name="small", ste
     for step in range(steps):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, steps, lr)
-        rows = torch.randint(len(H), (batch,), generator=g)
-        t = torch.randint(H.shape[1] - 1 - unroll, (batch,), generator=g)
-        loss = draft_loss(draft, H, X, rows, t, unroll, features)
+        rows = torch.randint(len(H), (windows,), generator=g)
+        starts = torch.randint(H.shape[1] - window - unroll + 1, (windows,), generator=g)
+        loss = draft_loss(draft, H, X, rows, starts, window, unroll, features)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
         losses.append(loss.item())
         if step % 100 == 0 or step == steps - 1:
             log(f"draft[{name}] step {step}/{steps} loss {loss.item():.3f} ({time.perf_counter() - t0:.0f} s)")
-    sha = save_draft(draft.eval(), out, extra={"name": name, "steps": steps, "unroll": unroll,
-                                               "trained_from": "hidden-state shards"})
+    sha = save_draft(draft.eval(), out, extra={"name": name, "steps": steps, "unroll": unroll, "windows": windows,
+                                               "window": window, "trained_from": "hidden-state shards"})
     return {"path": str(out), "sha256": sha, "final_loss": sum(losses[-20:]) / len(losses[-20:]),
             "seconds": time.perf_counter() - t0, "steps": steps, "name": name}
 
 
-def run_all(out: Path, shards: Path, *, target_steps=500, draft_steps=400, windows_per_task=96, threads=1,
+def run_all(out: Path, shards: Path, *, target_steps=500, draft_steps=800, windows_per_task=96, threads=1,
             log=print) -> dict:
     """Step 1 here; steps 2 and 3 each in a fresh Python process, talking only through files."""
     out.mkdir(parents=True, exist_ok=True)
@@ -229,7 +257,7 @@ def main(argv=None) -> None:
     a.add_argument("--out", type=Path, required=True)
     a.add_argument("--shards", type=Path, default=Path("_build/dspark-shards"))
     a.add_argument("--target-steps", type=int, default=500)
-    a.add_argument("--draft-steps", type=int, default=400)
+    a.add_argument("--draft-steps", type=int, default=800)
     a.add_argument("--windows-per-task", type=int, default=96)
     t = sub.add_parser("target")
     t.add_argument("--out", type=Path, required=True)
@@ -244,7 +272,11 @@ def main(argv=None) -> None:
     d.add_argument("--shards", type=Path, required=True)
     d.add_argument("--out", type=Path, required=True)
     d.add_argument("--name", choices=tuple(DRAFTS), default="small")
-    d.add_argument("--steps", type=int, default=400)
+    d.add_argument("--steps", type=int, default=800)
+    d.add_argument("--windows", type=int, default=8, help="training windows per step")
+    d.add_argument("--window", type=int, default=124, help="draft positions per window (at most seq_len - 1 - unroll)")
+    d.add_argument("--token-input", choices=("eagle3", "eagle1"), default="eagle3")
+    d.add_argument("--lr", type=float, default=2e-3)
     for p in (a, t, e, d):
         p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     args = ap.parse_args(argv)
@@ -257,7 +289,8 @@ def main(argv=None) -> None:
     elif args.cmd == "extract":
         extract_hidden(args.target, args.shards, windows_per_task=args.windows_per_task, seq_len=args.seq_len)
     else:
-        print(json.dumps(train_draft(args.shards, args.target, args.out, name=args.name, steps=args.steps), indent=1))
+        print(json.dumps(train_draft(args.shards, args.target, args.out, name=args.name, steps=args.steps,
+                                     windows=args.windows, window=args.window, token_input=args.token_input, lr=args.lr), indent=1))
 
 
 if __name__ == "__main__":

@@ -76,3 +76,17 @@ def config_from_metadata(cls, meta: dict, path: str | Path, what: str, required:
         except ValueError:
             raise UserError(f"{what} file {path}: metadata {k}={v!r} is not a number") from None
     return cls(**values)
+
+
+def refuse_format(meta: dict, names, path: str | Path, what: str, *, key: str, expected: str,
+                  old_markers: tuple[str, ...], old_what: str) -> None:
+    """Refuse a file whose metadata `key` is not `expected`, naming the tensors that mark it as the
+    older format (`old_markers`: exact names or name prefixes ending in '.') when it has them."""
+    if meta.get(key) == expected:
+        return
+    old = [n for n in names if any(n == m or (m.endswith(".") and n.startswith(m)) for m in old_markers)]
+    found = f"{key}={meta[key]!r}" if key in meta else f"no {key} in its metadata"
+    msg = f"{what} file {path} has {found}, expected {key}={expected!r}"
+    if old:
+        msg += f"; its tensors {_listing(old, 4)} mark it as {old_what}"
+    raise UserError(msg)
