@@ -105,3 +105,10 @@ def test_readme_opens_with_the_two_commands():
 
 def test_ci_runs_make_test():
     assert "make test" in (ROOT / ".ci" / "run").read_text()
+
+
+def test_chapter_titles_match_the_table_of_contents():
+    for info in toc.CHAPTERS.values():
+        heading = next(line for line in (ROOT / "chapters" / f"{info.slug}.md").read_text().splitlines()
+                       if line.startswith("# "))
+        assert heading[2:].strip() == info.title, (info.slug, heading)

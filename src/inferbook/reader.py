@@ -94,19 +94,24 @@ def reader_notebook(nb, slug: str):
 def _shown(m: dict) -> str:
     from .measure import significant
 
-    unit = m.get("unit", "")
+    unit, value = m.get("unit", ""), m["value"]
     if unit == "s":
-        return f"{significant(m['value'] * 1e3)} ms"
-    return f"{significant(m['value'])} {unit}".strip()
+        return f"{significant(value * 1e3)} ms"
+    if unit == "fraction":
+        return f"{significant(100 * value)} %"
+    shown = str(int(value)) if float(value).is_integer() else significant(value)
+    return f"{shown} {unit}".strip()
 
 
 def headline(module, records) -> tuple[str, str] | None:
     """(what, value) of the chapter's headline measurement: the one its measure module names in
-    `HEADLINE = (record name, measurement name)`, else the first timed measurement of its first
-    measured (not quoted) record, else its first measurement."""
+    `HEADLINE = (record name prefix, measurement name)` (names carry the preset's shapes, e.g.
+    'shared-fused-c1-<tiles>'), else the first timed measurement of its first measured (not quoted)
+    record, else its first measurement."""
     measured = [r for r in records if not str(r.source).startswith("quoted")]
     spec = getattr(module, "HEADLINE", None)
-    candidates = ([(r, m) for r in measured for m in r.measurements if spec and (r.name, m["name"]) == tuple(spec)]
+    candidates = ([(r, m) for r in measured for m in r.measurements
+                   if spec and r.name.startswith(spec[0]) and m["name"] == spec[1]]
                   + [(r, m) for r in measured for m in r.measurements if m.get("unit") in ("s", "ms")]
                   + [(r, m) for r in measured for m in r.measurements])
     if not candidates:

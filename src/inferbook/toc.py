@@ -83,7 +83,7 @@ PARTS = {
 }
 
 CHAPTERS: dict[str, ChapterInfo] = {c.slug: c for c in [
-    ChapterInfo("h3-vae-fusion", "h3", "Fused video-VAE decode and its fallbacks", "一"),
+    ChapterInfo("h3-vae-fusion", "h3", "Fused H3 VAE paths and their fallbacks", "一"),
     ChapterInfo("h3-tiled-decode", "h3", "Tiled decode batched by free memory", "一"),
     ChapterInfo("comfy-generic-loops", "h3", "Generic loops in a workflow executor", "一"),
     ChapterInfo("omni-h3-workflows", "h3", "H3 workflows, references and checked media", "一"),

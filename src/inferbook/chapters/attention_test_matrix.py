@@ -23,6 +23,9 @@ from ..presets import Param
 from ..record import RunRecord
 from ..attention import flash, matrix
 
+# The results page's headline: (record name prefix, measurement).
+HEADLINE = ('matrix', 'failed_checks')
+
 PARAMETERS = {
     "mode": Param(str, help="pairwise (every pair of axis values) or product (every combination)",
                   choices=("pairwise", "product")),

@@ -37,6 +37,9 @@ from ..moe.timing import gpu_time
 KIMI_K2 = dict(hidden=7168, moe_inter=2048, experts=384, top_k=8, ep=8)
 SEED_SOURCE = "quoted: seed §三 (Novita Chord engineering report, 2026-09-15)"
 
+# The results page's headline: (record name prefix, measurement).
+HEADLINE = ('routing', 'tokens_per_expert_median')
+
 PARAMETERS = {
     "route_tokens": Param(int, help="tokens routed at Kimi-K2 shapes for the histogram"),
     "skew": Param(float, help="expert popularity skew of the synthetic router (0: none)"),

@@ -35,6 +35,9 @@ from ..workflow.executor import Executor
 # Optional packages this chapter cannot run without (`setup` says so in one line when missing).
 REQUIRES = {"av": "PyAV: the workflow's SaveVideo node writes and probes MP4 files"}
 
+# The results page's headline: (record name prefix, measurement).
+HEADLINE = ('cache-on', 'wall_same')
+
 PARAMETERS = {
     "width": Param(int, help="frame width (multiple of 4)"),
     "height": Param(int, help="frame height (multiple of 4)"),

@@ -28,6 +28,9 @@ from ..presets import Param
 from ..record import RunRecord
 from ..attention import decode, lean
 
+# The results page's headline: (record name prefix, measurement).
+HEADLINE = ('engine-determinism', 'distinct_completions')
+
 PARAMETERS = {
     "batch_sizes": Param(tuple, help="batch sizes the same request is placed in (comma list)"),
     "heads": Param(int, help="query heads"),

@@ -20,6 +20,9 @@ from ..presets import Param
 from ..record import RunRecord
 from ..numerics import gdn, small_op_threads
 
+# The results page's headline: (record name prefix, measurement).
+HEADLINE = ('harness:recurrent', 'cases passed')
+
 PARAMETERS = {
     "head_dims": Param(str, help="comma-separated head dims swept by the harness"),
     "lengths": Param(str, help="comma-separated sequence lengths (odd on purpose)"),

@@ -41,6 +41,9 @@ def decoder_config_from(params: dict, norm: str) -> VAEConfig:
     return VAEConfig(z_dim=params["z_dim"], channels=ch, temporal_up=temporal, norm=norm)
 
 
+# The results page's headline: (record name prefix, measurement).
+HEADLINE = ('tiled[max_batch=4]', 'time')
+
 PARAMETERS = {
     "channels": Param(str, help="decoder stage widths, bottleneck first, comma-separated"),
     "z_dim": Param(int, help="latent channels"),

@@ -38,6 +38,9 @@ from ..diffusion.vae import H3Config, compiled, fp64_reference, init_h3, make_vi
 # Optional packages this chapter cannot run without (`setup` says so in one line when missing).
 REQUIRES = {"av": "PyAV: the toy pipeline saves its video as H.264 + AAC in MP4"}
 
+# The results page's headline: (record name prefix, measurement).
+HEADLINE = ('pipeline', 'vae_share')
+
 PARAMETERS = {
     "ch": Param(int, help="encoder base width (ComfyUI's H3: 128)"),
     "ch_mult": Param(str, help="encoder width multipliers per level, comma-separated (H3: 1,2,2,4,4,8)"),

@@ -37,6 +37,9 @@ from .kimi_spec_budget import torch_threads
 from ..serving.speculative import leviathan_expected_length
 from ..serving.train import DRAFTS, TARGET_FILE, draft_file, run_all
 
+# The results page's headline: (record name prefix, measurement).
+HEADLINE = ('small-math', 'mean_acceptance_length')
+
 PARAMETERS = {
     "num_spec_tokens": Param(int, 8, help="draft positions per round, k (the seed: 8)"),
     "prompts_per_task": Param(int, help="held-out prompts per task"),

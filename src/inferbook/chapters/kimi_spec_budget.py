@@ -36,6 +36,9 @@ from ..serving.model import TinyConfig, TinyDecoder, init_weights, save_weights,
 from ..serving.sequence import SamplingParams
 from ..serving.speculative import NgramDrafter
 
+# The results page's headline: (record name prefix, measurement).
+HEADLINE = ('adaptive-c', 'mean_ttft')
+
 PARAMETERS = {
     "d_model": Param(int, help="target model width"),
     "n_layers": Param(int, help="target decoder layers"),

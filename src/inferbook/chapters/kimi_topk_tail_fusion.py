@@ -48,6 +48,9 @@ VARIANTS = {  # record variant -> (moe_tail kernel, fused)
 }
 QUANT_LABEL = {"bf16": "none (bf16)", "w4a16": "w4a16 g32", "mxfp4": MXF.LABEL}
 
+# The results page's headline: (record name prefix, measurement).
+HEADLINE = ('cpu-bf16', 'combine_share')
+
 PARAMETERS = {
     "hidden": Param(int, help="output size of the down projection (model hidden)"),
     "inter": Param(int, help="expert FFN size (down projection input)"),

@@ -35,6 +35,9 @@ from ..moe.timing import gpu_time
 SEED_SOURCE = "quoted: seed §四 (vLLM blog on MiniMax M3 / AMD MI355X, 2026-09-10)"
 SEED_PR_SOURCE = "quoted: seed §四 (the shared-expert fusion PR, as cited by the vLLM blog)"
 
+# The results page's headline: (record name prefix, measurement).
+HEADLINE = ('shared-fused-c1', 'gain_vs_separate')
+
 PARAMETERS = {
     "hidden": Param(int, help="hidden size of the MoE used for the shared-expert runs"),
     "inter": Param(int, help="expert FFN size (routed and shared expert alike)"),

@@ -37,6 +37,9 @@ from ..workflow.references import check_service_mapping
 # Optional packages this chapter cannot run without (`setup` says so in one line when missing).
 REQUIRES = {"av": "PyAV: the workflows write, read and probe MP4 video and audio"}
 
+# The results page's headline: (record name prefix, measurement).
+HEADLINE = ('t2va', 'request')
+
 PARAMETERS = {
     "model": Param(str, help="toy served model (size)", choices=("toy-h3-tiny", "toy-h3-small", "toy-h3-base")),
     "width": Param(int, help="video width (multiple of 16)"),

@@ -25,6 +25,9 @@ from ..presets import Param
 from ..record import RunRecord
 from ..comm import allreduce as ar, tail, vocab_greedy as vg, workers
 
+# The results page's headline: (record name prefix, measurement).
+HEADLINE = ('tail', 'naive_bits_differ_out')
+
 PARAMETERS = {
     "world_size": Param(int, help="ranks (processes) for the distributed parts, 2-8"),
     "tokens": Param(int, help="tokens in the MoE tail"),

@@ -30,6 +30,9 @@ from ..presets import Param
 from ..record import RunRecord
 from ..numerics import graphs, grouped, mx, small_op_threads
 
+# The results page's headline: (record name prefix, measurement).
+HEADLINE = ('recipe:mxfp8', 'sqnr input (row-wise)')
+
 PARAMETERS = {
     "m": Param(int, help="tokens (rows of x) in the SQNR GEMMs"),
     "k": Param(int, help="input features of the SQNR linear layer"),

@@ -46,6 +46,9 @@ from ..serving.model_runner import observed_paged_kernels, paged_kernels_label
 from ..serving.model import TinyConfig, TinyDecoder, init_weights
 from ..serving.sequence import SamplingParams
 
+# The results page's headline: (record name prefix, measurement).
+HEADLINE = ('restore-host', 'first_token_time')
+
 PARAMETERS = {
     "d_model": Param(int, help="model width"),
     "n_layers": Param(int, help="decoder layers"),

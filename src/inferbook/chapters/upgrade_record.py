@@ -27,6 +27,9 @@ from ..serving.model import (TinyConfig, TinyDecoder, generate, init_weights, lo
                     reference_logits, save_weights)
 from ..sdpa import sdpa_record
 
+# The results page's headline: (record name prefix, measurement).
+HEADLINE = ('eager', 'total')
+
 PARAMETERS = {
     "d_model": Param(int, help="model width"),
     "n_layers": Param(int, help="decoder layers"),
