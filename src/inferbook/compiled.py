@@ -99,6 +99,54 @@ def specialization_key(launch: Launch) -> tuple:
             tuple(sorted((k, repr(v)) for k, v in launch.kwargs.items())))
 
 
+def arg_spec(launch: Launch) -> str:
+    """The positional arguments as Triton specialises them, one token each: a tensor's dtype
+    ('bfloat16'), an int as 'i1' (== 1), 'i16' (divisible by 16), 'i64' (needs 64 bits) or 'i',
+    'f' for a float, 'b' for a bool, 'none'."""
+    out = []
+    for a in launch.args:
+        if isinstance(a, torch.Tensor):
+            out.append(str(a.dtype).replace("torch.", ""))
+        elif isinstance(a, bool):
+            out.append("b")
+        elif isinstance(a, int):
+            out.append("i1" if a == 1 else "i64" if not -2**31 <= a < 2**31 else "i16" if a % 16 == 0 else "i")
+        elif isinstance(a, float):
+            out.append("f")
+        elif a is None:
+            out.append("none")
+        else:
+            out.append(type(a).__name__)
+    return ",".join(out)
+
+
+def kernel_source_hash(kernel) -> str:
+    """12 hex digits of sha256 of the @triton.jit function's own source (not its line number, not
+    the helpers it calls): a change to the kernel's body makes a saved table stale."""
+    import hashlib
+    import inspect as _inspect
+
+    fn = getattr(kernel, "fn", kernel)
+    try:
+        src = _inspect.getsource(fn)
+    except (OSError, TypeError):
+        src = getattr(kernel, "src", "") or repr(fn)
+    return hashlib.sha256(src.encode()).hexdigest()[:12]
+
+
+def launch_fingerprint(launch: Launch) -> dict:
+    """What a saved table row must match for the table to describe this launch: its name, the kernel
+    (name and source hash), the argument specialisation and the keyword arguments."""
+    fn = getattr(launch.kernel, "fn", launch.kernel)
+    return {"launch": launch.name, "kernel": getattr(fn, "__name__", str(fn)), "kernel_src": kernel_source_hash(launch.kernel),
+            "args": arg_spec(launch), "constexprs": {k: _jsonable(v) for k, v in launch.kwargs.items()}}
+
+
+def row_fingerprint(row: dict) -> dict:
+    """`launch_fingerprint`'s fields of a saved row."""
+    return {k: row.get(k) for k in ("launch", "kernel", "kernel_src", "args", "constexprs")}
+
+
 def dedupe(launches: list[Launch]) -> list[Launch]:
     """Launches that compile to different kernels, first of each kind kept (a sweep over sizes
     that Triton does not specialise on is one compile)."""
@@ -344,10 +392,9 @@ def compile_launch(launch: Launch, target: str) -> dict:
 
     arch = TARGETS[target]
     kw = dict(launch.kwargs)
-    row = {"launch": launch.name, "target": target, "source": launch.source,
-           "kernel": getattr(getattr(launch.kernel, "fn", launch.kernel), "__name__", str(launch.kernel)),
+    row = {**launch_fingerprint(launch), "target": target, "source": launch.source,
            "num_warps": kw.get("num_warps", 4), "num_stages": kw.get("num_stages", 3),
-           "constexprs": {k: _jsonable(v) for k, v in kw.items()}, "smem_limit_kb": SMEM_LIMIT_KB[arch]}
+           "smem_limit_kb": SMEM_LIMIT_KB[arch]}
     if not hasattr(launch.kernel, "run") or type(launch.kernel).__name__ == "InterpretedFunction":
         return {**row, "ok": False, "error": "the Triton interpreter is on in the compiling process"}
     knobs.nvidia.dump_ptxas_log = True
