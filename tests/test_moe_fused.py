@@ -135,8 +135,13 @@ def test_routing_layouts_agree():
         keep = dest >= 0
         assert torch.equal(rows[keep], x[dest[keep].long() // k])
         assert int(keep.sum()) == T * k
+    # the contiguous layout is sized for the worst case too (no host sync): the tail is padding
+    assert pc.x.shape[0] == al.sorted_ids.numel()
+    assert (pc.block_expert[:used] >= 0).all() and (pc.block_expert[used:] == -1).all()
     back = R.to_contiguous_from_masked(m, BM)
-    assert torch.equal(back.x, pc.x) and torch.equal(back.dest, pc.dest)
+    P = back.x.shape[0]
+    assert torch.equal(back.x, pc.x[:P]) and torch.equal(back.dest, pc.dest[:P])
+    assert (pc.dest[P:] == -1).all() and not pc.x[P:].any()
     w, i = R.route(torch.randn(T, 48), torch.randn(E, 48), 3)
     assert i.shape == (T, 3) and torch.allclose(w.sum(-1), torch.ones(T))
     with pytest.raises(ValueError, match="top_k must be"):
@@ -144,7 +149,7 @@ def test_routing_layouts_agree():
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "w4a16"])
-@pytest.mark.parametrize("T", [1, 7])
+@pytest.mark.parametrize("T", [1, 7, 40])
 def test_tail_fusion_equals_separate_combine(fmt, T):
     E, k = 16, 8
     g = torch.Generator().manual_seed(T)
@@ -152,37 +157,57 @@ def test_tail_fusion_equals_separate_combine(fmt, T):
     w2 = w2f.bfloat16() if fmt == "bf16" else W.quantize(w2f)
     tw, ids = _routing(T, E, k, 9 + T)
     act = torch.randn(T * k, I, generator=g).bfloat16()
-    fused, launches_f, inter_f = FM.moe_tail(act, w2, tw, ids, fused=True)
-    sep32, _, _ = FM.moe_tail(act, w2, tw, ids, fused=False, inter_dtype=torch.float32)
-    sep16, launches_s, inter_s = FM.moe_tail(act, w2, tw, ids, fused=False)
-    # Same products, same order, same single rounding: bit-identical to the fp32-intermediate pass.
-    assert torch.equal(fused, sep32)
-    assert (launches_f, inter_f) == (1, 0) and (launches_s, inter_s) == (2, T * k * H * 2)
     ref = FM.moe_tail_reference(act, w2, tw, ids)
+    pt = FM.moe_tail_torch(act, w2, tw, ids)
+    # expert-major (tl.dot): the fused epilogue scatter-adds into token rows in fp32, in CTA order
+    fused, launches_f, buf_f = FM.moe_tail(act, w2, tw, ids, fused=True)
+    sep32, _, _ = FM.moe_tail(act, w2, tw, ids, fused=False, inter_dtype=torch.float32)
+    sep16, launches_s, buf_s = FM.moe_tail(act, w2, tw, ids, fused=False)
+    ok, worst = FM.reorder_bound(fused, sep32, act, w2, tw, ids)   # same terms, another order: the math's bound
+    assert ok, worst
+    # buffers the calls allocated, against the formula: [T*k, H] BF16 rows vs an fp32 [T, H] accumulator
+    assert buf_s == {"rows": T * k * H * 2, "accumulator": 0} and buf_f == {"rows": 0, "accumulator": T * H * 4}
+    assert (launches_f, launches_s) == (3, 2)
     for out in (fused, sep16):
-        err, tol, ok = FM.within_tolerance(out, ref, FM.moe_tail_torch(act, w2, tw, ids))
+        err, tol, ok = FM.within_tolerance(out, ref, pt)
         assert ok, (err, tol)
+    # token-major GEMV: the k rows summed in registers in slot order, bit-identical to the fp32 pass
+    tm_f, n_f, _ = FM.moe_tail(act, w2, tw, ids, fused=True, kernel="token-major")
+    tm_s, _, _ = FM.moe_tail(act, w2, tw, ids, fused=False, inter_dtype=torch.float32, kernel="token-major")
+    assert torch.equal(tm_f, tm_s) and n_f == 1
+    assert FM.within_tolerance(tm_f, ref, pt)[2]
+    # the check can fail: weights paired with the wrong slots
+    assert not FM.within_tolerance(FM.moe_tail(act, w2, tw.flip(1), ids, fused=True)[0], ref, pt)[2]
     with pytest.raises(W.LayoutError):
         FM.moe_tail(act, W.to_layout(W.quantize(w2f), "grouped_masked"), tw, ids, fused=True)
 
 
+@pytest.mark.parametrize("rsf", [1.0, 2.5], ids=["rsf1", "rsf2.5"])
 @pytest.mark.parametrize("layout", ["indexed", "grouped_masked"])
-def test_shared_expert_slot_is_exactly_the_separate_path(layout):
+def test_shared_expert_slot_is_exactly_the_separate_path(layout, rsf):
     E, k, T = 8, 2, 19
     w13, w2 = _experts(E, 3, layout)
     s13, s2 = _experts(1, 4, layout)
     tw, ids = _routing(T, E, k, 6, dead=(2,))
     x = _x(T, 6)
-    a13, a2, aw, aid = FM.with_shared_slot(w13, w2, s13, s2, tw, ids)
+    a13, a2, aw, aid = FM.with_shared_slot(w13, w2, s13, s2, tw, ids, rsf)
+    assert torch.equal(aw[:, -1], torch.ones(T)) and torch.equal(aid[:, -1], torch.full((T,), E, dtype=torch.int32))
     fused = FM.shared_fused(x, a13, a2, aw, aid)
-    same_rounding = FM.shared_separate(x, w13, w2, tw, ids, s13, s2)
+    same_rounding = FM.shared_separate(x, w13, w2, tw, ids, s13, s2, routed_scaling_factor=rsf)
     assert torch.equal(fused, same_rounding)
-    old = FM.shared_separate(x, w13, w2, tw, ids, s13, s2, round_each=True)
-    ref = FM.fused_moe_reference(x, a13, a2, aw, aid)
+    step = FM.shared_fused_step(x, a13, a2, tw, ids, routed_scaling_factor=rsf)   # the table built inside the step
+    assert torch.equal(step, fused)
+    old = FM.shared_separate(x, w13, w2, tw, ids, s13, s2, round_each=True, routed_scaling_factor=rsf)
+    # reference from the definition: rsf * routed + shared, each computed on its own
+    ref = FM.shared_reference(x, w13, w2, tw, ids, s13, s2, routed_scaling_factor=rsf)
+    assert torch.allclose(ref, FM.fused_moe_reference(x, a13, a2, aw, aid), rtol=1e-5, atol=1e-5)
     pt = FM.fused_moe_torch(x, a13, a2, aw, aid)
-    for out in (fused, old):
-        err, tol, ok = FM.within_tolerance(out, ref, pt)
+    for out, factor in ((fused, 2.0), (old, 3.0)):
+        err, tol, ok = FM.within_tolerance(out, ref, pt, factor=factor)
         assert ok, (err, tol)
+    if rsf != 1.0:  # scaling the shared expert too (the wrong order) is caught
+        wrong = FM.shared_fused(x, a13, a2, aw * torch.tensor([1.0] * k + [rsf]), aid)
+        assert not FM.within_tolerance(wrong, ref, pt)[2]
 
 
 def test_shared_mlp_path_matches_reference():
@@ -191,11 +216,24 @@ def test_shared_mlp_path_matches_reference():
     s13, s2 = _experts(1, 4, "indexed")
     tw, ids = _routing(T, E, k, 6)
     x = _x(T, 6)
-    a13, a2, aw, aid = FM.with_shared_slot(w13, w2, s13, s2, tw, ids)
-    out = FM.routed_plus_shared_mlp(x, w13, w2, tw, ids, s13, s2)
-    err, tol, ok = FM.within_tolerance(out, FM.fused_moe_reference(x, a13, a2, aw, aid),
+    a13, a2, aw, aid = FM.with_shared_slot(w13, w2, s13, s2, tw, ids, 2.5)
+    out = FM.routed_plus_shared_mlp(x, w13, w2, tw, ids, s13, s2, routed_scaling_factor=2.5)
+    err, tol, ok = FM.within_tolerance(out, FM.shared_reference(x, w13, w2, tw, ids, s13, s2, routed_scaling_factor=2.5),
                                        FM.fused_moe_torch(x, a13, a2, aw, aid), factor=3.0)
     assert ok, (err, tol)
+    with pytest.raises(ValueError, match="routed_scaling_factor"):
+        FM.shared_slot_routing(tw, ids, E, 0.0)
+
+
+def test_ep_places_a_shared_copy_on_every_rank():
+    place = FM.ep_shared_placement(8, 4)
+    assert [p["physical slots"] for p in place] == [3] * 4 and place[2]["shared copy"] == "physical id 8"
+    ids = torch.tensor([[0, 5, 8], [7, 2, 8]], dtype=torch.int32)       # slot 2: the shared expert (id 8)
+    phys = FM.ep_physical_ids(ids, 8, 4, torch.tensor([3, 1]))
+    # routed e -> e + e // 2 (one shared slot after every 2 routed); shared -> the token's own rank
+    assert phys.tolist() == [[0, 7, 3 * 3 + 2], [10, 3, 1 * 3 + 2]]
+    with pytest.raises(ValueError, match="divisor"):
+        FM.ep_shared_placement(8, 3)
 
 
 def test_gpu_time_refuses_cpu():
@@ -212,3 +250,18 @@ def test_tolerance_rule_rejects_nan_and_accepts_reference_quality():
     bad = pt.clone()
     bad[1, 2] = float("nan")
     assert not FM.within_tolerance(bad, ref, pt)[2]
+
+
+@pytest.mark.parametrize("layout", W.LAYOUTS)
+def test_fused_moe_group16_k48_every_layout(layout):
+    # K = 48 (hidden and expert FFN) with groups of 16: not whole 32-runs, which the grouped specs pad
+    E, k, T, Hs, Is = 6, 2, 9, 48, 48
+    g = torch.Generator().manual_seed(21)
+    w13 = W.quantize(torch.randn(E, 2 * Is, Hs, generator=g) * 0.1, group_size=16, layout=layout)
+    w2 = W.quantize(torch.randn(E, Hs, Is, generator=g) * 0.1, group_size=16, layout=layout)
+    x = torch.randn(T, Hs, generator=g).bfloat16()
+    tw, ids = _routing(T, E, k, 22)
+    out = FM.fused_moe(x, w13, w2, tw, ids)
+    err, tol, ok = FM.within_tolerance(out, FM.fused_moe_reference(x, w13, w2, tw, ids),
+                                       FM.fused_moe_torch(x, w13, w2, tw, ids))
+    assert ok, (err, tol)

@@ -49,7 +49,79 @@ def test_packing_specs_differ_and_convert_exactly():
         assert torch.equal(W.unpack(W.to_layout(p, "indexed"))[0], W.unpack(q)[0])
     assert shapes["indexed"] == ((2, 48, 8), torch.int32, (2, 48, 2))
     assert shapes["grouped_contiguous"] == ((2, 8, 48), torch.int32, (2, 2, 48))
-    assert shapes["grouped_masked"] == ((2, 48, 32), torch.uint8, (2, 48, 2))
+    assert shapes["grouped_masked"] == ((2, 3, 8, 16), torch.int32, (2, 48, 2))
+
+
+def test_three_layouts_are_different_bytes():
+    # same values, three arrangements: no layout's buffer equals another's, even reshaped
+    q = W.quantize(_weights((2, 48, 64), 3), layout="indexed")
+    raw = {lay: W.to_layout(q, lay).qweight.flatten() for lay in W.LAYOUTS}
+    assert all(r.numel() == raw["indexed"].numel() for r in raw.values())   # N = 48: no panel padding
+    for a in W.LAYOUTS:
+        for b in W.LAYOUTS:
+            if a < b:
+                assert not torch.equal(raw[a], raw[b]), (a, b)
+                assert (raw[a] != raw[b]).float().mean() > 0.5, (a, b)
+
+
+def test_grouped_words_are_in_fragment_order():
+    # decode by hand, from the spec's words: word j of a 32-run holds K offsets 8a + 2j + b in field 4b + a
+    w = _weights((20, 64), 4)                      # N = 20: the masked spec pads to 32 rows
+    vals, _ = W.quantize_values(w)
+    gc = W.quantize(w, layout="grouped_contiguous")
+    gm = W.quantize(w, layout="grouped_masked")
+    assert tuple(gm.qweight.shape) == (2, 8, 16)
+    for n, kw in ((0, 0), (3, 5), (19, 7)):
+        r, j = divmod(kw, 4)
+        for word in (gc.qweight[kw, n].item(), gm.qweight[n // 16, kw, n % 16].item()):
+            word &= 0xFFFFFFFF
+            fields = [((word >> (4 * f)) & 0xF) - 8 for f in range(8)]
+            expect = [int(vals[n, 32 * r + 8 * (f % 4) + 2 * j + f // 4]) for f in range(8)]
+            assert fields == expect
+    # fields f and f + 4 are the consecutive pair (k, k + 1) of one BF16x2 fragment register
+    assert [int(W.FRAGMENT_ORDER[f + 4] - W.FRAGMENT_ORDER[f]) for f in range(4)] == [1] * 4
+
+
+@pytest.mark.parametrize("src, dst", [("indexed", "grouped_masked"), ("grouped_masked", "grouped_contiguous"),
+                                      ("indexed", "grouped_contiguous")])
+def test_another_layouts_buffer_reads_wrong_numbers(src, dst):
+    # what the LayoutError protects against: the bytes of one spec through another spec's kernel
+    q = W.quantize(_weights((64, 128), 13), layout=src)
+    x = torch.randn(4, 128, generator=torch.Generator().manual_seed(1)).bfloat16()
+    forged = W.reinterpret(q, dst)
+    err, tol, ok = within_tolerance(W.linear(x, forged), W.linear_reference(x, q), W.linear_torch(x, q))
+    assert not ok and err > 10 * tol
+    with pytest.raises(W.LayoutError):
+        W.linear(x, q, layout=dst)
+
+
+def test_load_profile_picks_the_packing():
+    E, H, I = 2, 64, 32
+    w13 = W.quantize(_weights((E, 2 * I, H), 14))
+    w2 = W.quantize(_weights((E, H, I), 15))
+    tensors = W.export_moe_compressed_tensors(w13, w2, "m")
+    for profile, spec in W.LOAD_PROFILES.items():
+        a13, a2 = W.load_moe_experts(tensors, "m", E, profile)
+        assert a13.layout == a2.layout == spec["layout"]
+        assert torch.equal(W.unpack(a13)[0], W.unpack(w13)[0])
+    with pytest.raises(ValueError, match="unknown load profile"):
+        W.load_moe_experts(tensors, "m", E, "sm100-tcgen05")
+
+
+@pytest.mark.parametrize("layout", W.LAYOUTS)
+def test_k_not_a_multiple_of_32(layout):
+    # group 16, K = 48: the grouped specs pad K to whole 32-runs with zeros; every kernel still exact
+    w = _weights((2, 40, 48), 16)
+    q = W.quantize(w, group_size=16, layout=layout)
+    ref_vals, _ = W.quantize_values(w, 16)
+    assert torch.equal(W.unpack(q)[0], ref_vals)
+    if layout != "indexed":
+        assert W.padded_k(48, layout) == 64 and q.qweight.numel() * 8 == 2 * 64 * (40 if layout == "grouped_contiguous" else 48)
+    x = torch.randn(5, 48, generator=torch.Generator().manual_seed(2)).bfloat16()
+    q2 = W.expert(q, 1)
+    err, tol, ok = within_tolerance(W.linear(x, q2, block=dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32)),
+                                    W.linear_reference(x, q2), W.linear_torch(x, q2))
+    assert ok, (err, tol)
 
 
 def test_indexed_words_follow_the_spec():

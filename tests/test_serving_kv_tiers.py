@@ -143,10 +143,8 @@ def test_engine_kv_restored_bits_equal_the_device_copy(model, tmp_path):
             prev = bm._chain_hash(prev, seq.prompt[i * 16:(i + 1) * 16])
             old.append(bm.hash_to_block[prev])
 
-        def kv(b):
-            return torch.cat([t.runner.k_cache[:, b * 16:(b + 1) * 16].reshape(-1),
-                              t.runner.v_cache[:, b * 16:(b + 1) * 16].reshape(-1)]).clone()
-        before = [kv(b) for b in old]
+        assert t.flush(30)              # the offload copies ran off the engine thread: wait for them
+        before = [t.block_bytes(b) for b in old]
         others = [b for b in range(40) if b not in old][:n]
         t.runner.k_cache.normal_(), t.runner.v_cache.normal_()   # wipe the whole device pool
         it = iter(others)
@@ -154,7 +152,7 @@ def test_engine_kv_restored_bits_equal_the_device_copy(model, tmp_path):
                            lambda: next(it))
         assert blocks == others and len(blocks) == n >= 4
         for b, want in zip(blocks, before):
-            assert torch.equal(kv(b).view(torch.int32), want.view(torch.int32))
+            assert torch.equal(t.block_bytes(b), want)
     finally:
         t.close()
 
@@ -311,32 +309,6 @@ def test_concurrent_offload_and_restore_never_see_half_written_blocks(tmp_path, 
     assert not list(tmp_path.rglob("*.tmp"))
 
 
-def test_hybrid_state_restored_with_kv(tmp_path):
-    from inferbook.serving.hybrid import HybridConfig, HybridPrefixCache, HybridToy
-
-    m = HybridToy(HybridConfig(), seed=fresh_seed())
-    g = torch.Generator().manual_seed(fresh_seed())
-    prefix = torch.randint(64, (40,), generator=g).tolist()
-    p1, p2 = prefix + [1, 2, 3], prefix + torch.randint(64, (5,), generator=g).tolist()
-    ref = HybridPrefixCache(m, 8, host_capacity_blocks=1, file_dir=tmp_path / "ref")
-    want, _ = ref.generate(p2, 12, use_cache=False)
-    ref_logits = ref.last_prompt_logits
-    cache = HybridPrefixCache(m, 8, host_capacity_blocks=1, file_dir=tmp_path / "c", background=False)
-    cache.generate(p1, 4)
-    got, restored = cache.generate(p2, 12)                       # 5 blocks from the file tier
-    assert restored == 40 and got == want and torch.equal(cache.last_prompt_logits, ref_logits)
-    assert cache.store.stats()["file"]["hits"] == 5
-    _, restored = cache.generate(p2, 12, restore_state=False)   # KV without the state: another model state
-    assert restored == 40 and not torch.equal(cache.last_prompt_logits, ref_logits)   # (tokens may still agree)
-    k, v, s = m.new_state()
-    for pos, tok in enumerate(prefix):
-        _, s = m.step(tok, pos, k, v, s)
-    got_row = cache.store.fetch(kt.prefix_keys(prefix, 8, cache.ns))
-    assert torch.equal(cache.layout.views(got_row.rows[-1])["state"], s)   # stored state == recomputed, in bits
-    got_row.release()
-    ref.close(), cache.close()
-
-
 def test_tp_shards_merge_and_restore_at_another_tp(tmp_path):
     from inferbook.serving import kv_tp_merge as tpm
 
@@ -356,6 +328,35 @@ def test_tp_shards_merge_and_restore_at_another_tp(tmp_path):
                 assert torch.equal(back[r][i]["k"], k[i][..., a:b, :]) and torch.equal(back[r][i]["v"], v[i][..., a:b, :])
     with pytest.raises(UserError, match="tp=3"):
         tpm.head_range(4, 3, 0)
+
+
+def test_tp_merge_of_replicated_kv_heads(tmp_path):
+    """One latent KV head (MLA-like) held whole by both ranks: merged, it is written once per block
+    (the sharded layout writes every replica); read back at TP 1, 2 and 4, every rank gets it.
+    Two KV heads read at TP 4: heads replicated on pairs of ranks, as vLLM assigns them."""
+    from inferbook.serving import kv_tp_merge as tpm
+
+    assert [tpm.head_range(2, 4, r) for r in range(4)] == [(0, 1), (0, 1), (1, 2), (1, 2)]
+    assert [tpm.head_range(1, 2, r) for r in range(2)] == [(0, 1), (0, 1)] and tpm.replicas(2, 4) == 2
+    cfg = dict(vocab=128, d_model=64, n_layers=2, n_heads=4, n_kv_heads=1, ffn=96, max_seq=96)
+    args = dict(cfg=cfg, block_size=16, prompt_len=64, seed=fresh_seed() % 10000, model_id="tp-mla",
+                dir=str(tmp_path / "merged"), mode=["merged", "sharded"], durable=False)
+    res = tpm.launch(args, world_size=2, timeout_s=90)
+    assert [r["modes"]["merged"]["writes"] for r in res] == [4, 0]
+    assert [r["modes"]["sharded"]["writes"] for r in res] == [4, 4]      # each replica written again
+    assert res[0]["modes"]["merged"]["bytes_per_write"] == res[0]["modes"]["sharded"]["bytes_per_write"]
+    _, k, v = tpm.full_kv(cfg, args["seed"], 64, 16)
+    for tp in (1, 2, 4):
+        back = tpm.restore_at(args["dir"], args, tp)
+        assert all(torch.equal(back[r][i]["k"], k[i]) and torch.equal(back[r][i]["v"], v[i])
+                   for r in range(tp) for i in range(4))
+    full = torch.randn(3, 2, 8)          # [tokens, kv_heads=2, D]
+    shards = [tpm.shard_of(full, 4, r) for r in range(4)]
+    assert torch.equal(tpm.merge_shards(shards, 2), full)
+    bad = [s.clone() for s in shards]
+    bad[3].view(-1)[0] = bad[3].view(-1)[0] + 1      # one replica disagrees in one element
+    with pytest.raises(RuntimeError, match="replicas"):
+        tpm.merge_shards(bad, 2)
 
 
 @pytest.mark.parametrize("case", ["capacity", "peer_addr", "peer_timeout", "block_size", "layout", "tier_name"])
@@ -379,7 +380,8 @@ def test_bad_input_is_a_clear_error(case, tmp_path):
 
 @pytest.mark.parametrize("change, needle", [
     ({"device_blocks": 8}, "device_blocks=8"), ({"prefix_len": 8}, "prefix_len=8"), ({"repeats": 0}, "repeats=0"),
-    ({"host_sweep": "1,x"}, "host_sweep='1,x'"), ({"copy_block_mb": "-1"}, "copy_block_mb='-1'")])
+    ({"host_sweep": "1,x"}, "host_sweep='1,x'"), ({"copy_block_mb": "-1"}, "copy_block_mb='-1'"),
+    ({"repeats": 1}, "repeats=1"), ({"restore_reps": 0}, "restore_reps=0"), ({"admit_after": 0}, "admit_after=0")])
 def test_chapter_parameters_are_checked_before_any_work(change, needle):
     from inferbook.chapters import tiered_kv_offload as ch
 
@@ -419,6 +421,7 @@ def test_offload_under_writer_backpressure_skips_and_counts(model, tmp_path, mon
     try:
         out = e.generate([prompt], SamplingParams(max_tokens=4))
         assert out == ref
+        assert t.copier.wait_idle(10)     # the device->host copy (not the blocked writer) has completed
         assert t.stats.offloaded_blocks == 3 and t.store.host.stats.skipped == 2
         assert t.store.host.stats.evictions == 0
     finally:

@@ -8,9 +8,14 @@ Records (one list per run):
   the compressed-tensors round trip, and the wrong-layout refusal.
 - `roofline-model`: bytes and flops per call of one Kimi-K2 expert GEMM at each M, BF16 vs
   W4A16 weights; the memory-bound ceiling on the speedup (16 / 4.5 ≈ 3.56x, less with activations).
+- `layouts`: the three packing specs as bytes (how many words differ pairwise), the load
+  profiles and the packing each picks, and each spec's buffer read by another spec's kernel
+  (the wrong numbers the LayoutError prevents).
 - timings: on CPU the PyTorch paths only (BF16 weights vs dequantize-then-matmul), labelled; on
-  CUDA the Triton W4A16 GEMM per M against the measured copy bandwidth, the grouped prefill
-  against the measured BF16 matmul rate, and the MMA instruction in each compiled kernel's PTX.
+  CUDA the Triton W4A16 GEMM per M against the measured copy bandwidth (weights rotated through
+  more than L2), the decode sweep over tokens-per-expert M at Kimi-K2 EP8 local shapes (48
+  experts) for each layout's fused MoE, the prefill per layout (CUDA graphs, no host syncs), and
+  the MMA instruction in each compiled kernel's PTX.
 - `seed-*`: the seed's Chord numbers as quoted records (source "quoted: ..."), never measured here.
 """
 from __future__ import annotations
@@ -20,6 +25,7 @@ import statistics
 
 import torch
 
+from ..errors import UserError
 from ..measure import benchmark, ceilings, roofline
 from ..errors import UserError
 from ..presets import Param
@@ -44,17 +50,24 @@ PARAMETERS = {
     "m_sweep": Param(str, help="comma-separated M values of the timed GEMM (decode sizes)"),
     "prefill_tokens": Param(int, help="tokens of the timed grouped prefill (CUDA only)"),
     "prefill_experts": Param(int, help="experts of the timed grouped prefill (CUDA only)"),
+    "decode_experts": Param(int, help="local experts of the decode sweep (Kimi-K2 EP8: 384 / 8 = 48)"),
+    "decode_hidden": Param(int, help="hidden size of the decode sweep (Kimi-K2: 7168)"),
+    "decode_inter": Param(int, help="expert FFN size of the decode sweep (Kimi-K2: 2048)"),
+    "decode_m": Param(str, help="comma-separated tokens-per-expert M of the decode sweep"),
     "reps": Param(int, help="minimum timed repetitions"),
 }
 
 PRESETS = {
     "smoke": dict(route_tokens=256, skew=0.0, hidden=64, inter=32, experts=8, top_k=2, tokens=13,
-                  gemm_n=256, gemm_k=512, m_sweep="1,16", prefill_tokens=0, prefill_experts=8, reps=3),
+                  gemm_n=256, gemm_k=512, m_sweep="1,16", prefill_tokens=0, prefill_experts=8, reps=3,
+                  decode_experts=4, decode_hidden=64, decode_inter=32, decode_m="1,3"),
     "cpu": dict(route_tokens=4096, skew=0.25, hidden=128, inter=64, experts=16, top_k=4, tokens=50,
-                gemm_n=4096, gemm_k=7168, m_sweep="1,4,16,64", prefill_tokens=0, prefill_experts=8, reps=5),
+                gemm_n=4096, gemm_k=7168, m_sweep="1,4,16,64", prefill_tokens=0, prefill_experts=8, reps=5,
+                decode_experts=8, decode_hidden=128, decode_inter=64, decode_m="1,4,16"),
     "gpu": dict(route_tokens=65536, skew=0.25, hidden=7168, inter=2048, experts=16, top_k=8, tokens=64,
                 gemm_n=4096, gemm_k=7168, m_sweep="1,2,4,8,16,32,64,128", prefill_tokens=4096,
-                prefill_experts=32, reps=20),
+                prefill_experts=32, reps=20, decode_experts=48, decode_hidden=7168, decode_inter=2048,
+                decode_m="1,2,4,8,16,32,64"),
 }
 
 
@@ -211,6 +224,39 @@ def check_round_trip(ctx, hidden, inter) -> bool:
     return all(torch.equal(u, v) for x, y in ((a13, w13), (a2, w2)) for u, v in zip(W.unpack(x), W.unpack(y)))
 
 
+def layout_bytes_table(ctx, n: int = 64, k: int = 128) -> list[dict]:
+    """The same quantized values packed three ways: dtype, shape, and the share of 32-bit words
+    that differ from the indexed (checkpoint) buffer, position by position."""
+    g = torch.Generator().manual_seed(ctx.seed + 24)
+    q = W.quantize(torch.randn(n, k, generator=g), layout="indexed")
+    base = q.qweight.flatten()
+    rows = []
+    for layout in W.LAYOUTS:
+        p = W.to_layout(q, layout)
+        flat = p.qweight.flatten()
+        same = flat.numel() == base.numel()
+        rows.append({"layout": layout, "packed": W.PACKING_SPECS[layout].qweight, "shape": tuple(p.qweight.shape),
+                     "words differing from indexed": float((flat != base).float().mean()) if same else None})
+    return rows
+
+
+def wrong_layout_numbers(ctx, n: int = 64, k: int = 128, m: int = 4) -> list[dict]:
+    """Each spec's buffer fed to another spec's kernel (bypassing the tag with `reinterpret`):
+    the dense W4A16 GEMM's error against the fp32 reference of the *true* weights."""
+    g = torch.Generator().manual_seed(ctx.seed + 25)
+    w = torch.randn(n, k, generator=g).to(ctx.device)
+    x = torch.randn(m, k, generator=g).bfloat16().to(ctx.device)
+    rows = []
+    for src in W.LAYOUTS:
+        q = W.quantize(w, layout=src)
+        ref, tq = W.linear_reference(x, q), W.linear_torch(x, q)
+        for dst in W.LAYOUTS:
+            err, tol, ok = FM.within_tolerance(W.linear(x, W.reinterpret(q, dst)), ref, tq)
+            rows.append({"buffer packed as": src, "read by the kernel of": dst, "max |error|": err,
+                         "tolerance": tol, "correct": ok})
+    return rows
+
+
 def check_wrong_layout(ctx, hidden, inter, experts, top_k, tokens) -> str:
     w13, w2, x, tw, ids = make_moe(ctx, hidden, inter, experts, top_k, tokens, "grouped_masked")
     try:
@@ -218,6 +264,92 @@ def check_wrong_layout(ctx, hidden, inter, experts, top_k, tokens) -> str:
     except W.LayoutError as e:
         return str(e)
     raise AssertionError("a grouped_masked buffer was accepted by the grouped_contiguous kernel")
+
+
+def layouts_record(ctx) -> RunRecord:
+    rec = ctx.new_record("layouts", variant="packing specs", workload={
+        "model": "one [64, 128] weight", "quantization": "w4a16 g32"})
+    for row in layout_bytes_table(ctx):
+        if row["words differing from indexed"] is not None:
+            rec.add(f"differs_from_indexed[{row['layout']}]", row["words differing from indexed"], "fraction of words",
+                    phase="analysis", layout=row["layout"], shape=list(row["shape"]))
+    for name, spec in W.LOAD_PROFILES.items():
+        rec.add(f"profile[{name}]", 1, "profile", phase="load", layout=spec["layout"], kernel=spec["kernel"],
+                when=spec["when"])
+    for row in wrong_layout_numbers(ctx):
+        rec.add(f"read[{row['buffer packed as']}->{row['read by the kernel of']}]", row["max |error|"], "abs error",
+                phase="analysis", src=row["buffer packed as"], dst=row["read by the kernel of"],
+                tolerance=row["tolerance"], correct=row["correct"])
+        same = row["buffer packed as"] == row["read by the kernel of"]
+        rec.add_check(f"{row['buffer packed as']} read as {row['read by the kernel of']}: "
+                      f"{'correct' if same else 'wrong numbers'}", row["correct"] == same,
+                      error=row["max |error|"], tolerance=row["tolerance"])
+    return rec
+
+
+def wrong_layout_rows(rec: RunRecord) -> list[dict]:
+    return [{"buffer packed as": m["src"], "read by the kernel of": m["dst"], "max |error|": m["value"],
+             "tolerance": m["tolerance"], "correct numbers": m["correct"]}
+            for m in rec.measurements if m["name"].startswith("read[")]
+
+
+# ---------------------------------------------------------------------------
+# The decode sweep: every local expert sees exactly M rows
+
+def even_routing(experts: int, top_k: int, m: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routing in which each of `experts` experts receives `m` rows (exactly m when k divides E*m, as at
+    Kimi-K2 EP8's 48 experts and top-8; else m or m + 1): T = ceil(E*m/k) tokens, token t's slots are
+    experts (t*k + j) mod E (distinct while k <= E). Weights random, summing to 1."""
+    if not 1 <= top_k <= experts:
+        raise ValueError(f"top_k must be in [1, experts={experts}], got {top_k}")
+    T = -(-experts * m // top_k)
+    slots = torch.arange(T * top_k, device=device).reshape(T, top_k)
+    ids = (slots % experts).to(torch.int32)
+    w = torch.rand(T, top_k, generator=torch.Generator().manual_seed(m)).to(device) + 0.5
+    return w / w.sum(-1, keepdim=True), ids
+
+
+def decode_traffic(T: int, k: int, E: int, H: int, I: int) -> dict:
+    """Bytes a fused-MoE decode step moves at HBM level: every one of the E experts' W4A16 weights
+    once, the BF16 activations in and out, and the [T*k, I] and [T*k, H] BF16 intermediates
+    written and read once each. Flops: 2 * rows * (2I*H + H*I)."""
+    w = E * (W.weight_bytes(2 * I, H, "w4a16") + W.weight_bytes(H, I, "w4a16"))
+    act = 2 * T * H * 2 + 2 * (T * k * I * 2) + 2 * (T * k * H * 2)
+    return {"weight_bytes": w, "bytes": w + act, "flops": 2 * T * k * 3 * I * H}
+
+
+def make_experts(ctx, experts: int, hidden: int, inter: int, layout: str, chunk: int = 8):
+    """Random expert weights quantized `chunk` experts at a time (bounded fp32 temporaries)."""
+    g = torch.Generator(device=ctx.device).manual_seed(ctx.seed + 41)
+    w13s, w2s = [], []
+    for e0 in range(0, experts, chunk):
+        n = min(chunk, experts - e0)
+        w13s.append(W.quantize(torch.randn(n, 2 * inter, hidden, generator=g, device=ctx.device) / math.sqrt(hidden),
+                               layout=layout))
+        w2s.append(W.quantize(torch.randn(n, hidden, inter, generator=g, device=ctx.device) / math.sqrt(inter),
+                              layout=layout))
+    return W.cat_experts(*w13s), W.cat_experts(*w2s)
+
+
+def check_decode_sweep(ctx, experts, hidden, inter, top_k, ms) -> list[dict]:
+    """The decode sweep's routing and kernels at this preset's small shapes: each expert gets M
+    rows, and the indexed and masked fused MoE match the fp32 reference."""
+    rows = []
+    k = min(top_k, experts)
+    base13, base2 = make_experts(ctx, experts, hidden, inter, "indexed")
+    for m in ms:
+        tw, ids = even_routing(experts, k, m, ctx.device)
+        counts = R.tokens_per_expert(ids, experts)
+        x = torch.randn(ids.shape[0], hidden, generator=ctx.generator(m)).bfloat16()
+        ref = FM.fused_moe_reference(x, base13, base2, tw, ids)
+        tq = FM.fused_moe_torch(x, base13, base2, tw, ids)
+        for layout in ("indexed", "grouped_masked"):
+            w13, w2 = W.to_layout(base13, layout), W.to_layout(base2, layout)
+            out = FM.fused_moe(x, w13, w2, tw, ids, max_m=int(counts.max()) if layout == "grouped_masked" else None)
+            err, tol, ok = FM.within_tolerance(out, ref, tq)
+            rows.append({"M": m, "layout": layout, "rows per expert": (int(counts.min()), int(counts.max())),
+                         "error": err, "tolerance": tol, "passed": ok and int(counts.min()) == int(counts.max()) >= m})
+    return rows
 
 
 # ---------------------------------------------------------------------------
@@ -312,9 +444,82 @@ def sass_instructions(cubin: bytes) -> dict | None:
             "hmma_shapes": sorted(set(re.findall(r"\bHMMA\.(\w+)", sass)))}
 
 
-def gpu_timings(ctx, gemm_n, gemm_k, ms, reps, prefill_tokens, prefill_experts, hidden, inter, top_k) -> list[RunRecord]:
+def _rotation(device, nbytes: int) -> int:
+    """How many copies of an `nbytes` buffer to cycle through so each call misses L2 (2x its size)."""
+    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20) or (50 << 20)
+    return max(2, math.ceil(2 * l2 / max(nbytes, 1)))
+
+
+def gpu_decode_sweep(ctx, experts, hidden, inter, top_k, ms, reps, ceil, why) -> list[RunRecord]:
+    """Fused MoE per layout with every local expert at exactly M rows, timed over CUDA graphs
+    (check=False: no host syncs; the routing bookkeeping of each layout is inside the step)."""
+    recs = []
+    top_k = min(top_k, experts)
+    for layout in ("indexed", "grouped_masked", "grouped_contiguous"):
+        # the same weights (same generator seed) quantized straight into each layout, a chunk of experts
+        # at a time: one layout's buffers live at a time (the Kimi-K2 EP8 set is ~1.2 GB in W4A16)
+        w13, w2 = make_experts(ctx, experts, hidden, inter, layout)
+        rec = ctx.new_record(f"gpu-decode-{layout}", variant=f"triton fused MoE {layout}", workload={
+            "model": f"Kimi-K2 EP8 local MoE: {experts} experts, H{hidden}, I{inter}, top-{top_k}",
+            "quantization": "w4a16 g32", "dtype": "bfloat16"}, topology={"ep": KIMI_K2["ep"], "rank": 0})
+        for m in ms:
+            tw, ids = even_routing(experts, top_k, m, ctx.device)
+            T = ids.shape[0]
+            x = torch.randn(T, hidden, device=ctx.device).bfloat16()
+            kw = dict(max_m=m) if layout == "grouped_masked" else {}
+            cfg = FM.moe_config(T * top_k / experts, False)
+            rec.set_backend(f"fused_moe_m{m}", f"triton {layout}", reason=why,
+                            shapes={"x": [T, hidden], "rows_per_expert": m, "block": cfg})
+            t, how = gpu_time(lambda: FM.fused_moe(x, w13, w2, tw, ids, check=False, **kw), ctx.device,
+                              label=f"{layout} M={m}", reps=reps, inner=5)
+            tr = decode_traffic(T, top_k, experts, hidden, inter)
+            r = roofline(bytes_moved=tr["bytes"], flops=tr["flops"], seconds=t.median_s, ceil=ceil)
+            rec.add_timing(f"decode_m{m}", t, phase="decode", m=m, how=how, tokens=T)
+            rec.add(f"frac_copy_m{m}", r["frac_copy"], "fraction of measured copy GB/s", phase="decode", m=m,
+                    achieved_gbps=r["achieved_gbps"], bytes=tr["bytes"], target=0.7 if m <= 16 else None)
+        rec.add("copy_ceiling", ceil.copy_gbps, "GB/s", phase="ceiling")
+        recs.append(rec)
+    return recs
+
+
+def gpu_prefill(ctx, hidden, inter, experts, top_k, tokens, reps, ceil, why) -> list[RunRecord]:
+    """The prefill step per layout, over CUDA graphs with check=False: no host syncs inside (the
+    contiguous layout is sized for the worst case; the masked one gets its max_m outside)."""
+    recs = []
+    g = torch.Generator(device=ctx.device).manual_seed(ctx.seed + 42)
+    ids = torch.argsort(torch.rand(tokens, experts, device=ctx.device, generator=g), dim=1)[:, :top_k].to(torch.int32)
+    tw = torch.full((tokens, top_k), 1.0 / top_k, device=ctx.device)
+    x = torch.randn(tokens, hidden, device=ctx.device, generator=g).bfloat16()
+    busiest = int(R.tokens_per_expert(ids, experts).max())  # outside the timed step
+    flops = 2 * tokens * top_k * 3 * inter * hidden
+    for layout in W.LAYOUTS:
+        w13, w2 = make_experts(ctx, experts, hidden, inter, layout)
+        kw = dict(max_m=busiest) if layout == "grouped_masked" else {}
+        rec = ctx.new_record(f"gpu-prefill-{layout}", variant=f"triton fused MoE {layout}", workload={
+            "model": f"MoE E{experts} H{hidden} I{inter} top-{top_k}", "quantization": "w4a16 g32",
+            "batch": tokens, "dtype": "bfloat16"}, topology={"ep": 1})
+        rec.set_backend("fused_moe", f"triton {layout}", reason=why,
+                        shapes={"x": [tokens, hidden], "rows_per_expert": tokens * top_k / experts,
+                                "block": FM.moe_config(tokens * top_k / experts, False)})
+        t, how = gpu_time(lambda: FM.fused_moe(x, w13, w2, tw, ids, check=False, **kw), ctx.device,
+                          label=f"prefill {layout}", reps=max(3, reps // 4), inner=2)
+        rec.add_timing("fused_moe", t, phase="prefill", how=how + "; check=False, no host syncs in the step")
+        rec.add("tflops", flops / t.median_s / 1e12, "TFLOP/s", phase="prefill")
+        rec.add("frac_matmul", flops / t.median_s / 1e12 / ceil.matmul_tflops, "fraction of measured bf16 matmul",
+                phase="prefill", target=0.5)
+        recs.append(rec)
+    return recs
+
+
+def gpu_timings(ctx, gemm_n, gemm_k, ms, reps, prefill_tokens, prefill_experts, hidden, inter, top_k,
+                decode_experts, decode_hidden, decode_inter, decode_m) -> list[RunRecord]:
     ceil = ceilings(ctx.device)
     wb, q = _dense_weights(ctx, gemm_n, gemm_k)
+    # One weight is ~16 MB, less than L2: cycle through copies so every call reads HBM.
+    n_rot = _rotation(ctx.device, q.nbytes)
+    qs = [q] + [W.PackedW4(q.qweight.clone(), q.scales.clone(), q.shape, q.group_size, q.layout)
+                for _ in range(n_rot - 1)]
+    wbs = [wb] + [wb.clone() for _ in range(n_rot - 1)]
     recs = []
     tri = ctx.new_record("gpu-w4a16-triton", variant="triton w4a16", workload={
         "model": f"dense GEMM [{gemm_n}, {gemm_k}]", "quantization": "w4a16 g32", "dtype": "bfloat16"})
@@ -336,13 +541,19 @@ def gpu_timings(ctx, gemm_n, gemm_k, ms, reps, prefill_tokens, prefill_experts, 
             if sass is not None:
                 tri.add(f"sass_hmma_m{m}", sass["HMMA"], "instructions", phase="compile", m=m, shapes=sass["hmma_shapes"])
                 tri.add(f"sass_hgmma_m{m}", sass["HGMMA"], "instructions", phase="compile", m=m)
-        t, how = gpu_time(lambda: W.linear(x, q), ctx.device, label=f"w4a16 M={m}", reps=reps)
+        turn = iter(range(1 << 30))
+        t, how = gpu_time(lambda: W.linear(x, qs[next(turn) % n_rot]), ctx.device, label=f"w4a16 M={m}", reps=reps,
+                          inner=n_rot)
+        how += f"; weights rotated over {n_rot} copies (> L2)"
         r = roofline(bytes_moved=gemm_traffic(m, gemm_n, gemm_k, "w4a16")["bytes"],
                      flops=2 * m * gemm_n * gemm_k, seconds=t.median_s, ceil=ceil)
         tri.add_timing(f"gemm_m{m}", t, m=m, how=how)
         tri.add(f"frac_copy_m{m}", r["frac_copy"], "fraction of measured copy GB/s", m=m,
                 achieved_gbps=r["achieved_gbps"], intensity=r["intensity_flop_per_byte"], target=0.7 if m <= 16 else None)
-        tb, how_b = gpu_time(lambda: x @ wb.T, ctx.device, label=f"bf16 M={m}", reps=reps, uses_triton=False)
+        turn_b = iter(range(1 << 30))
+        tb, how_b = gpu_time(lambda: x @ wbs[next(turn_b) % n_rot].T, ctx.device, label=f"bf16 M={m}", reps=reps,
+                             uses_triton=False, inner=n_rot)
+        how_b += f"; weights rotated over {n_rot} copies (> L2)"
         rb = roofline(bytes_moved=gemm_traffic(m, gemm_n, gemm_k, "bf16")["bytes"],
                       flops=2 * m * gemm_n * gemm_k, seconds=tb.median_s, ceil=ceil)
         ref.add_timing(f"gemm_m{m}", tb, m=m, how=how_b)
@@ -353,23 +564,10 @@ def gpu_timings(ctx, gemm_n, gemm_k, ms, reps, prefill_tokens, prefill_experts, 
         rec.add("copy_ceiling", ceil.copy_gbps, "GB/s", phase="ceiling")
         rec.add("matmul_ceiling", ceil.matmul_tflops, "TFLOP/s", phase="ceiling")
     recs += [tri, ref]
+    recs += gpu_decode_sweep(ctx, decode_experts, decode_hidden, decode_inter, KIMI_K2["top_k"], decode_m, reps,
+                             ceil, why)
     if prefill_tokens:
-        w13, w2, x, tw, ids = make_moe(ctx, hidden, inter, prefill_experts, top_k, prefill_tokens, "grouped_contiguous")
-        ids = torch.argsort(torch.rand(prefill_tokens, prefill_experts, device=ctx.device), dim=1)[:, :top_k].to(torch.int32)
-        pre = ctx.new_record("gpu-grouped-prefill", variant="triton w4a16 grouped_contiguous", workload={
-            "model": f"MoE E{prefill_experts} H{hidden} I{inter} top-{top_k}", "quantization": "w4a16 g32",
-            "batch": prefill_tokens, "dtype": "bfloat16"}, topology={"ep": 1})
-        pre.set_backend("fused_moe", "triton grouped_contiguous", reason=why,
-                        shapes={"x": [prefill_tokens, hidden], "rows_per_expert": prefill_tokens * top_k / prefill_experts})
-        t = benchmark(lambda: FM.fused_moe(x, w13, w2, tw, ids), ctx.device, label="prefill", uses_triton=True,
-                      min_reps=max(3, reps // 4))
-        flops = 2 * prefill_tokens * top_k * (2 * inter * hidden + hidden * inter)
-        pre.add_timing("fused_moe", t, phase="prefill",
-                       how="direct launches; includes the routing bookkeeping (permute, segment sizes: host syncs)")
-        pre.add("tflops", flops / t.median_s / 1e12, "TFLOP/s", phase="prefill")
-        pre.add("frac_matmul", flops / t.median_s / 1e12 / ceil.matmul_tflops, "fraction of measured bf16 matmul",
-                phase="prefill", target=0.5)
-        recs.append(pre)
+        recs += gpu_prefill(ctx, hidden, inter, prefill_experts, top_k, prefill_tokens, reps, ceil, why)
     return recs
 
 
@@ -395,14 +593,19 @@ def seed_records(ctx) -> list[RunRecord]:
 
 
 def measure(ctx, *, route_tokens, skew, hidden, inter, experts, top_k, tokens, gemm_n, gemm_k, m_sweep,
-            prefill_tokens, prefill_experts, reps) -> list[RunRecord]:
+            prefill_tokens, prefill_experts, reps, decode_experts, decode_hidden, decode_inter,
+            decode_m) -> list[RunRecord]:
     ms = parse_ints(m_sweep, "m_sweep")
+    dms = parse_ints(decode_m, "decode_m")
+    if decode_hidden % 32 or decode_inter % 32 or decode_experts <= 0:
+        raise UserError(f"decode_hidden and decode_inter must be multiples of 32 and decode_experts positive, got "
+                         f"{decode_hidden}, {decode_inter}, {decode_experts}")
     if hidden % 32 or inter % 32:
-        raise ValueError(f"hidden and inter must be multiples of the group size 32, got {hidden} and {inter}")
+        raise UserError(f"hidden and inter must be multiples of the group size 32, got {hidden} and {inter}")
     if gemm_k % 32:
-        raise ValueError(f"gemm_k must be a multiple of 32, got {gemm_k}")
+        raise UserError(f"gemm_k must be a multiple of 32, got {gemm_k}")
     if not 1 <= top_k <= experts:
-        raise ValueError(f"top_k must be in [1, experts={experts}], got {top_k}")
+        raise UserError(f"top_k must be in [1, experts={experts}], got {top_k}")
     records = [routing_record(ctx, route_tokens, skew)]
 
     checks = ctx.new_record("kernel-checks", variant="correctness", workload={
@@ -418,10 +621,16 @@ def measure(ctx, *, route_tokens, skew, hidden, inter, experts, top_k, tokens, g
                          tolerance=row["tolerance"])
     checks.add_check("compressed-tensors round trip", check_round_trip(ctx, hidden, inter), error=0.0, tolerance=0.0)
     checks.add_check("wrong layout refused", bool(check_wrong_layout(ctx, hidden, inter, experts, top_k, tokens)))
+    if not on_gpu(ctx):  # the decode sweep's routing and kernels, at this preset's small shapes
+        for row in check_decode_sweep(ctx, decode_experts, decode_hidden, decode_inter, top_k, dms):
+            checks.add_check(f"decode sweep M={row['M']} {row['layout']} vs fp32", row["passed"], error=row["error"],
+                             tolerance=row["tolerance"])
     records.append(checks)
+    records.append(layouts_record(ctx))
     records.append(roofline_model_record(ctx, ms))
     if on_gpu(ctx):
-        records += gpu_timings(ctx, gemm_n, gemm_k, ms, reps, prefill_tokens, prefill_experts, hidden, inter, top_k)
+        records += gpu_timings(ctx, gemm_n, gemm_k, ms, reps, prefill_tokens, prefill_experts, hidden, inter, top_k,
+                               decode_experts, decode_hidden, decode_inter, dms)
     else:
         records += cpu_timings(ctx, gemm_n, gemm_k, ms, reps)
     records += seed_records(ctx)

@@ -1,15 +1,22 @@
 """Chapter `kimi-topk-tail-fusion`: the top-k combine folded into the down projection.
 
 The MoE tail at decode: each token's k routed activations go through their experts' down
-projections, and the k results are combined, Σ_j w[t, j] · y[t, j]. Done as two passes, the
-down projection writes a `[T*k, H]` intermediate that the combine reads back; folded into the
-down kernel's epilogue, the k rows are summed in registers and the intermediate never exists.
+projections, and the k results are combined, Σ_j w[t, j] · y[t, j]. Both paths are expert-major
+on tensor cores (`moe_gemm_kernel`, slots sorted by expert, one `tl.dot` tile of one expert's rows
+at a time, the router weight in the epilogue). Separate: the epilogue writes a `[T*k, H]`
+intermediate that the combine (`moe_sum`) reads back. Fused: the epilogue scatter-adds each
+weighted row into its token's row of an fp32 `[T, H]` accumulator (TensorRT-LLM's fused
+finalize), so the intermediate rows never exist. The older token-major GEMV (no tensor cores,
+the k rows summed in registers in slot order) is kept as a third variant.
 
 Records, per expert-weight format (BF16, W4A16, MXFP4) and decode batch T:
-- `<fmt>-T<T>-separate` / `-fused`: launches, intermediate bytes written and read, the checks
-  (fused == separate pass with an fp32 intermediate, bit for bit; both against fp32; for MXFP4
-  also the kernel's in-register decode against `numerics.mx.dequantize`, bit for bit), and on
-  CUDA the Triton kernels' times. On CPU (interpreter) the Triton paths are checked, not timed.
+- `<fmt>-T<T>-separate` / `-fused` / `-token-major`: launches, the buffers each call allocated
+  against their independent byte formulas, the bytes each kernel requests (weights counted per
+  expert row block, or per slot for the token-major kernel), the checks (each against fp32; fused
+  vs separate within the bound that summation order allows; token-major fused == its separate
+  pass with an fp32 intermediate, bit for bit; for MXFP4 also the kernel's in-register decode
+  against `numerics.mx.dequantize`, bit for bit), and on CUDA the Triton kernels' times. On CPU
+  (interpreter) the Triton paths are checked, not timed.
 - `cpu-<fmt>-T<T>`: on CPU, the PyTorch tail timed with its combine pass timed on its own, so the
   combine's share of the tail on this machine is measured, labelled CPU.
 MXFP4 experts (the format of the seed's #53152) are quantized by `inferbook.numerics.mx`
@@ -23,6 +30,7 @@ import math
 
 import torch
 
+from ..errors import UserError
 from ..measure import benchmark
 from ..errors import UserError
 from ..presets import Param
@@ -33,6 +41,11 @@ from ..moe.timing import gpu_time
 from .chord_w4a16 import parse_ints
 
 FORMATS = ("bf16", "w4a16", "mxfp4")
+VARIANTS = {  # record variant -> (moe_tail kernel, fused)
+    "separate": ("expert-major", False),
+    "fused": ("expert-major", True),
+    "token-major": ("token-major", True),
+}
 QUANT_LABEL = {"bf16": "none (bf16)", "w4a16": "w4a16 g32", "mxfp4": MXF.LABEL}
 
 PARAMETERS = {
@@ -111,13 +124,39 @@ def decode_probe(w2) -> tuple[bool, float]:
     return torch.equal(out.float(), want), float((out.float() - want).abs().max())
 
 
-def traffic(T: int, k: int, H: int, I: int, fmt: str, active_experts: int) -> dict:
-    """Bytes of the tail, and what folding the combine removes (BF16 intermediate)."""
-    inter = T * k * H * 2
-    weights = active_experts * weight_bytes(H, I, fmt)
-    base = weights + T * k * I * 2 + T * H * 2 + T * k * 8  # weights, activations, output, routing
-    return {"weight_bytes": weights, "intermediate_written": inter, "intermediate_read": inter,
-            "separate_bytes": base + 2 * inter, "fused_bytes": base}
+def traffic(T: int, k: int, H: int, I: int, fmt: str, counts: list[int], block_m: int) -> dict:
+    """Bytes each tail variant requests from memory, counted from the routing (not from the kernels):
+
+    - weights: the expert-major kernels read an expert's [H, I] weights once per BLOCK_M-row block
+      of its slots (Σ_e ceil(c_e / BLOCK_M) reads); the token-major kernel streams its slot's expert
+      for every slot (T*k reads; an L2 hit can save some of them, the count is what is requested).
+    - activations T*k*I BF16, routing ids and weights 8 bytes per slot, output T*H BF16; the
+      expert-major kernels also read the sorted slot ids and block experts (4 bytes each).
+    - separate: the [T*k, H] BF16 rows written, then read by the combine.
+    - fused: the fp32 [T, H] accumulator zero-filled, written back by the atomics (at least once),
+      and read by the cast to BF16.
+    """
+    wb = weight_bytes(H, I, fmt)
+    blocks = sum(-(-c // block_m) for c in counts if c)
+    E = len(counts)
+    P = (T * k + E * (block_m - 1) + block_m - 1) // block_m * block_m  # align_indexed's worst-case size
+    common = T * k * I * 2 + T * k * 8 + T * H * 2
+    sort = P * 4 + (P // block_m) * 4
+    rows, acc = T * k * H * 2, T * H * 4
+    return {"weight_reads_expert_major": blocks, "weight_reads_token_major": T * k, "weight_bytes_each": wb,
+            "rows_bytes": rows, "accumulator_bytes": acc,
+            "separate": blocks * wb + common + sort + 2 * rows,
+            "fused": blocks * wb + common + sort + 3 * acc,
+            "token-major": T * k * wb + common}
+
+
+def buffers_expected(T: int, k: int, H: int, variant: str, inter_bytes_per: int = 2) -> dict:
+    """The intermediate buffers a variant must allocate, from the shapes alone."""
+    if variant == "separate":
+        return {"rows": T * k * H * inter_bytes_per, "accumulator": 0}
+    if variant == "fused":
+        return {"rows": 0, "accumulator": T * H * 4}
+    return {"rows": 0, "accumulator": 0}
 
 
 def _record(ctx, name, variant, fmt, T, p, backend, why):
@@ -129,80 +168,106 @@ def _record(ctx, name, variant, fmt, T, p, backend, why):
     return rec
 
 
+BACKEND = {"separate": "expert-major tl.dot down GEMM, router weight in the epilogue, then moe_sum",
+           "fused": "expert-major tl.dot down GEMM, router weight + atomic scatter-add into token rows",
+           "token-major": "token-major GEMV per slot (no tensor cores), k rows summed in registers"}
+
+
 def measure(ctx, *, hidden, inter, experts, top_k, tokens, formats, reps) -> list[RunRecord]:
     Ts = parse_ints(tokens, "tokens")
     fmts = parse_formats(formats)
     if inter % 32:
-        raise ValueError(f"inter must be a multiple of the group size 32, got {inter}")
+        raise UserError(f"inter must be a multiple of the group size 32, got {inter}")
     if not 1 <= top_k <= experts:
-        raise ValueError(f"top_k must be in [1, experts={experts}], got {top_k}")
+        raise UserError(f"top_k must be in [1, experts={experts}], got {top_k}")
     p = dict(hidden=hidden, inter=inter, experts=experts, top_k=top_k)
     name, why = FM.backend(ctx.device)
     triton_ok = name == "triton"
+    interp = ctx.device.type != "cuda"
     records = []
     for fmt in fmts:
         for T in Ts:
             w2, act, tw, ids = make_tail(ctx, hidden, inter, experts, top_k, T, fmt)
             ref = FM.moe_tail_reference(act, w2, tw, ids)
             torch_out = FM.moe_tail_torch(act, w2, tw, ids)
-            fused, launches_f, _ = FM.moe_tail(act, w2, tw, ids, fused=True)
-            sep32, _, _ = FM.moe_tail(act, w2, tw, ids, fused=False, inter_dtype=torch.float32)
-            sep16, launches_s, inter_bytes = FM.moe_tail(act, w2, tw, ids, fused=False)
-            tr = traffic(T, top_k, hidden, inter, fmt, int(torch.unique(ids).numel()))
-            recs = {}
-            for variant, out, launches in (("separate", sep16, launches_s), ("fused", fused, launches_f)):
-                # Same backend on both sides: the combine's placement is the variant, the difference studied.
-                tail_backend = f"{name} decode tail (token-major" + (
-                    ", MXFP4 decoded in registers)" if fmt == "mxfp4" and triton_ok else ")")
+            counts = torch.bincount(ids.flatten().long(), minlength=experts).tolist()
+            block_m = FM.moe_config(T * top_k / experts, interp)["BLOCK_M"]
+            tr = traffic(T, top_k, hidden, inter, fmt, counts, block_m)
+            outs, recs = {}, {}
+            for variant, (kernel, fused) in VARIANTS.items():
+                out, launches, buffers = FM.moe_tail(act, w2, tw, ids, fused=fused, kernel=kernel)
+                outs[variant] = out
+                tail_backend = f"{name}: {BACKEND[variant]}" + (", MXFP4 decoded in registers" if fmt == "mxfp4" else "")
                 rec = _record(ctx, f"{fmt}-T{T}-{variant}", variant, fmt, T, p, tail_backend, why)
-                rec.notes = ("down projection, then a separate combine pass" if variant == "separate" else
-                             "down projection with the combine in its epilogue")
+                rec.notes = BACKEND[variant]
                 err, tol, ok = FM.within_tolerance(out, ref, torch_out)
                 rec.add_check(f"{variant} vs fp32 reference", ok, error=err, tolerance=tol)
                 rec.add("max_abs_error", err, "abs", phase="check")
-                rec.add("launches", launches, "kernels", phase="analysis")
-                rec.add("intermediate_bytes", tr["intermediate_written"] if variant == "separate" else 0, "bytes",
-                        phase="analysis")
-                rec.add("tail_bytes", tr[f"{variant}_bytes"], "bytes", phase="analysis",
-                        weight_bytes=tr["weight_bytes"])
+                rec.add("launches", launches, "kernels", phase="analysis",
+                        note="fused: zero-fill, GEMM, cast" if variant == "fused" else "")
+                rec.add("intermediate_bytes", buffers["rows"], "bytes", phase="analysis")
+                rec.add("accumulator_bytes", buffers["accumulator"], "bytes", phase="analysis")
+                rec.add("tail_bytes", tr[variant], "bytes", phase="analysis",
+                        weight_bytes=tr["weight_bytes_each"] * (tr["weight_reads_token_major"] if variant == "token-major"
+                                                                else tr["weight_reads_expert_major"]),
+                        weight_reads=(tr["weight_reads_token_major"] if variant == "token-major"
+                                      else tr["weight_reads_expert_major"]))
                 rec.add("weight_bits_per_weight", 8 * weight_bytes(hidden, inter, fmt) / (hidden * inter), "bits",
                         phase="analysis")
+                if triton_ok:  # the buffers the call allocated against the shapes' formula (0 cannot pass for rows)
+                    want = buffers_expected(T, top_k, hidden, variant)
+                    ok_buf = buffers == want and (variant != "separate" or buffers["rows"] > 0)
+                    rec.add_check("intermediate buffers == the shapes' byte count", ok_buf,
+                                  error=float(buffers["rows"] + buffers["accumulator"]),
+                                  tolerance=float(want["rows"] + want["accumulator"]))
                 recs[variant] = rec
-            recs["fused"].add_check("fused == separate with fp32 intermediate (bitwise)", torch.equal(fused, sep32),
-                                    error=float((fused.float() - sep32.float()).abs().max()), tolerance=0.0)
-            recs["separate"].add_check("intermediate bytes as counted", inter_bytes in (0, tr["intermediate_written"]),
-                                       error=float(inter_bytes), tolerance=float(tr["intermediate_written"]))
+            if triton_ok:
+                sep32, _, _ = FM.moe_tail(act, w2, tw, ids, fused=False, inter_dtype=torch.float32)
+                ok_order, worst = FM.reorder_bound(outs["fused"], sep32, act, w2, tw, ids)
+                recs["fused"].add_check("fused == separate (fp32 rows) up to summation order (bound)", ok_order,
+                                        error=worst, tolerance=1.0)
+                tm32, _, _ = FM.moe_tail(act, w2, tw, ids, fused=False, inter_dtype=torch.float32, kernel="token-major")
+                recs["token-major"].add_check("token-major fused == its separate pass with fp32 rows (bitwise)",
+                                              torch.equal(outs["token-major"], tm32),
+                                              error=float((outs["token-major"].float() - tm32.float()).abs().max()),
+                                              tolerance=0.0)
             if fmt == "mxfp4" and T == Ts[0] and triton_ok:  # once per run: the decode does not depend on T
                 same, err = decode_probe(w2)
                 recs["fused"].add_check("in-kernel MXFP4 decode == numerics.mx.dequantize (bitwise, one-hot probe)",
                                         same, error=err, tolerance=0.0)
             if on_gpu(ctx) and triton_ok:
-                for variant, fn in (("separate", lambda: FM.moe_tail(act, w2, tw, ids, fused=False, check=False)),
-                                    ("fused", lambda: FM.moe_tail(act, w2, tw, ids, fused=True, check=False))):
+                for variant, (kernel, fused) in VARIANTS.items():
+                    fn = (lambda kernel=kernel, fused=fused:
+                          FM.moe_tail(act, w2, tw, ids, fused=fused, kernel=kernel, check=False))
                     t, how = gpu_time(fn, ctx.device, label=f"{fmt} T={T} {variant}", reps=reps)
                     recs[variant].add_timing("tail", t, phase="decode", how=how)
-                    recs[variant].add("tail_gbps", tr[f"{variant}_bytes"] / t.median_s / 1e9, "GB/s", phase="decode")
-            records += [recs["separate"], recs["fused"]]
+                    recs[variant].add("tail_gbps", tr[variant] / t.median_s / 1e9, "GB/s", phase="decode")
+            records += list(recs.values())
             if not on_gpu(ctx):
                 records.append(cpu_record(ctx, act, w2, tw, ids, fmt, T, p, reps))
     return records
 
 
 def cpu_record(ctx, act, w2, tw, ids, fmt, T, p, reps) -> RunRecord:
-    """PyTorch on this CPU: the whole tail (per-slot GEMVs into [T*k, H], then the sum), and the
+    """PyTorch on this CPU: the whole tail (per-expert GEMMs into [T*k, H], then the sum), and the
     combine pass alone, so its share of the tail is a measured number (labelled CPU)."""
     rec = ctx.new_record(f"cpu-{fmt}-T{T}", variant="pytorch separate combine", workload={
         "model": f"MoE tail: E{p['experts']} H{p['hidden']} I{p['inter']} top-{p['top_k']}",
         "quantization": QUANT_LABEL[fmt], "batch": T, "dtype": "bfloat16"})
-    rec.set_backend("moe_tail", "torch (bmm per slot + sum over k)", reason="CPU: PyTorch paths only",
+    rec.set_backend("moe_tail", "torch (one matmul per active expert + sum over k)", reason="CPU: PyTorch paths only",
                     shapes={"act": list(act.shape)})
     W2 = dense_weights(w2)  # resident BF16 copy: time the tail, not dequant
     flat = ids.flatten().long()
     wts = tw.float().flatten()[:, None]
     k = ids.shape[1]
+    groups = [(e, (flat == e).nonzero().flatten()) for e in torch.unique(flat).tolist()]
+    H = W2.shape[1]
 
-    def down():
-        return (torch.bmm(W2[flat], act.unsqueeze(-1)).squeeze(-1).float() * wts).bfloat16()
+    def down():  # one GEMM per active expert: no [T*k, H, I] gather of the weights
+        y = torch.empty((T * k, H), dtype=torch.bfloat16)
+        for e, slots in groups:
+            y[slots] = ((act[slots] @ W2[e].T).float() * wts[slots]).bfloat16()
+        return y
 
     y = down()
     with cpu_threads(1):
@@ -222,8 +287,10 @@ def rows(records: list[RunRecord]) -> list[dict]:
         if r.name.startswith("cpu-"):
             continue
         row = {"format": r.workload["quantization"], "T": r.workload["batch"], "variant": r.variant,
-               "launches": int(r.value("launches")), "intermediate MB": r.value("intermediate_bytes") / 1e6,
-               "tail MB": r.value("tail_bytes") / 1e6, "max |err| vs fp32": r.value("max_abs_error")}
+               "launches": int(r.value("launches")), "intermediate rows MB": r.value("intermediate_bytes") / 1e6,
+               "fp32 accumulator MB": r.value("accumulator_bytes") / 1e6,
+               "weight reads": r.get("tail_bytes")["weight_reads"],
+               "tail MB (counted)": r.value("tail_bytes") / 1e6, "max |err| vs fp32": r.value("max_abs_error")}
         try:
             row["time µs"] = 1e6 * r.value("tail")
         except KeyError:

@@ -4,9 +4,16 @@ Records:
 - `tp1` … `tp8`: the attention backend `select_backends` picks for a MiniMax-M3-like config
   (4 KV heads, assumed) and the local shapes that decided it, in `backends` and `topology`.
 - `shared-check`: the shared expert as one more always-selected slot equals the separate path
-  with the same rounding points, bit for bit; both within tolerance of fp32.
-- `shared-<variant>-c<C>`: separate vs fused shared expert at concurrency C (one decode step of
-  C tokens). On CUDA the Triton paths are timed; on CPU the PyTorch paths (labelled CPU).
+  with the same rounding points, bit for bit; both within tolerance of fp32; the
+  `routed_scaling_factor` scales the routed sum before the shared add (checked against the
+  definition, and against the wrong order, which must fail).
+- `ep<N>`: where the shared expert lives under expert parallelism N (a copy on every rank, in
+  each rank's widened physical table), the per-rank local shapes, and a simulated EP run whose
+  per-rank partial outputs sum to the one-rank result.
+- `shared-<variant>-c<C>-<tiles>`: separate vs fused shared expert at concurrency C (one decode
+  step of C tokens), on CUDA with every launch of both paths at the same tiles, for each of the
+  two configurations the paths would pick on their own; the fused step includes building the
+  k+1-slot routing table. On CPU the PyTorch paths (labelled CPU, tiles "torch").
 - `seed-*`: the seed's MI355X numbers as quoted records, with their units and topology kept, so
   that `compare()` accepts MXFP8 before/after and refuses the MXFP4 and P/D figures.
 """
@@ -16,8 +23,8 @@ import math
 
 import torch
 
-from ..measure import benchmark
 from ..errors import UserError
+from ..measure import benchmark, compare_timings
 from ..presets import Param
 from ..record import RunRecord
 from ..moe import backends as B, fused_moe as FM, w4a16 as W
@@ -35,13 +42,18 @@ PARAMETERS = {
     "top_k": Param(int, help="routed experts per token"),
     "concurrency": Param(str, help="comma-separated concurrencies (tokens per decode step)"),
     "tps": Param(str, help="comma-separated tensor-parallel sizes for backend selection"),
+    "eps": Param(str, help="comma-separated expert-parallel sizes for the shared-expert placement"),
+    "routed_scaling_factor": Param(float, help="scale of the routed sum before the shared add (assumed)"),
     "reps": Param(int, help="minimum timed repetitions"),
 }
 
 PRESETS = {
-    "smoke": dict(hidden=64, inter=32, experts=8, top_k=2, concurrency="1,8", tps="1,2,4,8", reps=3),
-    "cpu": dict(hidden=256, inter=128, experts=16, top_k=4, concurrency="1,8,32,128", tps="1,2,4,8", reps=5),
-    "gpu": dict(hidden=6144, inter=1536, experts=64, top_k=8, concurrency="1,8,32,128", tps="1,2,4,8", reps=30),
+    "smoke": dict(hidden=64, inter=32, experts=8, top_k=2, concurrency="1,8", tps="1,2,4,8", reps=3, eps="1,2",
+                  routed_scaling_factor=2.5),
+    "cpu": dict(hidden=256, inter=128, experts=16, top_k=4, concurrency="1,8,32,128", tps="1,2,4,8", reps=15,
+                eps="1,2,4", routed_scaling_factor=2.5),
+    "gpu": dict(hidden=6144, inter=1536, experts=64, top_k=8, concurrency="1,8,32,128", tps="1,2,4,8", reps=30,
+                eps="1,2,4,8", routed_scaling_factor=2.5),
 }
 
 
@@ -99,7 +111,7 @@ def make_layer(ctx, hidden, inter, experts, top_k, T, layout="indexed"):
     return w13, w2, s13, s2, x, tw / tw.sum(-1, keepdim=True), ids.to(torch.int32)
 
 
-def shared_check(ctx, hidden, inter, experts, top_k, T=19) -> RunRecord:
+def shared_check(ctx, hidden, inter, experts, top_k, rsf, T=19) -> RunRecord:
     rec = ctx.new_record("shared-check", variant="correctness", workload={
         "model": f"MoE E{experts}+1 shared, H{hidden} I{inter} top-{top_k}", "quantization": "w4a16 g32",
         "batch": T, "dtype": "bfloat16"})
@@ -107,72 +119,178 @@ def shared_check(ctx, hidden, inter, experts, top_k, T=19) -> RunRecord:
     rec.set_backend("fused_moe", name, reason=why, shapes={"x": [T, hidden]})
     for layout in ("indexed", "grouped_masked"):
         w13, w2, s13, s2, x, tw, ids = make_layer(ctx, hidden, inter, experts, top_k, T, layout)
-        a13, a2, aw, aid = FM.with_shared_slot(w13, w2, s13, s2, tw, ids)
+        a13, a2, aw, aid = FM.with_shared_slot(w13, w2, s13, s2, tw, ids, rsf)
         fused = FM.shared_fused(x, a13, a2, aw, aid)
-        same = FM.shared_separate(x, w13, w2, tw, ids, s13, s2)
-        old = FM.shared_separate(x, w13, w2, tw, ids, s13, s2, round_each=True)
+        same = FM.shared_separate(x, w13, w2, tw, ids, s13, s2, routed_scaling_factor=rsf)
+        old = FM.shared_separate(x, w13, w2, tw, ids, s13, s2, round_each=True, routed_scaling_factor=rsf)
         rec.add_check(f"[{layout}] fused slot == separate, same rounding points (bitwise)", torch.equal(fused, same),
                       error=float((fused.float() - same.float()).abs().max()), tolerance=0.0)
-        ref = FM.fused_moe_reference(x, a13, a2, aw, aid)
+        # The reference from the definition (rsf * routed + shared, each on its own), not from the slot table.
+        ref = FM.shared_reference(x, w13, w2, tw, ids, s13, s2, routed_scaling_factor=rsf)
         pt = FM.fused_moe_torch(x, a13, a2, aw, aid)
         # The each-branch-rounded path makes two more BF16 roundings than PyTorch's single-pass layer,
         # so it gets 3x PyTorch's own error instead of 2x.
         for label, out, factor in (("fused slot", fused, 2.0), ("separate, each branch rounded", old, 3.0)):
             err, tol, ok = FM.within_tolerance(out, ref, pt, factor=factor)
-            rec.add_check(f"[{layout}] {label} vs fp32 ({factor:.0f}x PyTorch's error)", ok, error=err, tolerance=tol)
+            rec.add_check(f"[{layout}] {label} vs fp32 rsf*routed + shared ({factor:.0f}x PyTorch's error)", ok,
+                          error=err, tolerance=tol)
+        if rsf != 1.0:  # the wrong order, (routed + shared) * rsf, scales the shared expert too: must be caught
+            wrong = FM.shared_fused(x, a13, a2, aw * torch.tensor([1.0] * top_k + [rsf], device=aw.device), aid)
+            err, tol, ok = FM.within_tolerance(wrong, ref, pt)
+            rec.add_check(f"[{layout}] the wrong order (shared scaled by rsf) fails the check", not ok,
+                          error=err, tolerance=tol)
         rec.add(f"bf16_ulps_differing_{layout}", int((fused != old).sum()), "elements", phase="check",
                 of=fused.numel())
+    rec.add("routed_scaling_factor", rsf, "x", phase="config")
     return rec
 
 
-def _torch_separate(x, W13, W2, Ws13, Ws2, tw, ids):
-    """PyTorch: routed experts, then the shared expert as its own MLP, then the add."""
-    routed = FM.fused_moe_torch(x, W13, W2, tw, ids)
+def experts_slice(q: W.PackedW4, start: int, stop: int) -> W.PackedW4:
+    """Experts start..stop-1 of an [E, N, K] buffer (a view, same layout)."""
+    return W.PackedW4(q.qweight[start:stop], q.scales[start:stop], (stop - start, *q.shape[1:]), q.group_size, q.layout)
+
+
+def ep_simulated(x, w13, w2, s13, s2, tw, ids, ep: int, rsf: float):
+    """Expert parallelism simulated in one process: tokens belong to ranks round-robin (t mod ep, as
+    data-parallel attention hands them over); every rank holds its E/ep routed experts plus a copy of
+    the shared expert and computes the slots routed to it; the ranks' fp32 partial outputs are summed
+    (the combine). Returns (out BF16 [T, H], per-rank rows {rank: rows its experts computed})."""
+    E = w13.shape[0]
+    local = E // ep
+    T = x.shape[0]
+    token_rank = torch.arange(T, device=x.device) % ep
+    weights, logical = FM.shared_slot_routing(tw, ids, E, rsf)
+    phys = FM.ep_physical_ids(logical, E, ep, token_rank)
+    total = torch.zeros((T, x.shape[1]), dtype=torch.float32, device=x.device)
+    rows = {}
+    for r in range(ep):
+        base = r * (local + 1)
+        mine = (phys >= base) & (phys < base + local + 1)
+        l13 = W.cat_experts(experts_slice(w13, r * local, (r + 1) * local), s13)
+        l2 = W.cat_experts(experts_slice(w2, r * local, (r + 1) * local), s2)
+        lid = torch.where(mine, phys - base, torch.zeros_like(phys))
+        lw = torch.where(mine, weights, torch.zeros_like(weights))  # other ranks' slots: weight 0 here
+        total += FM.fused_moe(x, l13, l2, lw, lid.to(torch.int32), out_dtype=torch.float32)
+        rows[r] = int(mine.sum())
+    return total.to(torch.bfloat16), rows
+
+
+def ep_records(ctx, hidden, inter, experts, top_k, eps: list[int], rsf: float, T: int = 12) -> list[RunRecord]:
+    cfg = B.MINIMAX_M3_LIKE
+    out = []
+    w13, w2, s13, s2, x, tw, ids = make_layer(ctx, hidden, inter, experts, top_k, T)
+    ref = FM.shared_reference(x, w13, w2, tw, ids, s13, s2, routed_scaling_factor=rsf)
+    a13, a2, aw, aid = FM.with_shared_slot(w13, w2, s13, s2, tw, ids, rsf)
+    pt = FM.fused_moe_torch(x, a13, a2, aw, aid)
+    for ep in eps:
+        place = FM.ep_shared_placement(cfg.num_experts, ep)
+        loc = B.local_shapes(cfg, 1, ep)
+        rec = ctx.new_record(f"ep{ep}", variant="shared-expert placement", workload={
+            "model": cfg.name, "model_revision": cfg.note, "quantization": "w4a16 g32 (simulated layer)"},
+            topology={"tp": 1, "ep": ep})
+        for row in place:
+            rec.set_backend(f"moe_rank{row['rank']}", "grouped GEMM over the rank's physical experts (routed + shared copy)",
+                            reason=f"routed experts {row['routed experts']}, shared copy at {row['shared copy']}",
+                            shapes={"physical_experts": row["physical slots"],
+                                    "w13": [row["physical slots"], 2 * loc["moe_inter"], cfg.hidden],
+                                    "w2": [row["physical slots"], cfg.hidden, loc["moe_inter"]]})
+        rec.add("shared_copies", ep, "copies", phase="config", placement=place)
+        rec.add("physical_experts_per_rank", place[0]["physical slots"], "experts", phase="config")
+        rec.add("shared_weight_bytes_total", ep * (W.weight_bytes(2 * cfg.moe_inter, cfg.hidden, "w4a16")
+                                                   + W.weight_bytes(cfg.hidden, cfg.moe_inter, "w4a16")),
+                "bytes", phase="config")
+        if experts % ep == 0:  # the simulated layer (this preset's small experts) split over ep ranks
+            got, rows = ep_simulated(x, w13, w2, s13, s2, tw, ids, ep, rsf)
+            err, tol, ok = FM.within_tolerance(got, ref, pt)
+            rec.add_check(f"EP{ep} simulated: ranks' partial sums vs fp32 rsf*routed + shared", ok, error=err,
+                          tolerance=tol)
+            rec.add("rows_per_rank", max(rows.values()), "rows", phase="check", per_rank=rows)
+        out.append(rec)
+    return out
+
+
+def _torch_separate(x, W13, W2, Ws13, Ws2, tw, ids, rsf):
+    """PyTorch: routed experts (weights times rsf), then the shared expert as its own MLP, then the add."""
+    routed = FM.fused_moe_torch(x, W13, W2, tw.float() * rsf, ids)
     I = Ws13.shape[1] // 2
     h = x @ Ws13[0].T
     shared = (torch.nn.functional.silu(h[:, :I]) * h[:, I:]) @ Ws2[0].T
     return routed + shared
 
 
-def shared_timings(ctx, hidden, inter, experts, top_k, concurrency, reps) -> list[RunRecord]:
+def tile_configs(C: int, experts: int, top_k: int) -> list[dict]:
+    """The GPU tiles each path would pick on its own at concurrency C (the routed MoE from C*k/E rows
+    per expert, the fused one from C*(k+1)/(E+1)); both paths are timed at each of them."""
+    out = []
+    for rows in (C * top_k / experts, C * (top_k + 1) / (experts + 1)):
+        cfg = FM.moe_config(rows, False)
+        if cfg not in out:
+            out.append(cfg)
+    return out
+
+
+def tiles_tag(cfg: dict) -> str:
+    return f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']}x{cfg['BLOCK_K']}w{cfg['num_warps']}s{cfg['num_stages']}"
+
+
+def shared_timings(ctx, hidden, inter, experts, top_k, concurrency, reps, rsf) -> list[RunRecord]:
     out = []
     name, why = FM.backend(ctx.device)
     cuda = on_gpu(ctx)
     for C in concurrency:
         w13, w2, s13, s2, x, tw, ids = make_layer(ctx, hidden, inter, experts, top_k, C)
-        a13, a2, aw, aid = FM.with_shared_slot(w13, w2, s13, s2, tw, ids)
+        a13, a2 = FM.shared_slot_weights(w13, w2, s13, s2)  # load time, outside the step
+        variants = []
         if cuda:
-            fns = {"separate": lambda: FM.routed_plus_shared_mlp(x, w13, w2, tw, ids, s13, s2, check=False),
-                   "fused": lambda: FM.shared_fused(x, a13, a2, aw, aid, check=False)}
+            for cfg in tile_configs(C, experts, top_k):
+                tag = tiles_tag(cfg)
+                variants.append((tag, {
+                    "separate": lambda cfg=cfg: FM.routed_plus_shared_mlp(x, w13, w2, tw, ids, s13, s2,
+                                                                          routed_scaling_factor=rsf, check=False,
+                                                                          block=cfg),
+                    "fused": lambda cfg=cfg: FM.shared_fused_step(x, a13, a2, tw, ids, routed_scaling_factor=rsf,
+                                                                  check=False, block=cfg)}))
             backend = {"separate": f"{name}: routed MoE + shared gate/up GEMM, SiLU-and-mul, down GEMM, add",
-                       "fused": f"{name}: one grouped MoE with k+1 slots"}
+                       "fused": f"{name}: k+1-slot routing table, then one grouped MoE"}
         else:  # PyTorch on CPU, BF16 weights resident (no dequantization inside the timed call)
             W13, W2, Ws13, Ws2 = (W.dequantize(q) for q in (w13, w2, s13, s2))
             A13, A2 = torch.cat([W13, Ws13]), torch.cat([W2, Ws2])
-            fns = {"separate": lambda: _torch_separate(x, W13, W2, Ws13, Ws2, tw, ids),
-                   "fused": lambda: FM.fused_moe_torch(x, A13, A2, aw, aid)}
-            backend = {"separate": "torch: routed experts + shared MLP + add", "fused": "torch: k+1 slots, one expert loop"}
-        times = {}
-        for variant, fn in fns.items():
-            rec = ctx.new_record(f"shared-{variant}-c{C}", variant=variant, workload={
-                "model": f"MoE E{experts}+1 shared, H{hidden} I{inter} top-{top_k}", "quantization": "w4a16 g32",
-                "batch": C, "dtype": "bfloat16"}, topology={"tp": 1, "ep": 1})
-            rec.set_backend("moe_layer", "one MoE layer with a shared expert", reason=why if cuda else "CPU: PyTorch paths only",
-                            shapes={"x": [C, hidden]})
-            rec.notes = backend[variant]
-            how = "perf_counter, one intra-op thread"
-            if cuda:
-                t, how = gpu_time(fn, ctx.device, label=f"{variant} C={C}", reps=reps)
-            else:
-                with cpu_threads(1):
-                    t = benchmark(fn, ctx.device, label=f"{variant} C={C}", warmup=1, min_reps=reps, min_time_s=0.2)
-            rec.add_timing("layer", t, phase="decode", device_label=ctx.hardware_label if cuda else "CPU (PyTorch)",
-                           how=how)
-            rec.add("tokens_per_s", C / t.median_s, "tok/s (one layer)", phase="decode")
-            times[variant] = t.median_s
-            out.append(rec)
-        out[-1].add("gain_vs_separate", 100 * (times["separate"] / times["fused"] - 1), "% throughput", phase="decode",
-                    concurrency=C)
+
+            def fused_torch():
+                aw, aid = FM.shared_slot_routing(tw, ids, experts, rsf)
+                return FM.fused_moe_torch(x, A13, A2, aw, aid)
+
+            variants.append(("torch", {"separate": lambda: _torch_separate(x, W13, W2, Ws13, Ws2, tw, ids, rsf),
+                                       "fused": fused_torch}))
+            backend = {"separate": "torch: routed experts + shared MLP + add",
+                       "fused": "torch: k+1-slot routing table, one expert loop"}
+        for tag, fns in variants:
+            times = {}
+            for variant, fn in fns.items():
+                rec = ctx.new_record(f"shared-{variant}-c{C}-{tag}", variant=variant, workload={
+                    "model": f"MoE E{experts}+1 shared, H{hidden} I{inter} top-{top_k}", "quantization": "w4a16 g32",
+                    "batch": C, "dtype": "bfloat16"}, topology={"tp": 1, "ep": 1})
+                rec.set_backend("moe_layer", "one MoE layer with a shared expert",
+                                reason=why if cuda else "CPU: PyTorch paths only",
+                                shapes={"x": [C, hidden], "tiles": tag})
+                rec.notes = backend[variant]
+                how = "perf_counter, one intra-op thread"
+                if cuda:
+                    t, how = gpu_time(fn, ctx.device, label=f"{variant} C={C} {tag}", reps=reps)
+                else:
+                    with cpu_threads(1):
+                        t = benchmark(fn, ctx.device, label=f"{variant} C={C}", warmup=1, min_reps=reps,
+                                      min_time_s=0.3)
+                rec.add_timing("layer", t, phase="decode", device_label=ctx.hardware_label if cuda else "CPU (PyTorch)",
+                               how=how, tiles=tag)
+                rec.add("tokens_per_s", C / t.median_s, "tok/s (one layer)", phase="decode")
+                times[variant] = t
+                out.append(rec)
+            # gain = separate / fused - 1, with the comparison's interval; a verdict only when it separates
+            c = compare_timings(times["separate"], times["fused"])
+            out[-1].add("gain_vs_separate", 100 * (c.ratio - 1), "% throughput", phase="decode", concurrency=C,
+                        tiles=tag, lo=100 * (c.lo - 1), hi=100 * (c.hi - 1), verdict=c.verdict,
+                        sentence=c.sentence("the separate path", "the fused slot"))
     return out
 
 
@@ -209,18 +327,29 @@ def seed_records(ctx) -> list[RunRecord]:
     return [before, after, mxfp4, pd, fusion]
 
 
-def measure(ctx, *, hidden, inter, experts, top_k, concurrency, tps, reps) -> list[RunRecord]:
+def measure(ctx, *, hidden, inter, experts, top_k, concurrency, tps, reps, eps, routed_scaling_factor) -> list[RunRecord]:
     cs = parse_ints(concurrency, "concurrency")
     tp_list = parse_ints(tps, "tps")
+    ep_list = parse_ints(eps, "eps")
     if hidden % 32 or inter % 32:
-        raise ValueError(f"hidden and inter must be multiples of the group size 32, got {hidden} and {inter}")
+        raise UserError(f"hidden and inter must be multiples of the group size 32, got {hidden} and {inter}")
     if not 1 <= top_k <= experts:
-        raise ValueError(f"top_k must be in [1, experts={experts}], got {top_k}")
-    for tp in tp_list:
-        B.local_shapes(B.MINIMAX_M3_LIKE, tp)  # a bad TP fails here, before any work
+        raise UserError(f"top_k must be in [1, experts={experts}], got {top_k}")
+    if not (routed_scaling_factor > 0 and math.isfinite(routed_scaling_factor)):
+        raise UserError(f"routed_scaling_factor must be a finite positive number, got {routed_scaling_factor}")
+    if reps < 2:
+        raise UserError(f"reps must be at least 2 (the comparison needs a spread), got {reps}")
+    try:
+        for tp in tp_list:
+            B.local_shapes(B.MINIMAX_M3_LIKE, tp)  # a bad TP fails here, before any work
+        for ep in ep_list:
+            B.local_shapes(B.MINIMAX_M3_LIKE, 1, ep)
+    except ValueError as e:
+        raise UserError(str(e)) from None
     records = backend_records(ctx, tp_list)
-    records.append(shared_check(ctx, hidden, inter, experts, top_k))
-    records += shared_timings(ctx, hidden, inter, experts, top_k, cs, reps)
+    records.append(shared_check(ctx, hidden, inter, experts, top_k, routed_scaling_factor))
+    records += ep_records(ctx, hidden, inter, experts, top_k, ep_list, routed_scaling_factor)
+    records += shared_timings(ctx, hidden, inter, experts, top_k, cs, reps, routed_scaling_factor)
     records += seed_records(ctx)
     return records
 

@@ -8,15 +8,17 @@ when most requests share no prefix, slower storage only adds copying.
 
 `measure(ctx, ...)` returns RunRecords for:
 
-- `copy-<n>MB`: the host tier's offload copy of blocks of n MB (the engine's copy path) against
-  the memory-copy bandwidth measured in the same run (host->host on CPU: `measure.ceilings`;
-  device->host into pinned memory on CUDA, measured here);
+- `copy-<n>MB`: the host tier's offload copy of blocks of n MB (the engine's copy path) in the
+  cross-layer layout (one copy per block) and in the layer-major one (2 x layers copies per
+  block), against the memory-copy bandwidth measured in the same run (host->host on CPU:
+  `measure.ceilings`; device->host into pinned memory on CUDA, measured here);
 - `filesystem`: the file tier's durable writes (and warm reads) of 1 MB blocks against a
   sequential write of the same bytes to one file on the same disk;
 - `<workload>/<config>`: the serving engine on two workloads — `shared` (requests draw one of a
   few long prefixes) and `none` (no shared prefix) — with no tiers, with a host tier, and with
-  host + filesystem + peer tiers: TTFT, throughput, per-tier lookups/hits/bytes/latency, and
-  device free / re-allocation times;
+  host + filesystem + peer tiers, once admitting every block below the host and once only blocks
+  reused `admit_after` times: TTFT (every request's, all repeats, for `measure.compare_timings`),
+  throughput, per-tier lookups/hits/bytes/latency, and device free / re-allocation times;
 - `sweep/host=<blocks>`: the shared workload with a host tier of growing capacity (multiples of
   the device KV pool): blocks served by the host tier beyond what the device cache served.
 """
@@ -26,18 +28,21 @@ import os
 import shutil
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ..errors import UserError
-from ..measure import benchmark, ceilings
+from ..measure import Timing, benchmark, ceilings, compare_timings, significant
 from ..presets import Param
 from ..record import RunRecord
 from ..serving.config import EngineConfig
 from ..serving.engine import LLMEngine
-from ..serving.kv_tiers import BlockLayout, EngineKVTiers, FileTier, HostTier, PeerProcess, copy_blocks_to_rows
+from ..serving.kv_tiers import (CROSS_LAYER, LAYER_MAJOR, BlockLayout, EngineKVTiers, FileTier, HostTier, PeerProcess,
+                                copy_blocks_to_rows)
 from ..serving.metrics import run_closed_loop
+from ..serving.model_runner import observed_paged_kernels, paged_kernels_label
 from ..serving.model import TinyConfig, TinyDecoder, init_weights
 from ..serving.sequence import SamplingParams
 
@@ -64,29 +69,37 @@ PARAMETERS = {
     "copy_total_mb": Param(int, help="MB copied per block size in the copy benchmark"),
     "file_total_mb": Param(int, help="MB written through the file tier in the filesystem benchmark"),
     "use_peer": Param(bool, help="add the remote-peer tier (a second process on 127.0.0.1)"),
-    "repeats": Param(int, help="runs of each engine configuration, interleaved; times are the median"),
+    "admit_after": Param(int, help="uses of a block before it is written below the host (the 'admit on reuse' config)"),
+    "repeats": Param(int, min=2, help="runs of each engine configuration, interleaved; their median TTFTs are compared"),
+    "restore_reps": Param(int, help="timed single requests per source in the restore-vs-recompute benchmark"),
     "cpu_threads": Param(int, 1, min=0, help="torch threads on CPU during the measurement (0: leave as is)"),
 }
 
 PRESETS = {
     "smoke": dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn=176, vocab=256, dtype="float32",
                   block_size=16, prefix_len=96, suffix_len=16, output_len=4, num_prefixes=6, num_requests=24,
-                  max_num_seqs=2, max_num_batched_tokens=128, device_blocks=32, host_blocks=24,
-                  host_sweep="0.5,1,2,3", copy_block_mb="1,4", copy_total_mb=32, file_total_mb=8, use_peer=True, repeats=1),
+                  max_num_seqs=2, max_num_batched_tokens=128, device_blocks=32, host_blocks=64,
+                  host_sweep="0.5,1,2,3", copy_block_mb="1,4", copy_total_mb=32, file_total_mb=8, use_peer=True, admit_after=2, repeats=3, restore_reps=6),
     "cpu": dict(d_model=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn=688, vocab=512, dtype="float32",
                 block_size=16, prefix_len=384, suffix_len=32, output_len=8, num_prefixes=8, num_requests=48,
-                max_num_seqs=4, max_num_batched_tokens=512, device_blocks=160, host_blocks=120,
+                max_num_seqs=4, max_num_batched_tokens=512, device_blocks=160, host_blocks=320,
                 host_sweep="0.25,0.5,0.75,1,1.5", copy_block_mb="1,2,4,8", copy_total_mb=256, file_total_mb=64,
-                use_peer=True, repeats=2),
+                use_peer=True, admit_after=2, repeats=4, restore_reps=15),
     "gpu": dict(d_model=1024, n_layers=8, n_heads=16, n_kv_heads=8, ffn=2816, vocab=32000, dtype="bfloat16",
                 block_size=16, prefix_len=2048, suffix_len=128, output_len=32, num_prefixes=16, num_requests=64,
-                max_num_seqs=8, max_num_batched_tokens=8192, device_blocks=2048, host_blocks=1536,
+                max_num_seqs=8, max_num_batched_tokens=8192, device_blocks=2048, host_blocks=4096,
                 host_sweep="0.25,0.5,0.75,1,1.5,2", copy_block_mb="1,2,4,8,16", copy_total_mb=1024, file_total_mb=512,
-                use_peer=True, repeats=2),
+                use_peer=True, admit_after=2, repeats=5, restore_reps=15),
 }
 
 WORKLOADS = ("shared", "none")
-CONFIGS = ("no tiers", "host", "host+file+peer")
+
+
+def configs(P: dict) -> tuple[str, ...]:
+    """The engine configurations compared: no tiers; host only; every tier, admitting every block
+    below the host; every tier, admitting a block below the host only after `admit_after` uses."""
+    full = "host+file+peer" if P["use_peer"] else "host+file"
+    return ("no tiers", "host", f"{full}, admit all", f"{full}, admit on reuse")
 
 
 def parse_floats(name: str, text) -> list[float]:
@@ -113,9 +126,13 @@ def check_params(P: dict) -> None:
     """Every size the measurement relies on, checked before any work."""
     for name in ("d_model", "n_layers", "n_heads", "n_kv_heads", "ffn", "vocab", "block_size", "prefix_len",
                  "suffix_len", "output_len", "num_prefixes", "num_requests", "max_num_seqs", "max_num_batched_tokens",
-                 "device_blocks", "host_blocks", "copy_total_mb", "file_total_mb", "repeats"):
+                 "device_blocks", "host_blocks", "copy_total_mb", "file_total_mb", "admit_after", "repeats",
+                 "restore_reps"):
         if P[name] < 1:
             raise UserError(f"{name}={P[name]!r} must be a positive int")
+    if P["repeats"] < 2 or P["restore_reps"] < 2:
+        raise UserError(f"repeats={P['repeats']} and restore_reps={P['restore_reps']} must be at least 2: a "
+                        "comparison needs at least two samples a side")
     if P["prefix_len"] < P["block_size"]:
         raise UserError(f"prefix_len={P['prefix_len']} is shorter than one block (block_size={P['block_size']}); "
                         "nothing could be reused")
@@ -161,56 +178,79 @@ def copy_ceiling(device: torch.device, nbytes: int = 1 << 28) -> dict:
             "convention": "bytes transferred", "factor": 1.0}
 
 
-def copy_layout(block_mb: float, dtype: torch.dtype) -> tuple[BlockLayout, int]:
-    """A KV block of about `block_mb` MB: 8 layers x 8 KV heads x 128 head dim, block_size tokens."""
-    per_token = 2 * 8 * 8 * 128 * dtype.itemsize
-    bs = max(1, round(block_mb * (1 << 20) / per_token))
-    shape = (8, bs, 8, 128)
-    return BlockLayout((("k", dtype, shape), ("v", dtype, shape))), bs
+COPY_LAYERS, COPY_HEADS, COPY_HEAD_DIM = 8, 8, 128
 
 
-def host_copy_setup(device: torch.device, block_mb: float, total_mb: int, dtype: torch.dtype) -> dict:
-    """A paged pool of about `total_mb` (8 layers x 8 KV heads x 128 head dim) and a host tier with a
-    row for each of its blocks; `fn` offloads every block through the engine's copy path
-    (`copy_blocks_to_rows`) as one batch, so no cache can hold the data between calls."""
-    layout, bs = copy_layout(block_mb, dtype)
-    n = max(2, int(total_mb * (1 << 20) // layout.nbytes))
-    k = torch.empty((8, n * bs, 8, 128), dtype=dtype, device=device).normal_()
-    v = torch.empty_like(k).normal_()
+def copy_block_tokens(block_mb: float, dtype: torch.dtype) -> int:
+    """Tokens per block so that one block (K and V of 8 layers x 8 KV heads x 128 head dim) is about `block_mb` MB."""
+    per_token = 2 * COPY_LAYERS * COPY_HEADS * COPY_HEAD_DIM * dtype.itemsize
+    return max(1, round(block_mb * (1 << 20) / per_token))
+
+
+def copy_pool(device: torch.device, n: int, bs: int, dtype: torch.dtype, kv_layout: str):
+    """A stand-in for the engine's runner holding a paged pool of `n` blocks in `kv_layout`, random
+    values; `kv_tiers.copy_blocks_to_rows` reads it exactly as it reads the engine's pool."""
+    from types import SimpleNamespace
+
+    from ..serving.kv_tiers import engine_layout, use_cross_layer_blocks
+
+    shape = (COPY_LAYERS, n * bs, COPY_HEADS, COPY_HEAD_DIM)
+    runner = SimpleNamespace(block_size=bs, dtype=dtype, device=device,
+                             k_cache=torch.empty(shape, dtype=dtype, device=device),
+                             v_cache=torch.empty(shape, dtype=dtype, device=device))
+    if kv_layout == CROSS_LAYER:
+        use_cross_layer_blocks(runner)
+        runner.kv_blocks.normal_()
+    else:
+        runner.k_cache.normal_(), runner.v_cache.normal_()
+    return runner, engine_layout(runner)
+
+
+def host_copy_setup(device: torch.device, block_mb: float, total_mb: int, dtype: torch.dtype,
+                    kv_layout: str = CROSS_LAYER) -> dict:
+    """A paged pool of about `total_mb` in `kv_layout` and a host tier with a row for each of its
+    blocks; `fn` offloads every block through the engine's copy path (`copy_blocks_to_rows`: one
+    copy per block cross-layer, 2 x layers layer-major) as one batch, and waits for it."""
+    from ..device import synchronize
+
+    bs = copy_block_tokens(block_mb, dtype)
+    block_bytes = 2 * COPY_LAYERS * bs * COPY_HEADS * COPY_HEAD_DIM * dtype.itemsize
+    n = max(2, int(total_mb * (1 << 20) // block_bytes))
+    runner, layout = copy_pool(device, n, bs, dtype, kv_layout)
     host = HostTier(n, layout.nbytes, pin=device.type == "cuda")
     pairs = [(b, host.row(b)) for b in range(n)]
+    copies = [0]
 
     def fn():
-        copy_blocks_to_rows(k, v, bs, layout, pairs)
+        copies[0] = copy_blocks_to_rows(runner, layout, pairs)
+        synchronize(device)
 
     def exact() -> bool:   # the benchmarked path in bits: first and last block
-        return all(torch.equal(layout.views(host.row(b))["k"].view(torch.uint8).cpu(),
-                               k[:, b * bs:(b + 1) * bs].cpu().contiguous().view(torch.uint8)) for b in (0, n - 1))
-    return {"block_bytes": layout.nbytes, "blocks": n, "block_size_tokens": bs, "fn": fn, "exact": exact,
-            "bytes": n * layout.nbytes, "pinned": host.pinned_memory}
+        from ..serving.kv_tiers import block_pieces
+        return all(torch.equal(host.row(b)[:block_bytes].cpu(),
+                               torch.cat([p.contiguous().view(-1).view(torch.uint8).cpu()
+                                          for p in block_pieces(runner, b)])) for b in (0, n - 1))
+    return {"block_bytes": block_bytes, "blocks": n, "block_size_tokens": bs, "fn": fn, "exact": exact,
+            "bytes": n * block_bytes, "pinned": host.pinned_memory, "copies": copies, "kv_layout": kv_layout}
 
 
 def host_copy_benchmark(device: torch.device, block_mbs: list[float], total_mb: int, dtype: torch.dtype,
                         rounds: int = 3) -> list[dict]:
-    """Every block size, `rounds` times in turn (so a change in machine load hits all sizes alike);
-    each size's samples pooled into one Timing (median, p10, p90)."""
-    from ..measure import Timing
-
-    out = []
-    for mb in block_mbs:           # one pool at a time: the pools of all sizes need not fit together
-        out.append({"block_mb": mb, "samples": []})
+    """Every block size in both layouts, `rounds` times in turn (so a change in machine load hits all
+    alike); each (size, layout)'s samples pooled into one Timing."""
+    out = [{"block_mb": mb, "kv_layout": lay, "samples": []} for mb in block_mbs for lay in (CROSS_LAYER, LAYER_MAJOR)]
     for _ in range(rounds):
-        for item in out:
-            setup = host_copy_setup(device, item["block_mb"], total_mb, dtype)
-            t = benchmark(setup["fn"], device, label=f"offload {item['block_mb']} MB", warmup=1, min_reps=2,
-                          max_reps=5, min_time_s=0.1)
+        for item in out:           # one pool at a time: the pools of all sizes need not fit together
+            setup = host_copy_setup(device, item["block_mb"], total_mb, dtype, item["kv_layout"])
+            t = benchmark(setup["fn"], device, label=f"offload {item['block_mb']} MB {item['kv_layout']}", warmup=1,
+                          min_reps=3, max_reps=6, min_time_s=0.1)
             item["samples"] += t.samples_s
-            item.update({k: v for k, v in setup.items() if k not in ("fn", "exact")}, timer=t.timer,
-                        exact=item.get("exact", True) and setup["exact"]())
+            item.update({k: v for k, v in setup.items() if k not in ("fn", "exact", "copies")}, timer=t.timer,
+                        copies_per_call=setup["copies"][0], exact=item.get("exact", True) and setup["exact"]())
             del setup
     for item in out:
-        item["timing"] = Timing(label=f"offload {item['block_mb']} MB", samples_s=item.pop("samples"),
-                                timer=item.pop("timer"), warmup=1)
+        item["timing"] = Timing(label=f"offload {item['block_mb']} MB {item['kv_layout']}",
+                                samples_s=item.pop("samples"), timer=item.pop("timer"), warmup=1)
     return out
 
 
@@ -254,28 +294,85 @@ def run_workload(model, prompts, P: dict, config: str, *, host_blocks: int, scra
     engine = LLMEngine(model, ecfg)
     tiers = None
     if config != "no tiers":
-        kw = {"host_capacity_blocks": host_blocks}
+        kw = {"host_capacity_blocks": host_blocks, "admit_after": P["admit_after"] if "on reuse" in config else 1}
         if "file" in config:
             kw["file_dir"] = scratch
         if "peer" in config and peer_address is not None:
             kw["peer_address"] = peer_address
         tiers = EngineKVTiers(engine, kw, model_id=f"tiny-seed{seed}")
         for t in tiers.store.lower:
-            if t.name == "peer":
-                t.clear()          # one peer process serves every run; each run starts empty
+            if t.name == "peer" and not t.clear():   # one peer process serves every run; each run starts empty
+                raise RuntimeError(f"the KV peer could not be cleared: {t.stats.last_error}")
     # warm-up on a prompt no measured request shares (first-call costs are not the tiers')
     g = torch.Generator().manual_seed(seed + 999)
     engine.generate([torch.randint(P["vocab"], (P["block_size"] + 1,), generator=g).tolist()], SamplingParams(max_tokens=2))
     engine.steps.clear()
     if tiers is not None:
-        tiers.store.flush()
+        tiers.flush()
         tiers.stats.__init__()
         for t in tiers.store.tiers:
             t.stats.__init__(t.name)
+        tiers.store.not_admitted = 0
     run = run_closed_loop(engine, prompts, SamplingParams(max_tokens=P["output_len"]), P["max_num_seqs"])
     if tiers is not None:
-        tiers.store.flush()
+        tiers.flush()
     return engine, tiers, run
+
+
+RESTORE_SOURCES = ("recompute", "host", "file")
+
+
+def first_token_time(engine, prompt: list[int]) -> float:
+    """Seconds from admitting `prompt` (one request, engine otherwise idle) to its first token."""
+    t0 = engine.clock()
+    seq = engine.add_request(prompt, SamplingParams(max_tokens=1))
+    while seq.first_token_s is None:
+        engine.step()
+    while engine.has_unfinished():
+        engine.step()
+    return seq.first_token_s - t0
+
+
+def restore_vs_recompute(model, P: dict, scratch: Path, seed: int) -> dict:
+    """One request with a shared prefix of `prefix_len` tokens and a fresh suffix, timed to its first
+    token `restore_reps` times per source, the sources interleaved: `recompute` (no tiers; the
+    device cache is off, so the prefix is prefilled every time), `host` (restored from the host
+    tier), `file` (a one-block host tier over the file tier: the prefix comes from files). The
+    device prefix cache is off in all three, so nothing but the source differs. Returns
+    {source: Timing, "restored_tokens": {source: [...]}}."""
+    g = torch.Generator().manual_seed(seed + 7)
+    prefix = torch.randint(P["vocab"], (P["prefix_len"],), generator=g).tolist()
+    ecfg = EngineConfig(max_num_seqs=1, max_num_batched_tokens=P["max_num_batched_tokens"],
+                        block_size=P["block_size"], num_blocks=P["device_blocks"], enable_prefix_caching=False)
+    engines, tiers = {}, {}
+    for src in RESTORE_SOURCES:
+        engines[src] = LLMEngine(model, ecfg)
+        if src != "recompute":
+            kw = {"host_capacity_blocks": P["host_blocks"] if src == "host" else 1}
+            if src == "file":   # written in the copy's completion, so a one-row host tier passes every block down
+                kw.update(file_dir=scratch / "restore-file", background=False)
+            tiers[src] = EngineKVTiers(engines[src], kw, model_id=f"restore-{seed}")
+    samples = {src: [] for src in RESTORE_SOURCES}
+    cached = {src: [] for src in RESTORE_SOURCES}
+    try:
+        for src in RESTORE_SOURCES:      # warm-up; puts the prefix into the tiers
+            first_token_time(engines[src], prefix + [0])
+            if src in tiers:
+                tiers[src].flush()
+        for _ in range(P["restore_reps"]):
+            for src in RESTORE_SOURCES:
+                suffix = torch.randint(P["vocab"], (P["suffix_len"],), generator=g).tolist()
+                samples[src].append(first_token_time(engines[src], prefix + suffix))
+                cached[src].append(engines[src].finished[-1].num_cached_tokens)
+                if src in tiers:
+                    tiers[src].flush()     # the offload of this request, outside the timed region
+    finally:
+        for t in tiers.values():
+            t.close()
+    out = {src: Timing(label=f"first token, prefix from {src}", samples_s=samples[src], timer="perf_counter", warmup=1)
+           for src in RESTORE_SOURCES}
+    out["restored_tokens"] = cached
+    return out
 
 
 def _median(xs):
@@ -296,8 +393,12 @@ def engine_record(ctx, name: str, variant: str, workload_kind: str, P: dict, cfg
         "device_blocks": P["device_blocks"], "host_blocks": host_blocks, "block_size": bs,
         "kv_block_bytes": kv_block_bytes, "timer": "perf_counter wall, device synchronised",
     }, topology={"ranks": 1, "tp": 1})
-    rec.set_backend("attention", "paged sdpa, one call per request", reason="PyTorch reference path of this engine",
-                    dtype=P["dtype"])
+    # the SDPA kernel observed running on this engine's own prefill and decode shapes, not a typed label
+    prompt = P["prefix_len"] + P["suffix_len"]
+    kernels = observed_paged_kernels(cfg, getattr(torch, P["dtype"]), ctx.device, prefill_len=prompt,
+                                     context_len=prompt + P["output_len"])
+    rec.set_backend("attention", paged_kernels_label(kernels), reason="PyTorch reference path of this engine",
+                    dtype=P["dtype"], shapes={c: r["shapes"] for c, r in kernels.items()}, observed=True)
     rec.set_backend("kv_tiers", variant, reason="the variant under study",
                     shapes={"host_row_bytes": kv_block_bytes, "pinned": bool(tiers and tiers.store.host.pinned_memory)})
     rec.add("mean_ttft", run.mean("ttft_s"), "s", phase="ttft")
@@ -321,12 +422,22 @@ def engine_record(ctx, name: str, variant: str, workload_kind: str, P: dict, cfg
                 phase="ttft", definition="mean over admissions: share of host-tier blocks the device prefix cache "
                                          "also held at that moment")
         rec.add("free_time_median", _median(st.free_s), "s", phase="total",
-                definition="offload call per finishing request: keys, device->host copy until complete, publish; "
-                           "the device blocks are released right after")
+                definition="per finishing request: launch of its device->host copy until the copy completed and "
+                           "its device blocks were handed back (off the engine thread)")
+        rec.add("offload_call_median", _median(st.offload_call_s), "s", phase="total",
+                definition="per finishing request: the engine thread's own time in offload (keys, host rows, launch)")
         rec.add("realloc_time_median", _median(st.realloc_s), "s", phase="ttft",
                 definition="per restoring request: take device blocks once data is in host memory + host->device copy")
         rec.add("fetch_time_median", _median(st.fetch_s), "s", phase="ttft",
-                definition="per restoring request: bring the prefix into host rows (host hit, file read, peer read)")
+                definition="per restoring request, at admission: host-tier hits into rows (slow tiers: see fetch_wait)")
+        rec.add("fetch_wait_median", _median(st.fetch_wait_s), "s", phase="ttft",
+                definition="per request with a slow-tier fetch: fetch started until its rows were in host memory; "
+                           "the request waited, the engine stepped others")
+        rec.add("fetches", st.fetches_started, "requests", phase="ttft")
+        rec.add("steps_with_fetch_in_flight", st.steps_with_fetch_in_flight, "steps", phase="total")
+        rec.add("not_admitted_below_host", tiers.store.not_admitted, "blocks", phase="total",
+                definition=f"blocks kept in host memory only: used fewer than admit_after="
+                           f"{tiers.store.admit_after} times when offloaded")
         for tier, s in tiers.store.stats().items():
             for key, unit in (("lookups", "blocks"), ("hits", "blocks"), ("hit_rate", "fraction"),
                               ("bytes_written", "bytes"), ("bytes_read", "bytes"), ("writes", "blocks"),
@@ -366,15 +477,19 @@ def _measure(ctx, P: dict) -> list[RunRecord]:
     ceil = copy_ceiling(ctx.device)
     for r in host_copy_benchmark(ctx.device, parse_floats("copy_block_mb", P["copy_block_mb"]), P["copy_total_mb"],
                                  dtype):
-        mb = r["block_mb"]
+        mb, lay = r["block_mb"], r["kv_layout"]
         gbps = ceil["factor"] * r["bytes"] / r["timing"].median_s / 1e9
-        rec = ctx.new_record(f"copy-{mb:g}MB", variant="host tier offload copy", workload={
-            "block_bytes": r["block_bytes"], "blocks": r["blocks"], "dtype": P["dtype"],
-            "shapes": f"k,v [8, {r['block_size_tokens']}, 8, 128] per block", "pinned_host": r["pinned"],
+        shapes = (f"kv [8, 2, {r['block_size_tokens']}, 8, 128] per block (one piece)" if lay == CROSS_LAYER else
+                  f"k,v [8, {r['block_size_tokens']}, 8, 128] per block (16 pieces)")
+        rec = ctx.new_record(f"copy-{mb:g}MB-{lay}", variant=f"host tier offload copy, {lay}", workload={
+            "block_bytes": r["block_bytes"], "blocks": r["blocks"], "dtype": P["dtype"], "block_mb": mb,
+            "kv_layout": lay, "shapes": shapes, "pinned_host": r["pinned"],
             "ceiling": ceil["what"], "convention": ceil["convention"]}, topology={"ranks": 1})
-        rec.set_backend("offload_copy", "torch copy_ per (layer, k/v) piece" + (", non_blocking into pinned" if r["pinned"] else ""),
+        rec.set_backend("offload_copy", f"torch copy_ per contiguous piece, {r['copies_per_call'] // r['blocks']} per block"
+                        + (", non_blocking into pinned" if r["pinned"] else ""),
                         reason="kv_tiers.copy_blocks_to_rows, the engine's path", dtype=P["dtype"])
         rec.add_timing("copy_time", r["timing"], phase="steady", bytes=r["bytes"])
+        rec.add("copies_per_block", r["copies_per_call"] / r["blocks"], "copies", phase="steady")
         rec.add("copy_gbps", gbps, "GB/s", phase="steady", convention=ceil["convention"])
         rec.add("ceiling_gbps", ceil["gbps"], "GB/s", phase="steady", what=ceil["what"], convention=ceil["convention"])
         rec.add("fraction_of_ceiling", gbps / ceil["gbps"], "fraction", phase="steady", target=0.70)
@@ -407,17 +522,17 @@ def _measure(ctx, P: dict) -> list[RunRecord]:
         addr = peer.address if peer else None
         plan = []
         for kind in WORKLOADS:
-            for config in CONFIGS:
-                if config == "host+file+peer" and not P["use_peer"]:
-                    config = "host+file"
+            for config in configs(P):
                 plan.append((f"{kind}/{config}", kind, config, P["host_blocks"], None))
+        sweep = []
         for mult in parse_floats("host_sweep", P["host_sweep"]):
             hb = max(1, round(mult * P["device_blocks"]))
-            plan.append((f"sweep/host={hb}", "shared", "host", hb, mult))
+            sweep.append((f"sweep/host={hb}", "shared", "host", hb, mult))
         prompts = {kind: make_workload(kind, P, ctx.seed) for kind in WORKLOADS}
         outputs = {}
-        for _ in range(P["repeats"]):
-            for name, kind, config, hb, mult in plan:
+        # the sweep counts blocks (the same every run), so it runs once; the comparisons repeat
+        for rep in range(P["repeats"]):
+            for name, kind, config, hb, mult in plan + (sweep if rep == 0 else []):
                 engine, tiers, run = run_workload(model, prompts[kind], P, config, host_blocks=hb,
                                                   scratch=scratch_root / name.replace("/", "-").replace("+", "-"),
                                                   peer_address=addr, seed=ctx.seed)
@@ -440,6 +555,10 @@ def _measure(ctx, P: dict) -> list[RunRecord]:
     for name, rec in first.items():
         # times: the median over repeats (every run kept); counts: the first run's (the same workload each time)
         rs = runs[name]
+        # one sample per run: the run's median TTFT. The requests of one run share its machine load, so
+        # they are not independent samples; comparisons go over runs (`verdicts`).
+        rec.add_timing("ttft", Timing(label=f"{name} median ttft per run", samples_s=[r.median("ttft_s") for r in rs],
+                                      timer="perf_counter", warmup=0), phase="ttft")
         for metric, fn in (("mean_ttft", lambda r: r.mean("ttft_s")), ("median_ttft", lambda r: r.median("ttft_s")),
                            ("output_throughput", lambda r: r.output_throughput),
                            ("total_throughput", lambda r: r.total_throughput), ("duration", lambda r: r.duration_s)):
@@ -448,6 +567,20 @@ def _measure(ctx, P: dict) -> list[RunRecord]:
             m["value"], m["runs"], m["aggregate"] = statistics.median(vals), vals, f"median of {len(vals)} run(s)"
         ref = outputs[f"{rec.workload['workload']}/no tiers"]
         rec.add_check("same greedy tokens as without tiers", all(r.outputs == ref for r in rs))
+        records.append(rec)
+
+    # 5. one request: its prefix restored (host, file) against recomputed, on this model
+    rv = restore_vs_recompute(model, P, scratch_root, ctx.seed)
+    shutil.rmtree(scratch_root, ignore_errors=True)
+    for src in RESTORE_SOURCES:
+        rec = ctx.new_record(f"restore-{src}", variant=f"prefix from {src}", workload={
+            "model": f"tiny-decoder L{cfg.n_layers} d{cfg.d_model} h{cfg.n_heads}/{cfg.n_kv_heads} V{cfg.vocab} "
+                     f"({cfg.n_params() / 1e6:.2f}M params)", "dtype": P["dtype"], "prefix_len": P["prefix_len"],
+            "suffix_len": P["suffix_len"], "requests": "one at a time, device prefix cache off"}, topology={"ranks": 1})
+        rec.add_timing("first_token_time", rv[src], phase="ttft")
+        rec.add("restored_tokens_median", statistics.median(rv["restored_tokens"][src]), "tokens", phase="ttft")
+        want = 0 if src == "recompute" else P["prefix_len"] // P["block_size"] * P["block_size"]
+        rec.add_check("the prefix came from this source", all(n == want for n in rv["restored_tokens"][src]))
         records.append(rec)
     return records
 
@@ -468,9 +601,10 @@ def workload_rows(records: list[RunRecord]) -> list[dict]:
         if "/" not in r.name or r.name.startswith("sweep/"):
             continue
         rows.append({"workload": r.workload["workload"], "tiers": r.variant,
-                     "mean TTFT ms": round(1e3 * r.value("mean_ttft"), 2),
-                     "median TTFT ms": round(1e3 * r.value("median_ttft"), 2),
-                     "total tok/s": round(r.value("total_throughput"), 1),
+                     "mean TTFT ms": _ms(r.value("mean_ttft")),
+                     "median TTFT ms (median of runs)": _ms(r.value("ttft")),
+                     "runs": r.get("ttft")["n"],
+                     "total tok/s": significant(r.value("total_throughput")),
                      "prompt reused": f"{100 * r.value('reused_prompt_share'):.0f}%",
                      "blocks from device": int(_v(r, "device_hit_blocks")),
                      "from host": int(_v(r, "restored_blocks/host")),
@@ -478,6 +612,10 @@ def workload_rows(records: list[RunRecord]) -> list[dict]:
                      "from peer": int(_v(r, "restored_blocks/peer")),
                      "offloaded": int(_v(r, "offloaded_blocks"))})
     return rows
+
+
+def _ms(x: float) -> str:
+    return significant(1e3 * x)
 
 
 def tier_rows(records: list[RunRecord]) -> list[dict]:
@@ -493,13 +631,16 @@ def tier_rows(records: list[RunRecord]) -> list[dict]:
                 continue
             rows.append({"workload": r.workload["workload"], "tiers": r.variant, "tier": tier,
                          "lookups": int(lookups), "hits": int(r.value(f"{tier}/hits")),
-                         "hit rate": round(r.value(f"{tier}/hit_rate"), 3),
-                         "MB written": round(r.value(f"{tier}/bytes_written") / 1e6, 2),
-                         "MB read": round(r.value(f"{tier}/bytes_read") / 1e6, 2),
-                         "read ms/block": round(1e3 * _v(r, f"{tier}/read_latency"), 3) if tier != "host" else None,
-                         "write ms/block": round(1e3 * _v(r, f"{tier}/write_latency"), 3) if tier != "host" else None,
-                         "free ms (median)": round(1e3 * r.value("free_time_median"), 3),
-                         "re-alloc ms (median)": round(1e3 * r.value("realloc_time_median"), 3),
+                         "hit rate": significant(r.value(f"{tier}/hit_rate")),
+                         "MB written": significant(r.value(f"{tier}/bytes_written") / 1e6),
+                         "MB read": significant(r.value(f"{tier}/bytes_read") / 1e6),
+                         "read ms/block": _ms(_v(r, f"{tier}/read_latency")) if tier != "host" else None,
+                         "write ms/block": _ms(_v(r, f"{tier}/write_latency")) if tier != "host" else None,
+                         "free ms (median)": _ms(r.value("free_time_median")),
+                         "engine-thread offload ms": _ms(r.value("offload_call_median")),
+                         "fetch wait ms": _ms(r.value("fetch_wait_median")),
+                         "re-alloc ms (median)": _ms(r.value("realloc_time_median")),
+                         "not admitted": int(r.value("not_admitted_below_host")) if tier != "host" else None,
                          "skipped": int(r.value(f"{tier}/skipped")),
                          "failures": int(r.value(f"{tier}/failures")), "corrupt": int(r.value(f"{tier}/corrupt")),
                          "timeouts": int(r.value(f"{tier}/timeouts"))})
@@ -515,24 +656,98 @@ def sweep_rows(records: list[RunRecord]) -> list[dict]:
                      "blocks from device": int(r.value("device_hit_blocks")),
                      "blocks from host": int(r.value("restored_blocks/host")),
                      "host blocks also on device": f"{100 * r.value('host_mirror_share'):.0f}%",
-                     "host hit rate": round(r.value("host/hit_rate"), 3),
-                     "mean TTFT ms": round(1e3 * r.value("mean_ttft"), 2)})
+                     "host hit rate": significant(r.value("host/hit_rate")),
+                     "mean TTFT ms": _ms(r.value("mean_ttft"))})
+    return rows
+
+
+def restore_rows(records: list[RunRecord]) -> list[dict]:
+    by = {r.name: r for r in records}
+    rows = []
+    for src in RESTORE_SOURCES:
+        t = by[f"restore-{src}"].get("first_token_time")
+        rows.append({"prefix from": src, "first token ms (median)": _ms(t["value"]), "p10 ms": _ms(t["p10_s"]),
+                     "p90 ms": _ms(t["p90_s"]), "samples": t["n"],
+                     "prompt tokens restored": int(by[f"restore-{src}"].value("restored_tokens_median"))})
     return rows
 
 
 def copy_rows(records: list[RunRecord]) -> list[dict]:
+    """Per block size: both layouts' offload rate, their ratio through `compare_timings`."""
+    by = {r.name: r for r in records if r.name.startswith("copy-")}
     rows = []
-    for r in records:
-        if r.name.startswith("copy-"):
-            t = r.get("copy_time")
-            f = r.value("copy_gbps") * r.value("copy_time")   # GB/s x s: the same byte count, for p10/p90
-            rows.append({"block MB": round(r.workload["block_bytes"] / (1 << 20), 2), "blocks": r.workload["blocks"],
-                         "offload GB/s": round(r.value("copy_gbps"), 2),
-                         "p10-p90 GB/s": f"{f / t['p90_s']:.1f}-{f / t['p10_s']:.1f}", "samples": t["n"],
-                         "memory copy GB/s": round(r.value("ceiling_gbps"), 2),
-                         "fraction": round(r.value("fraction_of_ceiling"), 3), "target": 0.70,
-                         "meets target": r.value("fraction_of_ceiling") >= 0.70})
+    for name, r in by.items():
+        if r.workload["kv_layout"] != CROSS_LAYER:
+            continue
+        lm = by[name.replace(CROSS_LAYER, LAYER_MAJOR)]
+        c = compare_timings(r.get("copy_time"), lm.get("copy_time"))
+        rows.append({"block MB": round(r.workload["block_bytes"] / (1 << 20), 2), "blocks": r.workload["blocks"],
+                     "cross-layer GB/s": float(significant(r.value("copy_gbps"))),
+                     "layer-major GB/s": float(significant(lm.value("copy_gbps"))),
+                     "copies per block": f"{r.value('copies_per_block'):g} vs {lm.value('copies_per_block'):g}",
+                     "cross / layer-major time": float(significant(c.ratio)), "90% interval": c.interval(),
+                     "verdict": c.verdict, "samples": f"{c.n_a}, {c.n_b}",
+                     "memory copy GB/s": float(significant(r.value("ceiling_gbps"))),
+                     "fraction": float(significant(r.value("fraction_of_ceiling"))), "target": 0.70,
+                     "meets target": r.value("fraction_of_ceiling") >= 0.70, "comparison": c})
     return rows
+
+
+@dataclass(frozen=True)
+class RunComparison:
+    """`measure.compare_timings` over a handful of runs a side, with one more condition before a
+    verdict: every run of one side below every run of the other. A percentile bootstrap of a
+    median over 4 or 5 samples has few distinct values and states too narrow an interval; complete
+    separation of n runs against n happens by chance with probability 2 / C(2n, n) under no
+    difference (2/70 for n = 4)."""
+
+    c: object
+    a_runs: tuple
+    b_runs: tuple
+
+    @property
+    def overlap(self) -> bool:
+        return not (max(self.a_runs) < min(self.b_runs) or max(self.b_runs) < min(self.a_runs))
+
+    @property
+    def verdict(self) -> str:
+        return self.c.verdict if not self.overlap else "no difference this run can see"
+
+    @property
+    def ratio(self) -> float:
+        return self.c.ratio
+
+    def sentence(self, a: str, b: str) -> str:
+        if self.c.separated and self.overlap:
+            ms = lambda xs: f"{significant(1e3 * min(xs))}–{significant(1e3 * max(xs))} ms"  # noqa: E731
+            return (f"{a} and {b} show no difference this run can see ({a} at {significant(self.c.ratio)}× the time "
+                    f"of {b}; the bootstrap interval {self.c.interval()} excludes 1, but the runs overlap: "
+                    f"{ms(self.a_runs)} against {ms(self.b_runs)}, {len(self.a_runs)} and {len(self.b_runs)} runs)")
+        return self.c.sentence(a, b)
+
+
+def compare_runs(a: dict, b: dict) -> RunComparison:
+    """`RunComparison` of two records' per-run timings (measurements kept with `samples_s`)."""
+    return RunComparison(compare_timings(a, b), tuple(a["samples_s"]), tuple(b["samples_s"]))
+
+
+def verdicts(records: list[RunRecord], P: dict) -> dict:
+    """The comparisons the page states, each from `compare_timings`: workload TTFTs over runs (one
+    median per run), with shared prefixes and without; and one request's first-token time with its
+    prefix restored (host, file) against recomputed."""
+    by = {r.name: r for r in records}
+    cs = configs(P)
+    pairs = {"shared_host": ("shared", cs[1], cs[0]), "shared_all": ("shared", cs[2], cs[0]),
+             "shared_gated": ("shared", cs[3], cs[0]), "none_host": ("none", cs[1], cs[0]),
+             "none_all": ("none", cs[2], cs[0]), "none_gated": ("none", cs[3], cs[0]),
+             "none_gated_vs_all": ("none", cs[3], cs[2])}
+    out = {}
+    for key, (kind, a, b) in pairs.items():
+        out[key] = compare_runs(by[f"{kind}/{a}"].get("ttft"), by[f"{kind}/{b}"].get("ttft"))
+    for src in RESTORE_SOURCES[1:]:
+        out[f"restore_{src}"] = compare_timings(by[f"restore-{src}"].get("first_token_time"),
+                                                by["restore-recompute"].get("first_token_time"))
+    return out
 
 
 # ---------------------------------------------------------------------------
@@ -570,14 +785,18 @@ def restore_checks(seed: int, workdir: Path, peer_address=None) -> list[dict]:
             if t.name == "peer":
                 t.clear()
         out = engine.generate(prompts, params)
-        # the bits: the last request's first prefix block, fetched back, against its device block
+        # the bits: a fresh prompt's first block, offloaded, fetched back, against the device block it was
+        # copied from (still device-cached)
+        tiers.flush()          # a one-row host tier refuses (counts as skipped) blocks while its row is busy
+        fresh = torch.randint(256, (40,), generator=g).tolist()
+        engine.generate([fresh], SamplingParams(max_tokens=1))
+        tiers.flush()          # the offload copies run off the engine thread
         seq, bm = engine.finished[-1], engine.block_manager
         key = prefix_keys(seq.prompt[:16], 16, tiers.ns)[0]
         got = tiers.store.fetch([key])
         block = bm.hash_to_block[bm._chain_hash(None, seq.prompt[:16])]   # freed last: still device-cached
-        dev_k = tiers.runner.k_cache[:, block * 16:(block + 1) * 16]
-        bits = bool(got.rows) and torch.equal(tiers.layout.views(got.rows[0])["k"].view(torch.int32),
-                                             dev_k.contiguous().view(torch.int32))
+        dev = tiers.block_bytes(block)
+        bits = bool(got.rows) and torch.equal(got.rows[0][:dev.numel()], dev)
         got.release()
         rows.append({"tier": tier, "blocks restored from it": tiers.stats.restored_blocks[tier],
                      "KV bits equal": bits, "greedy tokens equal": out == ref,
@@ -618,50 +837,46 @@ def corruption_check(seed: int, workdir: Path) -> dict:
 
 
 def hybrid_check(seed: int, workdir: Path) -> dict:
-    """The toy hybrid model: a prefix restored with its recurrent state continues exactly as if
-    computed; restored without the state, it does not."""
-    from ..serving.hybrid import HybridConfig, HybridPrefixCache, HybridToy
+    """The hybrid model inside the serving engine (`serving.hybrid.hybrid_restore_check`): a prefix
+    restored from the file tier with its recurrent state continues as the whole-sequence reference;
+    restored without the state, it does not."""
+    from ..serving.hybrid import hybrid_restore_check
 
-    m = HybridToy(HybridConfig(), seed=seed + 51)
-    g = torch.Generator().manual_seed(seed + 52)
-    prefix = torch.randint(64, (40,), generator=g).tolist()
-    p1, p2 = prefix + torch.randint(64, (3,), generator=g).tolist(), prefix + torch.randint(64, (5,), generator=g).tolist()
-    cache = HybridPrefixCache(m, 8, host_capacity_blocks=1, file_dir=Path(workdir) / "hybrid", background=False)
-    want, _ = cache.generate(p2, 12, use_cache=False)
-    ref_logits = cache.last_prompt_logits
-    cache.generate(p1, 4)
-    got, restored = cache.generate(p2, 12)
-    diff_with = float((cache.last_prompt_logits - ref_logits).abs().max())
-    wrong, _ = cache.generate(p2, 12, restore_state=False)
-    diff_without = float((cache.last_prompt_logits - ref_logits).abs().max())
-    cache.close()
-    return {"restored prompt tokens": restored, "tokens equal with state": got == want,
-            "max |logit diff| with state": diff_with, "tokens equal without state": wrong == want,
-            "max |logit diff| without state": diff_without,
-            "passed": restored > 0 and got == want and diff_with == 0.0 and diff_without > 0.0}
+    return hybrid_restore_check(seed + 51, workdir)
 
 
 def tp_check(seed: int, workdir: Path, use_cuda: bool = False, timeout_s: float = 120.0) -> dict:
     """Two TP ranks (torch.distributed on loopback) store a prompt's KV merged and sharded; the merged
-    rows are read back at TP 1, 2 and 4 and compared in bits with the reference shards."""
+    rows are read back at TP 1, 2 and 4 and compared in bits with the reference shards. Twice: with
+    4 KV heads (split 2 + 2) and with 1 KV head held whole by both ranks (replicated, as MLA's
+    latent is), where the merge writes each head once and TP 4 reads replicas."""
     from ..serving import kv_tp_merge as tpm
 
-    cfg = dict(vocab=128, d_model=64, n_layers=2, n_heads=4, n_kv_heads=4, ffn=96, max_seq=160)
-    args = dict(cfg=cfg, block_size=16, prompt_len=128, seed=seed + 61, model_id=f"tp-check-{seed}",
-                dir=str(Path(workdir) / "tp"), mode=["merged", "sharded"], durable=True, use_cuda=use_cuda)
-    res = tpm.launch(args, world_size=2, timeout_s=timeout_s)
-    _, k, v = tpm.full_kv(cfg, args["seed"], args["prompt_len"], 16)
-    exact = {}
-    for tp in (1, 2, 4):
-        back = tpm.restore_at(args["dir"], args, tp)
-        exact[tp] = all(back[r][i] is not None and torch.equal(back[r][i]["k"], tpm.shard_of(k[i], tp, r))
-                        and torch.equal(back[r][i]["v"], tpm.shard_of(v[i], tp, r))
-                        for r in range(tp) for i in range(k.shape[0]))
-    merged = [r["modes"]["merged"] for r in res]
-    sharded = [r["modes"]["sharded"] for r in res]
-    rows = [{"layout": "merged on rank 0", "files written": sum(m["writes"] for m in merged),
-             "bytes per file": merged[0]["bytes_per_write"], "seconds (slowest rank)": max(m["seconds"] for m in merged)},
-            {"layout": "one shard per rank", "files written": sum(s["writes"] for s in sharded),
-             "bytes per file": sharded[0]["bytes_per_write"], "seconds (slowest rank)": max(s["seconds"] for s in sharded)}]
-    return {"rows": rows, "restore exact at tp": exact, "backend": res[0]["backend"], "blocks": res[0]["blocks"],
-            "passed": all(exact.values()) and rows[0]["files written"] * 2 == rows[1]["files written"]}
+    rows, exact, res0, passed = [], {}, None, True
+    for kv_heads, what in ((4, "4 KV heads, split"), (1, "1 KV head, replicated")):
+        cfg = dict(vocab=128, d_model=64, n_layers=2, n_heads=4, n_kv_heads=kv_heads, ffn=96, max_seq=160)
+        args = dict(cfg=cfg, block_size=16, prompt_len=128, seed=seed + 61, model_id=f"tp-check-{seed}-{kv_heads}",
+                    dir=str(Path(workdir) / f"tp{kv_heads}"), mode=["merged", "sharded"], durable=True,
+                    use_cuda=use_cuda)
+        res = tpm.launch(args, world_size=2, timeout_s=timeout_s)
+        res0 = res0 or res[0]
+        _, k, v = tpm.full_kv(cfg, args["seed"], args["prompt_len"], 16)
+        for tp in (1, 2, 4):
+            back = tpm.restore_at(args["dir"], args, tp)
+            exact[f"{what}, TP {tp}"] = all(
+                back[r][i] is not None and torch.equal(back[r][i]["k"], tpm.shard_of(k[i], tp, r))
+                and torch.equal(back[r][i]["v"], tpm.shard_of(v[i], tp, r))
+                for r in range(tp) for i in range(k.shape[0]))
+        merged = [r["modes"]["merged"] for r in res]
+        sharded = [r["modes"]["sharded"] for r in res]
+        rows += [{"KV heads": what, "layout": "merged on rank 0", "files written": sum(m["writes"] for m in merged),
+                  "bytes per file": merged[0]["bytes_per_write"],
+                  "seconds (slowest rank)": significant(max(m["seconds"] for m in merged))},
+                 {"KV heads": what, "layout": "one shard per rank", "files written": sum(s_["writes"] for s_ in sharded),
+                  "bytes per file": sharded[0]["bytes_per_write"],
+                  "seconds (slowest rank)": significant(max(s_["seconds"] for s_ in sharded))}]
+        factor = 2 if kv_heads == 4 else 1     # split: merged files are twice the size; replicated: the same size
+        passed = passed and rows[-2]["files written"] * 2 == rows[-1]["files written"] \
+            and rows[-2]["bytes per file"] == factor * rows[-1]["bytes per file"]
+    return {"rows": rows, "restore exact at tp": exact, "backend": res0["backend"], "blocks": res0["blocks"],
+            "passed": passed and all(exact.values())}

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from ..device import dot_needs_fp32, triton_backend_for
 from . import mxfp4 as MXF, routing
 from .mxfp4 import PackedMXFP4
-from .w4a16 import LAYOUT_CODE, LAYOUTS, PackedW4, cat_experts, dequantize, expert, linear, triton
+from .w4a16 import LAYOUT_CODE, LAYOUTS, PackedW4, cat_experts, check_block_k, dequantize, expert, linear, triton
 
 if triton is not None:
     import triton.language as tl
@@ -39,9 +39,14 @@ if triton is not None:
                         ROWS: tl.constexpr, A_DIV: tl.constexpr, SCATTER: tl.constexpr, GATED: tl.constexpr,
                         MUL_ROW_WEIGHT: tl.constexpr, OUT_BF16: tl.constexpr, LAYOUT: tl.constexpr,
                         GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        DOT_FP32: tl.constexpr):
+                        DOT_FP32: tl.constexpr, OUT_DIV: tl.constexpr = 1, ATOMIC: tl.constexpr = False):
         """C[rows, n] = A[rows] @ W[e].T for one expert's row block. GATED: N output columns from
-        2N weight rows, out = SiLU(gate) * up. ROWS 0 = indexed, 1 = contiguous, 2 = masked."""
+        2N weight rows, out = SiLU(gate) * up. ROWS 0 = indexed, 1 = contiguous, 2 = masked.
+        LAYOUT 0-2 = W4A16 specs, 3 = BF16 [N, K], 4 = MXFP4 (decoded in registers).
+
+        Epilogue: the router weight of the row's slot (MUL_ROW_WEIGHT), then the row is written at
+        slot // OUT_DIV; ATOMIC adds it into an fp32 C instead (OUT_DIV = k: the top-k combine as a
+        scatter-add into the token's row, as TensorRT-LLM's fused-finalize epilogue does)."""
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         offs = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -56,6 +61,8 @@ if triton is not None:
             c_row = slot
         elif ROWS == 1:  # contiguous: this block lies inside one expert's segment
             e = tl.load(block_expert_ptr + pid_m)
+            k_end = tl.where(e >= 0, K, 0)  # a block past the last segment (-1, worst-case sizing) loads nothing
+            e = tl.maximum(e, 0)
             valid = offs < n_rows
             a_row = offs
             c_row = offs
@@ -82,13 +89,19 @@ if triton is not None:
             offs_k = k0 + tl.arange(0, BLOCK_K)
             a = tl.load(a_ptr + a_row[:, None].to(tl.int64) * stride_am + offs_k[None, :] * stride_ak,
                         mask=valid[:, None] & (offs_k[None, :] < K), other=0.0)
-            b = w4_tile(qw, sc, offs_k, offs_n, NW, K, LAYOUT, GROUP, DOT_FP32)
+            if LAYOUT == 4:  # MXFP4: e2m1 x E8M0 is exact in BF16
+                b = mxfp4_tile(qw, sc, k0, offs_n, NW, K, BLOCK_K, DOT_FP32).to(tl.bfloat16)
+            else:
+                b = w4_tile(qw, sc, k0, offs_n, NW, K, LAYOUT, GROUP, BLOCK_K, DOT_FP32)
             if DOT_FP32:
                 acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
             else:
                 acc = tl.dot(a, b, acc)
             if GATED:
-                b_up = w4_tile(qw, sc, offs_k, offs_n + N, NW, K, LAYOUT, GROUP, DOT_FP32)
+                if LAYOUT == 4:
+                    b_up = mxfp4_tile(qw, sc, k0, offs_n + N, NW, K, BLOCK_K, DOT_FP32).to(tl.bfloat16)
+                else:
+                    b_up = w4_tile(qw, sc, k0, offs_n + N, NW, K, LAYOUT, GROUP, BLOCK_K, DOT_FP32)
                 if DOT_FP32:
                     acc_up = tl.dot(a.to(tl.float32), b_up.to(tl.float32), acc_up)
                 else:
@@ -99,8 +112,11 @@ if triton is not None:
             w = tl.load(roww_ptr + c_row, mask=valid, other=0.0)
             acc = acc * w[:, None]
         mask = valid[:, None] & (offs_n[None, :] < N)
-        ptrs = c_ptr + c_row[:, None].to(tl.int64) * stride_cm + offs_n[None, :] * stride_cn
-        if OUT_BF16:
+        out_row = c_row // OUT_DIV
+        ptrs = c_ptr + out_row[:, None].to(tl.int64) * stride_cm + offs_n[None, :] * stride_cn
+        if ATOMIC:  # fp32 C, zeroed by the caller; the k adds of a token land in any order
+            tl.atomic_add(ptrs, acc, mask=mask, sem="relaxed")
+        elif OUT_BF16:
             tl.store(ptrs, round_bf16(acc, DOT_FP32), mask=mask)
         else:
             tl.store(ptrs, acc, mask=mask)
@@ -144,11 +160,11 @@ if triton is not None:
                 offs_k = k0 + tl.arange(0, BLOCK_K)
                 a = tl.load(act_ptr + slot * K + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
                 if LAYOUT == 4:
-                    b = mxfp4_tile(qw_ptr + e * q_expert_stride, s_ptr + e * s_expert_stride, offs_k, offs_n,
-                                   N, K, EMULATE)
+                    b = mxfp4_tile(qw_ptr + e * q_expert_stride, s_ptr + e * s_expert_stride, k0, offs_n,
+                                   N, K, BLOCK_K, EMULATE)
                 else:
-                    b = w4_tile(qw_ptr + e * q_expert_stride, s_ptr + e * s_expert_stride, offs_k, offs_n, N, K,
-                                LAYOUT, GROUP, EMULATE).to(tl.float32)
+                    b = w4_tile(qw_ptr + e * q_expert_stride, s_ptr + e * s_expert_stride, k0, offs_n, N, K,
+                                LAYOUT, GROUP, BLOCK_K, EMULATE).to(tl.float32)
                 part += tl.sum(a[:, None] * b, axis=0)
             if FUSED:
                 acc += wt * part
@@ -274,7 +290,10 @@ def fused_moe(x, w13: PackedW4, w2: PackedW4, topk_weights, topk_ids, layout: st
     keep the combine's sum unrounded, as the shared-expert check does). `inter_dtype` is the dtype
     of the `[T*k, H]` weighted rows between the down GEMM and the combine. `check=False` skips the
     checks that read values back to the host (expert-id range, finite weights): the indexed path
-    then makes no device-to-host sync and can be captured in a CUDA graph.
+    then makes no device-to-host sync and can be captured in a CUDA graph (every layout; the masked
+    one when `max_m` is given). `block`: None =
+    `moe_config` for this device, "gpu" = the GPU's exact block constexprs even when interpreted
+    (for the test matrix), or a dict of BLOCK_M/N/K (+ num_warps, num_stages).
     """
     layout = layout or getattr(w13, "layout", None)
     _validate(x, w13, w2, topk_weights, topk_ids, layout, check)
@@ -289,7 +308,9 @@ def fused_moe(x, w13: PackedW4, w2: PackedW4, topk_weights, topk_ids, layout: st
     if not ok:
         return fused_moe_torch(x, w13, w2, topk_weights, topk_ids).to(out_dtype)
     interp = x.device.type != "cuda"
-    cfg = dict(block or moe_config(T * k / E, interp))
+    gpu_cfg = block == "gpu"  # the GPU's exact tiles, also in the interpreter
+    cfg = dict(moe_config(T * k / E, False) if gpu_cfg else (block or moe_config(T * k / E, interp)))
+    check_block_k(cfg["BLOCK_K"], w13.group_size, layout)
     BM, BN = cfg["BLOCK_M"], cfg["BLOCK_N"]
     emu = dot_needs_fp32(x.device)
     weights_flat = topk_weights.float().contiguous().flatten()
@@ -314,7 +335,7 @@ def fused_moe(x, w13: PackedW4, w2: PackedW4, topk_weights, topk_ids, layout: st
         gemm(act, w2, y, al.sorted_ids, al.block_expert, dummy, dummy, T * k, H, I, (nb, triton.cdiv(H, BN)),
              ROWS=0, A_DIV=1, SCATTER=False, GATED=False, MUL_ROW_WEIGHT=True)
     elif layout == "grouped_contiguous":
-        pc = routing.permute_contiguous(x, topk_ids, E, BM)
+        pc = routing.permute_contiguous(x, topk_ids, E, BM, check=False)  # ids checked above (or check=False)
         P, nb = pc.x.shape[0], pc.block_expert.numel()
         act = torch.empty((P, I), dtype=torch.bfloat16, device=x.device)
         gemm(pc.x, w13, act, dummy, pc.block_expert, dummy, dummy, P, I, H, (nb, triton.cdiv(I, BN)),
@@ -322,7 +343,7 @@ def fused_moe(x, w13: PackedW4, w2: PackedW4, topk_weights, topk_ids, layout: st
         gemm(act, w2, y, dummy, pc.block_expert, dummy, pc.dest, P, H, I, (nb, triton.cdiv(H, BN)),
              ROWS=1, A_DIV=1, SCATTER=True, GATED=False, MUL_ROW_WEIGHT=True)
     else:
-        m = routing.to_masked(x, topk_ids, E, max_m)
+        m = routing.to_masked(x, topk_ids, E, max_m, check=check)
         xm = m.x.reshape(E * m.max_m, H)
         act = torch.empty((E * m.max_m, I), dtype=torch.bfloat16, device=x.device)
         mb = triton.cdiv(m.max_m, BM)
@@ -330,11 +351,17 @@ def fused_moe(x, w13: PackedW4, w2: PackedW4, topk_weights, topk_ids, layout: st
              ROWS=2, A_DIV=1, SCATTER=False, GATED=True, MUL_ROW_WEIGHT=False, m_max=m.max_m)
         gemm(act, w2, y, dummy, dummy, m.counts, m.dest, E * m.max_m, H, I, (mb, triton.cdiv(H, BN), E),
              ROWS=2, A_DIV=1, SCATTER=True, GATED=False, MUL_ROW_WEIGHT=True, m_max=m.max_m)
-    return combine(y, k, out_dtype)
+    return combine(y, k, out_dtype, block="gpu" if gpu_cfg else None)
 
 
-def combine(y: torch.Tensor, k: int, out_dtype=torch.bfloat16) -> torch.Tensor:
-    """[T*k, H] weighted rows -> [T, H]: each token's k rows summed in fp32, slot order."""
+def combine_config(interpreted: bool) -> dict:
+    """Combine tiles: the interpreter wants few, large programs; a GPU many small ones."""
+    return dict(BLOCK_T=64, BLOCK_H=128) if interpreted else dict(BLOCK_T=8, BLOCK_H=128)
+
+
+def combine(y: torch.Tensor, k: int, out_dtype=torch.bfloat16, *, block=None) -> torch.Tensor:
+    """[T*k, H] weighted rows -> [T, H]: each token's k rows summed in fp32, slot order.
+    `block="gpu"`: the GPU's tiles even when interpreted."""
     TK, H = y.shape
     T = TK // k
     out = torch.empty((T, H), dtype=out_dtype, device=y.device)
@@ -346,7 +373,8 @@ def combine(y: torch.Tensor, k: int, out_dtype=torch.bfloat16) -> torch.Tensor:
         for j in range(k):
             acc += y.reshape(T, k, H)[:, j].float()
         return acc.to(out_dtype)
-    BT, BH = (64, 128) if y.device.type != "cuda" else (8, 128)
+    cfg = combine_config(block != "gpu" and y.device.type != "cuda")
+    BT, BH = cfg["BLOCK_T"], cfg["BLOCK_H"]
     combine_kernel[(triton.cdiv(T, BT), triton.cdiv(H, BH))](y.contiguous(), out, T, H, k,
                                                             OUT_BF16=out_dtype == torch.bfloat16,
                                                             EMULATE=dot_needs_fp32(y.device), BLOCK_T=BT, BLOCK_H=BH)
@@ -378,15 +406,35 @@ def _tail_weights(w2):
                      f"got {type(w2).__name__}")
 
 
+def token_major_config(interpreted: bool) -> dict:
+    """Tiles of the token-major GEMV tail (`kernel="token-major"`)."""
+    return dict(BLOCK_N=128, BLOCK_K=128) if interpreted else dict(BLOCK_N=64, BLOCK_K=128, num_warps=4)
+
+
+TAIL_KERNELS = ("expert-major", "token-major")
+
+
 def moe_tail(act: torch.Tensor, w2, topk_weights, topk_ids, *, fused: bool, inter_dtype=torch.bfloat16,
-             block: dict | None = None, check: bool = True):
+             block=None, check: bool = True, kernel: str = "expert-major"):
     """Down projection of routed activations `act [T*k, I]` (slot order) plus the top-k combine.
 
-    fused=True: one launch, the k weighted rows summed in registers, `[T, H]` stored.
-    fused=False: the down launch stores `[T*k, H]` rows (`inter_dtype`), `combine` sums them.
-    Returns (out [T, H] BF16, launches, intermediate bytes written).
+    kernel="expert-major" (default; tensor cores): the slots are sorted by expert (`align_indexed`)
+    and each row block of one expert goes through `moe_gemm_kernel`'s `tl.dot`, the router weight in
+    its epilogue. fused=False: the epilogue writes one `[T*k, H]` row per slot (`inter_dtype`) and
+    `combine` (vLLM's `moe_sum`) adds each token's k rows in slot order. fused=True: the epilogue
+    adds the weighted row into the token's row of a zeroed fp32 `[T, H]` accumulator (atomic
+    scatter-add, TensorRT-LLM's fused finalize), then one cast to BF16; the `[T*k, H]` rows never
+    exist, and the k adds of a token land in whatever order the CTAs finish (not bitwise
+    reproducible on a GPU).
+    kernel="token-major": the older GEMV kernel, one program per token (no tensor cores), the k
+    rows summed in registers in slot order when fused.
+
+    Returns (out [T, H] BF16, launches, buffers): `buffers` maps each intermediate tensor the call
+    allocated to its bytes, {"rows": [T*k, H] rows, "accumulator": fp32 [T, H]} (0 where absent).
     """
     qw, sc, code, group, E, H, I = _tail_weights(w2)
+    if kernel not in TAIL_KERNELS:
+        raise ValueError(f"kernel must be one of {TAIL_KERNELS}, got {kernel!r}")
     if not isinstance(act, torch.Tensor) or act.dtype != torch.bfloat16 or act.ndim != 2 or act.shape[1] != I:
         raise ValueError(f"act must be BF16 [T*k, {I}], got {getattr(act, 'dtype', None)} {tuple(getattr(act, 'shape', ()))}")
     if check:  # reads the ids back to the host; check=False for CUDA-graph capture
@@ -397,95 +445,241 @@ def moe_tail(act: torch.Tensor, w2, topk_weights, topk_ids, *, fused: bool, inte
     if inter_dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"inter_dtype must be torch.bfloat16 or torch.float32, got {inter_dtype}")
     ok, _ = triton_backend_for(act.device)
+    none = {"rows": 0, "accumulator": 0}
     if not ok or T == 0:
-        return moe_tail_torch(act, w2, topk_weights, topk_ids, fused=fused, inter_dtype=inter_dtype), (1 if fused else 2), 0
-    cfg = dict(block or (dict(BLOCK_N=128, BLOCK_K=128) if act.device.type != "cuda"
-                         else dict(BLOCK_N=64, BLOCK_K=128, num_warps=4)))
+        return moe_tail_torch(act, w2, topk_weights, topk_ids, fused=fused, inter_dtype=inter_dtype), (1 if fused else 2), none
+    gpu_cfg = block == "gpu"
+    interp = act.device.type != "cuda"
     emu = dot_needs_fp32(act.device)
     ids = topk_ids.to(torch.int32).contiguous()
     w = topk_weights.float().contiguous()
     a = act.contiguous()
-    grid = (T, triton.cdiv(H, cfg["BLOCK_N"]))
-    # No contraction of w * part + acc into an FMA: the fused and separate paths must round alike.
-    extra = {"enable_fp_fusion": False}
     q_es, s_es = qw[0].numel(), sc[0].numel()
+    if kernel == "token-major":
+        cfg = dict(token_major_config(False) if gpu_cfg else (block or token_major_config(interp)))
+        check_block_k(cfg["BLOCK_K"], group, "indexed")
+        grid = (T, triton.cdiv(H, cfg["BLOCK_N"]))
+        extra = {"enable_fp_fusion": False}  # no FMA contraction: the fused and separate paths round alike
+        if fused:
+            out = torch.empty((T, H), dtype=torch.bfloat16, device=act.device)
+            down_tail_kernel[grid](a, qw, sc, ids, w, out, H, I, k, q_es, s_es, FUSED=True, OUT_BF16=True, LAYOUT=code,
+                                   GROUP=group, EMULATE=emu, **cfg, **extra)
+            return out, 1, none
+        y = torch.empty((T * k, H), dtype=inter_dtype, device=act.device)
+        down_tail_kernel[grid](a, qw, sc, ids, w, y, H, I, k, q_es, s_es, FUSED=False,
+                               OUT_BF16=inter_dtype == torch.bfloat16, LAYOUT=code, GROUP=group, EMULATE=emu, **cfg,
+                               **extra)
+        return combine(y, k, block="gpu" if gpu_cfg else None), 2, {"rows": y.numel() * y.element_size(), "accumulator": 0}
+    cfg = dict(moe_config(T * k / E, False) if gpu_cfg else (block or moe_config(T * k / E, interp)))
+    check_block_k(cfg["BLOCK_K"], group, "indexed")  # MXFP4: group 32, whole blocks per tile
+    BM, BN = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    al = routing.align_indexed(ids, E, BM, check=False)
+    dummy = torch.empty(1, dtype=torch.int32, device=act.device)
+    grid = (al.block_expert.numel(), triton.cdiv(H, BN))
+
+    def launch(c, *, out_div, atomic):
+        moe_gemm_kernel[grid](a, qw, sc, c, al.sorted_ids, al.block_expert, dummy, dummy, w.flatten(),
+                              T * k, H, I, 0, q_es, s_es, a.stride(0), a.stride(1), c.stride(0), c.stride(1),
+                              ROWS=0, A_DIV=1, SCATTER=False, GATED=False, MUL_ROW_WEIGHT=True,
+                              OUT_BF16=c.dtype == torch.bfloat16, LAYOUT=code, GROUP=group, DOT_FP32=emu,
+                              OUT_DIV=out_div, ATOMIC=atomic, **cfg)
+
     if fused:
-        out = torch.empty((T, H), dtype=torch.bfloat16, device=act.device)
-        down_tail_kernel[grid](a, qw, sc, ids, w, out, H, I, k, q_es, s_es, FUSED=True, OUT_BF16=True, LAYOUT=code,
-                               GROUP=group, EMULATE=emu, **cfg, **extra)
-        return out, 1, 0
+        acc = torch.zeros((T, H), dtype=torch.float32, device=act.device)
+        launch(acc, out_div=k, atomic=True)
+        return acc.to(torch.bfloat16), 3, {"rows": 0, "accumulator": acc.numel() * acc.element_size()}
     y = torch.empty((T * k, H), dtype=inter_dtype, device=act.device)
-    down_tail_kernel[grid](a, qw, sc, ids, w, y, H, I, k, q_es, s_es, FUSED=False,
-                           OUT_BF16=inter_dtype == torch.bfloat16, LAYOUT=code, GROUP=group, EMULATE=emu, **cfg, **extra)
-    return combine(y, k), 2, y.numel() * y.element_size()
+    launch(y, out_div=1, atomic=False)
+    return combine(y, k, block="gpu" if gpu_cfg else None), 2, {"rows": y.numel() * y.element_size(), "accumulator": 0}
+
+
+def reorder_bound(out_a: torch.Tensor, out_b: torch.Tensor, act, w2, topk_weights, topk_ids):
+    """Whether two BF16 tails that add the same k fp32 terms per element, in different orders, each
+    rounded once to BF16, differ by no more than that allows: per element
+    2 (k - 1) 2**-24 Σ|terms| (two fp32 sums of k terms) plus one BF16 ulp of the larger magnitude.
+    Returns (ok, max |a - b| / bound). NaN fails."""
+    k = topk_ids.shape[1]
+    scale = moe_tail_reference(act, w2, topk_weights, topk_ids, absolute=True)
+    order = 2 * max(k - 1, 1) * 2.0 ** -24 * scale * 1.01
+    mag = torch.maximum(out_a.float().abs(), out_b.float().abs()) + order
+    ulp = torch.where(mag > 0, torch.exp2(torch.floor(torch.log2(mag.clamp_min(1e-38))) - 7), torch.zeros_like(mag))
+    bound = order + ulp
+    diff = (out_a.float() - out_b.float()).abs()
+    worst = float((diff / bound.clamp_min(1e-38)).max()) if diff.numel() else 0.0
+    ok = bool(torch.isfinite(out_a.float()).all() and torch.isfinite(out_b.float()).all()) and bool((diff <= bound).all())
+    return ok, worst
+
+
+def _expert_weight(w2, e: int, dtype) -> torch.Tensor:
+    """Expert e's [H, I] weights, dequantized (one expert at a time: bounded memory)."""
+    if isinstance(w2, PackedW4):
+        return dequantize(expert(w2, e), dtype)
+    if isinstance(w2, PackedMXFP4):
+        return MXF.dequantize(PackedMXFP4(w2.qweight[e], w2.scales[e], tuple(w2.shape[1:])), dtype)
+    return w2[e].to(dtype)
+
+
+def _tail_rows(act, w2, topk_weights, topk_ids, *, absolute: bool = False) -> torch.Tensor:
+    """fp32 [T*k, H]: w[t, j] · W2[e] act[t*k + j], one expert at a time (the memory is the
+    output plus one expert's weights, never a [T*k, H, I] gather). `absolute`: |w| |W2| |act|."""
+    T, k = topk_ids.shape
+    flat = topk_ids.flatten().long()
+    wts = topk_weights.float().flatten()
+    a = act.float()
+    if absolute:
+        wts, a = wts.abs(), a.abs()
+    y = torch.zeros((T * k, _tail_weights(w2)[5]), dtype=torch.float32, device=act.device)
+    for e in torch.unique(flat).tolist():
+        slots = (flat == e).nonzero().flatten()
+        We = _expert_weight(w2, e, torch.float32)
+        if absolute:
+            We = We.abs()
+        y[slots] = (a[slots] @ We.T) * wts[slots, None]
+    return y
 
 
 def moe_tail_torch(act, w2, topk_weights, topk_ids, *, fused: bool = False, inter_dtype=torch.bfloat16):
-    """PyTorch tail: per-slot GEMVs into `[T*k, H]` (in `inter_dtype`), then the sum over k.
+    """PyTorch tail: per-expert GEMMs into `[T*k, H]` (in `inter_dtype`), then the sum over k.
     PyTorch has no epilogue to fold the combine into; `fused` only keeps the rows in fp32."""
-    W2 = _weights(w2, torch.float32)
     T, k = topk_ids.shape
-    ids = topk_ids.flatten().long()
-    y = torch.bmm(W2[ids], act.float().unsqueeze(-1)).squeeze(-1) * topk_weights.float().flatten()[:, None]
+    y = _tail_rows(act, w2, topk_weights, topk_ids)
     if not fused:
         y = y.to(inter_dtype).float()
     return y.reshape(T, k, -1).sum(1).to(torch.bfloat16)
 
 
-def moe_tail_reference(act, w2, topk_weights, topk_ids) -> torch.Tensor:
-    """fp32: Σ_j w[t, j] · W2[e] act[t*k + j]."""
-    W2 = _weights(w2, torch.float32)
+def moe_tail_reference(act, w2, topk_weights, topk_ids, *, absolute: bool = False) -> torch.Tensor:
+    """fp32: Σ_j w[t, j] · W2[e] act[t*k + j]. `absolute=True`: Σ_j |w| |W2| |act| (the scale of the
+    terms, for bounding how much summation order can change an fp32 sum)."""
     T, k = topk_ids.shape
-    ids = topk_ids.flatten().long()
-    y = torch.bmm(W2[ids], act.float().unsqueeze(-1)).squeeze(-1) * topk_weights.float().flatten()[:, None]
-    return y.reshape(T, k, -1).sum(1)
+    return _tail_rows(act, w2, topk_weights, topk_ids, absolute=absolute).reshape(T, k, -1).sum(1)
 
 
 # ---------------------------------------------------------------------------
-# Shared expert: a separate path, or one more always-selected slot with weight 1
+# Shared expert: a separate path, or one more always-selected slot
+#
+# Ordering (SGLang's `moe_fused_gate`, DeepGEMM #409's MegaMoE): out = rsf * Σ_j w_j y_j + shared(x),
+# `routed_scaling_factor` (rsf) scales the routed sum *before* the shared expert's output is added;
+# the shared expert is never scaled. In the fused form the rsf is folded into the routed slots'
+# weights and the shared slot gets weight 1 (SGLang gives it sum(w) / rsf and scales the whole
+# output by rsf after renormalizing, which is the same product).
+
+def _check_rsf(routed_scaling_factor) -> float:
+    rsf = float(routed_scaling_factor)
+    if not (rsf > 0 and rsf < float("inf")):
+        raise ValueError(f"routed_scaling_factor must be a finite positive number, got {routed_scaling_factor!r}")
+    return rsf
+
 
 def shared_separate(x, w13, w2, topk_weights, topk_ids, shared_w13: PackedW4, shared_w2: PackedW4, *,
-                    round_each: bool = False, layout: str | None = None) -> torch.Tensor:
-    """Routed experts and the shared expert as two MoE calls, added. `round_each=True` rounds each
-    branch to BF16 before the add (the usual separate path); False keeps both in fp32 and rounds once."""
+                    round_each: bool = False, layout: str | None = None, routed_scaling_factor: float = 1.0,
+                    block=None) -> torch.Tensor:
+    """Routed experts (weights scaled by `routed_scaling_factor`) and the shared expert as two MoE
+    calls, added. `round_each=True` rounds each branch to BF16 before the add (the usual separate
+    path); False keeps both in fp32 and rounds once."""
+    rsf = _check_rsf(routed_scaling_factor)
     T = x.shape[0]
     dt = torch.bfloat16 if round_each else torch.float32
-    routed = fused_moe(x, w13, w2, topk_weights, topk_ids, layout, out_dtype=dt)
+    routed = fused_moe(x, w13, w2, topk_weights.float() * rsf, topk_ids, layout, out_dtype=dt, block=block)
     ones = torch.ones((T, 1), dtype=torch.float32, device=x.device)
     zeros = torch.zeros((T, 1), dtype=torch.int32, device=x.device)
-    shared = fused_moe(x, shared_w13, shared_w2, ones, zeros, layout, out_dtype=dt)
+    shared = fused_moe(x, shared_w13, shared_w2, ones, zeros, layout, out_dtype=dt, block=block)
     return (routed.float() + shared.float()).to(torch.bfloat16) if not round_each else routed + shared
 
 
-def shared_mlp(x, shared_w13: PackedW4, shared_w2: PackedW4) -> torch.Tensor:
+def shared_mlp(x, shared_w13: PackedW4, shared_w2: PackedW4, *, block=None) -> torch.Tensor:
     """The shared expert as its own dense MLP: gate/up GEMM, SiLU-and-mul, down GEMM (BF16 out)."""
     g13, g2 = expert(shared_w13, 0), expert(shared_w2, 0)
-    h = linear(x, g13)
+    h = linear(x, g13, block=block)
     I = h.shape[-1] // 2
-    return linear(F.silu(h[:, :I]) * h[:, I:], g2)
+    return linear(F.silu(h[:, :I]) * h[:, I:], g2, block=block)
 
 
 def routed_plus_shared_mlp(x, w13, w2, topk_weights, topk_ids, shared_w13, shared_w2, *,
-                           check: bool = True) -> torch.Tensor:
-    """The path before the fusion: routed MoE, the shared expert's own GEMMs and activation, the add."""
-    return fused_moe(x, w13, w2, topk_weights, topk_ids, check=check) + shared_mlp(x, shared_w13, shared_w2)
+                           routed_scaling_factor: float = 1.0, check: bool = True, block=None) -> torch.Tensor:
+    """The path before the fusion: routed MoE (its weights times `routed_scaling_factor`), the shared
+    expert's own GEMMs and activation, the add. `block` applies to every launch (equal tiles)."""
+    rsf = _check_rsf(routed_scaling_factor)
+    routed = fused_moe(x, w13, w2, topk_weights.float() * rsf, topk_ids, check=check, block=block)
+    return routed + shared_mlp(x, shared_w13, shared_w2, block=block)
 
 
-def with_shared_slot(w13, w2, shared_w13, shared_w2, topk_weights, topk_ids):
-    """Expert tables with the shared expert appended as expert E, and routing with one more slot
-    (id E, weight 1) per token: the shared expert becomes part of the routed grouped GEMM."""
-    E = w13.shape[0]
+def shared_slot_weights(w13, w2, shared_w13, shared_w2):
+    """Expert tables with the shared expert appended as expert E (done once, at load time)."""
+    return cat_experts(w13, shared_w13), cat_experts(w2, shared_w2)
+
+
+def shared_slot_routing(topk_weights, topk_ids, num_routed: int, routed_scaling_factor: float = 1.0):
+    """The per-step routing table for k+1 slots: the routed slots' weights times
+    `routed_scaling_factor`, then slot k = the shared expert (id `num_routed`) with weight 1.
+    Returns (weights fp32 [T, k+1], ids int32 [T, k+1]). Device ops only (no host sync)."""
+    rsf = _check_rsf(routed_scaling_factor)
     T = topk_ids.shape[0]
-    ids = torch.cat([topk_ids.to(torch.int32), torch.full((T, 1), E, dtype=torch.int32, device=topk_ids.device)], 1)
-    weights = torch.cat([topk_weights.float(), torch.ones((T, 1), dtype=torch.float32, device=topk_weights.device)], 1)
-    return cat_experts(w13, shared_w13), cat_experts(w2, shared_w2), weights, ids
+    dev = topk_ids.device
+    ids = torch.cat([topk_ids.to(torch.int32), torch.full((T, 1), num_routed, dtype=torch.int32, device=dev)], 1)
+    weights = torch.cat([topk_weights.float() * rsf, torch.ones((T, 1), dtype=torch.float32, device=dev)], 1)
+    return weights, ids
+
+
+def with_shared_slot(w13, w2, shared_w13, shared_w2, topk_weights, topk_ids, routed_scaling_factor: float = 1.0):
+    """Expert tables with the shared expert appended as expert E, and routing with one more slot
+    (id E, weight 1; routed weights times `routed_scaling_factor`) per token: the shared expert
+    becomes part of the routed grouped GEMM."""
+    a13, a2 = shared_slot_weights(w13, w2, shared_w13, shared_w2)
+    weights, ids = shared_slot_routing(topk_weights, topk_ids, w13.shape[0], routed_scaling_factor)
+    return a13, a2, weights, ids
 
 
 def shared_fused(x, w13_all, w2_all, weights_all, ids_all, layout: str | None = None, *,
-                 check: bool = True) -> torch.Tensor:
+                 check: bool = True, block=None) -> torch.Tensor:
     """The routed grouped GEMM with the shared expert as slot k (see `with_shared_slot`)."""
-    return fused_moe(x, w13_all, w2_all, weights_all, ids_all, layout, check=check)
+    return fused_moe(x, w13_all, w2_all, weights_all, ids_all, layout, check=check, block=block)
 
+
+def shared_fused_step(x, w13_all, w2_all, topk_weights, topk_ids, *, routed_scaling_factor: float = 1.0,
+                      check: bool = True, block=None) -> torch.Tensor:
+    """One decode step of the fused form as a server runs it: build the k+1-slot routing table
+    from this step's router output, then one grouped MoE (the table build is part of the step)."""
+    weights, ids = shared_slot_routing(topk_weights, topk_ids, w13_all.shape[0] - 1, routed_scaling_factor)
+    return fused_moe(x, w13_all, w2_all, weights, ids, check=check, block=block)
+
+
+def shared_reference(x, w13, w2, topk_weights, topk_ids, shared_w13, shared_w2, *,
+                     routed_scaling_factor: float = 1.0) -> torch.Tensor:
+    """fp32, from the definition: rsf * routed MoE + shared MLP, each computed on its own."""
+    rsf = _check_rsf(routed_scaling_factor)
+    T = x.shape[0]
+    routed = fused_moe_reference(x, w13, w2, topk_weights, topk_ids)
+    one = torch.ones((T, 1), dtype=torch.float32, device=x.device)
+    shared = fused_moe_reference(x, shared_w13, shared_w2, one, torch.zeros((T, 1), dtype=torch.int32, device=x.device))
+    return rsf * routed + shared
+
+
+def ep_shared_placement(num_routed: int, ep: int, num_shared: int = 1) -> list[dict]:
+    """Where each expert lives under expert parallelism `ep` with the shared expert(s) fused as
+    slots (SGLang's DeepEP shared-expert fusion, #20089; ROCm ATOM's all-to-all fusion): every
+    rank's physical table is its E/ep routed experts followed by its own copy of the shared
+    expert(s), so a token's shared slot is served on the token's own rank (no dispatch) and the
+    shared weights are replicated ep times. One row per rank."""
+    if isinstance(ep, bool) or not isinstance(ep, int) or ep <= 0 or num_routed % ep:
+        raise ValueError(f"ep = {ep!r} must be a positive divisor of the {num_routed} routed experts")
+    local = num_routed // ep
+    return [{"rank": r, "routed experts": f"{r * local}..{(r + 1) * local - 1}", "physical slots": local + num_shared,
+             "shared copy": f"physical id {r * (local + num_shared) + local}", "shared copies in total": ep}
+            for r in range(ep)]
+
+
+def ep_physical_ids(ids_all: torch.Tensor, num_routed: int, ep: int, token_rank: torch.Tensor,
+                    num_shared: int = 1) -> torch.Tensor:
+    """Logical k+1-slot ids -> physical ids in the widened per-rank layout of `ep_shared_placement`:
+    routed id e -> e + (e // (E/ep)) * num_shared; the shared slot -> the copy on the token's rank
+    (`token_rank` int [T]). As SGLang's `_fused_remap_deepep_kernel` maps them."""
+    local = num_routed // ep
+    ids = ids_all.long()
+    routed = ids < num_routed
+    phys_routed = ids + (ids // local) * num_shared
+    phys_shared = token_rank.long()[:, None] * (local + num_shared) + local + (ids - num_routed)
+    return torch.where(routed, phys_routed, phys_shared).to(torch.int32)
 
 # ---------------------------------------------------------------------------
 # Launch builders (inferbook.compiled): what `fused_moe`, `combine` and `moe_tail` launch on a

@@ -106,31 +106,45 @@ def weight_bytes(n: int, k: int) -> int:
 
 if triton is not None:
 
+    from .w4a16 import unpack_words
+
     @triton.jit
-    def mxfp4_tile(qw_ptr, s_ptr, offs_k, offs_n, N, K, EMULATE: tl.constexpr):
-        """Weight tile W[offs_n, offs_k] of one expert's packed [N, K] MXFP4 matrix, decoded in
-        registers to fp32 (exact) and returned transposed as [BLOCK_K, BLOCK_N]; 0 out of range.
+    def mxfp4_tile(qw_ptr, s_ptr, k0, offs_n, N, K, BLOCK_K: tl.constexpr, EMULATE: tl.constexpr):
+        """Weight tile W[offs_n, k0 : k0 + BLOCK_K] of one expert's packed [N, K] MXFP4 matrix, decoded
+        in registers to fp32 (exact) and returned transposed as [BLOCK_K, BLOCK_N]; 0 out of range.
+
+        The uint8 [N, K/2] codes are read as int32 words, four bytes = eight codes along K in nibble
+        order (code i of a word in bits 4i..4i+3, as W4A16's indexed words), each word once, split in
+        registers by `unpack_words`; the E8M0 bytes once per block of 32 ([BLOCK_N, BLOCK_K/32]).
+        BLOCK_K is a multiple of 32.
 
         e2m1 code -> value: with mag = code & 7, e = mag >> 1, m = mag & 1, twice the magnitude is
         m when e == 0 (0, 0.5) and (2 + m) << (e - 1) otherwise (1, 1.5, 2, 3, 4, 6); bit 3 is the
         sign. E8M0 byte b -> 2**(b - 127) built from its bits (b << 23); b == 0 is the fp32
         subnormal 2**-127, 0xFF is NaN, as numerics.mx.dequantize has them."""
-        mask = (offs_k[:, None] < K) & (offs_n[None, :] < N)
-        kk = offs_k[:, None]
-        nn = offs_n[None, :]
+        WORDS: tl.constexpr = BLOCK_K // 8
+        GROUPS: tl.constexpr = BLOCK_K // 32
+        offs_kw = k0 // 8 + tl.arange(0, WORDS)
+        offs_g = k0 // 32 + tl.arange(0, GROUPS)
+        nn = offs_n[:, None]
+        kw = offs_kw[None, :]
+        gg = offs_g[None, :]
         if EMULATE:  # the interpreter checks int32 index arithmetic for overflow (slow); int64 is not
-            kk = kk.to(tl.int64)
             nn = nn.to(tl.int64)
-        byte = tl.load(qw_ptr + nn * (K // 2) + kk // 2, mask=mask, other=0).to(tl.int32)
-        code = (byte >> ((kk % 2) * 4)) & 0xF
+            kw = kw.to(tl.int64)
+            gg = gg.to(tl.int64)
+        word = tl.load(qw_ptr.to(tl.pointer_type(tl.int32)) + nn * (K // 8) + kw, mask=(nn < N) & (kw < K // 8),
+                       other=0)
+        code = unpack_words(word)  # [BLOCK_N, BLOCK_K]
         mag = code & 7
         e = mag >> 1
         m = mag & 1
         twice = tl.where(e == 0, m, (2 + m) << tl.maximum(e - 1, 0))
         val = twice.to(tl.float32) * 0.5
         val = tl.where((code & 8) != 0, -val, val)
-        b = tl.load(s_ptr + nn * (K // 32) + kk // 32, mask=mask, other=127).to(tl.int32)
+        b = tl.load(s_ptr + nn * (K // 32) + gg, mask=(nn < N) & (gg < K // 32), other=127).to(tl.int32)
         bits = tl.where(b == 0, 0x400000, b << 23)
         bits = tl.where(b == 255, 0x7FC00000, bits)
-        scale = bits.to(tl.float32, bitcast=True)
-        return val * scale  # exact: a 2-bit significand times a power of two
+        scale = bits.to(tl.float32, bitcast=True)  # [BLOCK_N, BLOCK_K / 32]
+        w = tl.reshape(val, (offs_n.shape[0], GROUPS, 32)) * scale[:, :, None]  # exact: 2 bits x a power of two
+        return tl.trans(tl.reshape(w, (offs_n.shape[0], BLOCK_K)))

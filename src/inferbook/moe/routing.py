@@ -120,18 +120,27 @@ class Contiguous:
     block_m: int
 
 
-def permute_contiguous(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Contiguous:
-    _check_topk(topk_ids, num_experts)
+def permute_contiguous(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, block_m: int, *,
+                       check: bool = True) -> Contiguous:
+    """Activations copied into per-expert segments, each padded to `block_m` rows, in a buffer of
+    the worst-case size T*k + E*(block_m - 1) (rounded up to block_m), as `align_indexed` sizes its
+    ids: nothing is read back to the host (check=False also skips the id-range check), so a prefill
+    step can be timed or captured without a sync. Blocks past the last segment get expert -1."""
+    if check:
+        _check_topk(topk_ids, num_experts)
     _check_block(block_m)
     k = topk_ids.shape[1]
     order, pos, counts, padded = _positions(topk_ids, num_experts, block_m)
-    P = int(padded.sum())
+    n = topk_ids.numel()
+    P = (n + num_experts * (block_m - 1) + block_m - 1) // block_m * block_m
     xp = torch.zeros((P, x.shape[-1]), dtype=x.dtype, device=x.device)
     xp[pos] = x[order // k]
     dest = torch.full((P,), -1, dtype=torch.int32, device=x.device)
     dest[pos] = order.to(torch.int32)
-    block_expert = torch.repeat_interleave(torch.arange(num_experts, device=x.device, dtype=torch.int32),
-                                           padded // block_m)
+    ends = torch.cumsum(padded // block_m, 0)
+    blocks = torch.arange(P // block_m, device=x.device)
+    block_expert = torch.searchsorted(ends, blocks, right=True).to(torch.int32)
+    block_expert = torch.where(block_expert < num_experts, block_expert, torch.full_like(block_expert, -1))
     return Contiguous(xp, dest, block_expert, counts, block_m)
 
 
@@ -143,16 +152,23 @@ class Masked:
     max_m: int
 
 
-def to_masked(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, max_m: int | None = None) -> Masked:
-    """Decode layout. `max_m` fixed ahead (CUDA-graph style) or the busiest expert's count."""
-    _check_topk(topk_ids, num_experts)
+def to_masked(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, max_m: int | None = None, *,
+              check: bool = True) -> Masked:
+    """Decode layout. `max_m` fixed ahead (CUDA-graph style) or the busiest expert's count.
+    With `max_m` given and check=False nothing is read back to the host (the caller vouches that
+    no expert gets more than max_m rows)."""
+    if check or max_m is None:
+        _check_topk(topk_ids, num_experts)
     k = topk_ids.shape[1]
     order, pos, counts, _ = _positions(topk_ids, num_experts, 1)
-    busiest = int(counts.max()) if counts.numel() and topk_ids.numel() else 0
-    if max_m is None:
-        max_m = max(busiest, 1)
-    if isinstance(max_m, bool) or not isinstance(max_m, int) or max_m < max(busiest, 1):
-        raise ValueError(f"max_m must be an int >= the busiest expert's count ({busiest}), got {max_m!r}")
+    if check or max_m is None:
+        busiest = int(counts.max()) if counts.numel() and topk_ids.numel() else 0
+        if max_m is None:
+            max_m = max(busiest, 1)
+        if isinstance(max_m, bool) or not isinstance(max_m, int) or max_m < max(busiest, 1):
+            raise ValueError(f"max_m must be an int >= the busiest expert's count ({busiest}), got {max_m!r}")
+    elif isinstance(max_m, bool) or not isinstance(max_m, int) or max_m < 1:
+        raise ValueError(f"max_m must be a positive int, got {max_m!r}")
     flat = topk_ids.flatten().long()
     e_sorted = flat[order]
     start = torch.cumsum(counts, 0) - counts

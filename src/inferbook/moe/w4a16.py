@@ -5,19 +5,38 @@ BF16 scale per 32 consecutive K values: `W ≈ q * scale`. Storage is 4 bits per
 16 bits per 32 weights = 4.5 bits per weight, so the best a memory-bound W4A16 GEMM can do
 against BF16 weights is 16 / 4.5 ≈ 3.56x, not 4x.
 
-Three packing specs, one per MoE kernel family (as Chord has); a packed buffer carries its
-layout, and every kernel entry point checks it, because each kernel hard-codes the address
-arithmetic of its own spec (a buffer of another spec would be read as garbage, silently):
+Three packing specs, one per MoE kernel family (as Chord has), and they are different bytes; a
+packed buffer carries its layout, and every kernel entry point checks it, because each kernel
+hard-codes the address arithmetic of its own spec (a buffer of another spec is read as wrong
+numbers, silently: `reinterpret` shows it):
 
-- ``indexed``            int32 ``[E, N, K/8]``: eight values along K per word, value i in bits
-                         4i..4i+3, stored with a +8 offset; scales ``[E, N, K/32]``. This is the
-                         compressed-tensors ``pack-quantized`` layout of public Kimi-K2 INT4
-                         checkpoints, so import is a copy, not a conversion.
-- ``grouped_contiguous`` int32 ``[E, K/8, N]``: the same words, transposed so a prefill tile
-                         ``[BLOCK_K, BLOCK_N]`` is read along N (coalesced across many columns);
-                         scales ``[E, K/32, N]``.
-- ``grouped_masked``     uint8 ``[E, N, K/2]``: two values per byte along K (low nibble first,
-                         +8 offset), scales ``[E, N, K/32]``; the decode kernel reads narrow rows.
+- ``indexed``            int32 ``[E, N, K/8]``: eight consecutive K values per word, value i in
+                         bits 4i..4i+3, stored with a +8 offset; scales ``[E, N, K/g]``. This is
+                         the compressed-tensors ``pack-quantized`` layout of public Kimi-K2 INT4
+                         checkpoints, so import is a copy; a load profile (`LOAD_PROFILES`) decides
+                         at model load whether to keep it or repack for a grouped kernel.
+- ``grouped_contiguous`` int32 ``[E, Kp/8, N]``, words in *fragment order* (Kp: K rounded up to
+                         a multiple of 32): scales ``[E, K/g, N]``.
+                         Prefill (large M, wide N tiles): a ``[BLOCK_K/8, BLOCK_N]`` word tile is
+                         BLOCK_N consecutive words per row, read in wide coalesced rows.
+- ``grouped_masked``     int32 ``[E, ceil(N/16), Kp/8, 16]``, words in fragment order, in panels
+                         of 16 output rows: scales ``[E, N, K/g]``. Decode (small M, narrow N
+                         blocks streaming all of K): each 16-row panel is one contiguous run of
+                         K/2 x 16 bytes, so a CTA's whole weight stream is a few long runs.
+
+*Fragment order* (both grouped specs, Marlin's pre-shuffle): within each run of 32 K values, word j
+(j = 0..3) holds the K offsets {2j, 2j+1} + {0, 8, 16, 24} — the values one thread of an
+``mma.sync m16n8k16`` B fragment holds over two k16 steps — with Marlin's interleave, field
+f = 4b + a holding offset 8a + 2j + b, so fields f and f + 4 are the consecutive pair (k, k+1)
+that fills one BF16x2 register. One 32-bit word feeds one fragment's dequantize. Triton chooses
+its own register layouts, so our kernel undoes the order with a register permute after the unpack
+(the compiler may route that through shared memory); the bytes are Marlin's arrangement, the
+instruction sequence is not Marlin's `lop3` one. The grouped specs store K rounded up to whole
+32-runs (the pad holds the value 0).
+
+Every kernel reads each packed 32-bit word once and splits its eight values in registers
+(`w4_tile`, `unpack_words`), and each BF16 scale once per group of 32: the tile it stages in
+shared memory is the packed bytes, not one word per weight.
 
 Conversions between specs are explicit (`to_layout`). The reference for every kernel is
 `dequantize` to fp32 and a matmul in fp32.
@@ -46,6 +65,23 @@ OFFSET = 8  # stored nibble = q + 8 (compressed-tensors' offset encoding)
 BITS_PER_WEIGHT = 4 + 16 / GROUP_SIZE  # 4.5
 
 
+PANEL = 16      # grouped_masked: output rows per contiguous panel
+FRAG_K = 32     # grouped specs: the K run one fragment-order block of four words covers
+
+
+def _fragment_order() -> torch.Tensor:
+    """int64 [32]: position p of a 32-value run (word p // 8, field p % 8) holds K offset
+    8a + 2j + b, with j = p // 8 and field f = p % 8 = 4b + a (see the module docstring)."""
+    p = torch.arange(FRAG_K)
+    j, f = p // 8, p % 8
+    b, a = f // 4, f % 4
+    return 8 * a + 2 * j + b
+
+
+FRAGMENT_ORDER = _fragment_order()
+FRAGMENT_INVERSE = torch.argsort(FRAGMENT_ORDER)
+
+
 class LayoutError(ValueError):
     """A packed buffer was given to a kernel built for another packing spec."""
 
@@ -61,9 +97,9 @@ class PackingSpec:
 PACKING_SPECS = {
     "indexed": PackingSpec("indexed", "int32 [E, N, K/8] (8 nibbles along K, +8 offset)", "bf16 [E, N, K/g]",
                            "indexed fused MoE (tokens sorted and padded per expert, gathered by index)"),
-    "grouped_contiguous": PackingSpec("grouped_contiguous", "int32 [E, K/8, N] (8 nibbles along K, N contiguous)",
+    "grouped_contiguous": PackingSpec("grouped_contiguous", "int32 [E, Kp/8, N] (fragment-order words, N contiguous; Kp = K rounded up to 32)",
                                       "bf16 [E, K/g, N]", "grouped GEMM over contiguous per-expert segments (prefill)"),
-    "grouped_masked": PackingSpec("grouped_masked", "uint8 [E, N, K/2] (2 nibbles along K, +8 offset)",
+    "grouped_masked": PackingSpec("grouped_masked", "int32 [E, N/16, Kp/8, 16] (fragment-order words, 16-row panels)",
                                   "bf16 [E, N, K/g]", "grouped GEMM over [E, max_m, K] with per-expert counts (decode)"),
 }
 
@@ -164,14 +200,41 @@ def _unpack_nibbles_int32(word: torch.Tensor) -> torch.Tensor:
     return (u - OFFSET).to(torch.int8).reshape(*word.shape[:-1], word.shape[-1] * 8)
 
 
+def padded_k(K: int, layout: str) -> int:
+    """K as the spec stores it: the grouped specs round K up to whole 32-runs (the pad holds value 0,
+    so a kernel may read it: it contributes nothing); indexed stores K as it is."""
+    return K if layout == "indexed" else -(-K // FRAG_K) * FRAG_K
+
+
+def _to_fragment_order(q3: torch.Tensor) -> torch.Tensor:
+    """int8 [E, N, K] -> [E, N, Kp] (K padded with zeros to whole 32-runs), each run in fragment order."""
+    E, N, K = q3.shape
+    Kp = padded_k(K, "grouped")
+    if Kp != K:
+        q3 = torch.cat([q3, torch.zeros((E, N, Kp - K), dtype=q3.dtype, device=q3.device)], -1)
+    return q3.reshape(E, N, Kp // FRAG_K, FRAG_K)[..., FRAGMENT_ORDER.to(q3.device)].reshape(E, N, Kp)
+
+
+def _from_fragment_order(v3: torch.Tensor, K: int) -> torch.Tensor:
+    E, N, Kp = v3.shape
+    return v3.reshape(E, N, Kp // FRAG_K, FRAG_K)[..., FRAGMENT_INVERSE.to(v3.device)].reshape(E, N, Kp)[..., :K]
+
+
 def _pack(q3: torch.Tensor, s3: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
     """q3 int8 [E, N, K], s3 bf16 [E, N, K/g] -> (qweight, scales) in `layout`'s spec, contiguous."""
     if layout == "indexed":
         return _pack_nibbles_int32(q3).contiguous(), s3.contiguous()
+    E, N, K = q3.shape
+    words = _pack_nibbles_int32(_to_fragment_order(q3))            # [E, N, Kp/8], fragment order
+    KW = words.shape[-1]
     if layout == "grouped_contiguous":
-        return _pack_nibbles_int32(q3).transpose(1, 2).contiguous(), s3.transpose(1, 2).contiguous()
-    u = (q3.to(torch.int16) + OFFSET).reshape(*q3.shape[:-1], q3.shape[-1] // 2, 2)
-    return (u[..., 0] | (u[..., 1] << 4)).to(torch.uint8).contiguous(), s3.contiguous()
+        return words.transpose(1, 2).contiguous(), s3.transpose(1, 2).contiguous()
+    n_pad = -N % PANEL                                             # pad rows: value 0 (never read)
+    if n_pad:
+        words = torch.cat([words, torch.full((E, n_pad, KW), -2004318072, dtype=torch.int32,  # 0x88888888
+                                             device=words.device)], 1)
+    panels = words.reshape(E, (N + n_pad) // PANEL, PANEL, KW).transpose(2, 3)
+    return panels.contiguous(), s3.contiguous()
 
 
 def unpack(q: PackedW4) -> tuple[torch.Tensor, torch.Tensor]:
@@ -179,12 +242,32 @@ def unpack(q: PackedW4) -> tuple[torch.Tensor, torch.Tensor]:
     E, N, K = _as3d(q.shape)
     if q.layout == "indexed":
         return _unpack_nibbles_int32(q.qweight.reshape(E, N, K // 8)), q.scales.reshape(E, N, -1)
+    KW = padded_k(K, q.layout) // 8
     if q.layout == "grouped_contiguous":
-        words = q.qweight.reshape(E, K // 8, N).transpose(1, 2)
-        return _unpack_nibbles_int32(words), q.scales.reshape(E, -1, N).transpose(1, 2)
-    b = q.qweight.reshape(E, N, K // 2).to(torch.int16)
-    vals = torch.stack([b & 0xF, (b >> 4) & 0xF], -1).reshape(E, N, K) - OFFSET
-    return vals.to(torch.int8), q.scales.reshape(E, N, -1)
+        words = q.qweight.reshape(E, KW, N).transpose(1, 2)
+        return _from_fragment_order(_unpack_nibbles_int32(words), K), q.scales.reshape(E, -1, N).transpose(1, 2)
+    panels = q.qweight.reshape(E, -1, KW, PANEL)
+    words = panels.transpose(2, 3).reshape(E, -1, KW)[:, :N]
+    return _from_fragment_order(_unpack_nibbles_int32(words), K), q.scales.reshape(E, N, -1)
+
+
+def reinterpret(q: PackedW4, layout: str) -> PackedW4:
+    """The same bytes tagged as another layout: what happens when one spec's buffer is fed to
+    another spec's kernel. For the demonstration only (the kernels then read wrong numbers);
+    needs buffers of equal size (N a multiple of 16 for grouped_masked, K of 32 for the grouped specs)."""
+    _check_layout(layout)
+    E, N, K = _as3d(q.shape)
+    KW = padded_k(K, layout) // 8
+    want = {"indexed": (E, N, K // 8), "grouped_contiguous": (E, KW, N),
+            "grouped_masked": (E, -(-N // PANEL), KW, PANEL)}[layout]
+    swant = (E, K // q.group_size, N) if layout == "grouped_contiguous" else (E, N, K // q.group_size)
+    if q.qweight.numel() != torch.Size([abs(d) for d in want]).numel():
+        raise ValueError(f"cannot reinterpret a {q.layout!r} buffer of {q.qweight.numel()} words as {layout!r} "
+                         f"{want}: sizes differ")
+    qw, sc = q.qweight.reshape(want), q.scales.reshape(swant)
+    if len(q.shape) == 2:
+        qw, sc = qw[0], sc[0]
+    return PackedW4(qw, sc, q.shape, q.group_size, layout)
 
 
 def quantize(w: torch.Tensor, group_size: int = GROUP_SIZE, layout: str = "indexed") -> PackedW4:
@@ -197,6 +280,25 @@ def quantize(w: torch.Tensor, group_size: int = GROUP_SIZE, layout: str = "index
     if len(shape) == 2:
         qw, sc = qw[0], sc[0]
     return PackedW4(qw, sc, shape, group_size, layout)
+
+
+# A load profile decides, at model load, which packing the experts get (the seed: the indexed
+# profile picks its packing when the model loads). The checkpoint is always compressed-tensors
+# (indexed); a profile for a grouped kernel repacks once, offline, never per call.
+LOAD_PROFILES = {
+    "indexed": dict(layout="indexed", kernel="indexed fused MoE", when="any M; checkpoint bytes as they are"),
+    "sm90-grouped-decode": dict(layout="grouped_masked", kernel="masked grouped GEMM",
+                                when="decode: a few rows per expert, fixed [E, max_m] shapes (CUDA graphs)"),
+    "sm90-grouped-prefill": dict(layout="grouped_contiguous", kernel="contiguous grouped GEMM",
+                                 when="prefill: long per-expert segments"),
+}
+
+
+def packing_for_profile(profile: str) -> str:
+    """The layout a load profile packs the experts in (`LOAD_PROFILES`)."""
+    if profile not in LOAD_PROFILES:
+        raise ValueError(f"unknown load profile {profile!r}; choose one of {', '.join(map(repr, LOAD_PROFILES))}")
+    return LOAD_PROFILES[profile]["layout"]
 
 
 def to_layout(q: PackedW4, layout: str) -> PackedW4:
@@ -307,6 +409,13 @@ def import_moe_compressed_tensors(tensors: dict[str, torch.Tensor], prefix: str,
     return to_layout(stack(w13), layout), to_layout(stack(w2), layout)
 
 
+def load_moe_experts(tensors: dict[str, torch.Tensor], prefix: str, num_experts: int,
+                     profile: str = "indexed") -> tuple[PackedW4, PackedW4]:
+    """Model load: read a compressed-tensors INT4 checkpoint's experts and pack them, once, in the
+    layout the load `profile` chooses (`LOAD_PROFILES`); the kernels then take only that layout."""
+    return import_moe_compressed_tensors(tensors, prefix, num_experts, packing_for_profile(profile))
+
+
 def cat_rows(a: PackedW4, b: PackedW4) -> PackedW4:
     """[N1, K] and [N2, K] indexed-packed -> [N1 + N2, K] (gate and up into w13)."""
     a.require("indexed", "cat_rows")
@@ -332,38 +441,96 @@ if triton is not None:
         return x.to(tl.bfloat16)
 
     @triton.jit
-    def w4_tile(qw_ptr, s_ptr, offs_k, offs_n, N, K, LAYOUT: tl.constexpr, GROUP: tl.constexpr,
-                EMULATE: tl.constexpr):
-        """Weight tile W[offs_n, offs_k] dequantized to BF16, returned transposed as [BLOCK_K, BLOCK_N].
+    def unpack_words(word):
+        """int32 [R, C] -> int32 [R, 8C]: the eight 4-bit fields of each word, field i (bits 4i..4i+3)
+        at column 8c + i, values 0..15 (the stored nibble, offset not yet removed).
+
+        The word is read from memory once; its fields are split in registers by shift and mask, as
+        Marlin's dequantize does. `tl.join` adds a register-minor axis, so each thread keeps all
+        eight fields of the words it loaded and the final reshape moves no data: the tree joins
+        fields (0,4), (2,6), (1,5), (3,7), then pairs, so the flat index of field i is i."""
+        v0 = word & 0xF
+        v1 = (word >> 4) & 0xF
+        v2 = (word >> 8) & 0xF
+        v3 = (word >> 12) & 0xF
+        v4 = (word >> 16) & 0xF
+        v5 = (word >> 20) & 0xF
+        v6 = (word >> 24) & 0xF
+        v7 = (word >> 28) & 0xF  # >> is arithmetic on int32: the mask drops the sign bits
+        lo = tl.join(tl.join(v0, v4), tl.join(v2, v6))   # [R, C, 2, 2]: (a, b) -> field 4a + 2b
+        hi = tl.join(tl.join(v1, v5), tl.join(v3, v7))   # the same, + 1
+        both = tl.join(lo, hi)                           # [R, C, 2, 2, 2]: (a, b, c) -> 4a + 2b + c
+        return tl.reshape(both, (word.shape[0], word.shape[1] * 8))
+
+    @triton.jit
+    def w4_tile(qw_ptr, s_ptr, k0, offs_n, N, K, LAYOUT: tl.constexpr, GROUP: tl.constexpr,
+                BLOCK_K: tl.constexpr, EMULATE: tl.constexpr):
+        """Weight tile W[offs_n, k0 : k0 + BLOCK_K] dequantized to BF16, returned transposed as
+        [BLOCK_K, BLOCK_N]. Out-of-range elements come back as 0.
 
         `qw_ptr`/`s_ptr` point at one expert's [N, K] matrix. The address arithmetic is the packing spec:
-        each LAYOUT code reads only its own arrangement. Out-of-range elements come back as 0.
-        """
-        mask = (offs_k[:, None] < K) & (offs_n[None, :] < N)
-        kk = offs_k[:, None]
-        nn = offs_n[None, :]
+        each LAYOUT code reads only its own arrangement. Each packed 32-bit word is loaded once (a
+        [BLOCK_N, BLOCK_K/8] int32 tile, an eighth of the elements) and split into its eight values in
+        registers (`unpack_words`); each scale is loaded once per group ([BLOCK_N, BLOCK_K/GROUP]) and
+        broadcast over its GROUP values. K is a multiple of GROUP (hence of 8)."""
+        WORDS: tl.constexpr = BLOCK_K // 8
+        offs_kw = k0 // 8 + tl.arange(0, WORDS)
+        nn = offs_n[:, None]
+        kw = offs_kw[None, :]
         if EMULATE:  # the interpreter checks every int32 add/mul for overflow (slow); int64 is skipped
-            kk = kk.to(tl.int64)
             nn = nn.to(tl.int64)
-        if LAYOUT == 3:  # plain BF16 [N, K] (baseline)
-            w = tl.load(qw_ptr + nn * K + kk, mask=mask, other=0.0).to(tl.bfloat16)
+            kw = kw.to(tl.int64)
+        if LAYOUT == 3:  # plain BF16 [N, K] (baseline): no packing
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            kk = offs_k[None, :]
+            if EMULATE:
+                kk = kk.to(tl.int64)
+            w = tl.load(qw_ptr + nn * K + kk, mask=(nn < N) & (kk < K), other=0.0).to(tl.bfloat16)
         else:
-            if LAYOUT == 0:    # indexed: int32 [N, K/8]
-                word = tl.load(qw_ptr + nn * (K // 8) + kk // 8, mask=mask, other=0)
-                u = (word >> ((kk % 8) * 4)) & 0xF
-                s = tl.load(s_ptr + nn * (K // GROUP) + kk // GROUP, mask=mask, other=0.0)
-            elif LAYOUT == 1:  # grouped_contiguous: int32 [K/8, N]
-                word = tl.load(qw_ptr + (kk // 8) * N + nn, mask=mask, other=0)
-                u = (word >> ((kk % 8) * 4)) & 0xF
-                s = tl.load(s_ptr + (kk // GROUP) * N + nn, mask=mask, other=0.0)
-            else:              # grouped_masked: uint8 [N, K/2]
-                byte = tl.load(qw_ptr + nn * (K // 2) + kk // 2, mask=mask, other=0).to(tl.int32)
-                u = (byte >> ((kk % 2) * 4)) & 0xF
-                s = tl.load(s_ptr + nn * (K // GROUP) + kk // GROUP, mask=mask, other=0.0)
+            if LAYOUT == 0:
+                KW = K // 8
+            else:  # the grouped specs store K rounded up to whole 32-runs; the pad holds value 0
+                KW = (K + 31) // 32 * 4
+            wmask = (nn < N) & (kw < KW)
+            if LAYOUT == 1:  # grouped_contiguous: int32 [Kp/8, N] (words of one column n contiguous along N)
+                word = tl.load(qw_ptr + kw * N + nn, mask=wmask, other=0)
+            elif LAYOUT == 0:  # indexed: int32 [N, K/8] (compressed-tensors)
+                word = tl.load(qw_ptr + nn * KW + kw, mask=wmask, other=0)
+            else:  # grouped_masked: int32 [N/16, Kp/8, 16] (16-row panels, each one contiguous run)
+                word = tl.load(qw_ptr + ((nn // 16) * KW + kw) * 16 + nn % 16, mask=wmask, other=0)
+            u = unpack_words(word)  # [BLOCK_N, BLOCK_K] in the spec's field order
+            if LAYOUT != 0:
+                # fragment order -> K order: column 32r + 8j + 4b + a holds K offset 32r + 8a + 2j + b
+                u = tl.reshape(u, (offs_n.shape[0], BLOCK_K // 32, 4, 2, 4))   # (n, r, j, b, a)
+                u = tl.reshape(tl.permute(u, (0, 1, 4, 2, 3)), (offs_n.shape[0], BLOCK_K))
+            # nibble u -> fp32 (u - 8) without an int-to-float convert (I2F issues at a quarter of the
+            # ALU rate): u | 0x4B000000 is the fp32 2**23 + u, and subtracting 2**23 + 8 is exact.
+            # One OR and one FADD per value, at full rate (the trick Marlin plays with fp16 magic numbers).
+            magic = (u | 0x4B000000).to(tl.float32, bitcast=True)
+            q = magic - 8388616.0  # [BLOCK_N, BLOCK_K] in [-8, 7]; padding words give -8 (scale 0)
+            if BLOCK_K % GROUP == 0:  # whole groups in the tile: one scale per (row, group)
+                GROUPS: tl.constexpr = BLOCK_K // GROUP
+                offs_g = k0 // GROUP + tl.arange(0, GROUPS)
+                gg = offs_g[None, :]
+                smask = (nn < N) & (gg < K // GROUP)
+                if LAYOUT == 1:
+                    s = tl.load(s_ptr + gg * N + nn, mask=smask, other=0.0)
+                else:
+                    s = tl.load(s_ptr + nn * (K // GROUP) + gg, mask=smask, other=0.0)
+                w = tl.reshape(q, (offs_n.shape[0], GROUPS, GROUP)) * s.to(tl.float32)[:, :, None]
+                w = tl.reshape(w, (offs_n.shape[0], BLOCK_K))
+            else:  # the tile lies inside one group (GROUP a multiple of BLOCK_K): one scale per row
+                g = k0 // GROUP
+                if LAYOUT == 1:
+                    s = tl.load(s_ptr + g * N + nn, mask=nn < N, other=0.0)
+                else:
+                    s = tl.load(s_ptr + nn * (K // GROUP) + g, mask=nn < N, other=0.0)
+                w = q * s.to(tl.float32)
             # q * scale is exact in fp32 (4-bit times 8-bit significands); one rounding to BF16,
-            # the same one `dequantize(q, torch.bfloat16)` makes.
-            w = round_bf16((u - 8).to(tl.float32) * s.to(tl.float32), EMULATE)
-        return w
+            # the same one `dequantize(q, torch.bfloat16)` makes. Masked-out scales are 0, so the
+            # padding comes back as (-8) * 0 = 0.
+            w = round_bf16(w, EMULATE)
+        return tl.trans(w)
 
     @triton.jit
     def _w4a16_linear_kernel(x_ptr, qw_ptr, s_ptr, out_ptr, M, N, K, stride_xm, stride_xk, stride_om, stride_on,
@@ -378,7 +545,7 @@ if triton is not None:
             offs_k = k0 + tl.arange(0, BLOCK_K)
             a = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
                         mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0)
-            b = w4_tile(qw_ptr, s_ptr, offs_k, offs_n, N, K, LAYOUT, GROUP, DOT_FP32)
+            b = w4_tile(qw_ptr, s_ptr, k0, offs_n, N, K, LAYOUT, GROUP, BLOCK_K, DOT_FP32)
             # DOT_FP32 (interpreter only): its bf16 tl.dot is wrong, and its fp32 -> bf16 casts truncate;
             # both are worked around under this one flag (device.dot_needs_fp32).
             if DOT_FP32:
@@ -394,11 +561,22 @@ def linear_config(M: int, interpreted: bool) -> dict:
     stream the weights; the interpreter wants few, large programs (it is numpy underneath)."""
     if interpreted:
         return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64)
-    if M <= 16:
-        return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4)
+    if M <= 16:  # BLOCK_K 256: each CTA keeps 3 x 32 x 128 B of weights in flight (the bandwidth needs bytes in flight)
+        return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=4)
     if M <= 64:
         return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4)
     return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
+
+
+def check_block_k(block_k: int, group_size: int, layout: str = "indexed") -> None:
+    """The tile loader reads whole 32-bit words and whole scale groups: BLOCK_K must be a multiple
+    of 8 and either hold whole groups (BLOCK_K % group == 0) or lie inside one (group % BLOCK_K == 0);
+    the grouped specs' fragment order needs whole 32-runs (BLOCK_K % 32 == 0)."""
+    if block_k % 8 or (block_k % group_size and group_size % block_k):
+        raise ValueError(f"BLOCK_K = {block_k} must be a multiple of 8 that divides, or is a multiple of, "
+                         f"the group size {group_size}")
+    if layout != "indexed" and block_k % FRAG_K:
+        raise ValueError(f"BLOCK_K = {block_k} must be a multiple of {FRAG_K} for the {layout!r} spec")
 
 
 def _check_activations(x: torch.Tensor, K: int, what: str) -> None:
@@ -420,14 +598,20 @@ def linear_torch(x: torch.Tensor, q: PackedW4) -> torch.Tensor:
     return x @ dequantize(q, torch.bfloat16).T
 
 
-def linear(x: torch.Tensor, q: PackedW4, *, block: dict | None = None, return_kernel: bool = False):
+def linear(x: torch.Tensor, q: PackedW4, *, layout: str | None = None, block: dict | str | None = None,
+           return_kernel: bool = False):
     """Dense W4A16 GEMM: `x [..., K]` BF16 times INT4 `q [N, K]` (any layout) -> BF16 `[..., N]`.
 
     Runs the Triton kernel (compiled on CUDA, interpreted on CPU); falls back to `linear_torch` where
-    Triton cannot run. `return_kernel=True` also returns the compiled kernel (for PTX inspection).
+    Triton cannot run. `block`: None = `linear_config` for this device; "gpu" = the exact block
+    constexprs (and warps, stages) a GPU would run, also in the interpreter (the test matrix checks
+    the GPU's tiles on CPU this way); or a dict. `return_kernel=True` also returns the compiled kernel (for PTX inspection).
     """
     if not isinstance(q, PackedW4) or len(q.shape) != 2:
         raise ValueError(f"linear needs a 2-D PackedW4 weight [N, K], got {getattr(q, 'shape', type(q).__name__)}")
+    if layout is not None:  # the caller's kernel family: refuse another spec's buffer
+        _check_layout(layout)
+        q.require(layout, f"the {layout!r} dense W4A16 kernel")
     N, K = q.shape
     _check_activations(x, K, "linear")
     if x.device != q.device:
@@ -442,7 +626,8 @@ def linear(x: torch.Tensor, q: PackedW4, *, block: dict | None = None, return_ke
     if not ok:
         out = linear_torch(x2, q)
         return (out.reshape(*lead, N), None) if return_kernel else out.reshape(*lead, N)
-    cfg = dict(block or linear_config(M, x.device.type != "cuda"))
+    cfg = dict(linear_config(M, False) if block == "gpu" else (block or linear_config(M, x.device.type != "cuda")))
+    check_block_k(cfg["BLOCK_K"], q.group_size, q.layout)
     BM, BN = cfg["BLOCK_M"], cfg["BLOCK_N"]
     grid = (triton.cdiv(M, BM), triton.cdiv(N, BN))
     kernel = _w4a16_linear_kernel[grid](x2, q.qweight, q.scales, out, M, N, K, x2.stride(0), x2.stride(1),

@@ -28,8 +28,10 @@ class BlockManager:
         self.ref_count = [0] * num_blocks
         self.block_hash: list[int | None] = [None] * num_blocks
         self.hash_to_block: dict[int, int] = {}
-        # Optional KV tiers (`kv_tiers.EngineKVTiers`): `free` offloads a request's prompt blocks
-        # before they go back, `allocate` restores further prefix blocks after the device lookup.
+        # Optional KV tiers (`kv_tiers.EngineKVTiers`): `free` launches the offload of a request's
+        # prompt blocks and holds the blocks under copy until `reclaim` gets them back; `kv_loading`
+        # lets a request wait while its prefix comes from a slow tier; `allocate` restores further
+        # prefix blocks after the device lookup.
         self.tiers = None
 
     @property
@@ -40,7 +42,25 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     def can_allocate(self, num_tokens: int) -> bool:
+        self.reclaim()
         return self.blocks_for(num_tokens) <= len(self.free_blocks)  # worst case: no prefix hit
+
+    def reclaim(self) -> None:
+        """Take back the blocks whose device -> host copy has completed (never waits)."""
+        if self.tiers is not None:
+            for block in self.tiers.completed_blocks():
+                self._release(block)
+
+    def kv_loading(self, seq: Sequence) -> bool:
+        """True while the KV tiers are still bringing `seq`'s prefix into host memory."""
+        return self.tiers is not None and self.tiers.loading(seq)
+
+    def _release(self, block: int) -> None:
+        self.ref_count[block] -= 1
+        if self.ref_count[block] == 0:
+            if not self.enable_prefix_caching:
+                self.block_hash[block] = None
+            self.free_blocks.append(block)
 
     def _chain_hash(self, prev: int | None, tokens: list[int]) -> int:
         return hash((prev, tuple(tokens)))
@@ -109,13 +129,10 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         if self.tiers is not None and seq.block_table:
-            self.tiers.offload(seq)      # returns once the device -> host copy has completed
+            for block in self.tiers.offload(seq):   # under an asynchronous copy: held until `reclaim`
+                self.ref_count[block] += 1
         for block in reversed(seq.block_table):
-            self.ref_count[block] -= 1
-            if self.ref_count[block] == 0:
-                if not self.enable_prefix_caching:
-                    self.block_hash[block] = None
-                self.free_blocks.append(block)
+            self._release(block)
         seq.block_table = []
 
     def slot(self, seq: Sequence, position: int) -> int:

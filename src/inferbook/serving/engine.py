@@ -110,7 +110,11 @@ class LLMEngine:
 
     # -- one step ------------------------------------------------------------------
     def _tick(self) -> float:
-        synchronize(self.device)
+        # the compute stream only: the KV tiers' copies run on their own stream and must not hold the engine
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        else:
+            synchronize(self.device)
         return self.clock()
 
     @torch.no_grad()
@@ -119,7 +123,13 @@ class LLMEngine:
         t0 = self._tick()
         num_running = len(self.scheduler.running)
         out = self.scheduler.schedule()
+        tiers = self.block_manager.tiers
+        if tiers is not None:
+            tiers.note_step()
         if not out.chunks:
+            if tiers is not None and tiers.busy():   # waiting for a KV fetch or for blocks under copy
+                tiers.wait_for_progress(0.005)
+                return []
             if self.has_unfinished():
                 raise RuntimeError("scheduler made no progress: no budget, seat or KV blocks for any request")
             return []

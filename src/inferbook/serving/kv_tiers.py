@@ -12,26 +12,38 @@ This file answers one question: *where does a KV block live, and how does it get
   recurrent state), packed into one contiguous uint8 row — the unified host representation.
 - `prefix_keys`: a SHA-256 chain over the token ids of each full block, with model, block size,
   dtype and layout in the namespace, so a key names exactly one block content.
-- `HostTier` (a slab of rows, pinned where the device is CUDA; capacity and LRU), `FileTier`
-  (one checksummed file per block, written atomically), `PeerTier` (a second process on loopback,
-  spoken to over a socket with timeouts), each with its own `TierStats`.
-- `TieredKVStore`: offload (publish into host, queue background writes), lookup (longest prefix
-  in any tier), fetch (into host rows, verified), per-tier metrics.
-- `EngineKVTiers`: binds a store to the serving engine's paged KV pool and block manager.
+- `HostTier` (a slab of rows, pinned where the device is CUDA; an LRU cache that never evicts a
+  pinned row), `FileTier` (one checksummed file per block, written atomically), `PeerTier` (a
+  second process on loopback that serves only its parent: per-run secret, HMAC challenge,
+  connection cap, exit on parent death), each with its own `TierStats`.
+- `TieredKVStore`: offload (publish into host, queue background writes of the blocks admitted
+  below the host: all, or only those reused `admit_after` times), lookup, fetch (into host rows,
+  verified), per-tier metrics.
+- `CopyStream`: block copies off the engine thread — a CUDA stream and its events on a GPU, a
+  worker thread on a CPU.
+- `use_cross_layer_blocks`: the engine's paged pool re-laid so one block of every layer is one
+  contiguous piece (one copy per block instead of 2 x layers).
+- `EngineKVTiers`: binds a store to the serving engine. Offload launches the device->host copy
+  and the block manager holds the blocks until the copy completed; a request whose prefix is in
+  a slow tier waits for a fetch thread while the engine steps the others; device blocks are
+  taken only once the rows are in host memory.
 
 Reliability rules kept here: a host row is visible only after its copy completed; a file is
 visible only after `os.replace` of a fully written, fsync'ed temporary file, and its SHA-256 is
-verified on every read (mismatch -> counted, removed, a miss); the peer stores a value only after
-receiving all of it with a matching digest, and a client read that times out or ends early is a
-miss. A failing tier is counted and skipped; it never raises into the engine.
+verified on every read (mismatch or a header that is not a JSON object -> counted, removed, a
+miss); the peer stores a value only after receiving all of it with a matching digest, and a
+client read that times out or ends early is a miss. A failing tier is counted and skipped; it
+never raises into the engine.
 """
 from __future__ import annotations
 
 import errno
 import hashlib
+import hmac
 import json
 import os
 import queue
+import secrets
 import socket
 import struct
 import subprocess
@@ -45,7 +57,6 @@ from pathlib import Path
 
 import torch
 
-from ..device import synchronize
 from ..errors import UserError
 
 TIER_NAMES = ("host", "file", "peer")
@@ -339,6 +350,8 @@ class FileTier:
                 if hlen > 1 << 16:
                     return self._corrupt(p, "header too long")
                 header = json.loads(f.read(hlen).decode())
+                if not isinstance(header, dict):     # valid JSON, but a list, number or string
+                    return self._corrupt(p, f"header is a JSON {type(header).__name__}, not an object")
                 if header.get("key") != key or header.get("namespace") != self.ns \
                         or header.get("nbytes") != self.row_bytes:
                     return self._corrupt(p, "header does not match")
@@ -370,12 +383,29 @@ class FileTier:
 # ---------------------------------------------------------------------------
 # Remote peer: a second process on loopback holding blocks in its memory
 #
-# Wire format. Request: op (1 byte) + key (64 ascii hex). PUT adds length (u64) + sha256 (32 bytes)
-# + payload; GET/HAS add nothing; FAULT adds a mode byte; CLEAR and STOP are one byte. Reply: PUT -> b"K" (stored) or b"E";
-# HAS -> b"1"/b"0"; GET -> b"0", or b"1" + length (u64) + sha256 (32) + payload.
+# Who may talk to it. The parent draws a per-run secret (`secrets.token_hex`) and hands it to the
+# child in the child's environment (`PEER_SECRET_ENV`), never on the command line (which any
+# local user can read in /proc). Every connection starts with a challenge: the peer sends a
+# 32-byte nonce, the client answers HMAC-SHA256(secret, nonce), and the peer answers b"K" or
+# closes. The secret itself never crosses the socket. A connection that does not answer within
+# `HANDSHAKE_TIMEOUT_S` is closed; at most `max_connections` are open at once (a further one is
+# answered b"B" and closed). The peer watches its parent: when the parent is gone (its parent
+# pid changes), it exits within `PARENT_POLL_S`.
+#
+# Wire format, after the handshake. Request: op (1 byte) + key (64 ascii hex). PUT adds length
+# (u64) + sha256 (32 bytes) + payload; GET/HAS add nothing; FAULT adds a mode byte; CLEAR and
+# STOP are one byte. Reply: PUT -> b"K" (stored) or b"E"; HAS -> b"1"/b"0"; GET -> b"0", or
+# b"1" + length (u64) + sha256 (32) + payload.
 
 _OP_PUT, _OP_GET, _OP_HAS, _OP_FAULT, _OP_STOP, _OP_CLEAR = b"P", b"G", b"H", b"F", b"S", b"C"
 FAULTS = {b"n": "none", b"d": "die mid-transfer", b"s": "stall mid-transfer"}
+PEER_SECRET_ENV = "INFERBOOK_KV_PEER_SECRET"
+HANDSHAKE_TIMEOUT_S = 2.0
+PARENT_POLL_S = 0.2
+MAX_PEER_CONNECTIONS = 8
+_NONCE_BYTES = 32
+_KEY_CHARS = frozenset(b"0123456789abcdef")
+_PEER_SECRETS: dict[tuple[str, int], str] = {}    # address -> secret of the peers this process started
 
 
 def _recv_exact(sock: socket.socket, n: int, into: memoryview | None = None) -> bytes | memoryview:
@@ -389,20 +419,59 @@ def _recv_exact(sock: socket.socket, n: int, into: memoryview | None = None) -> 
     return buf if into is not None else bytes(buf)
 
 
-def serve_peer(port: int = 0, capacity_bytes: int = 1 << 34, port_file: str | None = None) -> None:
-    """The peer process: hold blocks in memory (LRU within `capacity_bytes`), answer on 127.0.0.1,
-    one thread per connection.
+def handshake_answer(secret: str, nonce: bytes) -> bytes:
+    """The client's answer to the peer's challenge: HMAC-SHA256(secret, nonce), 32 bytes."""
+    return hmac.new(secret.encode(), nonce, hashlib.sha256).digest()
 
+
+def _watch_parent(parent_pid: int) -> None:
+    """Exit the peer as soon as the process that started it is gone (reparented: ppid changes)."""
+    while True:
+        if os.getppid() != parent_pid:
+            os._exit(0)
+        time.sleep(PARENT_POLL_S)
+
+
+def serve_peer(port: int = 0, capacity_bytes: int = 1 << 34, port_file: str | None = None, *,
+               secret: str | None = None, parent_pid: int | None = None,
+               max_connections: int = MAX_PEER_CONNECTIONS) -> None:
+    """The peer process: hold blocks in memory (LRU within `capacity_bytes`), answer on 127.0.0.1,
+    one thread per authenticated connection, at most `max_connections` at once.
+
+    `secret` (default: the `PEER_SECRET_ENV` environment variable) is required: without one the
+    peer refuses to start. `parent_pid`: exit when that process is no longer the parent.
     Reports its port on stdout (and in `port_file`) once listening. A FAULT request arms the
     next GET to send half its payload and then exit ('d') or stall ('s') — the tests' way to
     make a peer disappear mid-transfer."""
+    secret = secret if secret is not None else os.environ.get(PEER_SECRET_ENV, "")
+    if len(secret) < 16:
+        raise UserError(f"the KV peer needs a per-run secret of at least 16 characters in ${PEER_SECRET_ENV}")
+    if parent_pid is not None:
+        if os.getppid() != parent_pid:
+            os._exit(0)
+        threading.Thread(target=_watch_parent, args=(parent_pid,), name="kv-peer-parent-watch", daemon=True).start()
     store: OrderedDict[str, tuple[bytes, bytes]] = OrderedDict()
-    state = {"size": 0, "fault": b"n"}
+    state = {"size": 0, "fault": b"n", "open": 0, "refused": 0, "denied": 0}
     lock, stop = threading.Lock(), threading.Event()
+
+    def authenticate(conn: socket.socket) -> bool:
+        nonce = secrets.token_bytes(_NONCE_BYTES)
+        conn.settimeout(HANDSHAKE_TIMEOUT_S)
+        conn.sendall(nonce)
+        answer = _recv_exact(conn, 32)
+        if not hmac.compare_digest(answer, handshake_answer(secret, nonce)):
+            return False
+        conn.sendall(b"K")
+        conn.settimeout(None)
+        return True
 
     def handle(conn: socket.socket) -> None:
         with conn:
             try:
+                if not authenticate(conn):
+                    with lock:
+                        state["denied"] += 1
+                    return
                 while True:
                     op = conn.recv(1)
                     if not op:
@@ -421,9 +490,14 @@ def serve_peer(port: int = 0, capacity_bytes: int = 1 << 34, port_file: str | No
                         state["fault"] = _recv_exact(conn, 1)
                         conn.sendall(b"K")
                         continue
-                    key = _recv_exact(conn, 64).decode()
+                    raw = _recv_exact(conn, 64)
+                    if not set(raw) <= _KEY_CHARS:
+                        return          # not a key this store ever makes: drop the connection
+                    key = raw.decode()
                     if op == _OP_PUT:
                         (n,) = struct.unpack("<Q", _recv_exact(conn, 8))
+                        if n > capacity_bytes:
+                            return
                         digest = _recv_exact(conn, 32)
                         payload = _recv_exact(conn, n)
                         if hashlib.sha256(payload).digest() != digest:
@@ -459,30 +533,53 @@ def serve_peer(port: int = 0, capacity_bytes: int = 1 << 34, port_file: str | No
                         conn.sendall(head + payload)
                     else:
                         return
-            except (ConnectionError, OSError):
+            except (ConnectionError, OSError, struct.error):
                 return
+            finally:
+                with lock:
+                    state["open"] -= 1
 
     srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     srv.bind((LOOPBACK, port))
-    srv.listen(16)
+    srv.listen(max_connections)
     port = srv.getsockname()[1]
     if port_file:
         Path(port_file).write_text(str(port))
     print(port, flush=True)
     while not stop.is_set():
         conn, _ = srv.accept()
+        with lock:
+            full = state["open"] >= max_connections
+            if not full:
+                state["open"] += 1
+            else:
+                state["refused"] += 1
+        if full:            # over the cap: say so and close, before any thread or handshake
+            try:
+                conn.sendall(b"B")
+            except OSError:
+                pass
+            conn.close()
+            continue
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         threading.Thread(target=handle, args=(conn,), daemon=True).start()
 
 
 class PeerProcess:
-    """A peer started as `python -m inferbook.serving.kv_tiers peer` on 127.0.0.1 (a free port)."""
+    """A peer started as `python -m inferbook.serving.kv_tiers peer` on 127.0.0.1 (a free port),
+    with a fresh secret in its environment and this process as the parent it watches.
 
-    def __init__(self, capacity_bytes: int = 1 << 34, start_timeout_s: float = 60.0):
+    `secret` is this run's secret (a `PeerTier` to this address finds it by itself)."""
+
+    def __init__(self, capacity_bytes: int = 1 << 34, start_timeout_s: float = 60.0,
+                 max_connections: int = MAX_PEER_CONNECTIONS):
+        self.secret = secrets.token_hex(32)
         env = dict(os.environ, OMP_NUM_THREADS="1")
+        env[PEER_SECRET_ENV] = self.secret
         self.proc = subprocess.Popen([sys.executable, "-m", "inferbook.serving.kv_tiers", "peer",
-                                      "--capacity-bytes", str(int(capacity_bytes))],
+                                      "--capacity-bytes", str(int(capacity_bytes)), "--parent-pid", str(os.getpid()),
+                                      "--max-connections", str(int(max_connections))],
                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True)
         deadline = time.monotonic() + start_timeout_s
         port = None
@@ -496,6 +593,7 @@ class PeerProcess:
             self.stop()
             raise RuntimeError(f"KV peer did not start within {start_timeout_s:.0f} s")
         self.address = (LOOPBACK, port)
+        _PEER_SECRETS[self.address] = self.secret
 
     @property
     def alive(self) -> bool:
@@ -510,6 +608,7 @@ class PeerProcess:
             pass
         if self.proc.stdout:
             self.proc.stdout.close()
+        _PEER_SECRETS.pop(getattr(self, "address", None), None)
 
     def __enter__(self):
         return self
@@ -524,23 +623,42 @@ class PeerTier:
 
     name = "peer"
 
-    def __init__(self, address: tuple[str, int], row_bytes: int, *, timeout_s: float = 2.0, max_failures: int = 3):
+    def __init__(self, address: tuple[str, int], row_bytes: int, *, timeout_s: float = 2.0, max_failures: int = 3,
+                 secret: str | None = None):
         host, port = address
         if host != LOOPBACK:
             raise UserError(f"peer address {host!r} is not allowed: the remote-peer tier runs on loopback ({LOOPBACK}) only")
         if not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
             raise UserError(f"peer timeout_s={timeout_s!r} must be a positive number of seconds")
         self.address, self.row_bytes, self.timeout_s = (host, int(port)), row_bytes, float(timeout_s)
+        # the run's secret: given, or the one of the peer this process started at that address
+        self.secret = secret if secret is not None else _PEER_SECRETS.get(self.address, "")
         self.max_failures, self.disabled, self._consecutive_failures = max_failures, False, 0
         self.sock: socket.socket | None = None
         self.lock = threading.Lock()
         self.stats = TierStats("peer")
+        # keys this client stored: a lookup hint that needs no round trip (the peer is this run's own
+        # and `clear`ed at start; a key it evicted since is a miss when read, counted there)
+        self.stored: OrderedDict[str, None] = OrderedDict()
+        self.max_stored_hints = 1 << 20
+
+    def maybe_contains(self, key: str) -> bool:
+        """Whether this client stored `key` (no round trip); False means not worth asking."""
+        return not self.disabled and key in self.stored
 
     def _conn(self) -> socket.socket:
         if self.sock is None:
             s = socket.create_connection(self.address, timeout=self.timeout_s)
-            s.settimeout(self.timeout_s)
-            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            try:
+                s.settimeout(self.timeout_s)
+                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                nonce = _recv_exact(s, _NONCE_BYTES)     # a peer at its cap sends b"B" and closes: ConnectionError
+                s.sendall(handshake_answer(self.secret, nonce))
+                if _recv_exact(s, 1) != b"K":
+                    raise ConnectionError("peer refused the handshake")
+            except BaseException:
+                s.close()
+                raise
             self.sock = s
         return self.sock
 
@@ -578,6 +696,10 @@ class PeerTier:
             self.stats.failures += 1
             return False
         self._consecutive_failures = 0
+        with self.lock:
+            self.stored[key] = None
+            while len(self.stored) > self.max_stored_hints:
+                self.stored.popitem(last=False)
         self.stats.writes += 1
         self.stats.bytes_written += len(payload)
         self.stats.write_s += time.perf_counter() - t0
@@ -625,12 +747,23 @@ class PeerTier:
         self.stats.read_s += time.perf_counter() - t0
         return True
 
-    def clear(self) -> None:
-        """Empty the peer's store (a fresh run on a long-lived peer)."""
+    def clear(self) -> bool:
+        """Empty the peer's store (a fresh run on a long-lived peer). False, counted as a failure,
+        when the peer is gone or refuses: never raises."""
         with self.lock:
-            s = self._conn()
-            s.sendall(_OP_CLEAR)
-            _recv_exact(s, 1)
+            try:
+                s = self._conn()
+                s.sendall(_OP_CLEAR)
+                ok = _recv_exact(s, 1) == b"K"
+            except (OSError, ConnectionError) as e:
+                self.stats.failures += 1
+                self._drop(e, isinstance(e, TimeoutError | socket.timeout))
+                return False
+            if ok:
+                self.stored.clear()
+        if not ok:
+            self.stats.failures += 1
+        return ok
 
     def arm_fault(self, mode: str) -> None:
         """Tests only: make the peer's next GET send half and then die ('die') or stall ('stall')."""
@@ -671,13 +804,31 @@ class TieredKVStore:
     """Host tier plus optional filesystem and peer tiers for rows of one `BlockLayout`.
 
     offload: `reserve` host rows, copy into them (the caller's copy: device -> host), `commit`
-    (publish; queue background writes of each row to every slower tier). lookup: longest prefix
-    of keys present in any tier. fetch: bring that prefix into host rows, verified."""
+    (publish; queue background writes of each admitted row to every slower tier). lookup: longest
+    prefix of keys present in any tier. fetch: bring that prefix into host rows, verified.
+
+    Eviction: the host tier is an LRU cache over published rows (a fetch or a repeated offload
+    refreshes a row); rows pinned by a copy, a reader or a pending slow-tier write are never
+    evicted. The file tier (with `file_capacity_bytes`) and the peer are LRU too.
+
+    Admission into the slow tiers is gated on reuse, as vLLM's `FilterReusedOffloadingManager`
+    gates its stores: a block is written below the host only once it has been used
+    `admit_after` times (each offload of a request that held it counts one use: its first
+    computation, and every later request that reused it from the device or a tier). With
+    `admit_after=1` every offloaded block is written below. Uses are counted in a bounded LRU
+    table of `max_tracked` keys."""
 
     def __init__(self, layout: BlockLayout, ns: str, *, host_capacity_blocks: int, pin: bool = False,
                  file_dir: str | os.PathLike | None = None, file_capacity_bytes: int | None = None,
                  durable: bool = True, peer_address: tuple[str, int] | None = None, peer_timeout_s: float = 2.0,
-                 background: bool = True):
+                 peer_secret: str | None = None, background: bool = True, admit_after: int = 1,
+                 max_tracked: int = 1 << 16):
+        if isinstance(admit_after, bool) or not isinstance(admit_after, int) or admit_after < 1:
+            raise UserError(f"admit_after={admit_after!r} must be a positive int (uses before a block goes below host)")
+        self.admit_after, self.max_tracked = admit_after, max_tracked
+        self.uses: OrderedDict[str, int] = OrderedDict()     # key -> uses seen (bounded, LRU)
+        self.admitted: set[str] = set()                      # keys queued for (or written to) the slow tiers
+        self.not_admitted = 0                                # commits kept in host only: not reused (yet)
         self.layout, self.ns = layout, ns
         self.row_bytes = layout.nbytes
         self.host = HostTier(host_capacity_blocks, self.row_bytes, pin=pin)
@@ -685,7 +836,7 @@ class TieredKVStore:
         if file_dir is not None:
             self.lower.append(FileTier(file_dir, ns, self.row_bytes, capacity_bytes=file_capacity_bytes, durable=durable))
         if peer_address is not None:
-            self.lower.append(PeerTier(peer_address, self.row_bytes, timeout_s=peer_timeout_s))
+            self.lower.append(PeerTier(peer_address, self.row_bytes, timeout_s=peer_timeout_s, secret=peer_secret))
         self.background = background
         self._jobs: queue.Queue = queue.Queue()
         self._idle = threading.Condition()
@@ -714,22 +865,59 @@ class TieredKVStore:
             self.host.stats.skipped += 1
         return slot
 
+    def note_use(self, key: str) -> int:
+        """Count one use of `key` (see the class docstring); returns its count."""
+        with self.host.lock:
+            n = self.uses.pop(key, 0) + 1
+            self.uses[key] = n
+            while len(self.uses) > self.max_tracked:
+                self.uses.popitem(last=False)
+            return n
+
+    def _admit(self, key: str) -> bool:
+        with self.host.lock:
+            if not self.lower or key in self.admitted:
+                return False
+            if self.admit_after > 1 and self.uses.get(key, 0) < self.admit_after:
+                return False
+            self.admitted.add(key)
+            return True
+
+    def _queue_lower(self, key: str, slot: int) -> None:
+        with self._idle:
+            self._outstanding += 1
+        if self._writer is not None:
+            self._jobs.put((key, slot))     # the row stays pinned until written everywhere
+        else:
+            self._write_lower(key, slot)
+
+    def admit_if_reused(self, key: str) -> bool:
+        """A block already in the host tier that has now been used often enough: write it below,
+        from its host row. True if a write was queued."""
+        if not self._admit(key):
+            return False
+        slot = self.host.get(key)          # pinned until written
+        if slot is None:                   # evicted meanwhile: nothing to write from
+            with self.host.lock:
+                self.admitted.discard(key)
+            return False
+        self._queue_lower(key, slot)
+        return True
+
     def commit(self, items: list[tuple[str, int]]) -> None:
-        """Publish rows whose copy has completed, then write them to slower tiers from host memory."""
+        """Publish rows whose copy has completed, then write the admitted ones to slower tiers
+        from host memory."""
         for key, slot in items:
             if not isinstance(slot, int):
                 raise TypeError(f"commit needs the int slot `reserve` returned for {key[:12]}, got {slot!r}")
             self.host.publish(key, slot)
             self.host.stats.writes += 1
             self.host.stats.bytes_written += self.row_bytes
-            if self.lower:
-                with self._idle:
-                    self._outstanding += 1
-                if self._writer is not None:
-                    self._jobs.put((key, slot))     # the row stays pinned until written everywhere
-                else:
-                    self._write_lower(key, slot)
+            if self._admit(key):
+                self._queue_lower(key, slot)
             else:
+                if self.lower:
+                    self.not_admitted += 1
                 self.host.unpin(slot)
 
     def _write_lower(self, key: str, slot: int) -> None:
@@ -833,46 +1021,219 @@ class TieredKVStore:
 
 
 # ---------------------------------------------------------------------------
+# Copies off the engine thread
+
+@dataclass(eq=False)
+class CopyJob:
+    """One batch of block copies. `t_submit`/`t_done`: perf_counter at submission and at completion
+    (the event completed on CUDA; the worker's copy returned on CPU)."""
+
+    on_done: object
+    copy_fn: object = None
+    event: object = None
+    t_submit: float = 0.0
+    t_done: float = 0.0
+    error: BaseException | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+class CopyStream:
+    """Block copies that never run on (or wait on) the engine thread.
+
+    CUDA: one dedicated stream. `submit` makes the stream wait for the compute stream (the KV to
+    copy was written there), launches the copies non_blocking (pinned host rows), records an
+    event and returns at once; a completion thread waits on the events in submission order and
+    runs each job's `on_done(job)` — as vLLM's CPU offload worker queries its transfer events.
+    CPU: the same jobs run on a worker thread that performs the copies itself (threads stand in
+    for streams). Jobs complete in submission order in both cases."""
+
+    def __init__(self, device: torch.device, name: str = "kv-copy"):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device=device) if self.cuda else None
+        self._jobs: queue.Queue = queue.Queue()
+        self._cv = threading.Condition()
+        self._inflight = 0
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, copy_fn, on_done, *, after_compute: bool = True) -> CopyJob:
+        job = CopyJob(on_done=on_done, t_submit=time.perf_counter())
+        with self._cv:
+            self._inflight += 1
+        if self.cuda:
+            if after_compute:
+                self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.stream):
+                copy_fn()
+                job.event = torch.cuda.Event()
+                job.event.record(self.stream)
+        else:
+            job.copy_fn = copy_fn
+        self._jobs.put(job)
+        return job
+
+    def submit_from_worker(self, copy_fn, on_done) -> CopyJob:
+        """A follow-up job submitted from an `on_done` callback (on the copy stream after the jobs
+        before it, so it needs no new wait on the compute stream)."""
+        return self.submit(copy_fn, on_done, after_compute=False)
+
+    def _loop(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            try:
+                if self.cuda:
+                    job.event.synchronize()
+                else:
+                    job.copy_fn()
+            except BaseException as e:      # a failed copy is reported to its callback, never raised here
+                job.error = e
+            job.t_done = time.perf_counter()
+            try:
+                job.on_done(job)
+            finally:
+                job.done.set()
+                with self._cv:
+                    self._inflight -= 1
+                    self._cv.notify_all()
+
+    @property
+    def busy(self) -> bool:
+        with self._cv:
+            return self._inflight > 0
+
+    def wait_idle(self, timeout_s: float = 60.0) -> bool:
+        deadline = time.monotonic() + timeout_s
+        with self._cv:
+            while self._inflight:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cv.wait(timeout=left)
+        return True
+
+    def close(self) -> None:
+        self.wait_idle(30.0)
+        self._jobs.put(None)
+        self._thread.join(timeout=10)
+
+
+# ---------------------------------------------------------------------------
 # The engine's side: the paged KV pool <-> host rows
 
 @dataclass
 class EngineTierStats:
     """Per-request timings the seed says to watch: time to free device blocks (offload), time to
-    re-allocate and fill them (restore), and how many prompt blocks came from where."""
+    re-allocate and fill them (restore), and how many prompt blocks came from where.
+
+    free_s: per offloaded request, submission of its device->host copy until the copy completed
+    and its blocks were handed back (off the engine thread). offload_call_s: what the engine
+    thread spent in `offload` (keys, host rows, launching the copy). fetch_wait_s: per request
+    with a slow-tier fetch, from starting the fetch until its rows were in host memory (the
+    request waits; the engine steps). realloc_s: taking device blocks once the data is in host
+    memory and copying it in (on CUDA: launching the copy; the forward waits on its event)."""
 
     offloads: int = 0
     offloaded_blocks: int = 0
     free_s: list = field(default_factory=list)
+    offload_call_s: list = field(default_factory=list)
     restores: int = 0
     restored_blocks: dict = field(default_factory=lambda: {t: 0 for t in TIER_NAMES})
     fetch_s: list = field(default_factory=list)
+    fetch_wait_s: list = field(default_factory=list)
     realloc_s: list = field(default_factory=list)
     device_hit_blocks: int = 0
     prompt_blocks: int = 0
+    fetches_started: int = 0
+    steps_with_fetch_in_flight: int = 0
+    copy_failures: int = 0
     mirror_share: list = field(default_factory=list)   # at each admission: host blocks also in the device cache
 
 
+CROSS_LAYER = "cross_layer"
+LAYER_MAJOR = "layer_major"
+KV_LAYOUTS = (CROSS_LAYER, LAYER_MAJOR)
+
+
+def use_cross_layer_blocks(runner) -> None:
+    """Re-lay the runner's paged KV pool so that one block of every layer, K and V, is one contiguous
+    piece of memory: `runner.kv_blocks` [blocks, layers, 2, block_size, kv_heads, head_dim], with
+    `k_cache`/`v_cache` per-layer strided views [layers, blocks, block_size, kv_heads, head_dim]
+    (vLLM's cross-layer KV layout). Offloading a block is then one copy, not 2 x layers. Only
+    before any request has run (the pool's contents are not carried over)."""
+    L, slots, Hkv, D = runner.k_cache.shape
+    bs = runner.block_size
+    kv = torch.zeros((slots // bs, L, 2, bs, Hkv, D), dtype=runner.k_cache.dtype, device=runner.k_cache.device)
+    runner.kv_blocks = kv
+    runner.k_cache = kv[:, :, 0].transpose(0, 1)      # [L, blocks, bs, Hkv, D], a view
+    runner.v_cache = kv[:, :, 1].transpose(0, 1)
+    runner.kv_layout = CROSS_LAYER
+
+
+def runner_kv_layout(runner) -> str:
+    return getattr(runner, "kv_layout", LAYER_MAJOR)
+
+
 def engine_layout(runner) -> BlockLayout:
-    """k and v of one block, all layers: [layers, block_size, kv_heads, head_dim] each."""
+    """One block's host row. Cross-layer pool: one field `kv` [layers, 2, block_size, kv_heads, head_dim]
+    (the device block's own bytes). Layer-major pool: `k` and `v`, each [layers, block_size, kv_heads, head_dim]."""
+    state = getattr(runner, "state_blocks", None)     # a hybrid model's recurrent state slot per block
+    extra = (("state", state.dtype, tuple(state.shape[1:])),) if state is not None else ()
+    if runner_kv_layout(runner) == CROSS_LAYER:
+        _, L, two, bs, Hkv, D = runner.kv_blocks.shape
+        return BlockLayout((("kv", runner.dtype, (L, two, bs, Hkv, D)),) + extra)
     L, _, Hkv, D = runner.k_cache.shape
     shape = (L, runner.block_size, Hkv, D)
-    return BlockLayout((("k", runner.dtype, shape), ("v", runner.dtype, shape)))
+    return BlockLayout((("k", runner.dtype, shape), ("v", runner.dtype, shape)) + extra)
 
 
-def copy_blocks_to_rows(k_cache: torch.Tensor, v_cache: torch.Tensor, block_size: int, layout: BlockLayout,
-                        pairs: list[tuple[int, torch.Tensor]]) -> None:
-    """Device blocks -> host rows, then wait until the copy has completed.
+def block_pieces(runner, block: int) -> list[torch.Tensor]:
+    """The device memory of one block, as the contiguous pieces a copy moves: 1 for a cross-layer
+    pool, 2 x layers for a layer-major one (K and V of each layer); a hybrid runner's recurrent
+    state slot of the block is one more."""
+    state = getattr(runner, "state_blocks", None)
+    extra = [state[block]] if state is not None else []
+    if runner_kv_layout(runner) == CROSS_LAYER:
+        return [runner.kv_blocks[block]] + extra
+    bs = runner.block_size
+    sl = slice(block * bs, (block + 1) * bs)
+    return [c[i, sl] for c in (runner.k_cache, runner.v_cache) for i in range(c.shape[0])] + extra
 
-    k_cache/v_cache: [layers, slots, kv_heads, head_dim] paged pools; pairs: (block, uint8 row).
-    On CUDA the copies are asynchronous into pinned rows and one synchronize ends them all; a
-    block is 2 x layers contiguous pieces of block_size x kv_heads x head_dim elements."""
-    nb = k_cache.device.type == "cuda"
+
+def row_pieces(layout: BlockLayout, row: torch.Tensor) -> list[torch.Tensor]:
+    """The host row cut into the same pieces as `block_pieces` (same order)."""
+    v = layout.views(row)
+    extra = [v["state"]] if "state" in v else []
+    if "kv" in v:
+        return [v["kv"]] + extra
+    return [t[i] for t in (v["k"], v["v"]) for i in range(t.shape[0])] + extra
+
+
+def copy_blocks_to_rows(runner, layout: BlockLayout, pairs: list[tuple[int, torch.Tensor]], *,
+                        non_blocking: bool | None = None) -> int:
+    """Device blocks -> host rows, one `copy_` per contiguous piece (see `block_pieces`); returns
+    the number of copies launched. Asynchronous into pinned rows on CUDA (the caller records
+    an event); complete on return on CPU."""
+    nb = runner.k_cache.device.type == "cuda" if non_blocking is None else non_blocking
+    n = 0
     for block, row in pairs:
-        v = layout.views(row)
-        sl = slice(block * block_size, (block + 1) * block_size)
-        v["k"].copy_(k_cache[:, sl], non_blocking=nb)
-        v["v"].copy_(v_cache[:, sl], non_blocking=nb)
-    synchronize(k_cache.device)
+        for dst, src in zip(row_pieces(layout, row), block_pieces(runner, block)):
+            dst.copy_(src, non_blocking=nb)
+            n += 1
+    return n
+
+
+def copy_rows_to_blocks(runner, layout: BlockLayout, pairs: list[tuple[int, torch.Tensor]]) -> int:
+    """Host rows -> device blocks, one `copy_` per piece; asynchronous from pinned rows on CUDA."""
+    nb = runner.k_cache.device.type == "cuda"
+    n = 0
+    for block, row in pairs:
+        for dst, src in zip(block_pieces(runner, block), row_pieces(layout, row)):
+            dst.copy_(src, non_blocking=nb)
+            n += 1
+    return n
 
 
 def model_fingerprint(model) -> str:
@@ -884,15 +1245,42 @@ def model_fingerprint(model) -> str:
     return h.hexdigest()[:16]
 
 
+@dataclass(eq=False)
+class _Fetch:
+    """A request's prefix on its way from the slow tiers into host rows (fetch thread)."""
+
+    keys: list[str]
+    start_block: int
+    t_start: float
+    got: Fetched | None = None
+    t_ready: float = 0.0
+    done: threading.Event = field(default_factory=threading.Event)
+
+
 class EngineKVTiers:
-    """Offload a finishing request's full prompt blocks; restore a new request's prefix.
+    """Offload a finishing request's full prompt blocks; restore a new request's prefix — both
+    without holding up the engine thread.
 
-    Installed on an engine's block manager (`attach`): `BlockManager.free` calls `offload(seq)`
-    while the request still owns its blocks, and `BlockManager.allocate` calls `restore(...)`
-    after its device prefix-cache lookup."""
+    Installed on an engine's block manager (`attach` in `__init__`). Offload: `BlockManager.free`
+    calls `offload(seq)`, which launches the device->host copy (`CopyStream`) and returns the
+    blocks under copy; the block manager holds them (a reference each) until `completed_blocks`
+    hands them back, after the copy completed, and only then can they be reused. Restore: the
+    scheduler asks `loading(seq)` before admitting a request; if a slow tier holds part of its
+    prefix, a fetch thread brings it into host rows while the engine keeps stepping other
+    requests, and the request waits. Once the rows are in host memory, `BlockManager.allocate`
+    calls `restore`, which takes device blocks only then and copies the rows in.
 
-    def __init__(self, engine, store_kwargs: dict, model_id: str | None = None):
+    kv_layout: "cross_layer" (default; one copy per block, see `use_cross_layer_blocks`) or
+    "layer_major" (the runner's own pool; 2 x layers copies per block)."""
+
+    def __init__(self, engine, store_kwargs: dict, model_id: str | None = None, kv_layout: str = CROSS_LAYER):
+        if kv_layout not in KV_LAYOUTS:
+            raise UserError(f"kv_layout={kv_layout!r} unknown; choose one of {', '.join(KV_LAYOUTS)}")
         self.engine, self.runner, self.bm = engine, engine.runner, engine.block_manager
+        if kv_layout == CROSS_LAYER and runner_kv_layout(self.runner) != CROSS_LAYER:
+            if engine.finished or engine.has_unfinished():
+                raise UserError("the cross-layer KV layout is set before the engine serves any request")
+            use_cross_layer_blocks(self.runner)
         self.layout = engine_layout(self.runner)
         self.ns = namespace(model_id or model_fingerprint(engine.model), self.runner.block_size, self.runner.dtype,
                             self.layout)
@@ -900,8 +1288,18 @@ class EngineKVTiers:
         self.store = TieredKVStore(self.layout, self.ns, pin=pin, **store_kwargs)
         self.stats = EngineTierStats()
         self._device_hash: dict[str, int | None] = {}
+        self._released: queue.SimpleQueue = queue.SimpleQueue()   # blocks whose copy completed
+        self._held = 0                                             # blocks handed to the copier, not yet back
+        self._lock = threading.Lock()
+        self._progress = threading.Condition()
+        self.copier = CopyStream(self.runner.device, "kv-offload-copy")
+        self._fetches: dict[int, _Fetch] = {}                      # seq_id -> its fetch
+        self._fetch_jobs: queue.Queue = queue.Queue()
+        self._fetcher = threading.Thread(target=self._fetch_loop, name="kv-tier-fetch", daemon=True)
+        self._fetcher.start()
         self.bm.tiers = self
 
+    # -- what the block manager and the scheduler ask ---------------------------------
     def mirrored_share(self) -> float:
         """Share of the host tier's blocks that the device prefix cache also holds right now: a host
         tier that only mirrors the device can never serve a hit (the device is asked first)."""
@@ -912,71 +1310,231 @@ class EngineKVTiers:
         h2b = self.bm.hash_to_block
         return sum(1 for k in keys if self._device_hash.get(k) is not None and self._device_hash[k] in h2b) / len(keys)
 
-    def _block_views(self, block: int):
-        bs = self.runner.block_size
-        sl = slice(block * bs, (block + 1) * bs)
-        return self.runner.k_cache[:, sl], self.runner.v_cache[:, sl]
+    def completed_blocks(self) -> list[int]:
+        """Device blocks whose device->host copy has completed since the last call (engine thread;
+        never waits)."""
+        out = []
+        while True:
+            try:
+                out.append(self._released.get_nowait())
+            except queue.Empty:
+                break
+        with self._lock:
+            self._held -= len(out)
+        return out
 
-    def copy_rows_from_device(self, pairs: list[tuple[int, torch.Tensor]]) -> None:
-        copy_blocks_to_rows(self.runner.k_cache, self.runner.v_cache, self.runner.block_size, self.layout, pairs)
+    def busy(self) -> bool:
+        """A copy or a fetch is in flight: the engine may have nothing to run until it completes."""
+        with self._lock:
+            held = self._held
+        return held > 0 or any(not f.done.is_set() for f in self._fetches.values())
 
-    def offload(self, seq) -> None:
-        """Called by `BlockManager.free` before the blocks go back: copy the full prompt blocks not
-        yet in the host tier, wait for that copy, publish. The caller frees the blocks right after."""
+    def wait_for_progress(self, timeout_s: float = 0.05) -> None:
+        """Sleep until a copy or fetch completes (or `timeout_s`): for an engine with nothing to run."""
+        with self._progress:
+            self._progress.wait(timeout=timeout_s)
+
+    def _notify(self) -> None:
+        with self._progress:
+            self._progress.notify_all()
+
+    # -- offload -----------------------------------------------------------------------
+    def offload(self, seq) -> list[int]:
+        """Called by `BlockManager.free` while the request still owns its blocks: count a use of
+        each full prompt block, launch the device->host copy of those not yet in the host tier,
+        and return the device blocks under copy (the block manager holds them until
+        `completed_blocks` returns them)."""
         t0 = time.perf_counter()
         bs = self.runner.block_size
         n = min(seq.num_computed_tokens, seq.num_prompt_tokens) // bs
         keys = prefix_keys(seq.prompt[:n * bs], bs, self.ns)
+        want = []
         for i, key in enumerate(keys):   # which device-cache entry holds the same block (for `mirror_share`)
             self._device_hash[key] = self.bm.block_hash[seq.block_table[i]]
-        want = [(key, seq.block_table[i]) for i, key in enumerate(keys) if not self.store.host.touch(key)]
-        done = 0
-        while want:
-            # as many rows as the host can give now; a host tier smaller than the request takes it in rounds
-            todo = []
-            while want:
-                slot = self.store.reserve(want[0][0], count=False)
-                if slot is None:
-                    break
-                key, block = want.pop(0)
-                todo.append((key, slot, block))
-            if not todo:
-                self.store.host.stats.skipped += len(want)   # host full of rows still being written
-                break
-            self.copy_rows_from_device([(b, self.store.host.row(s)) for _, s, b in todo])
-            self.store.commit([(k, s) for k, s, _ in todo])
-            done += len(todo)
+            self.store.note_use(key)
+            if self.store.host.touch(key):
+                self.store.admit_if_reused(key)      # reused often enough now: write it below, from host
+            else:
+                want.append((key, seq.block_table[i]))
         self.stats.offloads += 1
-        self.stats.offloaded_blocks += done
-        self.stats.free_s.append(time.perf_counter() - t0)
+        if not want:
+            self.stats.offload_call_s.append(time.perf_counter() - t0)
+            return []
+        blocks = [b for _, b in want]
+        with self._lock:
+            self._held += len(blocks)
+        if not self._offload_round({"want": want, "t0": t0, "done": 0}, first=True):
+            with self._lock:            # nothing launched: the caller frees these blocks at once
+                self._held -= len(blocks)
+            blocks = []
+        self.stats.offload_call_s.append(time.perf_counter() - t0)
+        return blocks
 
-    def restore(self, seq, start_block: int, take_block) -> list[int]:
-        """Blocks `start_block..` of `seq`'s prompt from the tiers: fetch into host first, then take
-        device blocks (`take_block()`) and copy in. Returns the device blocks filled, in order."""
+    def _offload_round(self, state: dict, first: bool) -> bool:
+        """Reserve host rows for as many wanted blocks as the host can give now and launch their
+        copy; blocks that get no row are skipped (counted) and handed back. A host tier smaller
+        than the request takes it in rounds: each round starts when the one before completed."""
+        want = state["want"]
+        todo = []
+        while want:
+            slot = self.store.reserve(want[0][0], count=False)
+            if slot is None:
+                break
+            key, block = want.pop(0)
+            todo.append((key, slot, block))
+        if not todo:
+            if want:
+                self.store.host.stats.skipped += len(want)   # host full of rows still being written or read
+                if not first:                                # (the first round's blocks were never held)
+                    for _, block in want:
+                        self._released.put(block)
+                want.clear()
+            self.stats.free_s.append(time.perf_counter() - state["t0"])
+            self.stats.offloaded_blocks += state["done"]
+            self._notify()
+            return False
+        pairs = [(b, self.store.host.row(s)) for _, s, b in todo]
+
+        def copy():
+            copy_blocks_to_rows(self.runner, self.layout, pairs)
+
+        def done(job: CopyJob):
+            if job.error is not None:
+                self.stats.copy_failures += 1
+                for key, slot, _ in todo:
+                    self.store.host.abandon(key, slot)
+            else:
+                self.store.commit([(k, s) for k, s, _ in todo])   # visible only now: the copy completed
+                state["done"] += len(todo)
+            for _, _, block in todo:
+                self._released.put(block)
+            self._offload_round(state, first=False)
+
+        if first:
+            self.copier.submit(copy, done)
+        else:
+            self.copier.submit_from_worker(copy, done)
+        return True
+
+    # -- restore -----------------------------------------------------------------------
+    def _device_prefix_blocks(self, seq) -> int:
+        """Prompt blocks the device prefix cache holds for `seq` now (the block manager's own lookup)."""
+        bm, bs = self.bm, self.runner.block_size
+        if not bm.enable_prefix_caching:
+            return 0
+        prev, n = None, 0
+        for i in range((seq.num_prompt_tokens - 1) // bs):
+            prev = bm._chain_hash(prev, seq.prompt[i * bs:(i + 1) * bs])
+            if prev not in bm.hash_to_block:
+                break
+            n += 1
+        return n
+
+    def _restorable_keys(self, seq, start_block: int) -> list[str]:
         bs = self.runner.block_size
         limit = (seq.num_prompt_tokens - 1) // bs      # never the block holding the last prompt token
-        self.stats.prompt_blocks += limit
-        self.stats.device_hit_blocks += start_block
-        self.stats.mirror_share.append(self.mirrored_share())
         if start_block >= limit:
             return []
-        keys = prefix_keys(seq.prompt[:limit * bs], bs, self.ns)[start_block:]
+        return prefix_keys(seq.prompt[:limit * bs], bs, self.ns)[start_block:]
+
+    def _needs_slow_tier(self, keys: list[str]) -> bool:
+        """Does the prefix continue, past what the host tier holds, in a slower tier? Checked on the
+        engine thread without I/O waits: host membership (a dict), the file tier's (a stat), the
+        peer's from the keys this client stored there (`PeerTier.maybe_contains`, no round trip).
+        The fetch thread then asks the tiers themselves."""
+        for key in keys:
+            if self.store.host.contains(key):
+                continue
+            for t in self.store.lower:
+                if getattr(t, "disabled", False):
+                    continue
+                if (t.maybe_contains(key) if hasattr(t, "maybe_contains") else t.contains(key)):
+                    return True
+            return False
+        return False
+
+    def loading(self, seq) -> bool:
+        """Scheduler, before admitting `seq`: True while part of its prefix is still on its way from a
+        slow tier into host rows (it waits; others run). Starts that fetch on first sight."""
+        f = self._fetches.get(seq.seq_id)
+        if f is not None:
+            return not f.done.is_set()
+        start = self._device_prefix_blocks(seq)
+        keys = self._restorable_keys(seq, start)
+        if not keys or not self._needs_slow_tier(keys):
+            return False
+        f = _Fetch(keys=keys, start_block=start, t_start=time.perf_counter())
+        self._fetches[seq.seq_id] = f
+        self.stats.fetches_started += 1
+        self._fetch_jobs.put(f)
+        return True
+
+    def note_step(self) -> None:
+        if any(not f.done.is_set() for f in self._fetches.values()):
+            self.stats.steps_with_fetch_in_flight += 1
+
+    def _fetch_loop(self) -> None:
+        while True:
+            f = self._fetch_jobs.get()
+            if f is None:
+                return
+            try:
+                f.got = self.store.fetch(f.keys)
+            except BaseException as e:      # a tier must never take the engine down: a miss
+                f.got = Fetched(self.store, [], [], [])
+                self.store.host.stats.last_error = f"fetch: {type(e).__name__}: {e}"
+            f.t_ready = time.perf_counter()
+            f.done.set()
+            self._notify()
+
+    def restore(self, seq, start_block: int, take_block) -> list[int]:
+        """Blocks `start_block..` of `seq`'s prompt from the tiers: rows already in host memory (a
+        completed fetch, or host-tier hits fetched now), then device blocks (`take_block()`) taken
+        and filled. Returns the device blocks filled, in order."""
+        bs = self.runner.block_size
+        limit = (seq.num_prompt_tokens - 1) // bs
+        self.stats.prompt_blocks += max(limit, 0)
+        self.stats.device_hit_blocks += start_block
+        self.stats.mirror_share.append(self.mirrored_share())
+        f = self._fetches.pop(getattr(seq, "seq_id", None), None)
         t0 = time.perf_counter()
-        got = self.store.fetch(keys)
-        t1 = time.perf_counter()
-        try:
-            if not got.rows:
+        if f is not None:
+            if not f.done.wait(timeout=60):      # not reached: the scheduler admits only finished fetches
+                raise RuntimeError("restore called while the request's fetch is in flight")
+            got = f.got
+            self.stats.fetch_wait_s.append(f.t_ready - f.t_start)
+            skip = start_block - f.start_block   # the device cache may have gained (or lost) blocks meanwhile
+            if skip < 0:
+                got.release()
                 return []
-            blocks = [take_block() for _ in got.rows]   # allocated only now that the data is ready
-            nb = self.runner.device.type == "cuda"
-            for block, row in zip(blocks, got.rows):
-                v = self.layout.views(row)
-                k_dst, v_dst = self._block_views(block)
-                k_dst.copy_(v["k"], non_blocking=nb)
-                v_dst.copy_(v["v"], non_blocking=nb)
-            synchronize(self.runner.device)
-        finally:
+            got = Fetched(self.store, got.keys[skip:], got.rows[skip:], got.sources[skip:], got._slots[skip:]) \
+                if skip else got
+            if skip:
+                for s in f.got._slots[:skip]:
+                    if s is not None:
+                        self.store.host.unpin(s)
+        else:
+            keys = self._restorable_keys(seq, start_block)
+            if not keys:
+                return []
+            got = self.store.fetch(keys)     # host hits only, unless the scheduler skipped `loading`
+        t1 = time.perf_counter()
+        if not got.rows:
             got.release()
+            return []
+        blocks = [take_block() for _ in got.rows]   # allocated only now that the data is in host memory
+        pairs = list(zip(blocks, got.rows))
+        if self.runner.device.type == "cuda":
+            # on the copy stream; the compute stream waits on its event (no host synchronisation),
+            # and the pinned rows are released once the copy completed
+            job = self.copier.submit(lambda: copy_rows_to_blocks(self.runner, self.layout, pairs),
+                                     lambda job: got.release(), after_compute=True)
+            torch.cuda.current_stream(self.runner.device).wait_event(job.event)
+        else:
+            try:
+                copy_rows_to_blocks(self.runner, self.layout, pairs)
+            finally:
+                got.release()
         self.stats.restores += 1
         for s in got.sources:
             self.stats.restored_blocks[s] += 1
@@ -984,7 +1542,32 @@ class EngineKVTiers:
         self.stats.realloc_s.append(time.perf_counter() - t1)
         return blocks
 
+    def forget(self, seq) -> None:
+        """A request leaves before admission: release its fetched rows."""
+        f = self._fetches.pop(seq.seq_id, None)
+        if f is not None and f.done.wait(timeout=60) and f.got is not None:
+            f.got.release()
+
+    def block_bytes(self, block: int) -> torch.Tensor:
+        """One device block's KV as bytes, in the host row's order (tests and checks)."""
+        return torch.cat([p.contiguous().view(-1).view(torch.uint8).cpu() for p in block_pieces(self.runner, block)])
+
+    def flush(self, timeout_s: float = 60.0) -> bool:
+        """Wait for every copy in flight, hand its blocks back to the block manager, then wait for the
+        slow-tier writes."""
+        ok = self.copier.wait_idle(timeout_s)
+        self.bm.reclaim()
+        return self.store.flush(timeout_s) and ok
+
     def close(self) -> None:
+        self.flush(30.0)
+        self.copier.close()
+        self._fetch_jobs.put(None)
+        self._fetcher.join(timeout=10)
+        for f in list(self._fetches.values()):
+            if f.done.is_set() and f.got is not None:
+                f.got.release()
+        self._fetches.clear()
         self.store.close()
 
 
@@ -997,8 +1580,14 @@ def main(argv: list[str] | None = None) -> None:
     peer.add_argument("--port", type=int, default=0)
     peer.add_argument("--capacity-bytes", type=int, default=1 << 34)
     peer.add_argument("--port-file", default=None)
+    peer.add_argument("--parent-pid", type=int, default=None, help="exit when this process is no longer the parent")
+    peer.add_argument("--max-connections", type=int, default=MAX_PEER_CONNECTIONS)
     a = p.parse_args(argv)
-    serve_peer(a.port, a.capacity_bytes, a.port_file)
+    try:
+        serve_peer(a.port, a.capacity_bytes, a.port_file, parent_pid=a.parent_pid, max_connections=a.max_connections)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

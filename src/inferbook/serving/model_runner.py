@@ -81,8 +81,8 @@ class ModelRunner:
             q = apply_rope(a.wq(h).view(T, H, D).transpose(0, 1)[None], cos, sin)[0]      # [H, T, D]
             k = apply_rope(a.wk(h).view(T, Hkv, D).transpose(0, 1)[None], cos, sin)[0]    # [Hkv, T, D]
             v = a.wv(h).view(T, Hkv, D)
-            self.k_cache[i].index_copy_(0, batch.slots, k.transpose(0, 1))
-            self.v_cache[i].index_copy_(0, batch.slots, v)
+            write_pool(self.k_cache[i], batch.slots, k.transpose(0, 1))
+            write_pool(self.v_cache[i], batch.slots, v)
             out = torch.empty(H, T, D, dtype=x.dtype, device=x.device)
             for start, n, kv_slots, pos in batch.spans:
                 out[:, start:start + n] = paged_attention(q[:, start:start + n], self.k_cache[i], self.v_cache[i],
@@ -97,16 +97,36 @@ class ModelRunner:
         return logits, (torch.cat(features + [hidden], dim=-1) if self.feature_layers else hidden)
 
 
+def write_pool(pool: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
+    """pool[slot] = x for each slot. pool: one layer's [slots, Hkv, D] (flat), or its
+    [blocks, block_size, Hkv, D] strided view of a cross-layer block tensor
+    (`kv_tiers.use_cross_layer_blocks`), where slot = block * block_size + offset."""
+    if pool.dim() == 3:
+        pool.index_copy_(0, slots, x)
+    else:
+        bs = pool.shape[1]
+        pool[slots // bs, slots % bs] = x
+
+
+def read_pool(pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """pool[slots] -> [len(slots), Hkv, D], for either pool form of `write_pool`."""
+    if pool.dim() == 3:
+        return pool[slots]
+    bs = pool.shape[1]
+    return pool[slots // bs, slots % bs]
+
+
 def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, kv_slots: torch.Tensor,
                     q_pos: torch.Tensor) -> torch.Tensor:
     """Causal attention of one request's queries over its pages.
 
-    q [H, n, D]; k_pool/v_pool [slots, Hkv, D]; kv_slots [ctx] (slot of positions 0..ctx-1);
-    q_pos [n] positions of the queries. Key j is visible to query i iff j <= q_pos[i].
+    q [H, n, D]; k_pool/v_pool [slots, Hkv, D] or [blocks, block_size, Hkv, D] (see `write_pool`);
+    kv_slots [ctx] (slot of positions 0..ctx-1); q_pos [n] positions of the queries. Key j is
+    visible to query i iff j <= q_pos[i].
     """
     H, n, D = q.shape
-    keys = k_pool[kv_slots].transpose(0, 1)      # [Hkv, ctx, D]
-    values = v_pool[kv_slots].transpose(0, 1)
+    keys = read_pool(k_pool, kv_slots).transpose(0, 1)      # [Hkv, ctx, D]
+    values = read_pool(v_pool, kv_slots).transpose(0, 1)
     rep = H // keys.shape[0]
     keys, values = keys.repeat_interleave(rep, 0), values.repeat_interleave(rep, 0)
     mask = None

@@ -96,8 +96,13 @@ class Scheduler:
                 out.chunks.append(ScheduledChunk(seq, 1, k, False))
                 left -= decode_cost
 
-        while self.waiting and left > 0 and len(self.running) < cfg.max_num_seqs:
+        # requests whose prefix is still on its way from the KV tiers: they wait (each holding a seat), others go
+        loading = []
+        while self.waiting and left > 0 and len(self.running) + len(loading) < cfg.max_num_seqs:
             seq = self.waiting[0]
+            if self.block_manager.kv_loading(seq):
+                loading.append(self.waiting.popleft())
+                continue
             if not self.block_manager.can_allocate(self.blocks_needed(seq)):
                 break
             remaining = seq.num_prompt_tokens  # before a prefix-cache hit
@@ -110,6 +115,7 @@ class Scheduler:
             n = min(seq.num_prompt_tokens - seq.num_computed_tokens, left)
             out.chunks.append(ScheduledChunk(seq, n, 0, True))
             left -= n
+        self.waiting.extendleft(reversed(loading))
         return out
 
     def finish(self, seq: Sequence) -> None:
