@@ -193,39 +193,44 @@ def test_flash_builder_matches_launcher(recorded):
 
 
 def test_w4a16_and_fused_moe_builders_match_launchers(recorded, monkeypatch):
-    from inferbook.moe import fused_moe as FM, w4a16 as W
+    from inferbook.moe import fused_moe as FM, mxfp4 as MXF, w4a16 as W
 
     monkeypatch.setattr(W, "dot_needs_fp32", lambda d: False)      # what a GPU passes
     monkeypatch.setattr(FM, "dot_needs_fp32", lambda d: False)
     g = torch.Generator().manual_seed(1)
     H, I, E, k, T = 128, 64, 4, 2, 8
     x = torch.randn(T, H, generator=g).bfloat16()
-    for m, layout in ((1, "indexed"), (37, "grouped_masked")):
+    for m, layout in ((1, "indexed"), (37, "grouped_masked"), (100, "grouped_contiguous")):
         recorded.clear()
         q = W.quantize(torch.randn(96, H, generator=g), layout=layout)
-        W.linear(torch.randn(m, H, generator=g).bfloat16(), q, block=W.linear_config(m, False))
+        W.linear(torch.randn(m, H, generator=g).bfloat16(), q, block="gpu")
         (launch,) = W.linear_launches(m, 96, H, layout)
         _same(recorded[0], launch)
-    # each expert gets T*k/E rows, as the builder assumes for the contiguous layout
+    # each expert gets T*k/E rows, as the builder assumes for the masked layout's max_m
     ids = (torch.arange(T * k, dtype=torch.int32) % E).reshape(T, k)
     tw = torch.rand(T, k, generator=g)
     for layout in W.LAYOUTS:
         recorded.clear()
         w13 = W.quantize(torch.randn(E, 2 * I, H, generator=g), layout=layout)
         w2 = W.quantize(torch.randn(E, H, I, generator=g), layout=layout)
-        cfg = FM.moe_config(T * k / E, False)
-        FM.fused_moe(x, w13, w2, tw, ids, block=cfg, max_m=2 * (T * k // E))
+        FM.fused_moe(x, w13, w2, tw, ids, block="gpu", max_m=2 * (T * k // E))
         built = FM.fused_moe_launches(T, k, E, H, I, layout)
         assert len(recorded) == len(built) == 3, layout
-        for call, launch in zip(recorded[:2], built[:2]):
+        for call, launch in zip(recorded, built):
             _same(call, launch)
-        _same(recorded[2], built[2], skip=("EMULATE", "BLOCK_T"))  # combine: the interpreter's own row block
-    recorded.clear()
     act = torch.randn(T * k, I, generator=g).bfloat16()
-    w2 = W.quantize(torch.randn(E, H, I, generator=g), layout="indexed")
-    FM.moe_tail(act, w2, tw, ids, fused=True, block=dict(BLOCK_N=64, BLOCK_K=128, num_warps=4))
-    (launch,) = FM.moe_tail_launches(T, k, E, H, I, "w4a16", fused=True)
-    _same(recorded[0], launch, skip=("EMULATE",))
+    weights = {"w4a16": W.quantize(torch.randn(E, H, I, generator=g), layout="indexed"),
+               "mxfp4": MXF.quantize(torch.randn(E, H, I, generator=g)),
+               "bf16": torch.randn(E, H, I, generator=g).bfloat16()}
+    for fmt, w2 in weights.items():
+        for kernel in FM.TAIL_KERNELS:
+            for fused, inter in ((True, torch.bfloat16), (False, torch.bfloat16), (False, torch.float32)):
+                recorded.clear()
+                FM.moe_tail(act, w2, tw, ids, fused=fused, inter_dtype=inter, block="gpu", kernel=kernel)
+                built = FM.moe_tail_launches(T, k, E, H, I, fmt, fused=fused, inter_dtype=inter, kernel=kernel)
+                assert len(recorded) == len(built), (fmt, kernel, fused)
+                for call, launch in zip(recorded, built):
+                    _same(call, launch)
 
 
 def test_mx_tail_and_diffusion_builders_match_launchers(recorded, monkeypatch):
