@@ -413,6 +413,14 @@ def test_every_gpu_launch_compiles_and_fits():
     assert not fixed, f"these known failures no longer fail; remove them from KNOWN_FAILURES: {sorted(fixed)}"
 
 
+def _first_difference(have: list[dict], want: list[dict]) -> str:
+    for i, (h, w) in enumerate(zip(have, want)):
+        if h != w:
+            fields = [k for k in w if h.get(k) != w[k]]
+            return f"launch {i} ({w['launch']}): " + "; ".join(f"{k} table {h.get(k)!r} vs built {w[k]!r}" for k in fields)
+    return f"{len(have)} rows in the table vs {len(want)} launches built"
+
+
 def test_committed_compile_tables_are_current_and_clean():
     """data/compiled/<slug>.json (what the chapter pages show) holds, for sm_80, sm_90 and sm_100,
     exactly the launches `gpu_launches` builds today (name, kernel and its source, argument
@@ -435,9 +443,7 @@ def test_committed_compile_tables_are_current_and_clean():
             got = sorted((r for r in doc["rows"] if r["target"] == t), key=lambda r: r["index"])
             have = [compiled.row_fingerprint(r) for r in got]
             if have != want:
-                diff = next((f"launch {i}: table {h} vs built {w}" for i, (h, w) in enumerate(zip(have, want)) if h != w),
-                            f"{len(have)} rows vs {len(want)} launches")
-                stale.append(f"{slug} {t}: {diff}"[:400])
+                stale.append(f"{slug} {t}: {_first_difference(have, want)}"[:400])
         rows += [{**r, "slug": slug} for r in doc["rows"]]
     assert not stale, (f"{len(stale)} stale compile table(s) in data/compiled/; regenerate with `{REGENERATE}`:\n"
                        + "\n".join(stale))
