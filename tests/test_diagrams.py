@@ -30,7 +30,7 @@ def test_split_plans_draw_every_chunk():
     assert len(chunks) == 3 + 1 + 2 + 1
 
 
-@pytest.mark.parametrize("fig", [D.kv_data_path(), D.w4a16_packings({"a": [f"k{i}" for i in range(8)]})])
+@pytest.mark.parametrize("fig", [D.kv_data_path(), D.w4a16_packings({"a": [(0, [f"k{i}" for i in range(8)]), (16, [f"k{i + 8}" for i in range(8)])]})])
 def test_fixed_figures_are_valid_and_fit(fig):
     root = _svg(fig)
     assert fig._repr_mimebundle_()["image/svg+xml"].startswith("<svg")

@@ -1,103 +1,156 @@
-"""Fused VAE ops vs eager vs float64: the matrix, the linear interface, fallbacks, gates, bytes model."""
+"""Fused VAE ops vs eager vs float64: the matrix (FlashAttention rule), a broken kernel caught, the linear
+interface, RMSNorm + RoPE, the fp16-accumulation conv, fallbacks, gates, bytes model."""
 
 import pytest
 import torch
 
 import inferbook  # noqa: F401  (turns the Triton interpreter on where there is no GPU)
 from inferbook.diffusion import fused as F_
-from inferbook.chapters.h3_vae_fusion import check_fp16_gate, check_op, relative_check
+from inferbook.chapters.h3_vae_fusion import MATRIX, _cell_id, check_fp16_gate, check_op
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
-MATRIX = [
-    # op, norm, shape [B, C, T, H, W], dtype, non-contiguous, input scale
-    ("norm_silu_pad", "rms", (1, 40, 1, 5, 7), torch.float32, False, 1.0),        # T=1, C % 32 != 0, odd H/W
-    ("norm_silu_pad", "rms", (2, 33, 4, 3, 9), torch.bfloat16, False, 1.0),       # T > kernel, odd C
-    ("norm_silu_pad", "rms", (1, 24, 3, 6, 5), torch.float32, True, 1.0),         # strided input
-    ("norm_silu_pad", "group", (1, 64, 4, 3, 5), torch.float32, False, 1.0),
-    ("norm_silu_pad", "group", (2, 32, 1, 5, 3), torch.bfloat16, False, 1.0),
-    ("norm_silu_pad", "rms", (1, 16, 2, 3, 3), torch.float32, False, 1e4),        # extreme magnitude
-    ("add_norm_silu_pad", "rms", (1, 40, 4, 5, 3), torch.float32, False, 1.0),
-    ("add_norm_silu_pad", "rms", (1, 72, 1, 3, 7), torch.bfloat16, True, 1.0),
-    ("add_norm_silu_pad", "group", (1, 64, 4, 3, 5), torch.float32, False, 1e3),  # large mean: Welford stats
-    ("add_norm_silu_pad", "group", (1, 32, 3, 5, 5), torch.bfloat16, False, 1.0),
-]
 
-
-@pytest.mark.parametrize("op,norm,shape,dtype,noncontig,scale", MATRIX,
-                         ids=[f"{m[0]}-{m[1]}-{'x'.join(map(str, m[2]))}-{str(m[3])[6:]}{'-strided' if m[4] else ''}"
-                              f"-s{m[5]:g}" for m in MATRIX])
-def test_fused_op_matrix(op, norm, shape, dtype, noncontig, scale):
-    res = check_op(op, norm, shape, dtype, seed=hash((op, norm, shape)) % 1000, noncontig=noncontig, scale=scale,
-                   device=DEV)
+@pytest.mark.parametrize("cell", MATRIX, ids=[_cell_id(c) for c in MATRIX])
+def test_norm_silu_pad_matrix(cell):
+    res = check_op(cell, seed=MATRIX.index(cell) + 17, device=DEV)
     assert res["passed"], res
-    assert res["error"] == res["error"]  # not NaN
+    assert res["error"] == res["error"] and res["ndhwc_out"]
 
 
-def test_relative_check_rejects_nan_and_large_error():
-    ref = torch.randn(4, 5, dtype=torch.float64)
-    eager = ref.float()
+def test_eps_break_fails_a_bf16_cell():
+    # the kernel with eps 1e-2 instead of the model's 1e-6: a bf16 cell of the matrix must fail. The
+    # small-input cell (|x| ~ 0.05, where eps is a quarter of the variance) fails by max and by RMS error.
+    cell = [c for c in MATRIX if c[2] == torch.bfloat16 and c[5] == 0.05][0]
+    seed = 5 + MATRIX.index(cell)                                      # as eps_break seeds it
+    small = check_op(cell, seed, DEV, eps_override=1e-2)
+    assert not small["passed"] and small["error"] > small["tolerance"] and small["rms_error"] > small["rms_tolerance"]
+    # the same cell with the right eps passes: the failure is the break, not the cell
+    assert check_op(cell, seed, DEV)["passed"]
+
+
+def test_rule_rejects_nan_shift_and_shape():
+    ref = torch.randn(64, 50, dtype=torch.float64)
+    eager = ref.bfloat16()
+    assert F_.fa_rule_check(eager, eager, ref)["passed"]
     bad = eager.clone()
     bad[0, 0] = float("nan")
-    assert not relative_check(bad, eager, ref)["passed"]
-    assert not relative_check(eager + 1e-2, eager, ref)["passed"]
-    assert relative_check(eager, eager, ref)["passed"]
+    assert not F_.fa_rule_check(bad, eager, ref)["passed"]
+    shifted = (ref * 1.004).bfloat16()  # half a bf16 ulp, systematic: hidden in max error, not in RMS
+    chk = F_.fa_rule_check(shifted, eager, ref)
+    assert not chk["passed"] and chk["rms_error"] > chk["rms_tolerance"]
+    assert not F_.fa_rule_check(eager[:-1], eager, ref)["passed"]
 
 
-def test_padding_is_causal_and_zero():
-    x = torch.randn(1, 8, 3, 4, 5, device=DEV)
-    n = F_.Norm("rms", torch.ones(8, device=DEV), None)
-    out = F_.norm_silu_pad_triton(x, n, (2, 1, 1))
-    assert out.shape == (1, 8, 5, 6, 7)
-    assert out[:, :, :2].abs().max() == 0  # two past frames, no future frame
-    assert out[:, :, :, 0].abs().max() == 0 and out[:, :, :, -1].abs().max() == 0
-    assert out[..., 0].abs().max() == 0 and out[..., -1].abs().max() == 0
+def test_per_frame_statistics_reflect_padding_and_layout():
+    # per-frame: one frame scaled by 100 must not change any other frame's normalized output
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 32, 3, 4, 5, generator=g)
+    n = F_.Norm("group", torch.ones(32), torch.zeros(32))
+    a = F_.norm_silu_pad_triton(x, n, (1, 1, 1, 1, 2))
+    x2 = x.clone()
+    x2[:, :, 2] = 100 * x2[:, :, 2] + 7
+    b = F_.norm_silu_pad_triton(x2, n, (1, 1, 1, 1, 2))
+    assert torch.allclose(a[:, :, :4], b[:, :, :4], atol=1e-5)           # zeros + frames 0, 1 unchanged
+    assert torch.allclose(a[:, :, 4], b[:, :, 4], atol=1e-3)             # frame 2: its own statistics
+    whole_clip = torch.nn.functional.group_norm(x2, 32)                   # the old, clip-wide statistics
+    assert not torch.allclose(b[:, :, 3, 1:-1, 1:-1], torch.nn.functional.silu(whole_clip[:, :, 1]), atol=1e-2)
+    # reflect in space (no edge repeat), zeros only in front, NDHWC out
+    assert a.is_contiguous(memory_format=torch.channels_last_3d)
+    assert a[:, :, :2].abs().max() == 0
+    assert torch.equal(a[:, :, 2:, 0], a[:, :, 2:, 2]) and torch.equal(a[..., 0], a[..., 2])
+    assert torch.equal(a[..., -1], a[..., -3])
+    # Downsample3D's one-sided pad: nothing on the left / top
+    d = F_.norm_silu_pad_triton(x, n, (0, 1, 0, 1, 2))
+    assert d.shape == (1, 32, 5, 5, 6) and torch.equal(d[..., -1], d[..., -3])
 
 
-LINEAR = [  # M rows, K, N, dtype, rmsnorm, swiglu, residual, bias
-    (37, 48, 40, torch.float32, False, False, False, True),
-    (37, 48, 40, torch.float32, True, False, False, False),
-    (5, 33, 17, torch.float32, True, True, True, False),
-    (64, 96, 72, torch.bfloat16, True, True, True, True),
-    (1, 40, 24, torch.bfloat16, False, False, True, False),
+def test_block_configs_are_the_gpu_ones():
+    # the interpreter runs the GPU's constexprs (no interpreter-only shrink)
+    assert F_.norm_pad_config(96, 832, 2) == dict(BLOCK_C=32, EVEN_C=True, VEC=8, BLOCK_P=64)
+    assert F_.norm_pad_config(192, 832, 2) == dict(BLOCK_C=64, EVEN_C=True, VEC=8, BLOCK_P=32)
+    assert F_.norm_pad_config(33, 9, 2)["EVEN_C"] is False
+    cfg = F_.stats_config(1, 17, 96, 480 * 832, 2)
+    assert cfg["grid"][0] * cfg["grid"][1] * cfg["grid"][2] >= 1024 // 2
+    assert cfg["CHUNK"] >= 8 * cfg["BLOCK_P"]  # every program loops over many tiles
+
+
+LINEAR = [  # M rows, K, N, dtype, rmsnorm, swiglu, residual, bias, scaled residual, GPU tiles
+    (37, 48, 40, torch.float32, False, False, False, True, False, False),
+    (37, 48, 40, torch.float32, True, False, False, False, False, False),
+    (5, 33, 17, torch.float32, True, True, True, False, True, False),
+    (64, 96, 72, torch.bfloat16, True, True, True, True, True, False),
+    (1, 40, 24, torch.bfloat16, False, False, True, False, False, False),
+    (70, 64, 80, torch.bfloat16, True, False, True, True, True, True),   # 64x64x32, the GPU's tiles
 ]
 
 
-@pytest.mark.parametrize("M,K,N,dtype,norm,swiglu,res,bias", LINEAR)
-def test_fused_linear(M, K, N, dtype, norm, swiglu, res, bias):
+@pytest.mark.parametrize("M,K,N,dtype,norm,swiglu,res,bias,rscale,gpu", LINEAR)
+def test_fused_linear(M, K, N, dtype, norm, swiglu, res, bias, rscale, gpu):
     g = torch.Generator().manual_seed(M * K + N)
     x64 = torch.randn(M, K, generator=g, dtype=torch.float64)
     w64 = torch.randn(2 * N if swiglu else N, K, generator=g, dtype=torch.float64) / K ** 0.5
     b64 = 0.1 * torch.randn(w64.shape[0], generator=g, dtype=torch.float64) if bias else None
     g64 = 1 + 0.1 * torch.randn(K, generator=g, dtype=torch.float64) if norm else None
     r64 = torch.randn(M, N, generator=g, dtype=torch.float64) if res else None
+    s64 = 0.5 + 0.1 * torch.randn(N, generator=g, dtype=torch.float64) if rscale else None
     cast = lambda t: None if t is None else t.to(DEV, dtype)  # noqa: E731
-    x, w, b, gn, r = map(cast, (x64, w64, b64, g64, r64))
-    x64, w64, b64, g64, r64 = (None if t is None else t.double().cpu() for t in (x, w, b, gn, r))
+    x, w, b, gn, r, sc = map(cast, (x64, w64, b64, g64, r64, s64))
+    x64, w64, b64, g64, r64, s64 = (None if t is None else t.double().cpu() for t in (x, w, b, gn, r, sc))
     kw = dict(swiglu=swiglu)
-    ref = F_.fused_linear_eager(x64, w64, b64, norm_weight=g64, residual=r64, **kw)
-    eager = F_.fused_linear_eager(x, w, b, norm_weight=gn, residual=r, **kw)
-    out = F_.fused_linear_triton(x, w, b, norm_weight=gn, residual=r, **kw)
-    chk = relative_check(out.cpu(), eager.cpu(), ref)
+    ref = F_.fused_linear_eager(x64, w64, b64, norm_weight=g64, residual=r64, residual_scale=s64, **kw)
+    eager = F_.fused_linear_eager(x, w, b, norm_weight=gn, residual=r, residual_scale=sc, **kw)
+    out = F_.fused_linear_triton(x, w, b, norm_weight=gn, residual=r, residual_scale=sc, gpu_config=gpu, **kw)
+    chk = F_.fa_rule_check(out, eager, ref)
     assert out.shape == (M, N) and chk["passed"], chk
 
 
-def test_fused_linear_bf16_dot_path_not_garbage():
-    # the interpreter's bf16 tl.dot pitfall: dot_needs_fp32 must upcast; compare with fp32 math
-    x = torch.randn(16, 32, device=DEV, dtype=torch.bfloat16)
-    w = torch.randn(16, 32, device=DEV, dtype=torch.bfloat16) / 6
-    out = F_.fused_linear_triton(x, w).float()
-    ref = x.float() @ w.float().T
-    assert (out - ref).abs().max() < 0.05 * ref.abs().max()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_rope(dtype):
+    g = torch.Generator().manual_seed(3)
+    B, S, H, D, pairs = 2, 7, 3, 24, 9
+    qkv = torch.randn(B, S, H, 3 * D, generator=g).to(DEV, dtype)
+    q, k, _ = torch.chunk(qkv, 3, dim=-1)           # strided views, as the decoder passes them
+    ang = 3 * torch.randn(S, pairs, generator=g).to(DEV)
+    ref = F_.rms_rope_eager(q.double().cpu(), k.double().cpu(), ang.double().cpu(), 1e-5)
+    eager = F_.rms_rope_eager(q, k, ang, 1e-5)
+    out = F_.rms_rope_triton(q, k, ang, 1e-5)
+    for o, e, r in zip(out, eager, ref):
+        chk = F_.fa_rule_check(o, e, r)
+        assert chk["passed"], chk
+    # the rotation preserves each pair's norm: a check that does not use the reference
+    qn = out[0].float()
+    assert torch.allclose(qn.pow(2).mean(-1), torch.ones(B, S, H, device=DEV), atol=2e-2 if dtype != torch.float32 else 1e-4)
 
 
-def test_fallback_unsupported_dtype_recorded_and_equal():
-    x = torch.randn(1, 8, 2, 3, 3, dtype=torch.float64, device=DEV)
-    n = F_.Norm("rms", torch.ones(8, dtype=torch.float64, device=DEV), None)
+@pytest.mark.parametrize("stride,res,Ci,Co", [(1, True, 16, 24), ((1, 2, 2), False, 32, 16), (1, True, 40, 40)])
+def test_implicit_gemm_conv(stride, res, Ci, Co):
+    g = torch.Generator().manual_seed(Ci + Co)
+    x = torch.randn(1, Ci, 4, 7, 9, generator=g).half().to(DEV)
+    w = (torch.randn(Co, Ci, 3, 3, 3, generator=g) / (27 * Ci) ** 0.5).half().to(DEV)
+    b = (0.1 * torch.randn(Co, generator=g)).half().to(DEV)
+    ref_shape = torch.nn.functional.conv3d(x.float().cpu(), w.float().cpu(), stride=stride).shape
+    r = torch.randn(ref_shape, generator=g).half().to(DEV) if res else None
+    ref = torch.nn.functional.conv3d(x.double().cpu(), w.double().cpu(), b.double().cpu(), stride)
+    if res:
+        ref = ref + r.double().cpu()
+    eager = F_.conv3d_eager(x, w, b, stride, r)
+    fp32acc = F_.conv3d_triton(x, w, b, stride, r, fp16_accumulation=False)
+    chk = F_.fa_rule_check(fp32acc, eager, ref)
+    assert chk["passed"] and fp32acc.is_contiguous(memory_format=torch.channels_last_3d), chk
+    fp16acc = F_.conv3d_triton(x, w, b, stride, r, fp16_accumulation=True)
+    e16 = float((fp16acc.double().cpu() - ref).abs().max())
+    assert torch.isfinite(fp16acc).all() and e16 > chk["error"]  # fp16 sums cost accuracy ...
+    assert e16 < 0.05 * float(ref.abs().max())                    # ... but stay an approximation of the conv
+
+
+def test_fallbacks_are_recorded():
+    x = torch.randn(1, 32, 2, 3, 3, dtype=torch.float64, device=DEV)
+    n = F_.Norm("group", torch.ones(32, dtype=torch.float64, device=DEV), None)
     ops = F_.Ops("fused")
-    out = ops.norm_silu_pad(x, n, (2, 1, 1))
-    assert torch.equal(out, F_.norm_silu_pad_eager(x, n, (2, 1, 1)))
-    e = ops.log.ops["norm_silu_pad[rms]"]
+    out = ops.norm_silu_pad(x, n, (1, 1, 1, 1, 2))
+    assert torch.equal(out, F_.norm_silu_pad_eager(x, n, (1, 1, 1, 1, 2)))
+    e = ops.log.ops["norm_silu_pad[group]"]
     assert e["backend"] == "eager" and "float64" in e["reason"]
 
 
@@ -105,17 +158,20 @@ def test_fallback_when_interpreter_off(monkeypatch):
     if torch.cuda.is_available():
         pytest.skip("on a GPU machine the CPU-tensor case is covered by device='cpu' runs")
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    x, r = torch.randn(1, 8, 2, 3, 3), torch.randn(1, 8, 2, 3, 3)
-    n = F_.Norm("rms", torch.ones(8), None)
-    ops = F_.Ops("fused")
-    y, p = ops.add_norm_silu_pad(x, r, n, (2, 1, 1))
-    y0, p0 = F_.add_norm_silu_pad_eager(x, r, n, (2, 1, 1))
-    assert torch.equal(y, y0) and torch.equal(p, p0)
-    assert ops.log.backend("add_norm_silu_pad[rms]") == "eager"
-    assert "TRITON_INTERPRET" in ops.log.ops["add_norm_silu_pad[rms]"]["reason"]
+    x = torch.randn(1, 32, 2, 3, 3)
+    n = F_.Norm("group", torch.ones(32), None)
+    ops = F_.Ops("fused", fp16_accumulation=True)
+    p = ops.norm_silu_pad(x, n, (1, 1, 1, 1, 2))
+    assert torch.equal(p, F_.norm_silu_pad_eager(x, n, (1, 1, 1, 1, 2)))
+    assert ops.log.backend("norm_silu_pad[group]") == "eager"
+    assert "TRITON_INTERPRET" in ops.log.ops["norm_silu_pad[group]"]["reason"]
+    xh, wh = torch.randn(1, 8, 3, 3, 3).half(), torch.randn(8, 8, 3, 3, 3).half()
+    y = ops.conv3d(xh, wh)
+    assert torch.equal(y, torch.nn.functional.conv3d(xh, wh))
+    assert ops.log.backend("conv3d").startswith("F.conv3d") and "unavailable" in ops.log.ops["conv3d"]["reason"]
     rec = inferbook.RunRecord(chapter="h3-vae-fusion", name="t")
     ops.log.to_record(rec)
-    assert rec.backends["add_norm_silu_pad[rms]"]["backend"] == "eager"
+    assert rec.backends["norm_silu_pad[group]"]["backend"] == "eager"
 
 
 def test_fp16_gate():
@@ -123,41 +179,44 @@ def test_fp16_gate():
     for d in ("float16", "bfloat16"):
         assert res[d]["default_bitwise_equal_conv3d"]
     f16 = res["float16"]
-    assert f16["gated_backend"] == "fp16-accumulation conv" and f16["gated_differs_from_default"]
-    assert f16["gated_error"] <= f16["gated_bound"]
+    assert f16["gated_backend"] == "triton fp16-accumulation conv" and f16["gated_differs_from_default"]
+    assert f16["gated_rel_l2_vs_fp32"] > f16["default_rel_l2_vs_fp32"]
     assert res["bfloat16"]["gated_backend"].startswith("F.conv3d") and "bfloat16" in res["bfloat16"]["gated_reason"]
 
 
-def test_default_conv_ignores_nothing_silently():
+def test_residual_in_conv_epilogue():
     ops = F_.Ops("eager")
-    x = torch.randn(1, 4, 3, 4, 4, dtype=torch.float16)
-    w = torch.randn(2, 4, 3, 3, 3, dtype=torch.float16)
-    ops.conv3d(x, w)
+    x = torch.randn(1, 4, 3, 4, 4)
+    w = torch.randn(2, 4, 1, 1, 1)
+    r = torch.randn(1, 2, 3, 4, 4)
+    assert torch.equal(ops.conv3d(x, w, residual=r), torch.nn.functional.conv3d(x, w) + r)
     assert ops.log.ops["conv3d"]["reason"].startswith("default")
 
 
 def test_bytes_models():
-    shape = (1, 16, 3, 6, 8)
-    x, r = torch.randn(shape), torch.randn(shape)
-    n = F_.Norm("rms", torch.ones(16), torch.zeros(16))
-    total, per_op = F_.eager_bytes_moved(F_.add_norm_silu_pad_eager, x, r, n, (2, 1, 1))
-    n_el = x.numel()
-    n_pad = 16 * 5 * 8 * 10
-    fused = F_.fused_bytes_moved(shape, 4, (2, 1, 1), norm="rms", residual=True)
-    assert fused == 4 * (2 * n_el + n_el + n_pad)
-    assert dict(per_op)["constant_pad_nd.default"] == 4 * (n_el + n_pad)
-    assert total > 2 * fused
-    assert F_.fused_bytes_moved(shape, 4, (2, 1, 1), norm="group", residual=False) == 4 * (2 * n_el + n_pad)
+    shape = (1, 32, 3, 6, 8)
+    x = torch.randn(shape).contiguous(memory_format=torch.channels_last_3d)
+    n = F_.Norm("group", torch.ones(32), torch.zeros(32))
+    pad = (1, 1, 1, 1, 2)
+    total, per_op = F_.eager_bytes_moved(F_.norm_silu_pad_eager, x, n, pad)
+    n_el, n_pad = x.numel(), 32 * 5 * 8 * 10
+    assert F_.fused_bytes_moved(shape, 4, pad, norm="group") == 4 * (2 * n_el + n_pad)
+    assert F_.fused_bytes_moved(shape, 4, pad, norm="rms") == 4 * (n_el + n_pad)
+    assert total > 2 * F_.fused_bytes_moved(shape, 4, pad, norm="group")
 
 
 @pytest.mark.parametrize("bad", [dict(backend="triton"), dict(backend="eager", fp16_accumulation="yes")])
 def test_ops_bad_input(bad):
-    with pytest.raises(ValueError, match="backend|fp16_accumulation"):
+    with pytest.raises(inferbook.UserError, match="backend|fp16_accumulation"):
         F_.Ops(**bad)
 
 
-def test_norm_bad_input():
-    with pytest.raises(ValueError, match="norm must be one of"):
+def test_norm_and_pad_bad_input():
+    with pytest.raises(inferbook.UserError, match="norm must be one of"):
         F_.Norm("layer", torch.ones(4), None)
-    with pytest.raises(ValueError, match="divisible by 32"):
+    with pytest.raises(inferbook.UserError, match="divisible by 32"):
         F_.Norm("group", torch.ones(40), None)
+    with pytest.raises(inferbook.UserError, match="pad must be 5"):
+        F_.norm_silu_pad_eager(torch.randn(1, 4, 1, 3, 3), None, (1, 1, 1), silu=False)
+    with pytest.raises(inferbook.UserError, match="smaller than the frame"):
+        F_.norm_silu_pad_triton(torch.randn(1, 4, 1, 1, 3), None, (1, 1, 1, 1, 0), silu=False)

@@ -218,3 +218,14 @@ def test_compressed_tensors_import_checks_shapes():
         W.import_compressed_tensors(t, "p")
     with pytest.raises(ValueError, match="missing"):
         W.import_compressed_tensors({}, "p")
+
+
+def test_packing_map_is_read_back_from_the_pack_functions():
+    from inferbook.chapters.chord_w4a16 import packing_map
+
+    maps = {layout: dict(packing_map(layout)) for layout in W.LAYOUTS}
+    assert maps["indexed"][0] == [f"n0 k{k}" for k in range(8)]      # compressed-tensors: 8 consecutive K
+    assert maps["indexed"][16][0] == "n2 k0"                          # K=64: 8 words a row
+    for layout in ("grouped_contiguous", "grouped_masked"):
+        assert sorted(int(s.split("k")[1]) for s in maps[layout][0]) == [0, 1, 8, 9, 16, 17, 24, 25]
+    assert maps["grouped_contiguous"][16] != maps["grouped_masked"][16]  # N-major vs 16-row panels

@@ -142,18 +142,24 @@ def split_plans(plans: dict[str, list[list[int]]], *, tile: int, title: str = ""
     return Figure(svg, "split-KV plans")
 
 
-def w4a16_packings(layouts: dict[str, list[str]], *, title: str = "") -> Figure:
-    """One 32-bit word per layout: which eight 4-bit weights (named like 'n0 k3') it holds, in nibble
-    order from bit 0. `layouts[name]` lists the eight names as the layout's pack function places them."""
-    svg = Svg(720, 40 + 70 * len(layouts))
-    svg.text(20, 22, title or "What one 32-bit word holds, nibble by nibble (bit 0 on the left)", size=13,
-             weight="bold")
-    for i, (name, nibbles) in enumerate(layouts.items()):
-        y = 40 + 70 * i
-        svg.text(20, y + 26, name, size=12, weight="bold")
-        for j, label in enumerate(nibbles):
-            x = 200 + 62 * j
-            svg.rect(x, y + 8, 58, 30, fill=FILLS[i % len(FILLS)], opacity=0.2, stroke=INK)
-            svg.text(x + 29, y + 28, label, size=11, anchor="middle")
-            svg.text(x + 29, y + 52, f"bits {4 * j}–{4 * j + 3}", size=9, anchor="middle", color=MUTED)
+def w4a16_packings(layouts: dict[str, list[tuple[int, list[str]]]], *, title: str = "") -> Figure:
+    """Some 32-bit words of each layout's buffer: which eight 4-bit weights (labelled like 'n0 k3')
+    each word holds, nibble by nibble from bit 0. `layouts[name]` lists (word index in memory order,
+    eight labels), as the layout's own pack function placed them."""
+    words = max(len(w) for w in layouts.values())
+    row_h = 34
+    block_h = 28 + row_h * words
+    svg = Svg(720, 34 + block_h * len(layouts))
+    svg.text(20, 22, title or "Words of each buffer by memory index (nibble 0 = bits 0–3, on the left)",
+             size=13, weight="bold")
+    for i, (name, ws) in enumerate(layouts.items()):
+        y0 = 34 + block_h * i
+        svg.text(20, y0 + 16, name, size=12, weight="bold")
+        for row, (index, nibbles) in enumerate(ws):
+            y = y0 + 24 + row_h * row
+            svg.text(150, y + 19, f"word {index}", size=10, anchor="end", color=MUTED)
+            for j, label in enumerate(nibbles):
+                x = 160 + 68 * j
+                svg.rect(x, y, 64, 28, fill=FILLS[i % len(FILLS)], opacity=0.2, stroke=INK)
+                svg.text(x + 32, y + 18, label, size=11, anchor="middle")
     return Figure(svg, "W4A16 packings")

@@ -677,3 +677,24 @@ def roofline_work(params: dict) -> list[dict]:
         out.append({"name": f"W4A16 GEMM M={m} N={params['gemm_n']} K={params['gemm_k']}", "bytes": t["bytes"],
                     "flops": t["flops"], "record": "gpu-w4a16-triton", "metric": f"gemm_m{m}"})
     return out
+
+
+def packing_map(layout: str, words=(0, 1, 16, 17), N: int = 32, K: int = 64) -> list[tuple[int, list[str]]]:
+    """Which weights the 32-bit words at `words` (indices in memory order) of `layout`'s buffer hold,
+    as (index, labels 'n{row} k{col}'), derived from the layout's own pack function (not drawn by
+    hand): each position p = n*K + k is packed as three 4-bit digits in three packs, read back per nibble."""
+    p = torch.arange(N * K).reshape(1, N, K)
+    packs = []
+    for shift in (0, 4, 8):   # three hex digits of the position, one pack each
+        digit = ((p >> shift) & 0xF) - W.OFFSET
+        qw, _ = W._pack(digit.to(torch.int8), torch.ones(1, N, K // W.GROUP_SIZE, dtype=torch.bfloat16), layout)
+        packs.append(qw.reshape(-1)[list(words)].to(torch.int64) & 0xFFFFFFFF)
+    out = []
+    for i, w in enumerate(words):
+        labels = []
+        for j in range(8):
+            pos = sum((((packs[d][i] >> (4 * j)) & 0xF) << (4 * d)) for d in range(3))
+            labels.append(f"n{int(pos) // K} k{int(pos) % K}")
+        out.append((w, labels))
+    return out
+

@@ -1,28 +1,45 @@
-"""Chapter `h3-tiled-decode`: tiled VAE decode batched by free memory, and what its seams cost.
+"""Chapter `h3-tiled-decode`: tiled VAE decode as ComfyUI's H3 VAE does it (tiles of a row batched by free
+memory, up to four, blended into a preallocated canvas), what the overlap costs, and what batching costs.
 
 `measure(ctx, **params)` returns RunRecords:
 
 - `full`: the untiled decode (time, peak memory);
-- `tiled[budget=...]`: one per memory budget of the sweep: the batch sizes the chooser picked, time and
-  peak memory (GPU: `torch.cuda.max_memory_allocated`; CPU: peak bytes of live tensors, counted at the
-  dispatcher by `tiled.peak_live_tensor_bytes`), and the per-tile estimate the choice was made from;
+- `tiled[max_batch=k]` for k = 1, 2, 4: time and peak memory with at most k tiles per decoder call (GPU:
+  `torch.cuda.max_memory_allocated`; CPU: peak bytes of live tensors, counted at the dispatcher by
+  `tiled.peak_live_tensor_bytes`), the predicted overlap work ratio, the per-tile estimate;
+- `budget[k tile(s)]`: the chooser under a memory budget that leaves room for k tiles after the weights,
+  the canvas and the blend strip: the batch sizes it picked;
+- `batching`: batch 1 vs batch 4, against the working precision's own error (bf16-aware);
 - `seam[<decoder>, overlap=o]`: tiled vs full decode error, in the overlap bands and elsewhere, for the
   decoder with its global mid attention and for the same decoder without it;
 - `temporal[<norm>, context=c]`: temporal tiles of two latent frames with c frames of causal context,
-  against the full decode, for an RMSNorm (causal) and a GroupNorm (not causal) decoder.
+  against the full decode, for an RMSNorm and a per-frame GroupNorm decoder (both causal).
 """
 from __future__ import annotations
 
 import torch
 
-from ..measure import benchmark
 from ..errors import UserError
+from ..measure import benchmark, compare_timings
 from ..presets import Param
 from ..record import RunRecord
 from ..diffusion.fused import Ops
-from ..diffusion.tiled import decode_tiled, peak_live_tensor_bytes, seam_mask, tiles_for_budget_sweep
+from ..diffusion.tiled import (batching_check, decode_tiled, overlap_work_ratio, peak_live_tensor_bytes, seam_mask,
+                               tiles_for_budget_sweep)
 from ..diffusion.vae import VAEConfig, init_decoder, make_latent
-from .h3_vae_fusion import annotate_load, config_from
+from .h3_vae_fusion import annotate_load, parse_ints
+
+
+def decoder_config_from(params: dict, norm: str) -> VAEConfig:
+    """The conv decoder's config: temporal 2x at all but the last upsampling, at most two (Wan: 4x in time,
+    8x in space)."""
+    ch = parse_ints("channels", params["channels"])
+    if len(ch) < 2:
+        raise UserError(f"channels needs at least two stages, got {params['channels']!r}")
+    ups = len(ch) - 1
+    temporal = tuple((i < min(2, ups - 1)) if ups > 1 else True for i in range(ups))
+    return VAEConfig(z_dim=params["z_dim"], channels=ch, temporal_up=temporal, norm=norm)
+
 
 PARAMETERS = {
     "channels": Param(str, help="decoder stage widths, bottleneck first, comma-separated"),
@@ -41,11 +58,11 @@ PARAMETERS = {
 
 PRESETS = {
     "smoke": dict(channels="32,32,32", z_dim=4, latent_frames=2, latent_h=8, latent_w=10, dtype="float32",
-                  tile=6, overlap=2, overlaps="0,2", reps=1),
+                  tile=6, overlap=2, overlaps="0,4", reps=2),
     "cpu": dict(channels="64,64,32,32", z_dim=16, latent_frames=2, latent_h=16, latent_w=24, dtype="float32",
-                tile=12, overlap=4, overlaps="0,2,4,6", reps=1),
+                tile=12, overlap=4, overlaps="0,6,8", reps=8),
     "gpu": dict(channels="384,384,192,96", z_dim=16, latent_frames=5, latent_h=60, latent_w=104, dtype="bfloat16",
-                tile=32, overlap=8, overlaps="0,4,8,16", reps=3),
+                tile=32, overlap=8, overlaps="0,8,16", reps=10),
 }
 
 
@@ -80,12 +97,16 @@ def seam_errors(decoder, latent, tile: int, overlap: int, full: torch.Tensor) ->
     band = float(err[mask].max()) if mask.any() else 0.0
     rest = float(err[~mask].max()) if (~mask).any() else 0.0
     return {"seam_rel": band / scale, "interior_rel": rest / scale, "max_rel": float(err.max()) / scale,
-            "tiles": info["tiles"], "finite": bool(torch.isfinite(video).all())}
+            "tiles": info["tiles"], "overlaps_h": info["overlaps_h"], "overlaps_w": info["overlaps_w"],
+            "finite": bool(torch.isfinite(video).all())}
+
+
+BATCHES = (1, 2, 4)
 
 
 def check_params(P: dict) -> None:
     """Decoder widths, tile and overlaps, before any work (`setup` calls this)."""
-    config_from(dict(channels=P["channels"], z_dim=P["z_dim"]), P["norm"])
+    decoder_config_from(dict(channels=P["channels"], z_dim=P["z_dim"]), P["norm"])
     tile = P["tile"]
     if not 0 <= P["overlap"] < tile:
         raise UserError(f"overlap must be in [0, tile={tile}), got {P['overlap']}")
@@ -102,27 +123,27 @@ def measure(ctx, *, channels, z_dim, latent_frames, latent_h, latent_w, norm, dt
     for name, v in (("z_dim", z_dim), ("latent_frames", latent_frames), ("latent_h", latent_h),
                     ("latent_w", latent_w), ("tile", tile), ("max_batch", max_batch), ("reps", reps)):
         if v < 1:
-            raise ValueError(f"{name} must be >= 1, got {v}")
+            raise UserError(f"{name} must be >= 1, got {v}")
+    if reps < 2:
+        raise UserError(f"reps must be >= 2 (a comparison needs two samples a side), got {reps}")
     if not 0 <= overlap < tile:
-        raise ValueError(f"overlap must be in [0, tile={tile}), got {overlap}")
-    dt = getattr(torch, dtype)
-    cfg = config_from(dict(channels=channels, z_dim=z_dim), norm)
-    decoder = init_decoder(cfg, ctx.seed, device=ctx.device, dtype=dt)
-    latent = make_latent(cfg, (1, latent_frames, latent_h, latent_w), ctx.seed + 1, device=ctx.device, dtype=dt)
+        raise UserError(f"overlap must be in [0, tile={tile}), got {overlap}")
     try:
         ov_list = tuple(int(v) for v in overlaps.split(",") if v.strip())
     except ValueError:
-        raise ValueError(f"overlaps must be comma-separated integers, got {overlaps!r}") from None
+        raise UserError(f"overlaps must be comma-separated integers, got {overlaps!r}") from None
     if any(o < 0 or o >= tile for o in ov_list):
-        raise ValueError(f"overlaps must each be in [0, tile={tile}), got {overlaps!r}")
-    sweep = tiles_for_budget_sweep(decoder, latent, tile, overlap)
-    budgets = {f"{k} tile(s) fit": sweep[k] for k in range(1, 5) if k in sweep}
-    budgets["no limit"] = None
+        raise UserError(f"overlaps must each be in [0, tile={tile}), got {overlaps!r}")
+    dt = getattr(torch, dtype)
+    cfg = decoder_config_from(dict(channels=channels, z_dim=z_dim), norm)
+    decoder = init_decoder(cfg, ctx.seed, device=ctx.device, dtype=dt)
+    latent = make_latent(cfg, (1, latent_frames, latent_h, latent_w), ctx.seed + 1, device=ctx.device, dtype=dt)
     topo = {"ranks": 1}
+    predicted = overlap_work_ratio(latent_h, latent_w, tile, overlap)
 
     runs = {"full": lambda: decoder(latent, Ops("eager"))}
-    for label, b in budgets.items():
-        runs[label] = (lambda b=b: decode_tiled(decoder, latent, tile, overlap, max_batch=max_batch, memory_budget=b))
+    for k in BATCHES:
+        runs[f"max_batch={k}"] = (lambda k=k: decode_tiled(decoder, latent, tile, overlap, max_batch=k))
     # times first; peak memory after, in separate calls (the CPU's dispatcher hook slows the call down)
     timings, infos = {}, {}
     with torch.no_grad():
@@ -137,25 +158,52 @@ def measure(ctx, *, channels, z_dim, latent_frames, latent_h, latent_w, norm, dt
     full_rec = ctx.new_record("full", variant="untiled", workload=_workload(ctx, cfg, latent), topology=topo)
     full_rec.set_backend("decode", "untiled eager decode", shapes={"latent": list(latent.shape)})
     full_rec.add_timing("time", timings["full"])
-    if peaks["full"][0] is not None:
-        full_rec.add("peak_memory", peaks["full"][0], "B", how=peaks["full"][1])
+    full_rec.add("peak_memory", peaks["full"][0], "B", how=peaks["full"][1])
     records.append(full_rec)
-    for label, budget in budgets.items():
+    for k in BATCHES:
+        label = f"max_batch={k}"
         info = infos[label]
         rec = ctx.new_record(f"tiled[{label}]", variant=label, workload=_workload(
             ctx, cfg, latent, tile=tile, overlap=overlap), topology=topo)
         rec.set_backend("decode", f"tiled eager decode, batches {info['batch_sizes']}", reason=info["batch_reasons"][0],
                         shapes={"tile_latent": info["tile_latent"], "tiles": info["tiles"]})
-        if budget is not None:
-            rec.add("memory_budget", budget, "B")
         rec.add("per_tile_estimate", info["per_tile_estimate_bytes"], "B")
         rec.add("tiles_per_batch", max(info["batch_sizes"]), "tiles", batch_sizes=info["batch_sizes"],
                 reasons=info["batch_reasons"])
-        rec.add("batches", len(info["batch_sizes"]), "launches")
+        rec.add("predicted_work_ratio", predicted, "x", tiles=info["tiles"], tile_latent=info["tile_latent"])
+        rec.add("weight_bytes", info["weight_bytes"], "B")
+        rec.add("canvas_bytes", info["canvas_bytes"], "B")
         rec.add_timing("time", timings[label])
-        if peaks[label][0] is not None:
-            rec.add("peak_memory", peaks[label][0], "B", how=peaks[label][1])
+        rec.add("peak_memory", peaks[label][0], "B", how=peaks[label][1])
         records.append(rec)
+
+    # the chooser under budgets that leave room for k tiles after weights, canvas and strip
+    sweep = tiles_for_budget_sweep(decoder, latent, tile, overlap)
+    for k in range(1, 5):
+        if k not in sweep:
+            continue
+        with torch.no_grad():
+            _, info = decode_tiled(decoder, latent, tile, overlap, max_batch=max_batch, memory_budget=sweep[k])
+        rec = ctx.new_record(f"budget[{k} tile(s)]", variant=f"{k} tile(s) fit", workload=_workload(
+            ctx, cfg, latent, tile=tile, overlap=overlap), topology=topo)
+        rec.add("memory_budget", sweep[k], "B", fixed=sweep["fixed"], per_tile=sweep["per_tile"])
+        rec.add("tiles_per_batch", max(info["batch_sizes"]), "tiles", batch_sizes=info["batch_sizes"],
+                reasons=info["batch_reasons"])
+        rec.add_check(f"chooser picks {k} tile(s) per batch", max(info["batch_sizes"]) == k)
+        records.append(rec)
+
+    # batching changes nothing beyond the working precision's own error: one frame, one tile row of up to
+    # four tiles (the float64 reference decode is the cost)
+    small = latent[:, :, :1, : min(latent_h, tile), : min(latent_w, 4 * tile - 3 * overlap)]
+    with torch.no_grad():
+        bc = batching_check(decoder, small, tile, overlap)
+    rec = ctx.new_record("batching", variant="1 vs 4 tiles per call", workload=_workload(
+        ctx, cfg, small, tile=tile, overlap=overlap), topology=topo)
+    rec.add("batching_difference", bc["difference"], "abs")
+    rec.add("precision_error", bc["precision_error"], "abs")
+    rec.add_check("batch 1 and batch 4 agree within 2x the working precision's error vs float64", bc["passed"],
+                  error=bc["difference"], tolerance=bc["tolerance"])
+    records.append(rec)
 
     # seams: the decoder as built (global mid attention) and the same decoder without attention
     local_cfg = VAEConfig(**{**cfg.__dict__, "attention": False})
@@ -167,7 +215,9 @@ def measure(ctx, *, channels, z_dim, latent_frames, latent_h, latent_w, norm, dt
             e = seam_errors(dec, latent, tile, ov, full)
             rec = ctx.new_record(f"seam[{label}, overlap={ov}]", variant=label,
                                  workload=_workload(ctx, dec.cfg, latent, tile=tile, overlap=ov), topology=topo)
-            rec.add("seam_rel_error", e["seam_rel"], "fraction of max |full|")
+            # split_tiles spreads the spare length over the overlaps: `ov` is only their minimum
+            rec.add("seam_rel_error", e["seam_rel"], "fraction of max |full|", tiles=e["tiles"],
+                    overlaps_h=e["overlaps_h"], overlaps_w=e["overlaps_w"])
             rec.add("interior_rel_error", e["interior_rel"], "fraction of max |full|")
             rec.add_check("tiled output finite", e["finite"])
             records.append(rec)
@@ -175,12 +225,30 @@ def measure(ctx, *, channels, z_dim, latent_frames, latent_h, latent_w, norm, dt
     return annotate_load(records)
 
 
+def work_rows(records) -> tuple[list[dict], dict]:
+    """Measured cost of the tiled decode against the overlap's predicted extra work, and peak memory against
+    the untiled peak, per tiles-per-batch. Each time ratio through compare_timings."""
+    full = next(r for r in records if r.name == "full")
+    rows = []
+    for r in records:
+        if not r.name.startswith("tiled["):
+            continue
+        c = compare_timings(r.get("time"), full.get("time"))
+        rows.append({"tiles_per_batch": r.value("tiles_per_batch"), "predicted_work_ratio": r.value("predicted_work_ratio"),
+                     "time_ratio": c.ratio, "time_ratio_lo": c.lo, "time_ratio_hi": c.hi,
+                     "sentence": c.sentence(f"the tiled decode ({r.variant})", "the untiled one"),
+                     "peak_MiB": r.value("peak_memory") / 2**20, "untiled_peak_MiB": full.value("peak_memory") / 2**20,
+                     "peak_ratio": r.value("peak_memory") / full.value("peak_memory"),
+                     "estimate_per_tile_MiB": r.value("per_tile_estimate") / 2**20})
+    return rows, {"predicted": rows[0]["predicted_work_ratio"] if rows else None}
+
+
 TEMPORAL_LATENT = (1, 5, 4, 6)  # B, T, h, w: small in space, enough frames for three temporal tiles of 2
 
 
 def temporal_records(ctx, cfg: VAEConfig, dt) -> list[RunRecord]:
-    """Temporal tiles of 2 latent frames with 1..T-1 frames of causal context, for an RMSNorm decoder
-    (causal: exact once the context reaches frame 0) and a GroupNorm one (statistics over all frames)."""
+    """Temporal tiles of 2 latent frames with 1..T-1 frames of causal context, for an RMSNorm decoder and a
+    per-frame GroupNorm one: both causal, so both exact (to rounding) once the context reaches frame 0."""
     records = []
     for norm in ("rms", "group"):
         c = VAEConfig(**{**cfg.__dict__, "norm": norm})

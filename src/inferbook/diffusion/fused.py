@@ -1,22 +1,28 @@
-"""Fused operations of the video-VAE decoder: references, Triton kernels and the dispatch between them.
+"""Fused operations of the H3 video VAE: references, Triton kernels and the dispatch between them.
 
-The seed (ComfyUI #16187) moves the normalization, SiLU, padding and residual add around each 3D
-convolution into fused kernels, and gives the attention / feed-forward parts a linear-layer interface
-that takes RMSNorm, SwiGLU and a residual as parameters. This module builds each of those three ways:
+The seed (ComfyUI #16187, read against `comfy/ldm/minimax/vae.py` and comfy-kitchen) moves the
+normalization, SiLU and padding in front of each causal 3D convolution into one kernel
+(`group_norm_silu_pad3d`: per-frame GroupNorm, SiLU, reflect padding in space and zero frames in front,
+NDHWC out), adds the residual in the convolution's epilogue, and gives the ViT decoder's Attention and
+FeedForward a linear-layer interface that takes RMSNorm, SwiGLU and a scaled residual as parameters
+(`linear_input_act`). This module builds each of those ways:
 
 - eager: plain PyTorch, one kernel per operation (`*_eager`), also the correctness reference;
-- Triton: `_norm_silu_pad_kernel` (norm + SiLU + the conv's zero/causal padding, written once into the
-  padded buffer the convolution reads; optionally the residual add before it), `_group_stats_kernel`
-  (GroupNorm statistics, optionally fused with the residual add) and `_fused_linear_kernel`;
-- torch.compile of the eager decoder is chosen one level up, in `vae.py`.
+- Triton: `_frame_stats_kernel` (per-frame GroupNorm statistics) and `_norm_silu_pad_kernel` (norm + SiLU
+  + padding written once into the NDHWC buffer the convolution reads; an interior launch with 16-byte
+  vectors and a border launch for the reflected columns), `_fused_linear_kernel` (RMSNorm prologue,
+  SwiGLU / bias / scaled-residual epilogue) and `_conv3d_implicit_gemm_kernel` (the fp16-accumulation
+  conv behind `--fast fp16_accumulation`, bias and residual in its epilogue);
+- torch.compile of the eager model is chosen one level up, in `vae.py`.
 
 `Ops(backend=...)` is the dispatch: it picks the Triton kernel when it can run (`triton_backend_for`),
 else the eager op, and notes every choice with its reason and the shapes it saw in a `BackendLog`,
 which a RunRecord stores. Two gates from the seed are explicit arguments, never defaults:
 `fp16_accumulation=True` enables the FP16-accumulation convolution, and INT8 attention exists only in
-a decoder returned by `vae.quantize_decoder_int8()`.
+a model returned by `vae.quantize_decoder_int8()`.
 
-Tensor layout everywhere: video activations are [B, C, T, H, W]; linear inputs are [..., K].
+Tensor layout: video activations are [B, C, T, H, W] with channels-last (NDHWC) memory; linear inputs
+are [..., K].
 """
 from __future__ import annotations
 
@@ -27,7 +33,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ..device import dot_needs_fp32, triton_backend_for
+from ..device import bf16_cast_needs_emulation, dot_needs_fp32, triton_backend_for
+from ..errors import UserError
+from ..triton_utils import cast_rtne
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 BACKENDS = ("eager", "fused")
@@ -36,7 +44,7 @@ NORMS = ("rms", "group")
 
 def _check_choice(name: str, value, allowed) -> None:
     if value not in allowed:
-        raise ValueError(f"{name} must be one of {', '.join(repr(a) for a in allowed)}, got {value!r}")
+        raise UserError(f"{name} must be one of {', '.join(repr(a) for a in allowed)}, got {value!r}")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -82,10 +90,27 @@ def triton_usable(x: torch.Tensor) -> tuple[bool, str]:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Eager references. Written the way public video VAEs write them: one PyTorch op per step.
+# Eager references. Written the way ComfyUI writes them (comfy/ldm/minimax/vae.py and comfy-kitchen's
+# eager `group_norm_silu_pad3d`): one PyTorch op per step.
+
+def _pad5(pad) -> tuple[int, int, int, int, int]:
+    """(left, right, top, bottom, front): comfy-kitchen's order. Reflect in space, zeros in front."""
+    if len(pad) != 5 or any((not isinstance(p, int)) or isinstance(p, bool) or p < 0 for p in pad):
+        raise UserError(f"pad must be 5 non-negative ints (left, right, top, bottom, front), got {pad!r}")
+    return tuple(pad)
+
+
+def conv_pad(kernel: tuple[int, int, int], T: int, spatial_pad=None) -> tuple[int, int, int, int, int]:
+    """The padding ComfyUI's CausalConv3d applies for a kernel (kt, kh, kw) and padding (kt//2, kh//2, kw//2):
+    reflect (kw//2, kw//2, kh//2, kh//2) in space (or `spatial_pad`), and 2*(kt//2) = kt-1 zero frames in
+    front, except for a single frame (T == 1), where the conv drops its zero taps instead ('causal_zero')."""
+    kt, kh, kw = kernel
+    sp = tuple(spatial_pad) if spatial_pad is not None else (kw // 2, kw // 2, kh // 2, kh // 2)
+    return (*sp, 0 if T == 1 else 2 * (kt // 2))
+
 
 def rms_norm_channels_eager(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """RMSNorm over the channel dim of [B, C, ...]; statistics in fp32, result in x.dtype."""
+    """RMSNorm over the channel dim of [B, C, ...] (per pixel); statistics in fp32, result in x.dtype."""
     shape = (1, -1) + (1,) * (x.dim() - 2)
     xf = x.float()
     y = xf * torch.rsqrt(xf.pow(2).mean(dim=1, keepdim=True) + eps)
@@ -95,14 +120,19 @@ def rms_norm_channels_eager(x: torch.Tensor, weight: torch.Tensor, bias: torch.T
     return y.to(x.dtype)
 
 
-def group_norm_eager(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float,
-                     groups: int) -> torch.Tensor:
-    return F.group_norm(x, groups, weight.to(x.dtype), None if bias is None else bias.to(x.dtype), eps)
+def frame_group_norm_eager(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float,
+                           groups: int) -> torch.Tensor:
+    """ComfyUI's TemporalIsolatedGroupNorm: GroupNorm whose statistics are one frame's (C/G, H, W), time
+    folded into the batch. x [B, C, T, H, W] -> same shape and dtype."""
+    b, c, t, h, w = x.shape
+    y = x.permute(0, 2, 1, 3, 4).reshape(b * t, c, h, w)
+    y = F.group_norm(y, groups, weight.to(x.dtype), None if bias is None else bias.to(x.dtype), eps)
+    return y.view(b, t, c, h, w).permute(0, 2, 1, 3, 4)
 
 
 @dataclass
 class Norm:
-    """A channel norm: `kind` 'rms' (per pixel, over C) or 'group' (GroupNorm, over C/G x T x H x W)."""
+    """A channel norm: `kind` 'group' (per-frame GroupNorm, as H3's encoder) or 'rms' (per pixel, over C)."""
 
     kind: str
     weight: torch.Tensor
@@ -114,38 +144,50 @@ class Norm:
         _check_choice("norm", self.kind, NORMS)
         C = self.weight.numel()
         if self.kind == "group" and C % self.groups:
-            raise ValueError(f"GroupNorm({self.groups}) needs channels divisible by {self.groups}, got {C}")
+            raise UserError(f"GroupNorm({self.groups}) needs channels divisible by {self.groups}, got {C}")
 
     def eager(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "rms":
             return rms_norm_channels_eager(x, self.weight, self.bias, self.eps)
-        return group_norm_eager(x, self.weight, self.bias, self.eps, self.groups)
+        return frame_group_norm_eager(x, self.weight, self.bias, self.eps, self.groups)
 
 
-def norm_silu_pad_eager(x: torch.Tensor, norm: Norm, pad: tuple[int, int, int], silu: bool = True) -> torch.Tensor:
-    """norm -> SiLU -> zero padding (`pad` = (past frames, rows each side, columns each side)).
+def norm_silu_pad_eager(x: torch.Tensor, norm: Norm | None, pad, silu: bool = True) -> torch.Tensor:
+    """norm -> SiLU -> reflect padding in space, zero frames in front (comfy-kitchen's eager op).
 
-    Causal: time is padded with `pad[0]` frames *before* the first frame and none after."""
-    y = norm.eager(x)
+    x [B, C, T, H, W]; pad (left, right, top, bottom, front); norm None skips the norm (and the SiLU
+    unless `silu`). Returns [B, C, T+front, H+top+bottom, W+left+right] in x.dtype, channels-last (NDHWC)."""
+    left, right, top, bottom, front = _pad5(pad)
+    y = norm.eager(x) if norm is not None else x
     if silu:
         y = F.silu(y)
-    pt, ph, pw = pad
-    return F.pad(y, (pw, pw, ph, ph, pt, 0))
+    if left or right or top or bottom:
+        y = F.pad(y, (left, right, top, bottom, 0, 0), mode="reflect")
+    if front:
+        y = F.pad(y, (0, 0, 0, 0, front, 0))
+    return y.contiguous(memory_format=torch.channels_last_3d)
 
 
-def add_norm_silu_pad_eager(a: torch.Tensor, b: torch.Tensor, norm: Norm, pad, silu: bool = True):
-    """y = a + b; returns (y, norm_silu_pad(y)). Three separate passes in eager."""
-    y = a + b
-    return y, norm_silu_pad_eager(y, norm, pad, silu)
+def conv3d_eager(xp: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride=1,
+                 residual: torch.Tensor | None = None) -> torch.Tensor:
+    """Valid 3D convolution of an already padded input, residual added after it (ComfyUI: `out += residual`).
+    A channels-last input gets a channels-last weight, so cuDNN keeps the output NDHWC."""
+    if xp.is_contiguous(memory_format=torch.channels_last_3d) and xp.shape[1] > 1:
+        weight = weight.contiguous(memory_format=torch.channels_last_3d)
+    out = F.conv3d(xp, weight, bias, stride)
+    if residual is not None:
+        out += residual
+    return out
 
 
 def fused_linear_eager(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                        norm_weight: torch.Tensor | None = None, eps: float = 1e-6, swiglu: bool = False,
-                       residual: torch.Tensor | None = None) -> torch.Tensor:
-    """The seed's linear interface: y = [RMSNorm(x) * g] @ W^T (+ bias) [-> SwiGLU] (+ residual).
+                       residual: torch.Tensor | None = None, residual_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """ComfyUI's `linear_input_act`: y = [RMSNorm(x) * g] @ W^T (+ bias) [-> SwiGLU], then
+    residual + residual_scale * y (an addcmul; scale 1 when not given).
 
     x [..., K]; weight [N, K] ([2N, K] with swiglu: rows :N are the gate, N: the up projection);
-    residual [..., N]. Returns [..., N] in x.dtype."""
+    residual [..., N]; residual_scale [N]. Returns [..., N] in x.dtype."""
     h = x
     if norm_weight is not None:
         xf = x.float()
@@ -155,200 +197,255 @@ def fused_linear_eager(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         gate, up = y.chunk(2, dim=-1)
         y = F.silu(gate) * up
     if residual is not None:
-        y = y + residual
+        y = torch.addcmul(residual, y, residual_scale) if residual_scale is not None else y + residual
     return y
 
 
 # ---------------------------------------------------------------------------------------------------
-# Triton: norm + SiLU + padding in one pass, optionally with the residual add in front.
+# Triton: per-frame GroupNorm statistics, then norm + SiLU + padding in one pass, NDHWC in and out.
+#
+# Layout: x is channels-last [B, T, H, W, C] in memory (strides (sxb, 1, sxt, sxh, sxw) in NCDHW order),
+# so one pixel's channels are contiguous and a tile [BLOCK_P pixels, BLOCK_C channels] is BLOCK_P runs of
+# BLOCK_C contiguous elements: 16-byte vectors whenever C is a multiple of 8 (bf16) / 4 (fp32). The interior
+# launch writes columns LEFT .. LEFT+W-1 of every output row (reflected rows read their source row,
+# front frames write zeros); a second, tiny launch writes the LEFT + RIGHT reflected border columns.
+
+NORM_NONE, NORM_RMS, NORM_GROUP = 0, 1, 2
+
+
+@triton.jit
+def _frame_stats_kernel(x_ptr, part_ptr, C, HW, CHUNK, SPLIT, sxb, sxt, T,
+                        VEC: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, EVEN_C: tl.constexpr):
+    # Program (frame f = b*T + t, split s, channel block cb) reduces pixels [s*CHUNK, (s+1)*CHUNK) of one
+    # frame for BLOCK_C channels: each tile's exact mean and M2, merged into the running ones (Chan et al.),
+    # so there is no E[x^2] - E[x]^2 cancellation. Writes per channel (count, mean, M2) to
+    # part[f, s, 0:3, c]; the host merges splits and a group's channels in float64 (tiny).
+    f = tl.program_id(0)
+    s = tl.program_id(1)
+    cb = tl.program_id(2)
+    b = f // T
+    t = f % T
+    cs = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+    base = b.to(tl.int64) * sxb + t.to(tl.int64) * sxt
+    start = s * CHUNK
+    end = tl.minimum(start + CHUNK, HW)
+    cnt = tl.zeros([BLOCK_C], dtype=tl.float32)
+    mean = tl.zeros([BLOCK_C], dtype=tl.float32)
+    m2 = tl.zeros([BLOCK_C], dtype=tl.float32)
+    for p0 in range(start, end, BLOCK_P):
+        p = p0 + tl.arange(0, BLOCK_P)
+        pm = p < end
+        pix = base + p.to(tl.int64) * C
+        if VEC > 1:
+            pix = tl.multiple_of(pix, VEC)
+        if EVEN_C:
+            m = tl.broadcast_to(pm[:, None], (BLOCK_P, BLOCK_C))
+        else:
+            m = pm[:, None] & (cs < C)[None, :]
+        v = tl.load(x_ptr + pix[:, None] + cs[None, :], mask=m, other=0.0).to(tl.float32)
+        n_t = tl.sum(pm.to(tl.float32), axis=0)
+        t_mean = tl.sum(v, axis=0) / n_t
+        d = tl.where(m, v - t_mean[None, :], 0.0)
+        t_m2 = tl.sum(d * d, axis=0)
+        tot = cnt + n_t
+        delta = t_mean - mean
+        mean += delta * (n_t / tot)
+        m2 += t_m2 + delta * delta * (cnt * n_t / tot)
+        cnt = tot
+    cm = cs < C
+    out = part_ptr + (f.to(tl.int64) * SPLIT + s) * 3 * C + cs
+    tl.store(out, cnt, mask=cm)
+    tl.store(out + C, mean, mask=cm)
+    tl.store(out + 2 * C, m2, mask=cm)
+
 
 @triton.jit
 def _norm_silu_pad_kernel(
-    x_ptr, r_ptr, y_ptr, out_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr,
-    C, T, H, W, To, Ho, Wo, PT, PH, PW, plane_y, plane_o,
-    sxb, sxc, sxt, sxh, sxw,
-    srb, src, srt, srh, srw,
-    eps,
-    NORM_RMS: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, APPLY_SILU: tl.constexpr,
-    BLOCK_C: tl.constexpr, BLOCK_W: tl.constexpr,
+    x_ptr, out_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr,
+    C, T, H, W, To, Ho, Wo, LEFT, TOP, FRONT, NCOLS,
+    sxb, sxt, sxh, sxw, eps,
+    NORM: tl.constexpr, HAS_BIAS: tl.constexpr, APPLY_SILU: tl.constexpr, BORDER: tl.constexpr,
+    VEC: tl.constexpr, EVEN_C: tl.constexpr, EMULATE_BF16: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    # One program = one output row (b, t_out, h_out) x BLOCK_W output columns, all channels.
-    # The output is the conv's *padded* input [B, C, To, Ho, Wo]: every element of it is written
-    # exactly once here (zeros in the border), so no torch.zeros / F.pad pass is needed.
+    # One program = one output row (b, t_out, h_out) x BLOCK_P output pixels x all channels (looped in
+    # BLOCK_C chunks). The output is the conv's padded NDHWC input; every element is written exactly once
+    # by the two launches together (interior, BORDER), so no torch.empty-then-F.pad pass is needed.
     row = tl.program_id(0)
     ho = row % Ho
     t_o = (row // Ho) % To
     b = row // (Ho * To)
-    ti = t_o - PT                      # causal: only past frames are padding
-    hi = ho - PH
-    wo = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
-    wi = wo - PW
-    # row validity broadcast to a vector first: the interpreter mis-types `vector & scalar` masks
-    tiv = ti + tl.zeros([BLOCK_W], dtype=tl.int32)
-    hiv = hi + tl.zeros([BLOCK_W], dtype=tl.int32)
-    col_ok = (wi >= 0) & (wi < W) & (tiv >= 0) & (hiv >= 0) & (hiv < H)
-    w_in = wo < Wo
-    # int64 offsets: a 480p decode's last stage holds > 2**31 elements.
-    b64 = b.to(tl.int64)
-    x_base = b64 * sxb + ti.to(tl.int64) * sxt + hi.to(tl.int64) * sxh + wi.to(tl.int64) * sxw
-    if HAS_RES:
-        r_base = b64 * srb + ti.to(tl.int64) * srt + hi.to(tl.int64) * srh + wi.to(tl.int64) * srw
-        # y = a + b is stored contiguous [B, C, T, H, W]
-        y_base = b64 * C * plane_y + ti.to(tl.int64) * H * W + hi.to(tl.int64) * W + wi
-    o_base = (b64 * C * To + t_o) * Ho * Wo + ho.to(tl.int64) * Wo + wo
-
-    if NORM_RMS:
-        # pass 1 over channel chunks: sum of squares per pixel (channels need not be a multiple of 32)
-        ss = tl.zeros([BLOCK_W], dtype=tl.float32)
+    ti = t_o - FRONT                         # causal: front frames are zeros
+    hi = ho - TOP
+    hi = tl.where(hi < 0, -hi, hi)           # reflect (no edge repeat), as F.pad(mode="reflect")
+    hi = tl.where(hi >= H, 2 * (H - 1) - hi, hi)
+    tic = tl.maximum(ti, 0)
+    p = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
+    if BORDER:
+        pm = p < NCOLS
+        wo = tl.where(p < LEFT, p, W + p)    # p >= LEFT: right border column LEFT + W + (p - LEFT)
+        wi = wo - LEFT
+        wi = tl.where(wi < 0, -wi, wi)
+        wi = tl.where(wi >= W, 2 * (W - 1) - wi, wi)
+    else:
+        pm = p < W
+        wi = p
+        wo = p + LEFT
+    # row validity as a vector (the interpreter mis-types `vector & scalar` masks)
+    live = (ti + tl.zeros([BLOCK_P], dtype=tl.int32)) >= 0
+    lm = pm & live
+    x_pix = b.to(tl.int64) * sxb + tic.to(tl.int64) * sxt + hi.to(tl.int64) * sxh + wi.to(tl.int64) * sxw
+    o_pix = (row.to(tl.int64) * Wo + wo) * C
+    if VEC > 1:
+        x_pix = tl.multiple_of(x_pix, VEC)
+        o_pix = tl.multiple_of(o_pix, VEC)
+    bt = b * T + tic
+    if NORM == 1:
+        # RMS: pass 1 over channel chunks, sum of squares per pixel
+        ss = tl.zeros([BLOCK_P], dtype=tl.float32)
         for c0 in range(0, C, BLOCK_C):
             cs = c0 + tl.arange(0, BLOCK_C)
-            m = (cs < C)[:, None] & col_ok[None, :]
-            v = tl.load(x_ptr + x_base[None, :] + cs.to(tl.int64)[:, None] * sxc, mask=m, other=0.0)
-            if HAS_RES:
-                rv = tl.load(r_ptr + r_base[None, :] + cs.to(tl.int64)[:, None] * src, mask=m, other=0.0)
-                v = (v.to(tl.float32) + rv.to(tl.float32)).to(y_ptr.dtype.element_ty)  # rounded like eager a + b
-            v = v.to(tl.float32)
-            ss += tl.sum(v * v, axis=0)
-        rstd_pix = 1.0 / tl.sqrt(ss / C + eps)
-    # pass 2: normalize, affine, SiLU, write the padded buffer (and y = a + b once)
+            if EVEN_C:
+                m = tl.broadcast_to(lm[:, None], (BLOCK_P, BLOCK_C))
+            else:
+                m = lm[:, None] & (cs < C)[None, :]
+            v = tl.load(x_ptr + x_pix[:, None] + cs[None, :], mask=m, other=0.0).to(tl.float32)
+            ss += tl.sum(v * v, axis=1)
+        rstd_pix = tl.math.rsqrt(ss / C + eps)
     for c0 in range(0, C, BLOCK_C):
         cs = c0 + tl.arange(0, BLOCK_C)
         cm = cs < C
-        m = cm[:, None] & col_ok[None, :]
-        v = tl.load(x_ptr + x_base[None, :] + cs.to(tl.int64)[:, None] * sxc, mask=m, other=0.0)
-        if HAS_RES:
-            rv = tl.load(r_ptr + r_base[None, :] + cs.to(tl.int64)[:, None] * src, mask=m, other=0.0)
-            v = (v.to(tl.float32) + rv.to(tl.float32)).to(y_ptr.dtype.element_ty)
-            tl.store(y_ptr + y_base[None, :] + cs.to(tl.int64)[:, None] * plane_y, v, mask=m)
-        v = v.to(tl.float32)
-        if NORM_RMS:
-            z = v * rstd_pix[None, :]
+        if EVEN_C:
+            m = tl.broadcast_to(lm[:, None], (BLOCK_P, BLOCK_C))
+            ms = tl.broadcast_to(pm[:, None], (BLOCK_P, BLOCK_C))
         else:
-            mu = tl.load(mean_ptr + b * C + cs, mask=cm, other=0.0)
-            rs = tl.load(rstd_ptr + b * C + cs, mask=cm, other=0.0)
-            z = (v - mu[:, None]) * rs[:, None]
-        gw = tl.load(w_ptr + cs, mask=cm, other=0.0).to(tl.float32)
-        z = z * gw[:, None]
-        if HAS_BIAS:
-            gb = tl.load(b_ptr + cs, mask=cm, other=0.0).to(tl.float32)
-            z = z + gb[:, None]
+            m = lm[:, None] & cm[None, :]
+            ms = pm[:, None] & cm[None, :]
+        v = tl.load(x_ptr + x_pix[:, None] + cs[None, :], mask=m, other=0.0).to(tl.float32)
+        if NORM == 1:
+            z = v * rstd_pix[:, None]
+        elif NORM == 2:
+            # statistics expanded per channel [B*T, C] on the host: contiguous, so vector loads too
+            mu = tl.load(mean_ptr + bt * C + cs, mask=cm, other=0.0)
+            rs = tl.load(rstd_ptr + bt * C + cs, mask=cm, other=0.0)
+            z = (v - mu[None, :]) * rs[None, :]
+        else:
+            z = v
+        if NORM != 0:
+            gw = tl.load(w_ptr + cs, mask=cm, other=0.0).to(tl.float32)
+            z = z * gw[None, :]
+            if HAS_BIAS:
+                gb = tl.load(b_ptr + cs, mask=cm, other=0.0).to(tl.float32)
+                z = z + gb[None, :]
         if APPLY_SILU:
-            z = z * tl.sigmoid(z)
+            z = z / (1.0 + tl.exp(-z))  # one rounding fewer than z * sigmoid(z)
         z = tl.where(m, z, 0.0)
-        tl.store(out_ptr + o_base[None, :] + cs.to(tl.int64)[:, None] * plane_o,
-                 z.to(out_ptr.dtype.element_ty), mask=cm[:, None] & w_in[None, :])
+        tl.store(out_ptr + o_pix[:, None] + cs[None, :], cast_rtne(z, out_ptr.dtype.element_ty, EMULATE_BF16),
+                 mask=ms)
 
 
-@triton.jit
-def _group_stats_kernel(x_ptr, r_ptr, y_ptr, part_ptr, N_GROUP, CHUNK, SPLIT,
-                        HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
-    # GroupNorm statistics of contiguous [B, C, T, H, W]: a group is one contiguous run of
-    # N_GROUP = C/G*T*H*W elements. Program (bg, s) reduces elements [s*CHUNK, (s+1)*CHUNK) of group bg
-    # with a per-lane Welford update (no E[x^2]-E[x]^2 cancellation) and writes (count, mean, M2).
-    # With HAS_RES it also writes y = x + r, so the residual add costs no extra pass.
-    bg = tl.program_id(0)
-    s = tl.program_id(1)
-    base = bg.to(tl.int64) * N_GROUP
-    start = s * CHUNK
-    cnt = tl.zeros([BLOCK], dtype=tl.float32)
-    mean = tl.zeros([BLOCK], dtype=tl.float32)
-    m2 = tl.zeros([BLOCK], dtype=tl.float32)
-    for e0 in range(0, CHUNK, BLOCK):
-        e = start + e0 + tl.arange(0, BLOCK)
-        m = e < N_GROUP
-        v = tl.load(x_ptr + base + e, mask=m, other=0.0)
-        if HAS_RES:
-            v = (v.to(tl.float32) + tl.load(r_ptr + base + e, mask=m, other=0.0).to(tl.float32)).to(y_ptr.dtype.element_ty)
-            tl.store(y_ptr + base + e, v, mask=m)
-        v = v.to(tl.float32)
-        mf = m.to(tl.float32)
-        cnt += mf
-        d = v - mean
-        mean += tl.where(m, d / tl.maximum(cnt, 1.0), 0.0)
-        m2 += tl.where(m, d * (v - mean), 0.0)
-    tot = tl.sum(cnt, axis=0)
-    mu = tl.sum(cnt * mean, axis=0) / tl.maximum(tot, 1.0)
-    dm = mean - mu
-    M2 = tl.sum(m2, axis=0) + tl.sum(cnt * dm * dm, axis=0)
-    out = part_ptr + (bg * SPLIT + s) * 3
-    tl.store(out, tot)
-    tl.store(out + 1, mu)
-    tl.store(out + 2, M2)
+def _pow2_factor(n: int) -> int:
+    return n & -n if n > 0 else 1
 
 
-def _group_stats(x: torch.Tensor, r: torch.Tensor | None, groups: int, eps: float):
-    """(y or x, mean[B, C], rstd[B, C]) with the Welford partials merged in float64 (tiny)."""
-    x = x.contiguous()
-    B, C = x.shape[:2]
-    n_group = x.numel() // (B * groups)
-    y = torch.empty_like(x) if r is not None else x
-    BLOCK = 1024
-    target = 512  # enough programs to fill a GPU; splitting costs only the tiny merge below
-    split = max(1, min(triton.cdiv(n_group, BLOCK), target // (B * groups)))
-    chunk = triton.cdiv(triton.cdiv(n_group, split), BLOCK) * BLOCK
-    split = triton.cdiv(n_group, chunk)
-    part = torch.empty(B * groups, split, 3, device=x.device, dtype=torch.float32)
-    _group_stats_kernel[(B * groups, split)](x, r.contiguous() if r is not None else x, y, part, n_group, chunk,
-                                             split, HAS_RES=r is not None, BLOCK=BLOCK)
-    p = part.double()
-    cnt, mu, m2 = p[..., 0], p[..., 1], p[..., 2]
-    tot = cnt.sum(1)
-    mean = (cnt * mu).sum(1) / tot
-    var = (m2.sum(1) + (cnt * (mu - mean[:, None]) ** 2).sum(1)) / tot
-    rstd = torch.rsqrt(var + eps)
-    cpg = C // groups
-    mean_c = mean.view(B, groups).repeat_interleave(cpg, dim=1).float().contiguous()
-    rstd_c = rstd.view(B, groups).repeat_interleave(cpg, dim=1).float().contiguous()
-    return y, mean_c, rstd_c
+def norm_pad_config(C: int, W: int, itemsize: int) -> dict:
+    """Block constexprs of the norm + pad kernels, the same on a GPU and in the interpreter.
+
+    BLOCK_C: the largest power of two dividing C, at most 64 (so no channel lane is masked: EVEN_C), or
+    next_pow2(C) masked when C has no factor 8; BLOCK_P pixels make a 2048-element tile; VEC the elements
+    of a 16-byte vector that C's alignment allows (the compiler's `multiple_of` hint)."""
+    f = _pow2_factor(C)
+    if f >= 8 or f >= C:
+        block_c, even = min(64, f), True
+    else:
+        block_c, even = min(64, triton.next_power_of_2(C)), False
+    vec = min(16 // itemsize, f)
+    block_p = max(1, min(triton.next_power_of_2(max(W, 1)), 2048 // block_c))
+    return dict(BLOCK_C=block_c, EVEN_C=even, VEC=vec, BLOCK_P=block_p)
 
 
-def _block_sizes(C: int, Wo: int) -> tuple[int, int]:
-    block_w = min(128, triton.next_power_of_2(max(Wo, 1)))
-    block_c = max(1, min(triton.next_power_of_2(C), 4096 // block_w, 32))
-    return block_c, block_w
+def stats_config(B: int, T: int, C: int, HW: int, itemsize: int, target_programs: int = 1024) -> dict:
+    """Grid and blocks of the per-frame statistics pass: tiles of 64 pixels x BLOCK_C channels, and enough
+    pixel splits that B*T*splits*channel-blocks programs fill a GPU, each still looping over >= 8 tiles."""
+    cfg = norm_pad_config(C, 1, itemsize)
+    block_c, block_p = cfg["BLOCK_C"], 64
+    n_cb = triton.cdiv(C, block_c)
+    split = max(1, min(triton.cdiv(target_programs, B * T * n_cb), triton.cdiv(HW, 8 * block_p)))
+    chunk = triton.cdiv(triton.cdiv(HW, split), block_p) * block_p
+    split = triton.cdiv(HW, chunk)
+    return dict(BLOCK_P=block_p, BLOCK_C=block_c, EVEN_C=cfg["EVEN_C"], VEC=cfg["VEC"], SPLIT=split, CHUNK=chunk,
+                grid=(B * T, split, n_cb))
 
 
-def norm_silu_pad_triton(x: torch.Tensor, norm: Norm, pad, silu: bool = True, residual: torch.Tensor | None = None):
-    """Fused norm -> SiLU -> padding (with the residual add first when `residual` is given).
-
-    Returns the padded [B, C, T+pt, H+2ph, W+2pw] buffer, or (y, padded) with a residual."""
+def frame_group_stats_triton(x: torch.Tensor, groups: int, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-frame GroupNorm statistics of channels-last x [B, C, T, H, W]: (mean, rstd) float32 [B*T, G]."""
     B, C, T, H, W = x.shape
-    pt, ph, pw = pad
-    To, Ho, Wo = T + pt, H + 2 * ph, W + 2 * pw
-    out = torch.empty(B, C, To, Ho, Wo, device=x.device, dtype=x.dtype)
-    mean = rstd = y = None
-    src, r = x, residual
-    if norm.kind == "group":
-        # statistics pass (fused with the residual add); the apply pass then reads y
-        y_or_x, mean, rstd = _group_stats(x, residual, norm.groups, norm.eps)
-        if residual is not None:
-            y = y_or_x
-            src, r = y, None
-    elif residual is not None:
-        y = torch.empty(B, C, T, H, W, device=x.device, dtype=x.dtype)
-    dummy = out
-    BLOCK_C, BLOCK_W = _block_sizes(C, Wo)
-    grid = (B * To * Ho, triton.cdiv(Wo, BLOCK_W))
-    rr = r if r is not None else src
-    _norm_silu_pad_kernel[grid](
-        src, rr, y if (y is not None and r is not None) else dummy, out,
-        norm.weight, norm.bias if norm.bias is not None else norm.weight,
-        mean if mean is not None else dummy, rstd if rstd is not None else dummy,
-        C, T, H, W, To, Ho, Wo, pt, ph, pw, T * H * W, To * Ho * Wo,
-        *src.stride(), *rr.stride(), norm.eps,
-        NORM_RMS=norm.kind == "rms", HAS_RES=r is not None, HAS_BIAS=norm.bias is not None, APPLY_SILU=silu,
-        BLOCK_C=BLOCK_C, BLOCK_W=BLOCK_W, num_warps=4)
-    return (y, out) if residual is not None else out
+    cfg = stats_config(B, T, C, H * W, x.element_size())
+    part = torch.empty(B * T, cfg["SPLIT"], 3, C, device=x.device, dtype=torch.float32)
+    _frame_stats_kernel[cfg["grid"]](x, part, C, H * W, cfg["CHUNK"], cfg["SPLIT"], x.stride(0), x.stride(2), T,
+                                     VEC=cfg["VEC"], BLOCK_P=cfg["BLOCK_P"], BLOCK_C=cfg["BLOCK_C"],
+                                     EVEN_C=cfg["EVEN_C"], num_warps=4)
+    p = part.double()
+    cnt, mu, m2 = p[:, :, 0], p[:, :, 1], p[:, :, 2]                    # [F, S, C]
+    n_c = cnt.sum(1)                                                   # [F, C]
+    mean_c = (cnt * mu).sum(1) / n_c
+    m2_c = m2.sum(1) + (cnt * (mu - mean_c[:, None]) ** 2).sum(1)
+    cpg = C // groups
+    mean_c, m2_c, n_c = (t.view(B * T, groups, cpg) for t in (mean_c, m2_c, n_c))
+    mean_g = mean_c.mean(-1)
+    m2_g = m2_c.sum(-1) + (n_c * (mean_c - mean_g[..., None]) ** 2).sum(-1)
+    var = m2_g / n_c.sum(-1)
+    return mean_g.float().contiguous(), torch.rsqrt(var + eps).float().contiguous()
+
+
+def norm_silu_pad_triton(x: torch.Tensor, norm: Norm | None, pad, silu: bool = True) -> torch.Tensor:
+    """Fused (per-frame GroupNorm | RMSNorm | none) -> SiLU -> reflect/causal padding, NDHWC out.
+
+    x [B, C, T, H, W] (any layout: a non-channels-last input is made channels-last first, as comfy-kitchen
+    transposes it); pad (left, right, top, bottom, front). Same result as `norm_silu_pad_eager`."""
+    left, right, top, bottom, front = _pad5(pad)
+    B, C, T, H, W = x.shape
+    if max(left, right) >= W or max(top, bottom) >= H:
+        raise UserError(f"reflect padding {pad} needs it smaller than the frame {H}x{W}")
+    if not x.is_contiguous(memory_format=torch.channels_last_3d):
+        x = x.contiguous(memory_format=torch.channels_last_3d)
+    To, Ho, Wo = T + front, H + top + bottom, W + left + right
+    out = torch.empty(B, C, To, Ho, Wo, device=x.device, dtype=x.dtype, memory_format=torch.channels_last_3d)
+    kind = NORM_NONE if norm is None else (NORM_RMS if norm.kind == "rms" else NORM_GROUP)
+    mean = rstd = out
+    eps = 0.0
+    if kind == NORM_GROUP:
+        mean, rstd = frame_group_stats_triton(x, norm.groups, norm.eps)
+        cpg = C // norm.groups
+        mean, rstd = (t.repeat_interleave(cpg, dim=1).contiguous() for t in (mean, rstd))  # [B*T, C]
+    if norm is not None:
+        eps = norm.eps
+    w = norm.weight if norm is not None else out
+    b = norm.bias if (norm is not None and norm.bias is not None) else w
+    sxb, _, sxt, sxh, sxw = x.stride()
+    emulate = bf16_cast_needs_emulation(x.device)
+    common = dict(NORM=kind, HAS_BIAS=norm is not None and norm.bias is not None, APPLY_SILU=silu,
+                  EMULATE_BF16=emulate, num_warps=4)
+    args = (x, out, w, b, mean, rstd, C, T, H, W, To, Ho, Wo, left, top, front, left + right,
+            sxb, sxt, sxh, sxw, eps)
+    cfg = norm_pad_config(C, W, x.element_size())
+    _norm_silu_pad_kernel[(B * To * Ho, triton.cdiv(W, cfg["BLOCK_P"]))](*args, BORDER=False, **cfg, **common)
+    if left + right:
+        bcfg = {**cfg, "BLOCK_P": triton.next_power_of_2(left + right)}
+        # a few columns per row: one warp, so each thread still holds a run of channels
+        _norm_silu_pad_kernel[(B * To * Ho, 1)](*args, BORDER=True, **bcfg, **{**common, "num_warps": 1})
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------
 # Triton: the fused linear interface (RMSNorm prologue, SwiGLU / bias / residual epilogue).
 
 @triton.jit
-def _fused_linear_kernel(x_ptr, w_ptr, bias_ptr, g_ptr, r_ptr, out_ptr, M, N, K,
+def _fused_linear_kernel(x_ptr, w_ptr, bias_ptr, g_ptr, r_ptr, rs_ptr, out_ptr, M, N, K,
                          sxm, sxk, swn, swk, srm, srn, som, son, eps,
                          HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr,
-                         HAS_RES: tl.constexpr, DOT_FP32: tl.constexpr, IEEE: tl.constexpr,
+                         HAS_RES: tl.constexpr, HAS_RSCALE: tl.constexpr, DOT_FP32: tl.constexpr,
+                         IEEE: tl.constexpr, EMULATE_BF16: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -396,17 +493,32 @@ def _fused_linear_kernel(x_ptr, w_ptr, bias_ptr, g_ptr, r_ptr, out_ptr, M, N, K,
             acc_up += tl.load(bias_ptr + N + rn, mask=nm, other=0.0).to(tl.float32)[None, :]
     if SWIGLU:
         # round gate and up like the eager F.linear output would be before silu(gate) * up
-        gate = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
-        up = acc_up.to(out_ptr.dtype.element_ty).to(tl.float32)
+        gate = cast_rtne(acc, out_ptr.dtype.element_ty, EMULATE_BF16).to(tl.float32)
+        up = cast_rtne(acc_up, out_ptr.dtype.element_ty, EMULATE_BF16).to(tl.float32)
         acc = gate * tl.sigmoid(gate) * up
     omask = mm[:, None] & nm[None, :]
     if HAS_RES:
-        acc = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
+        # residual + scale * y (ComfyUI's addcmul): y rounded like the eager F.linear output first
+        acc = cast_rtne(acc, out_ptr.dtype.element_ty, EMULATE_BF16).to(tl.float32)
+        if HAS_RSCALE:
+            acc = acc * tl.load(rs_ptr + rn, mask=nm, other=0.0).to(tl.float32)[None, :]
         acc += tl.load(r_ptr + rm.to(tl.int64)[:, None] * srm + rn[None, :] * srn, mask=omask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + rm.to(tl.int64)[:, None] * som + rn[None, :] * son, acc.to(out_ptr.dtype.element_ty), mask=omask)
+    tl.store(out_ptr + rm.to(tl.int64)[:, None] * som + rn[None, :] * son,
+             cast_rtne(acc, out_ptr.dtype.element_ty, EMULATE_BF16), mask=omask)
 
 
-def fused_linear_triton(x, weight, bias=None, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None):
+LINEAR_GPU_CONFIG = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4)
+LINEAR_INTERPRETER_CONFIG = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, num_warps=4)
+
+
+def linear_config(device, gpu_config: bool = False) -> dict:
+    """Blocks of `_fused_linear_kernel`: the GPU's, or smaller ones in the interpreter (its numpy
+    temporaries) unless `gpu_config` asks for the GPU's exact constexprs there too (the test matrix does)."""
+    return dict(LINEAR_GPU_CONFIG if (torch.device(device).type == "cuda" or gpu_config) else LINEAR_INTERPRETER_CONFIG)
+
+
+def fused_linear_triton(x, weight, bias=None, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None,
+                        residual_scale=None, gpu_config: bool = False):
     """Triton version of `fused_linear_eager` (same arguments, same shapes)."""
     K = x.shape[-1]
     x2 = x.reshape(-1, K)
@@ -414,49 +526,194 @@ def fused_linear_triton(x, weight, bias=None, *, norm_weight=None, eps=1e-6, swi
     N = weight.shape[0] // 2 if swiglu else weight.shape[0]
     out = torch.empty(M, N, device=x.device, dtype=x.dtype)
     r2 = residual.reshape(-1, N) if residual is not None else out
-    BM, BN, BK = 64, 64, 32
-    if x.device.type != "cuda":
-        BM, BN, BK = 32, 32, 32  # smaller tiles keep the interpreter's numpy temporaries small
-    grid = (triton.cdiv(M, BM), triton.cdiv(N, BN))
+    cfg = linear_config(x.device, gpu_config)
+    grid = (triton.cdiv(M, cfg["BLOCK_M"]), triton.cdiv(N, cfg["BLOCK_N"]))
     _fused_linear_kernel[grid](
         x2, weight, bias if bias is not None else weight, norm_weight if norm_weight is not None else weight,
-        r2, out, M, N, K, *x2.stride(), *weight.stride(), *r2.stride(), *out.stride(), eps,
+        r2, residual_scale if residual_scale is not None else weight, out, M, N, K,
+        *x2.stride(), *weight.stride(), *r2.stride(), *out.stride(), eps,
         HAS_NORM=norm_weight is not None, HAS_BIAS=bias is not None, SWIGLU=swiglu, HAS_RES=residual is not None,
+        HAS_RSCALE=residual is not None and residual_scale is not None,
         DOT_FP32=dot_needs_fp32(x.device), IEEE=x.dtype == torch.float32,
-        BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, num_warps=4)
+        EMULATE_BF16=bf16_cast_needs_emulation(x.device), **cfg)
     return out.reshape(*x.shape[:-1], N)
 
 
 # ---------------------------------------------------------------------------------------------------
-# The FP16-accumulation convolution, behind its gate.
+# Per-head RMSNorm + split-half RoPE on q and k (ComfyUI's `rms_rope_split_half`).
 
-def conv3d_fp16_accumulation(xp: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """Valid 3D convolution of an already padded fp16 input, with fp16 partial sums.
+def rms_rope_eager(q: torch.Tensor, k: torch.Tensor, angles: torch.Tensor, eps: float):
+    """Per-head RMSNorm (not affine) then split-half RoPE on the first 2 * pairs dims.
 
-    One matmul per kernel tap; the running sum over taps is kept in fp16 (and, on CUDA builds that
-    have it, cuBLAS is allowed fp16 accumulation inside each matmul too). Faster on GPUs whose fp16
-    accumulate rate is higher; less accurate, which is why the seed puts it behind a flag."""
-    Co, Ci, kt, kh, kw = weight.shape
-    B, C, Tp, Hp, Wp = xp.shape
-    T, H, W = Tp - kt + 1, Hp - kh + 1, Wp - kw + 1
-    mm = torch.backends.cuda.matmul
-    had = getattr(mm, "allow_fp16_accumulation", None)
-    if had is not None and xp.is_cuda:
-        mm.allow_fp16_accumulation = True
-    try:
-        out = None
-        for dt in range(kt):
-            for dh in range(kh):
-                for dw in range(kw):
-                    xs = xp[:, :, dt:dt + T, dh:dh + H, dw:dw + W]
-                    y = torch.einsum("bcthw,oc->bothw", xs, weight[:, :, dt, dh, dw])
-                    out = y if out is None else out + y
-    finally:
-        if had is not None and xp.is_cuda:
-            mm.allow_fp16_accumulation = had
-    if bias is not None:
-        out = out + bias.view(1, -1, 1, 1, 1)
+    q, k [B, S, H, D]; angles [S, pairs] (fp32). Returns new q, k in their dtype."""
+    pairs = angles.shape[-1]
+    c, s = torch.cos(angles)[None, :, None, :], torch.sin(angles)[None, :, None, :]
+
+    def one(t):
+        tf = t.float()
+        tf = tf * torch.rsqrt(tf.pow(2).mean(-1, keepdim=True) + eps)
+        a, b, rest = tf[..., :pairs], tf[..., pairs:2 * pairs], tf[..., 2 * pairs:]
+        return torch.cat([a * c - b * s, a * s + b * c, rest], dim=-1).to(t.dtype)
+
+    return one(q), one(k)
+
+
+@triton.jit
+def _rms_rope_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, ang_ptr, S, H, D, PAIRS, sqb, sqs, sqh, skb, sks, skh, eps,
+                     EMULATE_BF16: tl.constexpr, BLOCK_D: tl.constexpr):
+    # Program (b*S*H + s*H + h, which): one head of one token of q (which=0) or k (which=1). The partner of
+    # dim i < PAIRS is i + PAIRS and vice versa; dims >= 2 PAIRS are only normalized.
+    pid = tl.program_id(0)
+    which = tl.program_id(1)
+    h = pid % H
+    s = (pid // H) % S
+    b = pid // (H * S)
+    d = tl.arange(0, BLOCK_D)
+    dm = d < D
+    if which == 0:
+        src = q_ptr + b.to(tl.int64) * sqb + s.to(tl.int64) * sqs + h * sqh
+        dst = qo_ptr + pid.to(tl.int64) * D
+    else:
+        src = k_ptr + b.to(tl.int64) * skb + s.to(tl.int64) * sks + h * skh
+        dst = ko_ptr + pid.to(tl.int64) * D
+    x = tl.load(src + d, mask=dm, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
+    lo = d < PAIRS
+    rot = d < 2 * PAIRS
+    partner = tl.where(lo, d + PAIRS, d - PAIRS)
+    xp = tl.load(src + partner, mask=dm & rot, other=0.0).to(tl.float32)
+    j = tl.where(lo, d, d - PAIRS)
+    a = tl.load(ang_ptr + s.to(tl.int64) * PAIRS + j, mask=dm & rot, other=0.0)
+    c = tl.cos(a)
+    sn = tl.sin(a)
+    y = tl.where(rot, tl.where(lo, x * c - xp * sn, xp * sn + x * c), x) * rstd
+    tl.store(dst + d, cast_rtne(y, qo_ptr.dtype.element_ty, EMULATE_BF16), mask=dm)
+
+
+def rms_rope_triton(q: torch.Tensor, k: torch.Tensor, angles: torch.Tensor, eps: float):
+    """Triton version of `rms_rope_eager`: one pass over q and k (strided views of the qkv output are fine
+    as long as the head dim is contiguous). Returns contiguous q, k [B, S, H, D]."""
+    B, S, H, D = q.shape
+    if q.stride(-1) != 1 or k.stride(-1) != 1:
+        q, k = q.contiguous(), k.contiguous()
+    qo, ko = torch.empty(B, S, H, D, device=q.device, dtype=q.dtype), torch.empty(B, S, H, D, device=k.device, dtype=k.dtype)
+    ang = angles.float().contiguous()
+    _rms_rope_kernel[(B * S * H, 2)](q, k, qo, ko, ang, S, H, D, ang.shape[-1], q.stride(0), q.stride(1), q.stride(2),
+                                     k.stride(0), k.stride(1), k.stride(2), eps,
+                                     EMULATE_BF16=bf16_cast_needs_emulation(q.device),
+                                     BLOCK_D=triton.next_power_of_2(D), num_warps=1)
+    return qo, ko
+
+
+# ---------------------------------------------------------------------------------------------------
+# The FP16-accumulation convolution, behind its gate: a Triton implicit-GEMM conv (NDHWC in and out, no
+# im2col buffer), products accumulated in fp16 by the tensor cores (`out_dtype=tl.float16`), bias and
+# residual in the epilogue, as comfy-kitchen's `fp16_conv3d`. Without the gate ComfyUI runs cuDNN's conv.
+
+@triton.jit
+def _conv3d_implicit_gemm_kernel(
+    x_ptr, w_ptr, bias_ptr, r_ptr, out_ptr,
+    M, Ci, Co, To, Ho, Wo, sxb, sxt, sxh, sxw, ST, SH, SW, KT: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, ACC_FP16: tl.constexpr, DOT_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # GEMM view: rows m = output pixels (b, t, h, w), columns n = output channels, reduction over
+    # (tap, ci). x is the padded NDHWC input; w is [KT*KH*KW*Ci, Co] (tap-major, Co contiguous);
+    # out and the residual are NDHWC, i.e. [M, Co] row-major.
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mm = rm < M
+    nm = rn < Co
+    wo = rm % Wo
+    ho = (rm // Wo) % Ho
+    to = (rm // (Wo * Ho)) % To
+    b = rm // (Wo * Ho * To)
+    pix0 = b.to(tl.int64) * sxb + (to * ST).to(tl.int64) * sxt + (ho * SH).to(tl.int64) * sxh + (wo * SW).to(tl.int64) * sxw
+    if ACC_FP16:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float16)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for tap in range(0, KT * KH * KW):
+        dt = tap // (KH * KW)
+        dh = (tap // KW) % KH
+        dw = tap % KW
+        pix = pix0 + dt * sxt + dh * sxh + dw * sxw
+        for c0 in range(0, Ci, BLOCK_K):
+            ck = c0 + tl.arange(0, BLOCK_K)
+            km = ck < Ci
+            a = tl.load(x_ptr + pix[:, None] + ck[None, :], mask=mm[:, None] & km[None, :], other=0.0)
+            wt = tl.load(w_ptr + (tap * Ci + ck).to(tl.int64)[:, None] * Co + rn[None, :],
+                         mask=km[:, None] & nm[None, :], other=0.0)
+            if DOT_FP32:  # interpreter: numpy's fp16 matmul is not the tensor core's; emulate below
+                part = tl.dot(a.to(tl.float32), wt.to(tl.float32))
+                if ACC_FP16:
+                    acc = (acc.to(tl.float32) + part.to(tl.float16).to(tl.float32)).to(tl.float16)
+                else:
+                    acc += part
+            elif ACC_FP16:
+                acc = tl.dot(a, wt, acc, out_dtype=tl.float16)
+            else:
+                acc = tl.dot(a, wt, acc)
+    y = acc.to(tl.float32)
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + rn, mask=nm, other=0.0).to(tl.float32)[None, :]
+    omask = mm[:, None] & nm[None, :]
+    off = rm.to(tl.int64)[:, None] * Co + rn[None, :]
+    if HAS_RES:
+        y += tl.load(r_ptr + off, mask=omask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + off, y.to(out_ptr.dtype.element_ty), mask=omask)
+
+
+CONV_GPU_CONFIG = dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=3)
+
+
+def conv_config(Ci: int, Co: int) -> dict:
+    """Blocks of the implicit-GEMM conv (the same in the interpreter: the matrix runs the GPU's tiles)."""
+    cfg = dict(CONV_GPU_CONFIG)
+    cfg["BLOCK_K"] = max(16, min(cfg["BLOCK_K"], triton.next_power_of_2(Ci)))
+    cfg["BLOCK_N"] = max(16, min(cfg["BLOCK_N"], triton.next_power_of_2(Co)))
+    return cfg
+
+
+def conv3d_triton(xp: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride=1,
+                  residual: torch.Tensor | None = None, *, fp16_accumulation: bool = True) -> torch.Tensor:
+    """Valid 3D conv of a padded input as an implicit GEMM; fp16 inputs, fp16 (gate) or fp32 accumulation.
+
+    xp [B, Ci, Tp, Hp, Wp] (made NDHWC), weight [Co, Ci, kt, kh, kw], residual [B, Co, To, Ho, Wo].
+    Returns NDHWC [B, Co, To, Ho, Wo] in xp.dtype."""
+    st = (stride,) * 3 if isinstance(stride, int) else tuple(stride)
+    B, Ci, Tp, Hp, Wp = xp.shape
+    Co, _, kt, kh, kw = weight.shape
+    To, Ho, Wo = (Tp - kt) // st[0] + 1, (Hp - kh) // st[1] + 1, (Wp - kw) // st[2] + 1
+    xp = xp.contiguous(memory_format=torch.channels_last_3d)
+    w2 = weight.permute(2, 3, 4, 1, 0).reshape(kt * kh * kw * Ci, Co).to(xp.dtype).contiguous()
+    out = torch.empty(B, Co, To, Ho, Wo, device=xp.device, dtype=xp.dtype, memory_format=torch.channels_last_3d)
+    r = residual.contiguous(memory_format=torch.channels_last_3d) if residual is not None else out
+    M = B * To * Ho * Wo
+    cfg = conv_config(Ci, Co)
+    grid = (triton.cdiv(M, cfg["BLOCK_M"]), triton.cdiv(Co, cfg["BLOCK_N"]))
+    sxb, _, sxt, sxh, sxw = xp.stride()
+    _conv3d_implicit_gemm_kernel[grid](
+        xp, w2, bias if bias is not None else w2, r, out, M, Ci, Co, To, Ho, Wo, sxb, sxt, sxh, sxw, *st,
+        KT=kt, KH=kh, KW=kw, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
+        ACC_FP16=fp16_accumulation, DOT_FP32=dot_needs_fp32(xp.device), **cfg)
     return out
+
+
+def fp16_conv_usable(xp: torch.Tensor, weight: torch.Tensor) -> tuple[bool, str]:
+    """Where the gated kernel runs: float16 activations on a Triton-capable device, C_in a multiple of 8 (as
+    comfy-kitchen's gate: conv_in / conv_out with 3 channels fall back)."""
+    ok, why = triton_backend_for(xp.device)
+    if not ok:
+        return False, f"fp16 conv kernel unavailable: {why}"
+    if xp.dtype != torch.float16:
+        return False, (f"fp16_accumulation=True but activations are {str(xp.dtype).replace('torch.', '')}: "
+                       "the fp16 path would change their precision, so the default conv runs")
+    if xp.shape[1] % 8 or weight.shape[0] % 8:
+        return False, f"channels {xp.shape[1]}->{weight.shape[0]} are not multiples of 8: the default conv runs"
+    return True, why
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -467,15 +724,15 @@ def _shape(t: torch.Tensor) -> tuple:
 
 
 class Ops:
-    """The decoder's operations with a backend: 'eager' (PyTorch) or 'fused' (Triton where it can run).
+    """The VAE's operations with a backend: 'eager' (PyTorch) or 'fused' (Triton where it can run).
 
     Every call notes (op, backend, reason, shapes) in `self.log`. `fp16_accumulation` is the seed's
-    `--fast fp16_accumulation`: off by default, and honoured only for float16 activations."""
+    `--fast fp16_accumulation`: off by default, honoured only for float16 activations (either backend)."""
 
     def __init__(self, backend: str = "eager", *, fp16_accumulation: bool = False, log: BackendLog | None = None):
         _check_choice("backend", backend, BACKENDS)
         if not isinstance(fp16_accumulation, bool):
-            raise ValueError(f"fp16_accumulation must be True or False, got {fp16_accumulation!r}")
+            raise UserError(f"fp16_accumulation must be True or False, got {fp16_accumulation!r}")
         self.backend = backend
         self.fp16_accumulation = fp16_accumulation
         self.log = log if log is not None else BackendLog()
@@ -486,23 +743,14 @@ class Ops:
         ok, why = triton_usable(x)
         return (True, why) if ok else (False, f"fallback to eager: {why}")
 
-    def norm_silu_pad(self, x, norm: Norm, pad, silu: bool = True):
-        op = f"norm_silu_pad[{norm.kind}]"
+    def norm_silu_pad(self, x, norm: Norm | None, pad, silu: bool = True):
+        op = f"norm_silu_pad[{norm.kind if norm is not None else 'pad'}]"
         ok, why = self._use_triton(x)
         self.log.note(op, "triton fused" if ok else "eager", why, {"x": _shape(x)}, x.dtype)
         return norm_silu_pad_triton(x, norm, pad, silu) if ok else norm_silu_pad_eager(x, norm, pad, silu)
 
-    def add_norm_silu_pad(self, a, b, norm: Norm, pad, silu: bool = True):
-        op = f"add_norm_silu_pad[{norm.kind}]"
-        ok, why = self._use_triton(a)
-        if ok and (b.shape != a.shape or b.dtype != a.dtype):
-            ok, why = False, f"fallback to eager: residual {tuple(b.shape)}/{b.dtype} does not match {tuple(a.shape)}/{a.dtype}"
-        self.log.note(op, "triton fused" if ok else "eager", why, {"x": _shape(a)}, a.dtype)
-        if ok:
-            return norm_silu_pad_triton(a, norm, pad, silu, residual=b)
-        return add_norm_silu_pad_eager(a, b, norm, pad, silu)
-
-    def linear(self, x, weight, bias=None, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None, name="linear"):
+    def linear(self, x, weight, bias=None, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None,
+               residual_scale=None, name="linear"):
         ok, why = self._use_triton(x)
         if ok and weight.dtype != x.dtype:
             ok, why = False, f"fallback to eager: weight dtype {weight.dtype} differs from activations {x.dtype}"
@@ -511,22 +759,63 @@ class Ops:
         self.log.note(f"{name}[{'+'.join(parts) or 'plain'}]", "triton fused linear" if ok else "eager", why,
                       {"x": _shape(x), "w": _shape(weight)}, x.dtype)
         fn = fused_linear_triton if ok else fused_linear_eager
-        return fn(x, weight, bias, norm_weight=norm_weight, eps=eps, swiglu=swiglu, residual=residual)
+        return fn(x, weight, bias, norm_weight=norm_weight, eps=eps, swiglu=swiglu, residual=residual,
+                  residual_scale=residual_scale)
 
-    def conv3d(self, xp, weight, bias=None):
-        """Valid conv of an already padded input. The default path is F.conv3d (cuDNN on a GPU)."""
-        if self.fp16_accumulation and xp.dtype == torch.float16:
-            self.log.note("conv3d", "fp16-accumulation conv", "enabled by fp16_accumulation=True",
-                          {"x": _shape(xp), "w": _shape(weight)}, xp.dtype)
-            return conv3d_fp16_accumulation(xp, weight, bias)
+    def rms_rope(self, q, k, angles, eps):
+        ok, why = self._use_triton(q)
+        self.log.note("rms_rope", "triton fused" if ok else "eager", why, {"q": _shape(q)}, q.dtype)
+        return rms_rope_triton(q, k, angles, eps) if ok else rms_rope_eager(q, k, angles, eps)
+
+    def conv3d(self, xp, weight, bias=None, stride=1, residual=None):
+        """Valid conv of an already padded input, residual added in its epilogue. The default path is
+        F.conv3d (cuDNN on a GPU) then `out += residual`; the gate runs the fp16-accumulation kernel."""
+        shapes = {"x": _shape(xp), "w": _shape(weight)}
         if self.fp16_accumulation:
-            why = (f"fp16_accumulation=True but activations are {str(xp.dtype).replace('torch.', '')}: "
-                   "the fp16 path would change their precision, so the default conv runs")
+            ok, why = fp16_conv_usable(xp, weight)
+            if ok:
+                self.log.note("conv3d", "triton fp16-accumulation conv", "enabled by fp16_accumulation=True; " + why,
+                              shapes, xp.dtype)
+                return conv3d_triton(xp, weight, bias, stride, residual, fp16_accumulation=True)
         else:
             why = "default (fp16_accumulation not enabled)"
         lib = "cuDNN" if xp.is_cuda else "CPU"
-        self.log.note("conv3d", f"F.conv3d ({lib})", why, {"x": _shape(xp), "w": _shape(weight)}, xp.dtype)
-        return F.conv3d(xp, weight, bias)
+        self.log.note("conv3d", f"F.conv3d ({lib})", why, shapes, xp.dtype)
+        return conv3d_eager(xp, weight, bias, stride, residual)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Tolerance: the FlashAttention rule.
+
+FA_FACTOR = 2.0      # our error may be twice PyTorch's own error in the same precision ...
+FA_FLOOR = 0.1       # ... plus a tenth of that error (not a fraction of max |ref|) ...
+FP32_ULPS = 4        # ... plus FlashAttention's `fwd_atol`: fp32 round-off at the reference's magnitude
+
+
+def fa_rule_check(out: torch.Tensor, eager: torch.Tensor, ref64: torch.Tensor, *, factor: float = FA_FACTOR,
+                  floor: float = FA_FLOOR) -> dict:
+    """FlashAttention's rule, on the max error and on the RMS error:
+
+        |out - ref64| <= factor * |eager - ref64| + floor * |eager - ref64| + 4 * 2^-24 * |ref64|
+
+    `eager` is PyTorch in the same precision as `out`. The last term is FlashAttention's test floor
+    (`2 * (ref + 0.3 - 0.3 - ref)`, fp32 round-off at the reference's scale, max or RMS): it lets an fp32
+    kernel round a few more times than a correctly rounded eager op, and is ~65000x smaller than a bf16
+    ulp, so it does not loosen a bf16 cell (the old floor 2 * eps_bf16 * max|ref| made the tolerance
+    about 5x the eager error). The RMS criterion catches a systematic shift (a wrong eps) that the max
+    error can hide under rounding. NaN or inf never passes."""
+    o, e, r = out.detach().double().cpu(), eager.detach().double().cpu(), ref64.detach().double().cpu()
+    if o.shape != r.shape:
+        return {"error": float("inf"), "eager_error": 0.0, "tolerance": 0.0, "rms_error": float("inf"),
+                "rms_eager_error": 0.0, "rms_tolerance": 0.0, "passed": False, "why": f"shape {tuple(o.shape)}"}
+    u = FP32_ULPS * 2.0 ** -24
+    err, err_e = float((o - r).abs().max()), float((e - r).abs().max())
+    rms, rms_e = float((o - r).pow(2).mean().sqrt()), float((e - r).pow(2).mean().sqrt())
+    tol = (factor + floor) * err_e + u * float(r.abs().max())
+    rtol = (factor + floor) * rms_e + u * float(r.pow(2).mean().sqrt())
+    finite = bool(torch.isfinite(o).all())
+    return {"error": err, "eager_error": err_e, "tolerance": tol, "rms_error": rms, "rms_eager_error": rms_e,
+            "rms_tolerance": rtol, "passed": finite and err <= tol and rms <= rtol}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -562,100 +851,16 @@ def eager_bytes_moved(fn, *args, **kwargs) -> tuple[int, list[tuple[str, int]]]:
     return sum(n for _, n in per_op), per_op
 
 
-def fused_bytes_moved(shape, itemsize: int, pad, *, norm: str, residual: bool) -> int:
-    """DRAM traffic of the fused path, by construction of its kernels (x [B, C, T, H, W]):
+def fused_bytes_moved(shape, itemsize: int, pad, *, norm: str | None) -> int:
+    """DRAM traffic of the fused path, by construction of its kernels (x [B, C, T, H, W], NDHWC):
 
-    - rms: read x (and the residual), write y = x + r (with a residual) and the padded buffer once; the
-      kernel's second pass over the channels re-reads a tile it has just read (counted once: it is
-      assumed to hit in L2);
-    - group: a statistics pass reads x (and r, writing y), then the apply pass reads y, writes padded.
-    Per-channel weights and statistics are negligible and not counted."""
+    - group: the statistics pass reads x once, then the apply pass reads x and writes the padded buffer;
+    - rms: one pass reads x (its second loop over the channels re-reads a tile it has just read: counted
+      once, assumed to hit in L1/L2) and writes the padded buffer; none: the same.
+    Front zero frames are written, never read. Per-channel weights and statistics are not counted."""
     B, C, T, H, W = shape
-    pt, ph, pw = pad
+    left, right, top, bottom, front = _pad5(pad)
     n = B * C * T * H * W
-    n_pad = B * C * (T + pt) * (H + 2 * ph) * (W + 2 * pw)
-    if norm == "rms":
-        return itemsize * ((2 * n if residual else n) + (n if residual else 0) + n_pad)
-    stats = (2 * n + n) if residual else n
-    return itemsize * (stats + n + n_pad)
-
-
-# ---------------------------------------------------------------------------------------------------
-# Launch builders (inferbook.compiled): what the fused ops launch on a GPU, without running them
-
-def norm_silu_pad_launches(shape, dtype, kind: str, pad, *, groups: int = 32, residual: bool = False,
-                           bias: bool = True, weight_dtype=torch.float32, silu: bool = True, name: str = "") -> list:
-    """`norm_silu_pad_triton`'s launches for x [B, C, T, H, W] of `dtype` with a `kind` ('rms' |
-    'group') norm whose weight/bias are `weight_dtype`: the group-statistics pass (group norm)
-    and the apply pass, from the same `_block_sizes` and argument lists (`meta` stand-ins)."""
-    from ..compiled import Launch, meta
-
-    B, C, T, H, W = shape
-    pt, ph, pw = pad
-    To, Ho, Wo = T + pt, H + 2 * ph, W + 2 * pw
-    x = meta(shape, dtype)
-    out_t = meta((B, C, To, Ho, Wo), dtype)
-    launches = []
-    mean = rstd = y = None
-    src, has_r = x, residual
-    if kind == "group":
-        launches += group_stats_launches(shape, dtype, groups, residual=residual, name=name)
-        mean, rstd = meta((B, C), torch.float32), meta((B, C), torch.float32)
-        if residual:
-            y = meta(shape, dtype)
-            src, has_r = y, False
-    elif residual:
-        y = meta(shape, dtype)
-    rr = meta(shape, dtype) if has_r else src
-    BLOCK_C, BLOCK_W = _block_sizes(C, Wo)
-    w = meta((C,), weight_dtype)
-    launches.append(Launch(
-        f"{name} norm_silu_pad {kind}{'+res' if residual else ''} C{C} {T}x{H}x{W} w:{str(weight_dtype)[6:]}".strip(),
-        _norm_silu_pad_kernel,
-        [src, rr, y if (y is not None and has_r) else out_t, out_t, w, w,
-         mean if mean is not None else out_t, rstd if rstd is not None else out_t,
-         C, T, H, W, To, Ho, Wo, pt, ph, pw, T * H * W, To * Ho * Wo, *src.stride(), *rr.stride(), 1e-6],
-        dict(NORM_RMS=kind == "rms", HAS_RES=has_r, HAS_BIAS=bias, APPLY_SILU=silu, BLOCK_C=BLOCK_C, BLOCK_W=BLOCK_W,
-             num_warps=4),
-        "diffusion/fused.py:norm_silu_pad_triton", (B * To * Ho, triton.cdiv(Wo, BLOCK_W))))
-    return launches
-
-
-def group_stats_launches(shape, dtype, groups: int, *, residual: bool = False, name: str = "") -> list:
-    """`_group_stats`'s launch (the GroupNorm statistics pass, fused with the residual add)."""
-    from ..compiled import Launch, meta
-
-    B = shape[0]
-    n = 1
-    for s in shape:
-        n *= s
-    n_group = n // (B * groups)
-    BLOCK, target = 1024, 512
-    split = max(1, min(triton.cdiv(n_group, BLOCK), target // (B * groups)))
-    chunk = triton.cdiv(triton.cdiv(n_group, split), BLOCK) * BLOCK
-    split = triton.cdiv(n_group, chunk)
-    x = meta(shape, dtype)
-    return [Launch(f"{name} group_stats{' +res' if residual else ''} {'x'.join(map(str, shape))} grid {B * groups}x{split}".strip(),
-                   _group_stats_kernel,
-                   [x, meta(shape, dtype) if residual else x, meta(shape, dtype) if residual else x,
-                    meta((B * groups, split, 3), torch.float32), n_group, chunk, split],
-                   dict(HAS_RES=residual, BLOCK=BLOCK), "diffusion/fused.py:_group_stats", (B * groups, split))]
-
-
-def fused_linear_launches(m: int, n: int, k: int, dtype=torch.bfloat16, *, norm: bool = False, swiglu: bool = False,
-                          residual: bool = False, bias: bool = False, name: str = "") -> list:
-    """`fused_linear_triton`'s launch for x [m, k] @ weight [n (2n with swiglu), k]^T on a GPU."""
-    from ..compiled import Launch, meta
-
-    x2 = meta((m, k), dtype)
-    weight = meta((2 * n if swiglu else n, k), dtype)
-    out = meta((m, n), dtype)
-    r2 = meta((m, n), dtype) if residual else out
-    BM, BN, BK = 64, 64, 32
-    return [Launch(f"{name} fused_linear M{m} N{n} K{k}{' norm' if norm else ''}{' swiglu' if swiglu else ''}"
-                   f"{' +res' if residual else ''}".strip(), _fused_linear_kernel,
-                   [x2, weight, weight, weight, r2, out, m, n, k, *x2.stride(), *weight.stride(), *r2.stride(),
-                    *out.stride(), 1e-6],
-                   dict(HAS_NORM=norm, HAS_BIAS=bias, SWIGLU=swiglu, HAS_RES=residual, DOT_FP32=False,
-                        IEEE=dtype == torch.float32, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, num_warps=4),
-                   "diffusion/fused.py:fused_linear_triton", (triton.cdiv(m, BM), triton.cdiv(n, BN)))]
+    n_pad = B * C * (T + front) * (H + top + bottom) * (W + left + right)
+    reads = 2 * n if norm == "group" else n
+    return itemsize * (reads + n_pad)

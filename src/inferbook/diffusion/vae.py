@@ -1,20 +1,27 @@
-"""A causal video VAE decoder in the style of public video VAEs (Wan 2.1's decoder, simplified).
+"""The H3 video VAE's shape, and a causal convolutional decoder built from the same blocks.
 
-    latent [B, z, T, h, w] -> conv_in -> mid (res, attention + feed-forward, res)
-        -> stages of residual blocks with 2x spatial (and 2x temporal) upsampling
-        -> norm -> SiLU -> conv_out -> video [B, 3, 1 + 4 (T - 1), 8 h, 8 w]   (with 3 upsamplings)
+ComfyUI's `comfy/ldm/minimax/vae.py` (MiniMax-H3) is a **3D causal CNN encoder** and a **ViT3D decoder**:
 
-- Causal 3D convolution: time is padded with k_t - 1 *past* frames only, so frame t never sees t + 1.
-- Norms: channel RMSNorm (per pixel, over C) or GroupNorm(32) (over C/32 x T x H x W), chosen per decoder.
-- Residual block: norm -> SiLU -> conv -> norm -> SiLU -> conv, plus the shortcut. The block returns its
-  two summands *unsummed* (`Pending`): the next operation adds them, fused with its own norm when the
-  backend is 'fused' (one pass writes y = a + b and the next conv's padded input).
-- The mid block's attention and feed-forward use the linear interface with RMSNorm / SwiGLU / residual
-  parameters (`Ops.linear`); a decoder quantized by `quantize_decoder_int8()` uses INT8 attention.
+    video [B, 3, T, H, W] -> H3Encoder: conv_in -> levels of ResnetBlock3D (+ Downsample3D) -> norm_out -> conv_out
+        -> moments [B, 2z, T', H/16, W/16]                       (the fused norm + SiLU + pad convs live here)
+    latent [B, z, T', h, w] -> ViT3DDecoder: one token per latent pixel (+ register tokens) -> transformer
+        blocks (RMSNorm-prologue linears, per-head RMSNorm + RoPE on q/k, SwiGLU FFN, scaled residuals)
+        -> LayerNorm -> linear to patch_t x p x p pixels -> video [B, 3, patch_t T', p h, p w]
+
+- CausalConv3d (ComfyUI's): reflect padding in space, `kt - 1` zero frames in front in time (none for a
+  single frame, where the conv drops its zero taps instead), the pre-norm + SiLU + padding done by one
+  `Ops.norm_silu_pad` pass (NDHWC out), and the residual added in the conv's epilogue.
+- Norm: TemporalIsolatedGroupNorm (GroupNorm(32) whose statistics are one frame's), or a per-pixel channel
+  RMSNorm for the small toy decoders whose widths are not multiples of 32.
+- The ViT decoder's linears go through `Ops.linear` (ComfyUI's `linear_input_act`); `quantize_decoder_int8`
+  returns a copy whose linears are W8A8 INT8 matmuls and whose attention scores are an INT8 matmul.
+
+`VideoVAEDecoder` is a causal *convolutional* decoder (Wan 2.1's layout, simplified) made of the same
+CausalConv3d / ResnetBlock3D: the tiled-decode chapter and the workflow toys use it because its cost and
+memory grow with the tile like a conv decoder's. It is not H3's decoder.
 
 Weights are random, drawn from a seed (no checkpoints can be downloaded here); init keeps activations
-O(1) through the depth. Backends: `decoder(z, ops=Ops('eager'|'fused'))`, and torch.compile of the eager
-forward (`compiled_decoder`).
+O(1) through the depth.
 """
 from __future__ import annotations
 
@@ -26,59 +33,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..errors import UserError
 from .fused import NORMS, Norm, Ops
 
 
-@dataclass(frozen=True)
-class VAEConfig:
-    z_dim: int = 16
-    channels: tuple = (384, 384, 192, 96)   # width of each stage, bottleneck first
-    temporal_up: tuple = (True, True, False)  # temporal 2x at each of the len(channels)-1 upsamplings
-    res_blocks: int = 1                     # residual blocks per stage
-    norm: str = "rms"                       # 'rms' or 'group'
-    groups: int = 32
-    attention: bool = True
-    ffn_mult: int = 2
-    eps: float = 1e-6
-
-    def __post_init__(self):
-        if self.norm not in NORMS:
-            raise ValueError(f"norm must be one of {NORMS}, got {self.norm!r}")
-        if len(self.temporal_up) != len(self.channels) - 1:
-            raise ValueError(f"temporal_up needs {len(self.channels) - 1} entries (one per upsampling), "
-                             f"got {len(self.temporal_up)}")
-        if any(c <= 0 for c in self.channels) or self.z_dim <= 0 or self.res_blocks < 1:
-            raise ValueError(f"channels, z_dim and res_blocks must be positive, got {self.channels}, "
-                             f"{self.z_dim}, {self.res_blocks}")
-        if self.norm == "group" and any(c % self.groups for c in self.channels):
-            raise ValueError(f"GroupNorm({self.groups}) needs every stage width divisible by {self.groups}, "
-                             f"got {self.channels}")
-
-    @property
-    def spatial_factor(self) -> int:
-        return 2 ** (len(self.channels) - 1)
-
-    def output_shape(self, latent_shape) -> tuple:
-        B, _, T, h, w = latent_shape
-        for up in self.temporal_up:
-            if up:
-                T = 2 * T - 1
-        return (B, 3, T, h * self.spatial_factor, w * self.spatial_factor)
-
-
-class Pending:
-    """A residual sum a + b not yet computed: the consumer adds it, fused with its norm if it can."""
-
-    def __init__(self, a: torch.Tensor, b: torch.Tensor | None = None):
-        self.a, self.b = a, b
-
-    def value(self) -> torch.Tensor:
-        return self.a if self.b is None else self.a + self.b
-
-
-def _as_pending(x) -> Pending:
-    return x if isinstance(x, Pending) else Pending(x)
-
+# ---------------------------------------------------------------------------------------------------
+# Blocks shared by the encoder and the conv decoder (ComfyUI's CausalConv3d, ResnetBlock3D, Downsample3D).
 
 class ChannelNorm(nn.Module):
     def __init__(self, kind: str, C: int, eps: float, groups: int):
@@ -92,67 +52,420 @@ class ChannelNorm(nn.Module):
 
 
 class CausalConv3d(nn.Module):
-    """Conv3d over an input that the caller has already padded: `pad` = (past frames, rows, columns)."""
+    """ComfyUI's CausalConv3d: `padding` (pt, ph, pw) means reflect (pw, pw, ph, ph) in space and 2*pt zero
+    frames in front; `forward(x, ops, pre_norm=, spatial_pad=, residual=)` folds the norm + SiLU + padding
+    into one pass and the residual into the conv's epilogue."""
 
-    def __init__(self, cin: int, cout: int, k=(3, 3, 3)):
+    def __init__(self, cin: int, cout: int, k=(3, 3, 3), stride=1, padding=None):
         super().__init__()
+        k = (k,) * 3 if isinstance(k, int) else tuple(k)
+        self.kernel = k
         self.weight = nn.Parameter(torch.empty(cout, cin, *k))
         self.bias = nn.Parameter(torch.zeros(cout))
-        self.pad = (k[0] - 1, k[1] // 2, k[2] // 2)
+        self.stride = stride
+        self.causal_padding = tuple(padding) if padding is not None else (k[0] // 2, k[1] // 2, k[2] // 2)
 
-    def forward_padded(self, xp: torch.Tensor, ops: Ops) -> torch.Tensor:
-        return ops.conv3d(xp, self.weight, self.bias)
-
-    def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
-        pt, ph, pw = self.pad
-        return self.forward_padded(F.pad(x, (pw, pw, ph, ph, pt, 0)), ops)
-
-
-def norm_silu_pad(ops: Ops, x, norm: ChannelNorm, pad) -> tuple[torch.Tensor, torch.Tensor]:
-    """(y, padded): y is the materialized input (needed for a shortcut), padded the conv's input."""
-    p = _as_pending(x)
-    if p.b is None:
-        return p.a, ops.norm_silu_pad(p.a, norm.spec(), pad)
-    return ops.add_norm_silu_pad(p.a, p.b, norm.spec(), pad)
+    def forward(self, x: torch.Tensor, ops: Ops, pre_norm: ChannelNorm | None = None, spatial_pad=None,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        pt, ph, pw = self.causal_padding
+        sp = tuple(spatial_pad) if spatial_pad is not None else (pw, pw, ph, ph)
+        T = x.shape[2]
+        front = 0 if T == 1 else 2 * pt
+        pad = (*sp, front)
+        if pre_norm is not None or any(pad):  # the 1x1 shortcut has nothing to fold
+            x = ops.norm_silu_pad(x, pre_norm.spec() if pre_norm is not None else None, pad,
+                                  silu=pre_norm is not None)
+        w = self.weight
+        if T == 1 and pt:
+            w = w[:, :, -1:]  # single frame: the front taps would only see zeros ('causal_zero')
+        return ops.conv3d(x, w, self.bias, self.stride, residual)
 
 
 class ResBlock(nn.Module):
-    def __init__(self, cin: int, cout: int, cfg: VAEConfig):
+    """ComfyUI's ResnetBlock3D: conv1(norm1 -> SiLU -> pad), conv2(norm2 -> SiLU -> pad) + shortcut, the
+    shortcut added in conv2's epilogue."""
+
+    def __init__(self, cin: int, cout: int, norm: str, eps: float = 1e-6, groups: int = 32):
         super().__init__()
-        self.norm1 = ChannelNorm(cfg.norm, cin, cfg.eps, cfg.groups)
+        self.norm1 = ChannelNorm(norm, cin, eps, groups)
         self.conv1 = CausalConv3d(cin, cout)
-        self.norm2 = ChannelNorm(cfg.norm, cout, cfg.eps, cfg.groups)
+        self.norm2 = ChannelNorm(norm, cout, eps, groups)
         self.conv2 = CausalConv3d(cout, cout)
         self.shortcut = CausalConv3d(cin, cout, (1, 1, 1)) if cin != cout else None
 
-    def forward(self, x, ops: Ops) -> Pending:
-        y, hp = norm_silu_pad(ops, x, self.norm1, self.conv1.pad)
-        h = self.conv1.forward_padded(hp, ops)
-        _, hp = norm_silu_pad(ops, h, self.norm2, self.conv2.pad)
-        h = self.conv2.forward_padded(hp, ops)
-        short = y if self.shortcut is None else self.shortcut.forward_padded(y, ops)
-        return Pending(h, short)
+    def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
+        h = self.conv1(x, ops, pre_norm=self.norm1)
+        short = x if self.shortcut is None else self.shortcut(x, ops)
+        return self.conv2(h, ops, pre_norm=self.norm2, residual=short)
+
+
+class Downsample3D(nn.Module):
+    """ComfyUI's Downsample3D: a 3x3x3 conv with stride (time, space, space); for a spatial stride 2 the
+    reflect padding is one column right and one row below only."""
+
+    def __init__(self, cin: int, cout: int, time_stride: int, space_stride: int):
+        super().__init__()
+        self.space_stride = space_stride
+        self.conv = CausalConv3d(cin, cout, 3, stride=(time_stride, space_stride, space_stride), padding=(1, 0, 0))
+
+    def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
+        return self.conv(x, ops, spatial_pad=(0, 1, 0, 1) if self.space_stride == 2 else None)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The H3 encoder (EncoderFCN3D) and ViT3D decoder.
+
+@dataclass(frozen=True)
+class H3Config:
+    """The H3 VAE's shape at a chosen width. ComfyUI's: ch 128, ch_mult (1, 2, 2, 4, 4, 8), 2 res blocks,
+    space_down (2, 2, 2, 2, 1, 1), time_down (1, 2, 2, 1, 1, 1), z 24 (48 moments); decoder 36 layers,
+    32 heads x 64, FFN x4, 4 register tokens, RoPE on 3/4 of each head, patch 16 x 16 x 4."""
+
+    in_channels: int = 3
+    ch: int = 32
+    ch_mult: tuple = (1, 2, 2, 4)
+    num_res_blocks: int = 1
+    space_down: tuple = (2, 2, 2, 2)
+    time_down: tuple = (1, 2, 2, 1)
+    z_dim: int = 24
+    norm: str = "group"
+    groups: int = 32
+    heads: int = 4
+    dim_head: int = 32
+    layers: int = 2
+    ffn_mult: int = 4
+    register_tokens: int = 4
+    rope_dim_ratio: float = 0.75
+    rope_theta: float = 100.0
+    eps: float = 1e-5
+    norm_eps: float = 1e-6
+
+    def __post_init__(self):
+        _check_choice("norm", self.norm, NORMS)
+        n = len(self.ch_mult)
+        if len(self.space_down) != n or len(self.time_down) != n:
+            raise UserError(f"space_down and time_down need {n} entries (one per level), got "
+                            f"{self.space_down}, {self.time_down}")
+        widths = [self.ch * m for m in self.ch_mult]
+        if self.norm == "group" and any(c % self.groups for c in widths):
+            raise UserError(f"GroupNorm({self.groups}) needs every level width divisible by {self.groups}, got {widths}")
+        if self.dim_head % 2 or int(self.dim_head * self.rope_dim_ratio) % 6:
+            raise UserError(f"dim_head {self.dim_head} x rope_dim_ratio {self.rope_dim_ratio} must split into "
+                            "3 axes of (cos, sin) pairs")
+
+    @property
+    def widths(self) -> list[int]:
+        return [self.ch * m for m in self.ch_mult]
+
+    @property
+    def patch(self) -> int:
+        return math.prod(self.space_down)
+
+    @property
+    def patch_t(self) -> int:
+        return math.prod(self.time_down)
+
+    @property
+    def dim(self) -> int:
+        return self.heads * self.dim_head
+
+
+def _check_choice(name, value, allowed):
+    if value not in allowed:
+        raise UserError(f"{name} must be one of {', '.join(repr(a) for a in allowed)}, got {value!r}")
+
+
+class H3Encoder(nn.Module):
+    """EncoderFCN3D: where the fused norm + SiLU + pad convolutions are. video -> moments [B, 2z, T', h, w]."""
+
+    def __init__(self, cfg: H3Config):
+        super().__init__()
+        self.cfg = cfg
+        w = cfg.widths
+        self.conv_in = CausalConv3d(cfg.in_channels, w[0])
+        self.levels = nn.ModuleList()
+        cin = w[0]
+        for i, c in enumerate(w):
+            lvl = nn.Module()
+            lvl.blocks = nn.ModuleList()
+            for _ in range(cfg.num_res_blocks):
+                lvl.blocks.append(ResBlock(cin, c, cfg.norm, cfg.norm_eps, cfg.groups))
+                cin = c
+            lvl.down = (Downsample3D(c, c, cfg.time_down[i], cfg.space_down[i])
+                        if cfg.space_down[i] * cfg.time_down[i] > 1 else None)
+            self.levels.append(lvl)
+        self.norm_out = ChannelNorm(cfg.norm, w[-1], cfg.norm_eps, cfg.groups)
+        self.conv_out = CausalConv3d(w[-1], 2 * cfg.z_dim)
+
+    def forward(self, x: torch.Tensor, ops: Ops | None = None) -> torch.Tensor:
+        ops = ops if ops is not None else Ops("eager")
+        if x.dim() != 5 or x.shape[1] != self.cfg.in_channels:
+            raise UserError(f"video must be [B, {self.cfg.in_channels}, T, H, W], got {tuple(x.shape)}")
+        h = self.conv_in(x, ops)
+        for lvl in self.levels:
+            for blk in lvl.blocks:
+                h = blk(h, ops)
+            if lvl.down is not None:
+                h = lvl.down(h, ops)
+        return self.conv_out(h, ops, pre_norm=self.norm_out)
+
+    def output_shape(self, video_shape) -> tuple:
+        B, _, T, H, W = video_shape
+        for ts, ss in zip(self.cfg.time_down, self.cfg.space_down):
+            if ts == 2 and T > 1:
+                T = (T - 1) // 2 + 1
+            if ss == 2:
+                H, W = (H - 2) // 2 + 1, (W - 2) // 2 + 1
+        return (B, 2 * self.cfg.z_dim, T, H, W)
+
+
+def token_ids(T: int, H: int, W: int, device, dtype=torch.float32) -> torch.Tensor:
+    """ComfyUI's create_token_ids: each axis' coordinates (i + 0.5) / n mapped to [-1, 1]; [T*H*W, 3]."""
+    axes = [2.0 * (torch.arange(0.5, n, device=device, dtype=torch.float32) / n) - 1.0 for n in (T, H, W)]
+    return torch.stack(torch.meshgrid(*axes, indexing="ij"), dim=-1).reshape(-1, 3).to(dtype)
+
+
+def rope_angles(ids: torch.Tensor, rot_dim: int, theta: float) -> torch.Tensor:
+    """RotaryEmbeddingND: angles [S, rot_dim / 2] = 2 pi * coord_axis * inv_freq, the three axes' pairs
+    concatenated (inv_freq = theta^-arange(0, 1, 6 / rot_dim))."""
+    inv = 1.0 / theta ** torch.arange(0, 1, 2 * 3 / rot_dim, dtype=torch.float32, device=ids.device)
+    return (2.0 * math.pi * ids.float()[:, :, None] * inv[None, None, :]).flatten(1)
 
 
 def int8_quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-row INT8: w ~= q * scale, q int8 [N, K], scale fp32 [N, 1]."""
+    """Symmetric per-row INT8: w ~= q * scale, q int8 [..., N, K], scale fp32 [..., N, 1]."""
     scale = w.float().abs().amax(dim=-1, keepdim=True).clamp_min(1e-12) / 127.0
     return torch.clamp(torch.round(w.float() / scale), -127, 127).to(torch.int8), scale
 
 
-def int8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Single-head attention with Q and K quantized per token to INT8, scores from the integer product.
+def int_mm(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, str]:
+    """int8 [M, K] @ int8 [K, N] -> int32 [M, N] with `torch._int_mm` (cuBLAS INT8 GEMM on CUDA, oneDNN on a
+    CPU). CUDA wants M > 16 and K, N multiples of 8: the operands are zero-padded to that (exact), and the
+    result sliced. If `_int_mm` is still refused, the exact fallback is a float matmul of the integers
+    (fp32 while K * 127^2 < 2^24, else fp64), and the returned label says so."""
+    M, K = a.shape
+    N = b.shape[1]
+    if a.is_cuda:
+        pm, pk, pn = max(0, 17 - M), (-K) % 8, (-N) % 8
+        if pm or pk:
+            a = F.pad(a, (0, pk, 0, pm))
+        if pk or pn:
+            b = F.pad(b, (0, pn, 0, pk))
+    try:
+        return torch._int_mm(a.contiguous(), b)[:M, :N], "torch._int_mm"
+    except RuntimeError as e:  # a build without the INT8 GEMM for this layout
+        acc = torch.float32 if K * 127 * 127 < 2 ** 24 else torch.float64
+        out = (a.to(acc) @ b.to(acc))[:M, :N].round().to(torch.int32)
+        return out, f"exact {str(acc)[6:]} matmul of the int8 values (_int_mm refused: {str(e).splitlines()[0][:60]})"
 
-    q, k, v [N, L, D]. The integer product is exact in fp32 while D * 127^2 < 2^24 (D <= 1040); beyond
-    that it is computed in float64 (or torch._int_mm on a GPU build that has it)."""
+
+def int8_linear(x: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, bias=None) -> tuple[torch.Tensor, str]:
+    """W8A8 linear: x quantized per token, weight per row, one INT8 GEMM, scales applied to the int32 sums."""
+    K = x.shape[-1]
+    xq, xs = int8_quantize_rows(x.reshape(-1, K))
+    acc, how = int_mm(xq, wq.t())
+    y = acc.float() * xs * ws.view(1, -1).float()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype).reshape(*x.shape[:-1], -1), how
+
+
+def int8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, str]:
+    """Attention whose scores are an INT8 matmul: Q and K quantized per token, Q K^T as int32 sums times the
+    two scales, softmax in fp32, P V in the activation dtype. q, k, v [B, H, S, D]."""
+    B, H, S, D = q.shape
     qi, qs = int8_quantize_rows(q)
     ki, ks = int8_quantize_rows(k)
-    D = q.shape[-1]
-    acc_dtype = torch.float32 if D * 127 * 127 < 2 ** 24 else torch.float64
-    s = torch.matmul(qi.to(acc_dtype), ki.to(acc_dtype).transpose(-1, -2)).float()
-    s = s * qs * ks.transpose(-1, -2) / math.sqrt(D)
-    p = torch.softmax(s, dim=-1).to(v.dtype)
-    return torch.matmul(p, v)
+    out = torch.empty_like(q)
+    how = ""
+    for bh in range(B * H):  # one INT8 GEMM per (batch, head): _int_mm is 2-D
+        i, j = divmod(bh, H)
+        acc, how = int_mm(qi[i, j], ki[i, j].t())
+        s = acc.float() * qs[i, j] * ks[i, j].t() / math.sqrt(D)
+        out[i, j] = torch.softmax(s, dim=-1).to(v.dtype) @ v[i, j]
+    return out, how
+
+
+class ViTBlock(nn.Module):
+    """TransformerBlock: x + s1 * Attn(RMSNorm(x)), then + s2 * FFN(RMSNorm(x)), each through `Ops.linear`."""
+
+    def __init__(self, cfg: H3Config):
+        super().__init__()
+        d, F_ = cfg.dim, cfg.ffn_mult * cfg.dim
+        self.cfg = cfg
+        self.norm1 = nn.Parameter(torch.ones(d))
+        self.to_qkv = nn.Parameter(torch.empty(3 * d, d))
+        self.qkv_bias = nn.Parameter(torch.zeros(3 * d))
+        self.to_out = nn.Parameter(torch.empty(d, d))
+        self.out_bias = nn.Parameter(torch.zeros(d))
+        self.scale1 = nn.Parameter(torch.empty(d))
+        self.norm2 = nn.Parameter(torch.ones(d))
+        self.w1 = nn.Parameter(torch.empty(2 * F_, d))     # rows :F gate, F: up
+        self.w1_bias = nn.Parameter(torch.zeros(2 * F_))
+        self.w2 = nn.Parameter(torch.empty(d, F_))
+        self.w2_bias = nn.Parameter(torch.zeros(d))
+        self.scale2 = nn.Parameter(torch.empty(d))
+        self.quantization = "none"
+
+    def _linear(self, ops: Ops, x, name, **kw):
+        if self.quantization == "int8" and name in ("to_qkv", "to_out"):
+            wq, ws = getattr(self, f"{name}_q"), getattr(self, f"{name}_s")
+            bias = self.qkv_bias if name == "to_qkv" else self.out_bias
+            xin = x
+            if kw.get("norm_weight") is not None:
+                xf = x.float()
+                xin = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + kw["eps"]) * kw["norm_weight"].float()).to(x.dtype)
+            y, how = int8_linear(xin, wq, ws, bias)
+            ops.log.note(f"{name}[int8]", f"W8A8 {how}", "model quantized by quantize_decoder_int8()",
+                         {"x": tuple(x.shape)}, x.dtype)
+            if kw.get("residual") is not None:
+                y = torch.addcmul(kw["residual"], y, kw["residual_scale"])
+            return y
+        return ops.linear(x, getattr(self, name), name=name, **kw)
+
+    def forward(self, x: torch.Tensor, angles: torch.Tensor, ops: Ops) -> torch.Tensor:
+        B, S, d = x.shape
+        cfg = self.cfg
+        qkv = self._linear(ops, x, "to_qkv", bias=self.qkv_bias, norm_weight=self.norm1, eps=cfg.eps)
+        qkv = qkv.view(B, S, cfg.heads, 3 * cfg.dim_head)
+        q, k, v = torch.chunk(qkv, 3, dim=-1)
+        q, k = ops.rms_rope(q, k, angles, cfg.eps)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        if self.quantization == "int8":
+            o, how = int8_attention(q, k, v)
+            ops.log.note("attention", f"int8 QK^T ({how}, per-token scales)",
+                         "model quantized by quantize_decoder_int8()", {"q": tuple(q.shape)}, x.dtype)
+        else:
+            ops.log.note("attention", "torch sdpa", "model not quantized: attention keeps the activation dtype",
+                         {"q": tuple(q.shape)}, x.dtype)
+            o = F.scaled_dot_product_attention(q, k, v)
+        o = torch.nan_to_num(o.transpose(1, 2).reshape(B, S, d))
+        x = self._linear(ops, o, "to_out", bias=self.out_bias, residual=x, residual_scale=self.scale1)
+        h = self._linear(ops, x, "w1", bias=self.w1_bias, norm_weight=self.norm2, eps=cfg.eps, swiglu=True)
+        return self._linear(ops, h, "w2", bias=self.w2_bias, residual=x, residual_scale=self.scale2)
+
+
+class ViT3DDecoder(nn.Module):
+    """H3's decoder: latent [B, z, T, h, w] -> video [B, 3, patch_t T, p h, p w] (values roughly in [-1, 1])."""
+
+    def __init__(self, cfg: H3Config):
+        super().__init__()
+        self.cfg = cfg
+        d = cfg.dim
+        self.x_embedder = nn.Parameter(torch.empty(d, cfg.z_dim))
+        self.x_bias = nn.Parameter(torch.zeros(d))
+        self.register = nn.Parameter(torch.empty(1, cfg.register_tokens, d))
+        self.blocks = nn.ModuleList(ViTBlock(cfg) for _ in range(cfg.layers))
+        self.norm_out = nn.LayerNorm(d, eps=cfg.eps)
+        self.proj_out = nn.Parameter(torch.empty(3 * cfg.patch_t * cfg.patch ** 2, d))
+        self.proj_bias = nn.Parameter(torch.zeros(3 * cfg.patch_t * cfg.patch ** 2))
+
+    @property
+    def quantization(self) -> str:
+        return "int8 (W8A8 qkv/out linears, INT8 QK^T)" if self.blocks[0].quantization == "int8" else "none"
+
+    def forward(self, z: torch.Tensor, ops: Ops | None = None) -> torch.Tensor:
+        ops = ops if ops is not None else Ops("eager")
+        cfg = self.cfg
+        if z.dim() != 5 or z.shape[1] != cfg.z_dim:
+            raise UserError(f"latent must be [B, {cfg.z_dim}, T, h, w], got {tuple(z.shape)}")
+        B, _, T, h, w = z.shape
+        tok = ops.linear(z.flatten(2).transpose(1, 2), self.x_embedder, self.x_bias, name="x_embedder")
+        n = tok.shape[1]
+        tok = torch.cat([tok, self.register.to(tok.dtype).expand(B, -1, -1), torch.zeros_like(tok[:, :1])], dim=1)
+        ids = torch.cat([token_ids(T, h, w, z.device), torch.zeros(cfg.register_tokens + 1, 3, device=z.device)])
+        angles = rope_angles(ids, int(cfg.dim_head * cfg.rope_dim_ratio), cfg.rope_theta)
+        for blk in self.blocks:
+            tok = blk(tok, angles, ops)
+        out = F.linear(self.norm_out(tok), self.proj_out, self.proj_bias)[:, :n]
+        p, pt = cfg.patch, cfg.patch_t
+        out = out.view(B, T, h, w, 3, pt, p, p).permute(0, 4, 1, 5, 2, 6, 3, 7)
+        return out.reshape(B, 3, T * pt, h * p, w * p)
+
+
+def _init_params(module: nn.Module, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if name.endswith("bias"):
+                p.copy_(0.02 * torch.randn(p.shape, generator=g))
+            elif "scale" in name.rsplit(".", 1)[-1]:   # residual scales (layer scale)
+                p.copy_(0.5 + 0.1 * torch.randn(p.shape, generator=g))
+            elif p.dim() == 1 or name.endswith("register"):   # norm gains, register tokens
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            else:
+                fan_in = p[0].numel()
+                gain = 0.5 if any(k in name for k in ("conv2", "to_out", "w2", "w_o", "w_down")) else 1.0
+                p.copy_(gain * torch.randn(p.shape, generator=g) / math.sqrt(fan_in))
+
+
+def init_h3(cfg: H3Config, seed: int, *, device="cpu", dtype=torch.float32) -> tuple[H3Encoder, ViT3DDecoder]:
+    enc, dec = H3Encoder(cfg), ViT3DDecoder(cfg)
+    _init_params(enc, seed)
+    _init_params(dec, seed + 1)
+    mk = lambda m: m.to(device=device, dtype=dtype).eval().requires_grad_(False)  # noqa: E731
+    return mk(enc), mk(dec)
+
+
+def quantize_decoder_int8(decoder: ViT3DDecoder) -> ViT3DDecoder:
+    """A copy of the ViT decoder whose attention linears are W8A8 INT8 and whose scores are an INT8 matmul
+    (ComfyUI: `int8_attention` only when `to_qkv.weight` is already a quantized tensor). The only way to
+    get INT8 attention: a float model never switches precision on its own. The original is unchanged."""
+    if not isinstance(decoder, ViT3DDecoder):
+        raise UserError(f"quantize_decoder_int8 needs a ViT3DDecoder, got {type(decoder).__name__}")
+    if decoder.blocks[0].quantization == "int8":
+        raise UserError("decoder is already INT8-quantized")
+    q = copy.deepcopy(decoder)
+    for blk in q.blocks:
+        for name in ("to_qkv", "to_out"):
+            w = getattr(blk, name)
+            qi, s = int8_quantize_rows(w.data)
+            blk.register_buffer(f"{name}_q", qi)
+            blk.register_buffer(f"{name}_s", s.view(-1).float())
+            delattr(blk, name)
+            setattr(blk, name, None)
+        blk.quantization = "int8"
+    return q
+
+
+# ---------------------------------------------------------------------------------------------------
+# The causal conv decoder (Wan-style layout) for the tiled decode and the workflow toys.
+
+@dataclass(frozen=True)
+class VAEConfig:
+    z_dim: int = 16
+    channels: tuple = (384, 384, 192, 96)   # width of each stage, bottleneck first
+    temporal_up: tuple = (True, True, False)  # temporal 2x at each of the len(channels)-1 upsamplings
+    res_blocks: int = 1                     # residual blocks per stage
+    norm: str = "rms"                       # 'rms' or 'group' (per-frame GroupNorm)
+    groups: int = 32
+    attention: bool = True
+    ffn_mult: int = 2
+    eps: float = 1e-6
+
+    def __post_init__(self):
+        if self.norm not in NORMS:
+            raise UserError(f"norm must be one of {NORMS}, got {self.norm!r}")
+        if len(self.temporal_up) != len(self.channels) - 1:
+            raise UserError(f"temporal_up needs {len(self.channels) - 1} entries (one per upsampling), "
+                            f"got {len(self.temporal_up)}")
+        if any(c <= 0 for c in self.channels) or self.z_dim <= 0 or self.res_blocks < 1:
+            raise UserError(f"channels, z_dim and res_blocks must be positive, got {self.channels}, "
+                            f"{self.z_dim}, {self.res_blocks}")
+        if self.norm == "group" and any(c % self.groups for c in self.channels):
+            raise UserError(f"GroupNorm({self.groups}) needs every stage width divisible by {self.groups}, "
+                            f"got {self.channels}")
+
+    @property
+    def spatial_factor(self) -> int:
+        return 2 ** (len(self.channels) - 1)
+
+    def output_shape(self, latent_shape) -> tuple:
+        B, _, T, h, w = latent_shape
+        for up in self.temporal_up:
+            if up:
+                T = 2 * T - 1
+        return (B, 3, T, h * self.spatial_factor, w * self.spatial_factor)
 
 
 class AttentionFFN(nn.Module):
@@ -169,31 +482,17 @@ class AttentionFFN(nn.Module):
         self.norm_ffn = nn.Parameter(torch.ones(C))
         self.w_up = nn.Parameter(torch.empty(2 * F_, C))   # rows :F gate, F: up
         self.w_down = nn.Parameter(torch.empty(C, F_))
-        self.quantization = "none"
 
-    def forward(self, x, ops: Ops) -> torch.Tensor:
-        x = _as_pending(x).value()
+    def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
         B, C, T, H, W = x.shape
         tok = x.permute(0, 2, 3, 4, 1).reshape(B * T, H * W, C)
-        if self.quantization == "int8":
-            w_qkv = self.w_qkv_q.to(x.dtype) * self.w_qkv_s.to(x.dtype)
-            w_o = self.w_o_q.to(x.dtype) * self.w_o_s.to(x.dtype)
-        else:
-            w_qkv, w_o = self.w_qkv, self.w_o
-        qkv = ops.linear(tok, w_qkv, norm_weight=self.norm_attn, eps=self.eps, name="attn.qkv")
+        qkv = ops.linear(tok, self.w_qkv, norm_weight=self.norm_attn, eps=self.eps, name="attn.qkv")
         q, k, v = qkv.split(C, dim=-1)
-        if self.quantization == "int8":
-            ops.log.note("attention", "int8 Q/K (per-token scales)", "decoder quantized by quantize_decoder_int8()",
-                         {"q": tuple(q.shape)}, x.dtype)
-            o = int8_attention(q, k, v)
-        else:
-            ops.log.note("attention", "torch sdpa", "decoder not quantized: attention keeps the activation dtype",
-                         {"q": tuple(q.shape)}, x.dtype)
-            o = F.scaled_dot_product_attention(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)).squeeze(1)
-        tok = ops.linear(o, w_o, residual=tok, name="attn.out")
+        o = F.scaled_dot_product_attention(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)).squeeze(1)
+        tok = ops.linear(o, self.w_o, residual=tok, name="attn.out")
         h = ops.linear(tok, self.w_up, norm_weight=self.norm_ffn, eps=self.eps, swiglu=True, name="ffn.up")
         tok = ops.linear(h, self.w_down, residual=tok, name="ffn.down")
-        return tok.reshape(B, T, H, W, C).permute(0, 4, 1, 2, 3).contiguous()
+        return tok.reshape(B, T, H, W, C).permute(0, 4, 1, 2, 3)
 
 
 class Upsample(nn.Module):
@@ -206,30 +505,31 @@ class Upsample(nn.Module):
         self.time_conv = CausalConv3d(C, 2 * C, (3, 1, 1)) if temporal else None
         self.conv = CausalConv3d(C, C, (1, 3, 3))
 
-    def forward(self, x, ops: Ops) -> torch.Tensor:
-        x = _as_pending(x).value()
+    def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
         if self.temporal:
             B, C, T, H, W = x.shape
-            t = self.time_conv(x, ops).view(B, 2, C, T, H, W)
+            t = self.time_conv(x, ops).reshape(B, 2, C, T, H, W)
             x = t.permute(0, 2, 3, 1, 4, 5).reshape(B, C, 2 * T, H, W)[:, :, 1:]
         x = F.interpolate(x, scale_factor=(1, 2, 2), mode="nearest")
         return self.conv(x, ops)
 
 
 class VideoVAEDecoder(nn.Module):
+    """A causal conv decoder: latent [B, z, T, h, w] -> video [B, 3, 1 + 4 (T - 1), 8 h, 8 w] (3 upsamplings)."""
+
     def __init__(self, cfg: VAEConfig):
         super().__init__()
         self.cfg = cfg
         ch = cfg.channels
         self.conv_in = CausalConv3d(cfg.z_dim, ch[0])
-        self.mid1 = ResBlock(ch[0], ch[0], cfg)
+        self.mid1 = ResBlock(ch[0], ch[0], cfg.norm, cfg.eps, cfg.groups)
         self.mid_attn = AttentionFFN(ch[0], cfg) if cfg.attention else None
-        self.mid2 = ResBlock(ch[0], ch[0], cfg)
+        self.mid2 = ResBlock(ch[0], ch[0], cfg.norm, cfg.eps, cfg.groups)
         blocks = []
         cin = ch[0]
         for i, c in enumerate(ch):
             for _ in range(cfg.res_blocks):
-                blocks.append(ResBlock(cin, c, cfg))
+                blocks.append(ResBlock(cin, c, cfg.norm, cfg.eps, cfg.groups))
                 cin = c
             if i < len(ch) - 1:
                 blocks.append(Upsample(c, cfg.temporal_up[i]))
@@ -237,16 +537,11 @@ class VideoVAEDecoder(nn.Module):
         self.norm_out = ChannelNorm(cfg.norm, ch[-1], cfg.eps, cfg.groups)
         self.conv_out = CausalConv3d(ch[-1], 3)
 
-    @property
-    def quantization(self) -> str:
-        return "int8 attention (per-row weights, per-token Q/K)" if (
-            self.mid_attn is not None and self.mid_attn.quantization == "int8") else "none"
-
     def forward(self, z: torch.Tensor, ops: Ops | None = None) -> torch.Tensor:
         """z [B, z_dim, T, h, w] -> video [B, 3, T', 8h, 8w] in z.dtype (values roughly in [-1, 1])."""
         ops = ops if ops is not None else Ops("eager")
         if z.dim() != 5 or z.shape[1] != self.cfg.z_dim:
-            raise ValueError(f"latent must be [B, {self.cfg.z_dim}, T, h, w], got {tuple(z.shape)}")
+            raise UserError(f"latent must be [B, {self.cfg.z_dim}, T, h, w], got {tuple(z.shape)}")
         x = self.conv_in(z, ops)
         x = self.mid1(x, ops)
         if self.mid_attn is not None:
@@ -254,55 +549,22 @@ class VideoVAEDecoder(nn.Module):
         x = self.mid2(x, ops)
         for blk in self.blocks:
             x = blk(x, ops)
-        _, hp = norm_silu_pad(ops, x, self.norm_out, self.conv_out.pad)
-        return self.conv_out.forward_padded(hp, ops)
+        return self.conv_out(x, ops, pre_norm=self.norm_out)
 
 
 def init_decoder(cfg: VAEConfig, seed: int, *, device="cpu", dtype=torch.float32) -> VideoVAEDecoder:
     """Random weights from `seed`, scaled so activations stay O(1) through the depth."""
-    g = torch.Generator().manual_seed(seed)
     dec = VideoVAEDecoder(cfg)
-    with torch.no_grad():
-        for name, p in dec.named_parameters():
-            if name.endswith("bias"):
-                p.copy_(0.02 * torch.randn(p.shape, generator=g))
-            elif p.dim() == 1:  # norm gains
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
-            else:
-                fan_in = p[0].numel()
-                gain = 0.5 if ("conv2" in name or "w_o" in name or "w_down" in name) else 1.0
-                p.copy_(gain * torch.randn(p.shape, generator=g) / math.sqrt(fan_in))
+    _init_params(dec, seed)
     return dec.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
 
-def quantize_decoder_int8(decoder: VideoVAEDecoder) -> VideoVAEDecoder:
-    """A copy of `decoder` whose attention runs in INT8 (weights per row, Q/K per token).
-
-    The only way to get INT8 attention: a decoder in bf16/fp32 never switches precision on its own.
-    The original is left unchanged."""
-    if not isinstance(decoder, VideoVAEDecoder):
-        raise ValueError(f"quantize_decoder_int8 needs a VideoVAEDecoder, got {type(decoder).__name__}")
-    if decoder.mid_attn is None:
-        raise ValueError("this decoder has no attention block (cfg.attention=False): nothing to quantize")
-    if decoder.mid_attn.quantization == "int8":
-        raise ValueError("decoder is already INT8-quantized")
-    q = copy.deepcopy(decoder)
-    a = q.mid_attn
-    for name in ("w_qkv", "w_o"):
-        w = getattr(a, name)
-        qi, s = int8_quantize_rows(w.data)
-        a.register_buffer(f"{name}_q", qi)
-        a.register_buffer(f"{name}_s", s.to(w.dtype))
-        delattr(a, name)
-        setattr(a, name, None)
-    a.quantization = "int8"
-    return q
-
-
-def compiled_decoder(decoder: VideoVAEDecoder):
+def compiled(model: nn.Module):
     """torch.compile of the eager forward (the 'compile' backend); compiled once per shape."""
-    compiled = torch.compile(lambda z: decoder(z, Ops("eager", log=_NullLog())), dynamic=False)
-    return compiled
+    return torch.compile(lambda x: model(x, Ops("eager", log=_NullLog())), dynamic=False)
+
+
+compiled_decoder = compiled
 
 
 class _NullLog:
@@ -312,17 +574,29 @@ class _NullLog:
         pass
 
 
-def make_latent(cfg: VAEConfig, shape, seed: int, *, device="cpu", dtype=torch.float32) -> torch.Tensor:
+def make_latent(cfg, shape, seed: int, *, device="cpu", dtype=torch.float32) -> torch.Tensor:
     """A fresh random latent [B, z_dim, T, h, w] (standard normal, as a denoiser's output roughly is)."""
     if len(shape) != 4:
-        raise ValueError(f"latent shape must be (B, T, h, w), got {shape!r}")
+        raise UserError(f"latent shape must be (B, T, h, w), got {shape!r}")
     g = torch.Generator().manual_seed(seed)
     B, T, h, w = shape
     return torch.randn(B, cfg.z_dim, T, h, w, generator=g).to(device=device, dtype=dtype)
 
 
-def decoder_fp64_reference(decoder: VideoVAEDecoder, z: torch.Tensor) -> torch.Tensor:
-    """The same decoder in float64 on the CPU (eager): the yardstick for every backend's error."""
-    ref = copy.deepcopy(decoder).to(device="cpu", dtype=torch.float64)
+def make_video(cfg: H3Config, shape, seed: int, *, device="cpu", dtype=torch.float32) -> torch.Tensor:
+    """A fresh random 'video' [B, 3, T, H, W]: smooth noise in [-1, 1] (an encoder's input)."""
+    B, T, H, W = shape
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, cfg.in_channels, T, max(1, H // 4), max(1, W // 4), generator=g)
+    x = F.interpolate(x, size=(T, H, W), mode="trilinear", align_corners=False)
+    return torch.tanh(x + 0.1 * torch.randn(B, cfg.in_channels, T, H, W, generator=g)).to(device=device, dtype=dtype)
+
+
+def fp64_reference(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The same model in float64 on the CPU (eager): the yardstick for every backend's error."""
+    ref = copy.deepcopy(model).to(device="cpu", dtype=torch.float64)
     with torch.no_grad():
-        return ref(z.detach().to("cpu", torch.float64), Ops("eager"))
+        return ref(x.detach().to("cpu", torch.float64), Ops("eager"))
+
+
+decoder_fp64_reference = fp64_reference
