@@ -159,6 +159,75 @@ def dedupe(launches: list[Launch]) -> list[Launch]:
     return out
 
 
+class recording:
+    """Inside `with recording() as launches:` every Triton launch is appended to `launches` (a
+    `Launch` named `<kernel>`, with the arguments, keyword arguments and grid the launcher passed)
+    instead of running, and the device questions are answered as on a GPU: `triton_backend_for`
+    says yes, `dot_needs_fp32` and `bf16_cast_needs_emulation` say no (in every loaded inferbook
+    module that imported them). With `meta` tensors this traces a whole model's launches (shapes,
+    strides, dtypes, constexprs) without computing anything: for code that launches kernels
+    directly rather than through a builder (the diffusion VAE's fused ops)."""
+
+    _FLAGS = {"dot_needs_fp32": lambda d: False, "bf16_cast_needs_emulation": lambda d: False,
+              "triton_backend_for": lambda d: (True, "recorded as for a GPU (inferbook.compiled.recording)")}
+
+    def __init__(self, source: str = "", patch: dict | None = None):
+        """`patch`: {(module, attribute): value} set for the duration too (a launcher's own device
+        question, e.g. a config function that asks `device.type == "cuda"`)."""
+        self.source = source
+        self.patch = dict(patch or {})
+        self.launches: list[Launch] = []
+        self._undo: list[tuple[Any, str, Any]] = []
+
+    def __enter__(self) -> list[Launch]:
+        from . import device as _device
+
+        current = {name: getattr(_device, name) for name in self._FLAGS}
+        for mod in [m for n, m in list(sys.modules.items()) if n == "inferbook" or n.startswith("inferbook.")]:
+            for name, fake in self._FLAGS.items():
+                f = getattr(mod, name, None)
+                # the device module's function, or a module's own import of it (also when patched since)
+                if f is not None and (f is current[name] or getattr(f, "__module__", None) == _device.__name__):
+                    self._undo.append((mod, name, f))
+                    setattr(mod, name, fake)
+        for (obj, name), value in self.patch.items():
+            self._undo.append((obj, name, getattr(obj, name)))
+            setattr(obj, name, value)
+        launches, source = self.launches, self.source
+
+        def record(kernel, *args, grid, warmup, **kwargs):
+            fn = getattr(kernel, "fn", kernel)
+            launches.append(Launch(getattr(fn, "__name__", str(fn)), kernel, list(args), dict(kwargs),
+                                   source or getattr(fn, "__module__", ""), tuple(grid) if isinstance(grid, tuple) else ()))
+
+        try:
+            from triton.runtime.jit import JITFunction
+            self._undo.append((JITFunction, "run", JITFunction.__dict__["run"]))
+            JITFunction.run = record
+        except Exception:  # pragma: no cover - no triton
+            pass
+        try:
+            from triton.runtime.interpreter import InterpretedFunction
+            self._undo.append((InterpretedFunction, "run", InterpretedFunction.__dict__["run"]))
+            InterpretedFunction.run = record
+        except Exception:  # pragma: no cover
+            pass
+        return launches
+
+    def __exit__(self, *exc) -> None:
+        for obj, name, value in reversed(self._undo):
+            setattr(obj, name, value)
+        self._undo.clear()
+
+
+def describe(launch: Launch) -> str:
+    """A short description of a recorded launch's tensors for its table name: 'bf16[1,128,17,256,448]'."""
+    for a in launch.args:
+        if isinstance(a, torch.Tensor) and a.dim():
+            return f"{str(a.dtype).replace('torch.', '')}[{','.join(map(str, a.shape))}]"
+    return ""
+
+
 # ---------------------------------------------------------------------------------------------------
 # What the compiler made: parsing PTX and the ptxas log (pure functions, unit-tested on fixed text)
 
@@ -264,7 +333,8 @@ def mma_summary(mma: dict) -> str:
 
 
 # Kernels that must not spill registers, per target (issue 13: moe_gemm and mx_quantize on sm_90).
-NO_SPILL = {"sm_90": ("moe_gemm_kernel", "mx_quantize_kernel")}
+NO_SPILL = {"sm_80": ("moe_gemm_kernel",),
+            "sm_90": ("moe_gemm_kernel", "mx_quantize_kernel", "mx_quantize_rowcol_kernel")}
 
 
 def problems(row: dict) -> list[str]:
