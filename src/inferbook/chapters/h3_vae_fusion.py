@@ -680,17 +680,14 @@ def gpu_launches(params: dict) -> list:
 
 
 def roofline_work(params: dict) -> list[dict]:
-    """The fused blocks at the largest stage as {name, bytes, flops}: bytes `fused_bytes_moved`
-    (memory-bound; flops not counted)."""
-    from ..diffusion.fused import fused_bytes_moved
-
-    dt = getattr(torch, params["dtype"])
-    latent = (1, params["latent_frames"], params["latent_h"], params["latent_w"])
-    out = []
-    for norm in params["norms"].split(","):
-        shape = largest_stage_shape(config_from(params, norm), latent)
-        for op, res in (("norm_silu_pad", False), ("add_norm_silu_pad", True)):
-            out.append({"name": f"{op}[{norm}] {'x'.join(map(str, shape))}",
-                        "bytes": fused_bytes_moved(shape, dt.itemsize, (2, 1, 1), norm=norm, residual=res),
-                        "flops": 0.0, "record": f"block:{op}[{norm}]", "variant": "triton fused", "metric": "time"})
-    return out
+    """The timed fused block (`_block_records`: per-frame GroupNorm + SiLU + pad of the encoder's first
+    level at the timed video) as {name, bytes, flops}: bytes `fused_bytes_moved` (memory-bound; flops
+    not counted)."""
+    cfg = config_from(params)
+    dt = dtype_of(params)
+    T, H, W = parse_ints("video", params["video"], 3)
+    shape = (1, cfg.widths[0], T, H, W)
+    pad = (1, 1, 1, 1, 2)
+    return [{"name": f"norm_silu_pad[group] {'x'.join(map(str, shape))}",
+             "bytes": fused_bytes_moved(shape, dt.itemsize, pad, norm="group"), "flops": 0.0,
+             "record": "block:norm_silu_pad[group]", "variant": "triton fused", "metric": "time"}]
