@@ -479,3 +479,14 @@ def test_committed_compile_tables_are_current_and_clean():
     bad, _, fixed = _sort_problems(rows)
     assert not bad, f"{len(bad)} problem row(s) in the committed tables:\n" + "\n".join(bad)
     assert not fixed, f"the committed tables show these known failures fixed; remove them: {sorted(fixed)}"
+
+
+def test_every_kernel_chapter_counts_its_roofline_work():
+    """The pages' "What the compiler made of it" cell calls `roofline_work(gpu params)`: it must run
+    (a chapter rewrite once left it calling removed functions) and give positive byte counts."""
+    from inferbook import toc
+
+    for slug in compiled.kernel_chapters():
+        mod = toc.load_module(toc.get_chapter(slug))
+        work = mod.roofline_work(compiled.gpu_params(slug))
+        assert work and all(w["bytes"] > 0 and w["flops"] >= 0 and w["name"] for w in work), slug

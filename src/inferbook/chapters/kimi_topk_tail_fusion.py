@@ -326,14 +326,17 @@ def gpu_launches(params: dict) -> list:
 
 
 def roofline_work(params: dict) -> list[dict]:
-    """The fused tail per format at the largest T as {name, bytes, flops}: bytes `traffic` with the
-    experts T·k uniformly routed slots are expected to touch; flops 2·T·k·H·I."""
+    """The fused tail per format at the largest T as {name, bytes, flops}: bytes `traffic` for the
+    T·k slots spread evenly over the experts (each expert's weights read once per BLOCK_M block of
+    its slots, at the gpu tiles); flops 2·T·k·H·I."""
     E, k, H, I = params["experts"], params["top_k"], params["hidden"], params["inter"]
     T = parse_ints(params["tokens"], "tokens")[-1]
-    active = round(E * (1 - (1 - 1 / E) ** (T * k)))
+    n = T * k
+    counts = [n // E + (1 if e < n % E else 0) for e in range(E)]
+    block_m = FM.moe_config(n / E, False)["BLOCK_M"]
     out = []
     for fmt in parse_formats(params["formats"]):
-        tr = traffic(T, k, H, I, fmt, active)
-        out.append({"name": f"{fmt} tail fused T{T}", "bytes": tr["fused_bytes"], "flops": 2 * T * k * H * I,
+        tr = traffic(T, k, H, I, fmt, counts, block_m)
+        out.append({"name": f"{fmt} tail fused T{T}", "bytes": tr["fused"], "flops": 2 * T * k * H * I,
                     "record": f"{fmt}-T{T}-fused", "metric": "tail"})
     return out
