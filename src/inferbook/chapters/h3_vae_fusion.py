@@ -680,14 +680,14 @@ def gpu_launches(params: dict) -> list:
 
 
 def roofline_work(params: dict) -> list[dict]:
-    """The timed fused block (`_block_records`: per-frame GroupNorm + SiLU + pad of the encoder's first
-    level at the timed video) as {name, bytes, flops}: bytes `fused_bytes_moved` (memory-bound; flops
-    not counted)."""
+    """The fused norm + SiLU + pad pass the page times (the encoder's first level, its largest
+    activation) as {name, bytes, flops}: bytes from `fused_bytes_moved` (memory-bound; flops not counted)."""
+    from ..diffusion.fused import fused_bytes_moved
+
+    dt = getattr(torch, params["dtype"])
     cfg = config_from(params)
-    dt = dtype_of(params)
     T, H, W = parse_ints("video", params["video"], 3)
     shape = (1, cfg.widths[0], T, H, W)
-    pad = (1, 1, 1, 1, 2)
     return [{"name": f"norm_silu_pad[group] {'x'.join(map(str, shape))}",
-             "bytes": fused_bytes_moved(shape, dt.itemsize, pad, norm="group"), "flops": 0.0,
-             "record": "block:norm_silu_pad[group]", "variant": "triton fused", "metric": "time"}]
+             "bytes": fused_bytes_moved(shape, dt.itemsize, (1, 1, 1, 1, 2), norm="group"),
+             "flops": 0.0, "record": "block:norm_silu_pad[group]", "variant": "triton fused", "metric": "time"}]

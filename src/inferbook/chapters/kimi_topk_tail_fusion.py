@@ -327,13 +327,12 @@ def gpu_launches(params: dict) -> list:
 
 def roofline_work(params: dict) -> list[dict]:
     """The fused tail per format at the largest T as {name, bytes, flops}: bytes `traffic` for the
-    T·k slots spread evenly over the experts (each expert's weights read once per BLOCK_M block of
-    its slots, at the gpu tiles); flops 2·T·k·H·I."""
+    T·k slots spread evenly over the experts (uniform routing: the counts a trained router only
+    approximates), at the GPU's BLOCK_M; flops 2·T·k·H·I."""
     E, k, H, I = params["experts"], params["top_k"], params["hidden"], params["inter"]
     T = parse_ints(params["tokens"], "tokens")[-1]
-    n = T * k
-    counts = [n // E + (1 if e < n % E else 0) for e in range(E)]
-    block_m = FM.moe_config(n / E, False)["BLOCK_M"]
+    counts = [T * k // E + (1 if e < T * k % E else 0) for e in range(E)]
+    block_m = FM.moe_config(T * k / E, False)["BLOCK_M"]
     out = []
     for fmt in parse_formats(params["formats"]):
         tr = traffic(T, k, H, I, fmt, counts, block_m)
