@@ -19,7 +19,11 @@ process, so compiles run in subprocesses (`python -m inferbook.compiled _worker 
     print(format_table(rows))
 
 `data/compiled/<slug>.json` keeps the table for all three targets (`inferbook inspect --all --save`);
-the chapter pages read it (`compile_table`, `predicted_roofline`) and never compile.
+the chapter pages read it (`compile_table`, `predicted_roofline`) and never compile. Each row carries
+the launch's fingerprint (`launch_fingerprint`: name, kernel and its source hash, argument
+specialisation, keyword arguments), so a table that no longer describes what the builders make is
+detected without compiling. Code that launches kernels directly (a whole model) is traced instead:
+`with recording() as launches:` records each launch rather than running it (on `meta` tensors).
 """
 from __future__ import annotations
 
