@@ -19,7 +19,11 @@ process, so compiles run in subprocesses (`python -m inferbook.compiled _worker 
     print(format_table(rows))
 
 `data/compiled/<slug>.json` keeps the table for all three targets (`inferbook inspect --all --save`);
-the chapter pages read it (`compile_table`, `predicted_roofline`) and never compile.
+the chapter pages read it (`compile_table`, `predicted_roofline`) and never compile. Each row carries
+the launch's fingerprint (`launch_fingerprint`: name, kernel and its source hash, argument
+specialisation, keyword arguments), so a table that no longer describes what the builders make is
+detected without compiling. Code that launches kernels directly (a whole model) is traced instead:
+`with recording() as launches:` records each launch rather than running it (on `meta` tensors).
 """
 from __future__ import annotations
 
@@ -99,6 +103,54 @@ def specialization_key(launch: Launch) -> tuple:
             tuple(sorted((k, repr(v)) for k, v in launch.kwargs.items())))
 
 
+def arg_spec(launch: Launch) -> str:
+    """The positional arguments as Triton specialises them, one token each: a tensor's dtype
+    ('bfloat16'), an int as 'i1' (== 1), 'i16' (divisible by 16), 'i64' (needs 64 bits) or 'i',
+    'f' for a float, 'b' for a bool, 'none'."""
+    out = []
+    for a in launch.args:
+        if isinstance(a, torch.Tensor):
+            out.append(str(a.dtype).replace("torch.", ""))
+        elif isinstance(a, bool):
+            out.append("b")
+        elif isinstance(a, int):
+            out.append("i1" if a == 1 else "i64" if not -2**31 <= a < 2**31 else "i16" if a % 16 == 0 else "i")
+        elif isinstance(a, float):
+            out.append("f")
+        elif a is None:
+            out.append("none")
+        else:
+            out.append(type(a).__name__)
+    return ",".join(out)
+
+
+def kernel_source_hash(kernel) -> str:
+    """12 hex digits of sha256 of the @triton.jit function's own source (not its line number, not
+    the helpers it calls): a change to the kernel's body makes a saved table stale."""
+    import hashlib
+    import inspect as _inspect
+
+    fn = getattr(kernel, "fn", kernel)
+    try:
+        src = _inspect.getsource(fn)
+    except (OSError, TypeError):
+        src = getattr(kernel, "src", "") or repr(fn)
+    return hashlib.sha256(src.encode()).hexdigest()[:12]
+
+
+def launch_fingerprint(launch: Launch) -> dict:
+    """What a saved table row must match for the table to describe this launch: its name, the kernel
+    (name and source hash), the argument specialisation and the keyword arguments."""
+    fn = getattr(launch.kernel, "fn", launch.kernel)
+    return {"launch": launch.name, "kernel": getattr(fn, "__name__", str(fn)), "kernel_src": kernel_source_hash(launch.kernel),
+            "args": arg_spec(launch), "constexprs": {k: _jsonable(v) for k, v in launch.kwargs.items()}}
+
+
+def row_fingerprint(row: dict) -> dict:
+    """`launch_fingerprint`'s fields of a saved row."""
+    return {k: row.get(k) for k in ("launch", "kernel", "kernel_src", "args", "constexprs")}
+
+
 def dedupe(launches: list[Launch]) -> list[Launch]:
     """Launches that compile to different kernels, first of each kind kept (a sweep over sizes
     that Triton does not specialise on is one compile)."""
@@ -109,6 +161,75 @@ def dedupe(launches: list[Launch]) -> list[Launch]:
             seen.add(key)
             out.append(la)
     return out
+
+
+class recording:
+    """Inside `with recording() as launches:` every Triton launch is appended to `launches` (a
+    `Launch` named `<kernel>`, with the arguments, keyword arguments and grid the launcher passed)
+    instead of running, and the device questions are answered as on a GPU: `triton_backend_for`
+    says yes, `dot_needs_fp32` and `bf16_cast_needs_emulation` say no (in every loaded inferbook
+    module that imported them). With `meta` tensors this traces a whole model's launches (shapes,
+    strides, dtypes, constexprs) without computing anything: for code that launches kernels
+    directly rather than through a builder (the diffusion VAE's fused ops)."""
+
+    _FLAGS = {"dot_needs_fp32": lambda d: False, "bf16_cast_needs_emulation": lambda d: False,
+              "triton_backend_for": lambda d: (True, "recorded as for a GPU (inferbook.compiled.recording)")}
+
+    def __init__(self, source: str = "", patch: dict | None = None):
+        """`patch`: {(module, attribute): value} set for the duration too (a launcher's own device
+        question, e.g. a config function that asks `device.type == "cuda"`)."""
+        self.source = source
+        self.patch = dict(patch or {})
+        self.launches: list[Launch] = []
+        self._undo: list[tuple[Any, str, Any]] = []
+
+    def __enter__(self) -> list[Launch]:
+        from . import device as _device
+
+        current = {name: getattr(_device, name) for name in self._FLAGS}
+        for mod in [m for n, m in list(sys.modules.items()) if n == "inferbook" or n.startswith("inferbook.")]:
+            for name, fake in self._FLAGS.items():
+                f = getattr(mod, name, None)
+                # the device module's function, or a module's own import of it (also when patched since)
+                if f is not None and (f is current[name] or getattr(f, "__module__", None) == _device.__name__):
+                    self._undo.append((mod, name, f))
+                    setattr(mod, name, fake)
+        for (obj, name), value in self.patch.items():
+            self._undo.append((obj, name, getattr(obj, name)))
+            setattr(obj, name, value)
+        launches, source = self.launches, self.source
+
+        def record(kernel, *args, grid, warmup, **kwargs):
+            fn = getattr(kernel, "fn", kernel)
+            launches.append(Launch(getattr(fn, "__name__", str(fn)), kernel, list(args), dict(kwargs),
+                                   source or getattr(fn, "__module__", ""), tuple(grid) if isinstance(grid, tuple) else ()))
+
+        try:
+            from triton.runtime.jit import JITFunction
+            self._undo.append((JITFunction, "run", JITFunction.__dict__["run"]))
+            JITFunction.run = record
+        except Exception:  # pragma: no cover - no triton
+            pass
+        try:
+            from triton.runtime.interpreter import InterpretedFunction
+            self._undo.append((InterpretedFunction, "run", InterpretedFunction.__dict__["run"]))
+            InterpretedFunction.run = record
+        except Exception:  # pragma: no cover
+            pass
+        return launches
+
+    def __exit__(self, *exc) -> None:
+        for obj, name, value in reversed(self._undo):
+            setattr(obj, name, value)
+        self._undo.clear()
+
+
+def describe(launch: Launch) -> str:
+    """A short description of a recorded launch's tensors for its table name: 'bf16[1,128,17,256,448]'."""
+    for a in launch.args:
+        if isinstance(a, torch.Tensor) and a.dim():
+            return f"{str(a.dtype).replace('torch.', '')}[{','.join(map(str, a.shape))}]"
+    return ""
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -216,7 +337,8 @@ def mma_summary(mma: dict) -> str:
 
 
 # Kernels that must not spill registers, per target (issue 13: moe_gemm and mx_quantize on sm_90).
-NO_SPILL = {"sm_90": ("moe_gemm_kernel", "mx_quantize_kernel")}
+NO_SPILL = {"sm_80": ("moe_gemm_kernel",),
+            "sm_90": ("moe_gemm_kernel", "mx_quantize_kernel", "mx_quantize_rowcol_kernel")}
 
 
 def problems(row: dict) -> list[str]:
@@ -344,10 +466,9 @@ def compile_launch(launch: Launch, target: str) -> dict:
 
     arch = TARGETS[target]
     kw = dict(launch.kwargs)
-    row = {"launch": launch.name, "target": target, "source": launch.source,
-           "kernel": getattr(getattr(launch.kernel, "fn", launch.kernel), "__name__", str(launch.kernel)),
+    row = {**launch_fingerprint(launch), "target": target, "source": launch.source,
            "num_warps": kw.get("num_warps", 4), "num_stages": kw.get("num_stages", 3),
-           "constexprs": {k: _jsonable(v) for k, v in kw.items()}, "smem_limit_kb": SMEM_LIMIT_KB[arch]}
+           "smem_limit_kb": SMEM_LIMIT_KB[arch]}
     if not hasattr(launch.kernel, "run") or type(launch.kernel).__name__ == "InterpretedFunction":
         return {**row, "ok": False, "error": "the Triton interpreter is on in the compiling process"}
     knobs.nvidia.dump_ptxas_log = True

@@ -208,26 +208,67 @@ def lean_decode_attention(q, k_cache, v_cache, seqlens, *, ctas: int | None = No
     out = torch.empty_like(q)
     if B == 0:
         return (out, plan) if return_plan else out
-    G = H // Hk
     dev = q.device
     n_pieces = len(plan["pieces"])
-    pieces, prog_ptr, unit_ptr = prepared["t_pieces"], prepared["t_prog_ptr"], prepared["t_unit_ptr"]
+    G = H // Hk
     mid_acc = torch.empty(max(n_pieces, 1), G, D, dtype=torch.float32, device=dev)
     mid_m = torch.empty(max(n_pieces, 1), G, dtype=torch.float32, device=dev)
     mid_l = torch.empty(max(n_pieces, 1), G, dtype=torch.float32, device=dev)
-    q_, k_, v_ = q.contiguous(), k_cache.contiguous(), v_cache.contiguous()
-    lens = seqlens.to(dev, torch.int32).contiguous()
-    BLOCK_D = max(16, triton.next_power_of_2(D))
-    BLOCK_G = max(16, triton.next_power_of_2(G))
-    emu = _device.bf16_cast_needs_emulation(dev)
-    if n_pieces:
-        _lean_kernel[(plan["ctas"],)](q_, k_, v_, lens, pieces, prog_ptr, mid_acc, mid_m, mid_l, scale * LOG2E,
-                                      q_.stride(0), q_.stride(1), k_.stride(0), k_.stride(1), k_.stride(2),
-                                      G=G, D=D, BLOCK_G=BLOCK_G, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N,
-                                      DOT_FP32=_device.dot_needs_fp32(dev), EMU=emu, num_warps=4)
-    _lean_merge_kernel[(B, H)](mid_acc, mid_m, mid_l, unit_ptr, out, B, H, G=G, D=D, BLOCK_D=BLOCK_D, EMU=emu,
-                               num_warps=1)
+    for launch in _lean_launches(q.contiguous(), k_cache.contiguous(), v_cache.contiguous(),
+                                 seqlens.to(dev, torch.int32).contiguous(), prepared["t_pieces"],
+                                 prepared["t_prog_ptr"], prepared["t_unit_ptr"], mid_acc, mid_m, mid_l, out, plan,
+                                 scale, device=dev):
+        launch.kernel[launch.grid](*launch.args, **launch.kwargs)
     return (out, plan) if return_plan else out
+
+
+def _lean_launches(q, k, v, lens, pieces, prog_ptr, unit_ptr, mid_acc, mid_m, mid_l, out, plan: dict,
+                   scale: float, *, device: torch.device) -> list:
+    """The stream-K and merge launches (`compiled.Launch`) of `lean_decode_attention` for contiguous
+    q [B, H, D], k/v [B, S, Hk, D], int32 lens [B], the plan's int32 pieces / prog_ptr / unit_ptr,
+    the fp32 partials mid_acc [P, G, D], mid_m / mid_l [P, G] and out [B, H, D] (tensors or `meta`
+    stand-ins). No stream-K launch when the plan has no piece (every length 0)."""
+    from ..compiled import Launch
+
+    B, H, D = q.shape
+    Hk = k.shape[2]
+    G = H // Hk
+    BLOCK_D = max(16, triton.next_power_of_2(D))   # tl.dot needs every dimension >= 16
+    BLOCK_G = max(16, triton.next_power_of_2(G))
+    emu = _device.bf16_cast_needs_emulation(device)
+    src = "attention/lean.py:lean_decode_attention"
+    launches = []
+    if plan["pieces"]:
+        launches.append(Launch("stream-K", _lean_kernel,
+                               [q, k, v, lens, pieces, prog_ptr, mid_acc, mid_m, mid_l, scale * LOG2E,
+                                q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2)],
+                               dict(G=G, D=D, BLOCK_G=BLOCK_G, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N,
+                                    DOT_FP32=_device.dot_needs_fp32(device), EMU=emu, num_warps=4),
+                               src, (plan["ctas"],)))
+    launches.append(Launch("merge", _lean_merge_kernel, [mid_acc, mid_m, mid_l, unit_ptr, out, B, H],
+                           dict(G=G, D=D, BLOCK_D=BLOCK_D, EMU=emu, num_warps=1), src, (B, H)))
+    return launches
+
+
+def lean_launches(seqlens: list[int], heads: int, kv_heads: int, head_dim: int, max_seqlen: int, *, ctas: int,
+                  dtype=torch.bfloat16, name: str = "") -> list:
+    """The launches `lean_decode_attention` makes on a GPU for a batch with these `seqlens` (cache
+    [len(seqlens), max_seqlen, kv_heads, head_dim]) over `ctas` programs, without running them."""
+    from ..compiled import meta
+
+    plan = plan_lean([int(n) for n in seqlens], kv_heads, ctas)
+    B, G, P = len(seqlens), heads // kv_heads, max(len(plan["pieces"]), 1)
+    q = meta((B, heads, head_dim), dtype)
+    k = meta((B, max_seqlen, kv_heads, head_dim), dtype)
+    i32, f32 = torch.int32, torch.float32
+    launches = _lean_launches(q, k, meta(k.shape, dtype), meta((B,), i32), meta((P, 5), i32),
+                              meta((plan["ctas"] + 1,), i32), meta((kv_heads * B + 1,), i32),
+                              meta((P, G, head_dim), f32), meta((P, G), f32), meta((P, G), f32), meta(q.shape, dtype),
+                              plan, 1.0 / math.sqrt(head_dim), device=torch.device("cuda"))
+    tag = f"B{B} x{plan['ctas']} pieces{len(plan['pieces'])} H{heads}/{kv_heads} D{head_dim} S{max_seqlen}"
+    for la in launches:
+        la.name = f"{name} lean {la.name} {tag}".strip()
+    return launches
 
 
 def position_sweep(*, batch_sizes, positions=("first", "middle", "last"), heads: int, kv_heads: int, head_dim: int,

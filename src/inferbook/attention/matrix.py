@@ -461,6 +461,18 @@ def split_kv_rows(*, head_dim: int, dtype: str, device, seed: int, split_size: i
     return rows
 
 
+def variant_specs(head_dim: int, seqlen_k: int) -> list[tuple[str, dict, int, int, str]]:
+    """The variant cases (name, `variants.attention` options, d, dv, dtype) for keys of `seqlen_k`."""
+    D, sk = head_dim, seqlen_k
+    return [
+        ("sliding window (causal, left)", dict(window=(max(sk // 4, 1), -1), causal=True), D, D, "bfloat16"),
+        ("sliding window (two-sided)", dict(window=(max(sk // 5, 1), max(sk // 7, 1))), D, D, "float16"),
+        ("softcap", dict(softcap=5.0), D, D, "bfloat16"),
+        ("softcap + causal", dict(softcap=2.0, causal=True), D, D, "float16"),
+        ("dv != d (MLA-like)", dict(causal=True), D, max(16, D // 2), "bfloat16"),
+    ]
+
+
 def variant_rows(*, head_dim: int, base, batch: int, n_heads: int, device, seed: int = 0) -> list[dict]:
     """Sliding window, softcap and dv != d, forward and backward, through `variants.attention`, each
     against `variants.reference` with the same options (float32) and FlashAttention's rule (2x the
@@ -468,14 +480,7 @@ def variant_rows(*, head_dim: int, base, batch: int, n_heads: int, device, seed:
     from . import variants
 
     sq, sk = base
-    D = head_dim
-    specs = [
-        ("sliding window (causal, left)", dict(window=(max(sk // 4, 1), -1), causal=True), D, D, "bfloat16"),
-        ("sliding window (two-sided)", dict(window=(max(sk // 5, 1), max(sk // 7, 1))), D, D, "float16"),
-        ("softcap", dict(softcap=5.0), D, D, "bfloat16"),
-        ("softcap + causal", dict(softcap=2.0, causal=True), D, D, "float16"),
-        ("dv != d (MLA-like)", dict(causal=True), D, max(16, D // 2), "bfloat16"),
-    ]
+    specs = variant_specs(head_dim, sk)
     g = torch.Generator().manual_seed(seed + 303)
     backend = flash.select_backend(torch.device(device))[0]
     rows = []
@@ -566,3 +571,29 @@ def case_launches(case: Case, *, batch: int, n_heads: int, base: tuple[int, int]
     return flash.attention_launches(q, k, v, causal=case.causal, seqlens_q=seqlens_q, seqlens_k=seqlens_k,
                                     sinks=case.sinks, pack_gqa=case.pack_gqa, backward=case.direction == "bwd",
                                     name=case.label)
+
+
+def variant_launches(*, head_dim: int, base: tuple[int, int], batch: int, n_heads: int) -> list:
+    """The Triton launches `variant_rows` makes on a GPU (forward and backward of each variant case)."""
+    from . import variants
+
+    sq, sk = base
+    launches = []
+    for name, kw, d, dv, dtype in variant_specs(head_dim, sk):
+        launches += variants.variant_launches(batch, sq, sk, n_heads, max(n_heads // 2, 1), d, dv,
+                                              dtype=getattr(torch, dtype), backward=True, name=name, **kw)
+    return launches
+
+
+def split_kv_launches(*, head_dim: int, dtype: str, split_size: int = 32, ctas: int = 6) -> list:
+    """The Triton launches `split_kv_rows` makes on a GPU: fixed and adaptive split-KV, and stream-K."""
+    from . import decode, lean
+
+    B, H, Hk, S = 4, 4, 2, 4 * split_size + 9
+    dt = getattr(torch, dtype)
+    return (decode.decode_launches(B, H, Hk, head_dim, S, deterministic=True, split_size=split_size, dtype=dt,
+                                   name="split-KV fixed")
+            + decode.decode_launches(B, H, Hk, head_dim, S, deterministic=False, split_size=split_size, sms=8,
+                                     dtype=dt, name="split-KV adaptive")
+            + lean.lean_launches([S, 0, split_size, split_size + 1], H, Hk, head_dim, S, ctas=ctas, dtype=dt,
+                                 name="split-KV"))

@@ -266,45 +266,75 @@ def _check(q, k, v, window, softcap):
         raise UserError(f"softcap must be a finite number >= 0 (0: off), got {softcap!r}")
 
 
+def _fwd_launch(q, k, v, out, lse, window, softcap: float, scale: float, *, device: torch.device):
+    """The forward launch (`compiled.Launch`) for contiguous q [B, Sq, H, D], k [B, Sk, Hk, D],
+    v [B, Sk, Hk, DV], out [B, Sq, H, DV], fp32 lse [B, H, Sq] (tensors or `meta` stand-ins), or None
+    when nothing is launched. `device` picks the tiles and the emulation flags."""
+    from ..compiled import Launch
+
+    B, Sq, H, D = q.shape
+    Sk, Hk, DV = k.shape[1], k.shape[2], v.shape[3]
+    if not (B and Sq and H):
+        return None
+    cfg = _blocks(device, D, DV)
+    return Launch("variants fwd", _var_fwd_kernel, [
+        q, k, v, out, lse, Sq, Sk, H, H // Hk, D, DV, scale, float(softcap or 1.0), window[0], window[1],
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2)],
+        dict(SOFTCAP=softcap > 0, DOT_FP32=_device.dot_needs_fp32(device),
+             EMU=_device.bf16_cast_needs_emulation(device), **cfg),
+        "attention/variants.py:_VariantAttention.forward", (triton.cdiv(Sq, cfg["BLOCK_M"]), B, H))
+
+
+def _bwd_launches(q, k, v, dout, lse, delta, dq, dk, dv, window, softcap: float, scale: float, *,
+                  device: torch.device) -> list:
+    """The dK/dV and dQ launches (`compiled.Launch`) of the backward for contiguous tensors (or `meta`
+    stand-ins): dout [B, Sq, H, DV], fp32 lse and delta [B, H, Sq], dq/dk/dv shaped as q/k/v."""
+    from ..compiled import Launch
+
+    B, Sq, H, D = q.shape
+    Sk, Hk, DV = k.shape[1], k.shape[2], v.shape[3]
+    if not (B and Sq and Sk):
+        return []
+    args = [q, k, v, dout, lse, delta, dq, dk, dv, Sq, Sk, H, H // Hk, D, DV, scale, float(softcap or 1.0),
+            window[0], window[1], q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2)]
+    bwd = dict(SOFTCAP=softcap > 0, DOT_FP32=_device.dot_needs_fp32(device),
+               EMU=_device.bf16_cast_needs_emulation(device), **_blocks(device, D, DV, "bwd"))
+    src = "attention/variants.py:_VariantAttention.backward"
+    # 8 warps for the dK/dV program above head dim 64: no spills on sm_80/90 up to d192 (d256: ~76 B
+    # on sm_90), against 0.2-0.6 KB at 4 warps
+    return [Launch("variants bwd dkdv", _var_bwd_kernel, list(args),
+                   dict(bwd, FOR_DQ=False, num_warps=8 if max(D, DV) > 64 else 4), src,
+                   (triton.cdiv(Sk, bwd["BLOCK_N"]), B, Hk)),
+            Launch("variants bwd dq", _var_bwd_kernel, list(args), dict(bwd, FOR_DQ=True), src,
+                   (triton.cdiv(Sq, bwd["BLOCK_M"]), B, H))]
+
+
 class _VariantAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, window, softcap, scale):
         B, Sq, H, D = q.shape
-        Sk, Hk, DV = k.shape[1], k.shape[2], v.shape[3]
+        DV = v.shape[3]
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         out = torch.empty(B, Sq, H, DV, dtype=q.dtype, device=q.device)
         lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
-        cfg = _blocks(q.device, D, DV)
-        common = dict(SOFTCAP=softcap > 0, DOT_FP32=_device.dot_needs_fp32(q.device),
-                      EMU=_device.bf16_cast_needs_emulation(q.device), **cfg)
-        if B and Sq and H:
-            _var_fwd_kernel[(triton.cdiv(Sq, cfg["BLOCK_M"]), B, H)](
-                q, k, v, out, lse, Sq, Sk, H, H // Hk, D, DV, scale, float(softcap or 1.0), window[0], window[1],
-                q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-                v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2), **common)
+        launch = _fwd_launch(q, k, v, out, lse, window, softcap, scale, device=q.device)
+        if launch is not None:
+            launch.kernel[launch.grid](*launch.args, **launch.kwargs)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (window, softcap, scale, common)
+        ctx.args = (window, softcap, scale)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        window, softcap, scale, common = ctx.args
-        B, Sq, H, D = q.shape
-        Sk, Hk, DV = k.shape[1], k.shape[2], v.shape[3]
+        window, softcap, scale = ctx.args
         dout = dout.contiguous()
         delta = (dout.float() * out.float()).sum(-1).transpose(1, 2).contiguous()      # [B, H, Sq]
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        args = (q, k, v, dout, lse, delta, dq, dk, dv, Sq, Sk, H, H // Hk, D, DV, scale, float(softcap or 1.0),
-                window[0], window[1], q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-                v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2))
-        bwd = {**common, **_blocks(q.device, D, DV, "bwd")}
-        if B and Sq and Sk:
-            # 8 warps for the dK/dV program above head dim 64: no spills on sm_80/90 up to d192 (d256: ~76 B
-            # on sm_90), against 0.2-0.6 KB at 4 warps
-            _var_bwd_kernel[(triton.cdiv(Sk, bwd["BLOCK_N"]), B, Hk)](
-                *args, FOR_DQ=False, num_warps=8 if max(D, DV) > 64 else 4, **bwd)
-            _var_bwd_kernel[(triton.cdiv(Sq, bwd["BLOCK_M"]), B, H)](*args, FOR_DQ=True, **bwd)
+        for launch in _bwd_launches(q, k, v, dout, lse, delta, dq, dk, dv, window, softcap, scale, device=q.device):
+            launch.kernel[launch.grid](*launch.args, **launch.kwargs)
         return dq, dk, dv, None, None, None
 
 
@@ -319,3 +349,31 @@ def attention(q, k, v, *, window=(-1, -1), softcap: float = 0.0, causal: bool = 
         window = (window[0], 0)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     return _VariantAttention.apply(q, k, v, window, float(softcap), scale)
+
+
+def variant_launches(batch: int, seqlen_q: int, seqlen_k: int, heads: int, kv_heads: int, head_dim: int,
+                     head_dim_v: int, *, dtype=torch.bfloat16, window=(-1, -1), softcap: float = 0.0,
+                     causal: bool = False, backward: bool = True, name: str = "") -> list:
+    """The launches `attention(...)` (and its backward) makes on a GPU for these shapes and options,
+    without running them (`compiled.Launch` list on `meta` stand-ins)."""
+    from ..compiled import meta
+
+    window = (window[0], 0) if causal else tuple(window)
+    scale = 1.0 / math.sqrt(head_dim)
+    dev = torch.device("cuda")
+    q = meta((batch, seqlen_q, heads, head_dim), dtype)
+    k = meta((batch, seqlen_k, kv_heads, head_dim), dtype)
+    v = meta((batch, seqlen_k, kv_heads, head_dim_v), dtype)
+    out = meta((batch, seqlen_q, heads, head_dim_v), dtype)
+    lse = meta((batch, heads, seqlen_q), torch.float32)
+    fwd = _fwd_launch(q, k, v, out, lse, window, float(softcap), scale, device=dev)
+    launches = [fwd] if fwd is not None else []
+    if backward:
+        launches += _bwd_launches(q, k, v, meta(out.shape, dtype), lse, meta(lse.shape, torch.float32),
+                                  meta(q.shape, dtype), meta(k.shape, dtype), meta(v.shape, dtype), window,
+                                  float(softcap), scale, device=dev)
+    tag = (f"B{batch} {seqlen_q}x{seqlen_k} H{heads}/{kv_heads} d{head_dim} dv{head_dim_v} {str(dtype)[6:]}"
+           f" window{window}{f' softcap{softcap:g}' if softcap else ''}")
+    for la in launches:
+        la.name = f"{name} {la.name} {tag}".strip()
+    return launches

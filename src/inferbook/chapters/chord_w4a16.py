@@ -642,8 +642,9 @@ def measure(ctx, *, route_tokens, skew, hidden, inter, experts, top_k, tokens, g
 
 def gpu_launches(params: dict) -> list:
     """The Triton launches of this chapter at its gpu preset (`inferbook.compiled`): the timed dense
-    W4A16 GEMM at every M of the sweep, the dense check in every layout, the fused MoE check in
-    every layout and the grouped prefill; one per distinct compiled kernel."""
+    W4A16 GEMM at every M of the sweep, the dense check and the wrong-layout demonstration in every
+    layout, the fused MoE check in every layout, the decode sweep at Kimi-K2 EP8 shapes (every layout,
+    every M) and the prefill step in every layout; one per distinct compiled kernel."""
     from .. import compiled
 
     p = params
@@ -653,12 +654,20 @@ def gpu_launches(params: dict) -> list:
                                       f"K{p['gemm_k']} cfg {'x'.join(str(v) for v in list(W.linear_config(m, False).values())[:3])}")
     for layout in W.LAYOUTS:                                   # check_dense: x [37, hidden], w [2*inter + 3, hidden]
         launches += W.linear_launches(37, 2 * p["inter"] + 3, p["hidden"], layout)
+    for layout in W.LAYOUTS:                                   # wrong_layout_numbers: each spec's kernel, [4, 128] x [64, 128]
+        launches += W.linear_launches(4, 64, 128, layout, name=f"wrong-layout demo: the {layout} kernel M4 N64 K128")
     for layout in W.LAYOUTS:                                   # check_layouts
         launches += FM.fused_moe_launches(p["tokens"], p["top_k"], p["experts"], p["hidden"], p["inter"], layout,
                                           name="check")
-    if p["prefill_tokens"]:
-        launches += FM.fused_moe_launches(p["prefill_tokens"], p["top_k"], p["prefill_experts"], p["hidden"],
-                                          p["inter"], "grouped_contiguous", name="prefill")
+    E, H, I = p["decode_experts"], p["decode_hidden"], p["decode_inter"]
+    k = min(p["top_k"], E)
+    for layout in ("indexed", "grouped_masked", "grouped_contiguous"):          # gpu_decode_sweep
+        for m in parse_ints(p["decode_m"], "decode_m"):
+            launches += FM.fused_moe_launches(-(-E * m // k), k, E, H, I, layout, max_m=m, name=f"decode M{m}")
+    if p["prefill_tokens"]:                                    # gpu_prefill
+        for layout in W.LAYOUTS:
+            launches += FM.fused_moe_launches(p["prefill_tokens"], p["top_k"], p["prefill_experts"], p["hidden"],
+                                              p["inter"], layout, name="prefill")
     return compiled.dedupe(launches)
 
 

@@ -437,8 +437,8 @@ def engine_record(ctx, *, requests: int, new_tokens: int, layers: int, split_siz
 
 def gpu_launches(params: dict) -> list:
     """The Triton launches of this chapter at its gpu preset (`inferbook.compiled`): split-KV decode
-    (both modes) at every timed and swept batch size, the correctness shapes, and the
-    batch-invariant matmul at every M of the invariance check; one per distinct compiled kernel."""
+    (both modes) and the stream-K kernel at every timed and swept batch size, the correctness shapes,
+    and the batch-invariant matmul at every M of the invariance check; one per distinct compiled kernel."""
     from .. import compiled
 
     dt = getattr(torch, params["dtype"])
@@ -455,6 +455,15 @@ def gpu_launches(params: dict) -> list:
         for B, Hc, Hkc, Dc, S in ((4, 4, 2, 32, 2 * split + 5), (3, 6, 6, 40, split), (2, 8, 1, 64, 3 * split)):
             launches += decode.decode_launches(B, Hc, Hkc, Dc, S, deterministic=det, split_size=split, sms=sms,
                                                dtype=dt, name="correctness")   # as correctness_rows
+    # the stream-K kernel over `sms` programs: the position sweep, its correctness shapes, the timed batches
+    for B in _ints(params["batch_sizes"]):
+        launches += lean.lean_launches([params["target_len"]] + [params["max_seqlen"]] * (B - 1), H, Hk, D,
+                                       params["max_seqlen"], ctas=sms, dtype=dt, name="position sweep")
+    for B, Hc, Hkc, Dc, S in ((4, 4, 2, 32, 77), (3, 6, 6, 40, 64)):          # as lean_correctness_rows
+        launches += lean.lean_launches([S, 0, 1, 33][:B], Hc, Hkc, Dc, S, ctas=sms, dtype=dt, name="correctness")
+    for B in _ints(params["time_batches"]):
+        launches += lean.lean_launches([params["time_seqlen"]] * B, H, Hk, D, params["time_seqlen"], ctas=sms,
+                                       dtype=dt, name="timed")
     for m in _ints(params["mm_m_values"]):
         launches += decode.bi_matmul_launches(m, params["mm_n"], params["mm_k"], dt)
     return compiled.dedupe(launches)

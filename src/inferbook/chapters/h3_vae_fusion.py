@@ -635,34 +635,56 @@ def amdahl_rows(records, speedups=(1, 1.5, 2, 3, 4, 6, 8, 12, 16, 32, 64)) -> tu
 
 
 def gpu_launches(params: dict) -> list:
-    """The Triton launches of this chapter at its gpu preset (`inferbook.compiled`): norm + SiLU +
-    pad (with and without the residual, both norms) at the largest stage's shape with the blocks'
-    fp32 norm weights and in the decoder (weights in the model dtype), the GroupNorm statistics
-    pass, and the mid-block attention/FFN linears; one per distinct compiled kernel."""
-    from .. import compiled
+    """The Triton launches of this chapter at its gpu preset (`inferbook.compiled`), traced: the
+    encoder and decoder with `Ops("fused")` on the check video and on the timed video, the block's
+    norm + SiLU + pad, and the fp16 gate's conv (gated and fp32-accumulating, at the gate's timed
+    shape and at `check_fp16_gate`'s) run on storage-less `meta` tensors inside
+    `compiled.recording()`, which records each launch instead of running it; one per distinct
+    compiled kernel, named by where it was launched."""
+    from .. import compiled as C
     from ..diffusion import fused as FU
+    from ..diffusion.vae import H3Encoder, ViT3DDecoder
 
-    dt = getattr(torch, params["dtype"])
-    pad = (2, 1, 1)
-    latent = (1, params["latent_frames"], params["latent_h"], params["latent_w"])
+    cfg = config_from(params)
+    dt = dtype_of(params)
+    T, H, W = parse_ints("video", params["video"], 3)
+    ct, chh, cw = parse_ints("check_video", params["check_video"], 3)
+    meta = torch.device("meta")
+    cl = torch.channels_last_3d
+    with torch.device(meta):
+        enc, dec = (m.to(dtype=dt).eval().requires_grad_(False) for m in (H3Encoder(cfg), ViT3DDecoder(cfg)))
     launches = []
-    for norm in params["norms"].split(","):
-        cfg = config_from(params, norm)
-        shape = largest_stage_shape(cfg, latent)
-        for res in (False, True):
-            launches += FU.norm_silu_pad_launches(shape, dt, norm, pad, groups=cfg.groups, residual=res,
-                                                  weight_dtype=torch.float32, name="block")
-            wide = (shape[0], cfg.channels[-2], *shape[2:])            # the last stage's first ResBlock norm
-            launches += FU.norm_silu_pad_launches(wide, dt, norm, pad, groups=cfg.groups, residual=res,
-                                                  weight_dtype=dt, name="decoder")
-        C0 = cfg.channels[0]
-        M = latent[0] * latent[1] * latent[2] * latent[3]             # tokens of the mid attention
-        Fm = cfg.ffn_mult * C0
-        launches += FU.fused_linear_launches(M, 3 * C0, C0, dt, norm=True, name="attn.qkv")
-        launches += FU.fused_linear_launches(M, C0, C0, dt, residual=True, name="attn.out")
-        launches += FU.fused_linear_launches(M, Fm, C0, dt, norm=True, swiglu=True, name="ffn.up")
-        launches += FU.fused_linear_launches(M, C0, Fm, dt, residual=True, name="ffn.down")
-    return compiled.dedupe(launches)
+
+    # the fused linear asks its device for its tiles (the interpreter's are smaller): a GPU's
+    gpu_tiles = {(FU, "linear_config"): lambda device, gpu_config=False: dict(FU.LINEAR_GPU_CONFIG)}
+
+    def traced(where, fn):
+        with C.recording(patch=gpu_tiles) as rec, torch.no_grad():
+            fn()
+        for la in rec:
+            la.name = f"{where}: {la.name} {C.describe(la)}".strip()
+        launches.extend(rec)
+
+    for where, (t, h, w) in (("check", (ct, chh, cw)), ("timed", (T, H, W))):
+        x = torch.empty((1, cfg.in_channels, t, h, w), device=meta, dtype=dt)
+        with torch.no_grad():
+            z = torch.empty(enc(x, Ops("eager"))[:, :cfg.z_dim].shape, device=meta, dtype=dt)
+        traced(f"{where} encoder", lambda x=x: enc(x, Ops("fused")))
+        traced(f"{where} decoder", lambda z=z: dec(z, Ops("fused")))
+    block = (1, cfg.widths[0], T, H, W)                                        # _block_records
+    xb = torch.empty(block, device=meta, dtype=dt).contiguous(memory_format=cl)
+    norm = Norm("group", torch.empty(block[1], device=meta), torch.empty(block[1], device=meta))
+    traced("block", lambda: norm_silu_pad_triton(xb, norm, (1, 1, 1, 1, 2)))
+    gate = (1, block[1], min(T, 9), min(H, 128), min(W, 224))                 # _gate_records, then check_fp16_gate
+    for where, (B_, C_, t, h, w) in (("fp16 gate", gate), ("fp16 gate check", (1, 16, 3, 5, 6))):
+        xp = torch.empty((B_, C_, t + 2, h + 2, w + 2), device=meta, dtype=torch.float16).contiguous(memory_format=cl)
+        wt, bias = torch.empty((C_, C_, 3, 3, 3), device=meta, dtype=torch.float16), torch.empty(C_, device=meta,
+                                                                                               dtype=torch.float16)
+        r = torch.empty((B_, C_, t, h, w), device=meta, dtype=torch.float16).contiguous(memory_format=cl)
+        for acc in (True, False):
+            traced(f"{where} {'fp16' if acc else 'fp32'}-accumulate",
+                   lambda xp=xp, wt=wt, bias=bias, r=r, acc=acc: conv3d_triton(xp, wt, bias, 1, r, fp16_accumulation=acc))
+    return C.dedupe(launches)
 
 
 def roofline_work(params: dict) -> list[dict]:

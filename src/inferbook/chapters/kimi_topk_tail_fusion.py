@@ -303,9 +303,11 @@ def rows(records: list[RunRecord]) -> list[dict]:
 
 
 def gpu_launches(params: dict) -> list:
-    """The Triton launches of this chapter at its gpu preset (`inferbook.compiled`): the decode tail
-    fused and separate (BF16 and fp32 rows) in every weight format at every token count, and the
-    MXFP4 weight packing (MX quantize of W2)."""
+    """The Triton launches of this chapter at its gpu preset (`inferbook.compiled`): in every weight
+    format at every token count, each tail variant (`VARIANTS`: expert-major separate and fused,
+    token-major fused) and the two fp32-row separate passes the checks compare with (expert-major
+    and token-major); the MXFP4 decode probe (one-hot, T = inter, k = 1) and the MXFP4 weight
+    packing (MX quantize of W2)."""
     from .. import compiled
     from ..numerics import mx as MX
 
@@ -314,10 +316,13 @@ def gpu_launches(params: dict) -> list:
     launches = []
     for fmt in parse_formats(p["formats"]):
         for T in parse_ints(p["tokens"], "tokens"):
-            launches += FM.moe_tail_launches(T, k, E, H, I, fmt, fused=True)
-            for inter_dtype in (torch.bfloat16, torch.float32):
-                launches += FM.moe_tail_launches(T, k, E, H, I, fmt, fused=False, inter_dtype=inter_dtype)
+            for variant, (kernel, fused) in VARIANTS.items():
+                launches += FM.moe_tail_launches(T, k, E, H, I, fmt, fused=fused, kernel=kernel, name=variant)
+            for kernel in FM.TAIL_KERNELS:
+                launches += FM.moe_tail_launches(T, k, E, H, I, fmt, fused=False, inter_dtype=torch.float32,
+                                                 kernel=kernel, name="check: fp32 rows")
         if fmt == "mxfp4":
+            launches += FM.moe_tail_launches(I, 1, E, H, I, fmt, fused=True, name="MXFP4 decode probe")
             launches += MX.quantize_launches((E, H, I), torch.float32, MXF.ELEMENT, axis=-1, block=MXF.BLOCK,
                                              scale_rounding=MXF.SCALE_ROUNDING, name=f"MXFP4 pack of W2 [{E}, {H}, {I}]")
     return compiled.dedupe(launches)

@@ -359,19 +359,33 @@ def measure(ctx, *, hidden, inter, experts, top_k, concurrency, tps, reps, eps, 
 
 def gpu_launches(params: dict) -> list:
     """The Triton launches of this chapter at its gpu preset (`inferbook.compiled`): at every
-    concurrency C, the fused path (routed experts plus the shared expert as slot k+1) and the
-    separate path (routed fused MoE plus the shared expert's own two GEMMs); one per distinct kernel."""
+    concurrency C and each of its tile configs (`tile_configs`), the fused path (routed experts plus
+    the shared expert as slot k+1) and the separate path (routed fused MoE plus the shared expert's
+    own two GEMMs at the same tiles); the shared check (T=19) and the simulated EP ranks (T=12, fp32
+    partials); one per distinct kernel."""
     from .. import compiled
 
     p = params
     E, k, H, I = p["experts"], p["top_k"], p["hidden"], p["inter"]
     launches = []
-    for C in parse_ints(p["concurrency"], "concurrency") + [19]:   # 19: shared_check's T
-        launches += FM.fused_moe_launches(C, k + 1, E + 1, H, I, "indexed", name=f"fused-slot C{C}")
-        launches += FM.fused_moe_launches(C, k, E, H, I, "indexed", name=f"routed C{C}")
-        launches += W.linear_launches(C, 2 * I, H, "indexed", name=f"shared_mlp gate/up C{C}")
-        launches += W.linear_launches(C, H, I, "indexed", name=f"shared_mlp down C{C}")
-    launches += FM.fused_moe_launches(19, 1, 1, H, I, "indexed", name="shared as its own MoE (check)")
+    for C in parse_ints(p["concurrency"], "concurrency"):
+        for cfg in tile_configs(C, E, k):
+            tag = f"C{C} {tiles_tag(cfg)}"
+            launches += FM.fused_moe_launches(C, k + 1, E + 1, H, I, "indexed", block=cfg, name=f"fused-slot {tag}")
+            launches += FM.fused_moe_launches(C, k, E, H, I, "indexed", block=cfg, name=f"routed {tag}")
+            launches += W.linear_launches(C, 2 * I, H, "indexed", block=cfg, name=f"shared_mlp gate/up {tag}")
+            launches += W.linear_launches(C, H, I, "indexed", block=cfg, name=f"shared_mlp down {tag}")
+    T = 19                                                                    # shared_check
+    launches += FM.fused_moe_launches(T, k + 1, E + 1, H, I, "indexed", name=f"shared check fused-slot T{T}")
+    for dt in (torch.float32, torch.bfloat16):                                # shared_separate, round_each False/True
+        d = str(dt)[6:]
+        launches += FM.fused_moe_launches(T, k, E, H, I, "indexed", out_dtype=dt, name=f"shared check routed T{T} -> {d}")
+        launches += FM.fused_moe_launches(T, 1, 1, H, I, "indexed", out_dtype=dt,
+                                          name=f"shared check: shared as its own MoE -> {d}")
+    for ep in parse_ints(p["eps"], "eps"):                                    # ep_records' simulated ranks
+        if E % ep == 0:
+            launches += FM.fused_moe_launches(12, k + 1, E // ep + 1, H, I, "indexed", out_dtype=torch.float32,
+                                              name=f"EP{ep} rank")
     return compiled.dedupe(launches)
 
 

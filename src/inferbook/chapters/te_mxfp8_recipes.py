@@ -449,8 +449,8 @@ def measure(ctx, *, m, k, n, outlier_scale, recipes, d_in, d_hidden, train_batch
 
 def gpu_launches(params: dict) -> list:
     """The Triton launches of this chapter at its gpu preset (`inferbook.compiled`): MX quantize for
-    the timed bf16 input and the bit-exactness check (every format, rounding and layout), and the
-    grouped-GEMM checker (its GPU shapes, with and without the injected fault)."""
+    the timed bf16 input, the GEMM paths' x and W and the bit-exactness check (every format, rounding
+    and layout), the one-pass row+column quantize (timed and bit-checked), and the grouped-GEMM checker (its GPU shapes, with and without the injected fault)."""
     from .. import compiled
 
     launches = []
@@ -462,6 +462,12 @@ def gpu_launches(params: dict) -> list:
             for layout, kw in LAYOUTS.items():
                 launches += mx.quantize_launches((params["check_m"], params["check_n"]), torch.float32, fmt,
                                                  scale_rounding=rule, name=f"bit-exact {fmt} {rule} {layout}", **kw)
+    for name, shape in (("x", (params["m"], params["k"])), ("W", (params["n"], params["k"]))):    # gemm_paths
+        launches += mx.quantize_launches(shape, torch.bfloat16, "e4m3", name=f"mx-gemm-paths quantize {name} e4m3 floor")
+    # rowcol_record: the one-pass row+column kernel, timed (bf16) and bit-checked (fp32 edge input 67x133)
+    launches += mx.quantize_rowcol_launches((params["quant_m"], params["quant_k"]), torch.bfloat16, "e4m3",
+                                            name=f"rowcol one pass e4m3 floor bf16 {params['quant_m']}x{params['quant_k']}")
+    launches += mx.quantize_rowcol_launches((67, 133), torch.float32, "e4m3", name="rowcol bit-exact e4m3 floor fp32 67x133")
     for K, N in ((64, 48), (33, 70), (256, 200)):          # grouped_record's GPU shapes
         for skip in (False, True):
             launches += grouped.grouped_gemm_launches(params["max_rows"], params["n_groups"], N, K, torch.bfloat16,

@@ -320,11 +320,10 @@ def fused_moe(x, w13: PackedW4, w2: PackedW4, topk_weights, topk_ids, layout: st
 
     def gemm(a, w, c, rows, block_expert, counts, dest, n_rows, N, K, grid, *, ROWS, A_DIV, SCATTER, GATED,
              MUL_ROW_WEIGHT, m_max=0):
-        moe_gemm_kernel[grid](a, w.qweight, w.scales, c, rows, block_expert, counts, dest, weights_flat,
-                              n_rows, N, K, m_max, w.qweight[0].numel(), w.scales[0].numel(),
-                              a.stride(0), a.stride(1), c.stride(0), c.stride(1),
-                              ROWS=ROWS, A_DIV=A_DIV, SCATTER=SCATTER, GATED=GATED, MUL_ROW_WEIGHT=MUL_ROW_WEIGHT,
-                              OUT_BF16=c.dtype == torch.bfloat16, **common)
+        _run(_gemm_launch("", a, w.qweight, w.scales, c, rows, block_expert, counts, dest, weights_flat, n_rows, N, K,
+                          m_max, w.qweight[0].numel(), w.scales[0].numel(), grid, ROWS=ROWS, A_DIV=A_DIV,
+                          SCATTER=SCATTER, GATED=GATED, MUL_ROW_WEIGHT=MUL_ROW_WEIGHT, common=common,
+                          source="moe/fused_moe.py:fused_moe"))
 
     if layout == "indexed":
         al = routing.align_indexed(topk_ids, E, BM, check=False)  # ids already checked (or check=False)
@@ -374,11 +373,42 @@ def combine(y: torch.Tensor, k: int, out_dtype=torch.bfloat16, *, block=None) ->
             acc += y.reshape(T, k, H)[:, j].float()
         return acc.to(out_dtype)
     cfg = combine_config(block != "gpu" and y.device.type != "cuda")
-    BT, BH = cfg["BLOCK_T"], cfg["BLOCK_H"]
-    combine_kernel[(triton.cdiv(T, BT), triton.cdiv(H, BH))](y.contiguous(), out, T, H, k,
-                                                            OUT_BF16=out_dtype == torch.bfloat16,
-                                                            EMULATE=dot_needs_fp32(y.device), BLOCK_T=BT, BLOCK_H=BH)
+    _run(_combine_launch(y.contiguous(), out, k, cfg, device=y.device))
     return out
+
+
+def _run(launch) -> None:
+    launch.kernel[launch.grid](*launch.args, **launch.kwargs)
+
+
+def _gemm_launch(name, a, qw, qs, c, rows, block_expert, counts, dest, roww, n_rows, N, K, m_max, q_es, s_es, grid, *,
+                 ROWS, A_DIV, SCATTER, GATED, MUL_ROW_WEIGHT, common: dict, OUT_DIV=None, ATOMIC=None,
+                 source: str):
+    """One `moe_gemm_kernel` launch (`compiled.Launch`): a [n_rows, K] activations, the packed expert
+    weights qw / scales qs (q_es, s_es elements per expert), c [.., N] out, the routing tables
+    (rows, block_expert, counts, dest: int32), roww fp32 router weights per slot; `common` = LAYOUT,
+    GROUP, DOT_FP32 and the tiles. OUT_DIV / ATOMIC are passed only when given (the tail's epilogue)."""
+    from ..compiled import Launch
+
+    kw = dict(ROWS=ROWS, A_DIV=A_DIV, SCATTER=SCATTER, GATED=GATED, MUL_ROW_WEIGHT=MUL_ROW_WEIGHT,
+              OUT_BF16=c.dtype == torch.bfloat16, **common)
+    if OUT_DIV is not None:
+        kw.update(OUT_DIV=OUT_DIV, ATOMIC=ATOMIC)
+    return Launch(name, moe_gemm_kernel,
+                  [a, qw, qs, c, rows, block_expert, counts, dest, roww, n_rows, N, K, m_max, q_es, s_es,
+                   a.stride(0), a.stride(1), c.stride(0), c.stride(1)], kw, source, grid)
+
+
+def _combine_launch(y, out, k: int, cfg: dict, *, device: torch.device):
+    """`combine`'s launch (`compiled.Launch`): y [T*k, H] (bf16 or fp32) -> out [T, H]."""
+    from ..compiled import Launch
+
+    T, H = out.shape
+    BT, BH = cfg["BLOCK_T"], cfg["BLOCK_H"]
+    return Launch(f"combine y:{str(y.dtype)[6:]} -> {str(out.dtype)[6:]} T{T} k{k} H{H}", combine_kernel,
+                  [y, out, T, H, k], dict(OUT_BF16=out.dtype == torch.bfloat16, EMULATE=dot_needs_fp32(device),
+                                          BLOCK_T=BT, BLOCK_H=BH),
+                  "moe/fused_moe.py:combine", (triton.cdiv(T, BT), triton.cdiv(H, BH)))
 
 
 # ---------------------------------------------------------------------------
@@ -462,13 +492,12 @@ def moe_tail(act: torch.Tensor, w2, topk_weights, topk_ids, *, fused: bool, inte
         extra = {"enable_fp_fusion": False}  # no FMA contraction: the fused and separate paths round alike
         if fused:
             out = torch.empty((T, H), dtype=torch.bfloat16, device=act.device)
-            down_tail_kernel[grid](a, qw, sc, ids, w, out, H, I, k, q_es, s_es, FUSED=True, OUT_BF16=True, LAYOUT=code,
-                                   GROUP=group, EMULATE=emu, **cfg, **extra)
+            _run(_down_tail_launch(a, qw, sc, ids, w, out, H, I, k, q_es, s_es, fused=True, code=code, group=group,
+                                   emu=emu, cfg={**cfg, **extra}, grid=grid))
             return out, 1, none
         y = torch.empty((T * k, H), dtype=inter_dtype, device=act.device)
-        down_tail_kernel[grid](a, qw, sc, ids, w, y, H, I, k, q_es, s_es, FUSED=False,
-                               OUT_BF16=inter_dtype == torch.bfloat16, LAYOUT=code, GROUP=group, EMULATE=emu, **cfg,
-                               **extra)
+        _run(_down_tail_launch(a, qw, sc, ids, w, y, H, I, k, q_es, s_es, fused=False, code=code, group=group,
+                               emu=emu, cfg={**cfg, **extra}, grid=grid))
         return combine(y, k, block="gpu" if gpu_cfg else None), 2, {"rows": y.numel() * y.element_size(), "accumulator": 0}
     cfg = dict(moe_config(T * k / E, False) if gpu_cfg else (block or moe_config(T * k / E, interp)))
     check_block_k(cfg["BLOCK_K"], group, "indexed")  # MXFP4: group 32, whole blocks per tile
@@ -478,11 +507,8 @@ def moe_tail(act: torch.Tensor, w2, topk_weights, topk_ids, *, fused: bool, inte
     grid = (al.block_expert.numel(), triton.cdiv(H, BN))
 
     def launch(c, *, out_div, atomic):
-        moe_gemm_kernel[grid](a, qw, sc, c, al.sorted_ids, al.block_expert, dummy, dummy, w.flatten(),
-                              T * k, H, I, 0, q_es, s_es, a.stride(0), a.stride(1), c.stride(0), c.stride(1),
-                              ROWS=0, A_DIV=1, SCATTER=False, GATED=False, MUL_ROW_WEIGHT=True,
-                              OUT_BF16=c.dtype == torch.bfloat16, LAYOUT=code, GROUP=group, DOT_FP32=emu,
-                              OUT_DIV=out_div, ATOMIC=atomic, **cfg)
+        _run(_tail_gemm_launch(a, qw, sc, c, al.sorted_ids, al.block_expert, dummy, w.flatten(), T, k, H, I, q_es,
+                               s_es, grid, out_div=out_div, atomic=atomic, code=code, group=group, emu=emu, cfg=cfg))
 
     if fused:
         acc = torch.zeros((T, H), dtype=torch.float32, device=act.device)
@@ -491,6 +517,27 @@ def moe_tail(act: torch.Tensor, w2, topk_weights, topk_ids, *, fused: bool, inte
     y = torch.empty((T * k, H), dtype=inter_dtype, device=act.device)
     launch(y, out_div=1, atomic=False)
     return combine(y, k, block="gpu" if gpu_cfg else None), 2, {"rows": y.numel() * y.element_size(), "accumulator": 0}
+
+
+def _down_tail_launch(a, qw, sc, ids, w, c, H, I, k, q_es, s_es, *, fused: bool, code: int, group: int, emu: bool,
+                      cfg: dict, grid):
+    """The token-major tail's `down_tail_kernel` launch (`compiled.Launch`): a [T*k, I] bf16, w2 words
+    and scales, ids int32 / w fp32 [T, k], c = out [T, H] bf16 (fused) or rows [T*k, H]."""
+    from ..compiled import Launch
+
+    return Launch("down_tail token-major", down_tail_kernel, [a, qw, sc, ids, w, c, H, I, k, q_es, s_es],
+                  dict(FUSED=fused, OUT_BF16=c.dtype == torch.bfloat16, LAYOUT=code, GROUP=group, EMULATE=emu, **cfg),
+                  "moe/fused_moe.py:moe_tail", grid)
+
+
+def _tail_gemm_launch(a, qw, sc, c, sorted_ids, block_expert, dummy, roww, T, k, H, I, q_es, s_es, grid, *,
+                      out_div: int, atomic: bool, code: int, group: int, emu: bool, cfg: dict):
+    """The expert-major tail's `moe_gemm_kernel` launch: the down GEMM with the router weight in the
+    epilogue, rows written at slot // out_div (atomic: added into an fp32 [T, H] accumulator)."""
+    return _gemm_launch("down_tail expert-major", a, qw, sc, c, sorted_ids, block_expert, dummy, dummy, roww, T * k, H,
+                        I, 0, q_es, s_es, grid, ROWS=0, A_DIV=1, SCATTER=False, GATED=False, MUL_ROW_WEIGHT=True,
+                        common=dict(LAYOUT=code, GROUP=group, DOT_FP32=emu, **cfg), OUT_DIV=out_div, ATOMIC=atomic,
+                        source="moe/fused_moe.py:moe_tail")
 
 
 def reorder_bound(out_a: torch.Tensor, out_b: torch.Tensor, act, w2, topk_weights, topk_ids):
@@ -685,40 +732,47 @@ def ep_physical_ids(ids_all: torch.Tensor, num_routed: int, ep: int, token_rank:
 # Launch builders (inferbook.compiled): what `fused_moe`, `combine` and `moe_tail` launch on a
 # GPU for given shapes, from the same config functions and argument lists, without running them
 
+def _packed_elements(layout: str, N: int, K: int, group_size: int) -> tuple[int, int]:
+    """(int32 words, scales) one expert's [N, K] weight holds in `layout` (w4a16's packing specs)."""
+    from .w4a16 import PANEL, padded_k
+
+    Kp = padded_k(K, layout)
+    words = {"indexed": N * K // 8, "grouped_contiguous": Kp // 8 * N,
+             "grouped_masked": -(-N // PANEL) * PANEL * Kp // 8}[layout]
+    return words, N * K // group_size
+
+
 def fused_moe_launches(tokens: int, top_k: int, experts: int, hidden: int, inter: int, layout: str = "indexed", *,
                        max_m: int | None = None, inter_dtype=torch.bfloat16, out_dtype=torch.bfloat16,
                        group_size: int = 32, block: dict | None = None, name: str = "") -> list:
     """`fused_moe`'s gate/up and down launches plus its combine for x [tokens, hidden] routed to
     `top_k` of `experts` experts (w13 [E, 2*inter, hidden], w2 [E, hidden, inter] packed for
     `layout`). `max_m` (masked layout): rows per expert (default: twice the mean, rounded up)."""
-    from ..compiled import Launch, meta
+    from ..compiled import meta
 
     T, k, E, H, I = tokens, top_k, experts, hidden, inter
     cfg = dict(block or moe_config(T * k / E, False))
+    check_block_k(cfg["BLOCK_K"], group_size, layout)
     BM, BN = cfg["BLOCK_M"], cfg["BLOCK_N"]
-    common = dict(LAYOUT=LAYOUT_CODE[layout], GROUP=group_size, DOT_FP32=False, **cfg)
+    dev = torch.device("cuda")
+    common = dict(LAYOUT=LAYOUT_CODE[layout], GROUP=group_size, DOT_FP32=dot_needs_fp32(dev), **cfg)
     i32, bf16, f32 = torch.int32, torch.bfloat16, torch.float32
-    qdt = torch.uint8 if layout == "grouped_masked" else i32
-    per_q = (lambda N, K: N * K // 2) if layout == "grouped_masked" else (lambda N, K: N * K // 8)  # noqa: E731
     dummy = meta((1,), i32)
     tag = f"{layout} T{T} k{k} E{E} H{H} I{I} cfg {BM}x{BN}x{cfg['BLOCK_K']} w{cfg.get('num_warps', 4)} s{cfg.get('num_stages', 3)}"
     out = []
 
     def gemm(stage, a, c, rows, block_expert, counts, dest, n_rows, N, K, grid, *, ROWS, A_DIV, SCATTER, GATED,
              MUL_ROW_WEIGHT, m_max=0):
-        NW = 2 * N if GATED else N
-        out.append(Launch(f"{name} {stage} {tag}".strip(), moe_gemm_kernel,
-                          [a, meta((1,), qdt), meta((1,), bf16), c, rows, block_expert, counts, dest, meta((T * k,), f32),
-                           n_rows, N, K, m_max, per_q(NW, K), NW * K // group_size,
-                           a.stride(0), a.stride(1), c.stride(0), c.stride(1)],
-                          dict(ROWS=ROWS, A_DIV=A_DIV, SCATTER=SCATTER, GATED=GATED, MUL_ROW_WEIGHT=MUL_ROW_WEIGHT,
-                               OUT_BF16=c.dtype == torch.bfloat16, **common),
-                          "moe/fused_moe.py:fused_moe", grid))
+        q_es, s_es = _packed_elements(layout, 2 * N if GATED else N, K, group_size)
+        out.append(_gemm_launch(f"{name} {stage} {tag}".strip(), a, meta((E, q_es), i32), meta((E, s_es), bf16), c,
+                                rows, block_expert, counts, dest, meta((T * k,), f32), n_rows, N, K, m_max, q_es, s_es,
+                                grid, ROWS=ROWS, A_DIV=A_DIV, SCATTER=SCATTER, GATED=GATED,
+                                MUL_ROW_WEIGHT=MUL_ROW_WEIGHT, common=common, source="moe/fused_moe.py:fused_moe"))
 
     y = meta((T * k, H), inter_dtype)
+    P = (T * k + E * (BM - 1) + BM - 1) // BM * BM               # routing's worst-case buffer (indexed, contiguous)
+    nb = P // BM
     if layout == "indexed":
-        P = (T * k + E * (BM - 1) + BM - 1) // BM * BM          # routing.align_indexed's worst-case buffer
-        nb = P // BM
         ids, be = meta((P,), i32), meta((nb,), i32)
         act = meta((T * k, I), bf16)
         gemm("gate_up", meta((T, H), bf16), act, ids, be, dummy, dummy, T * k, I, H, (nb, triton.cdiv(I, BN)),
@@ -726,9 +780,6 @@ def fused_moe_launches(tokens: int, top_k: int, experts: int, hidden: int, inter
         gemm("down", act, y, ids, be, dummy, dummy, T * k, H, I, (nb, triton.cdiv(H, BN)),
              ROWS=0, A_DIV=1, SCATTER=False, GATED=False, MUL_ROW_WEIGHT=True)
     elif layout == "grouped_contiguous":
-        per = -(-T * k // E)                                       # an even split, each padded to BLOCK_M
-        P = E * (-(-per // BM) * BM)
-        nb = P // BM
         be, dest = meta((nb,), i32), meta((P,), i32)
         act = meta((P, I), bf16)
         gemm("gate_up", meta((P, H), bf16), act, dummy, be, dummy, dummy, P, I, H, (nb, triton.cdiv(I, BN)),
@@ -751,22 +802,24 @@ def fused_moe_launches(tokens: int, top_k: int, experts: int, hidden: int, inter
 def combine_launches(tokens: int, top_k: int, hidden: int, y_dtype=torch.bfloat16, out_dtype=torch.bfloat16,
                      name: str = "") -> list:
     """`combine`'s launch for y [tokens*top_k, hidden] -> [tokens, hidden] on a GPU."""
-    from ..compiled import Launch, meta
+    from ..compiled import meta
 
-    BT, BH = 8, 128
-    return [Launch(f"{name} combine y:{str(y_dtype)[6:]} -> {str(out_dtype)[6:]} T{tokens} k{top_k} H{hidden}".strip(),
-                   combine_kernel, [meta((tokens * top_k, hidden), y_dtype), meta((tokens, hidden), out_dtype),
-                                    tokens, hidden, top_k],
-                   dict(OUT_BF16=out_dtype == torch.bfloat16, EMULATE=False, BLOCK_T=BT, BLOCK_H=BH),
-                   "moe/fused_moe.py:combine", (triton.cdiv(tokens, BT), triton.cdiv(hidden, BH)))]
+    la = _combine_launch(meta((tokens * top_k, hidden), y_dtype), meta((tokens, hidden), out_dtype), top_k,
+                         combine_config(False), device=torch.device("cuda"))
+    la.name = f"{name} {la.name}".strip()
+    return [la]
 
 
 def moe_tail_launches(tokens: int, top_k: int, experts: int, hidden: int, inter: int, fmt: str, *, fused: bool,
-                      inter_dtype=torch.bfloat16, name: str = "") -> list:
+                      inter_dtype=torch.bfloat16, kernel: str = "expert-major", name: str = "") -> list:
     """`moe_tail`'s launches on a GPU for act [tokens*top_k, inter] and w2 [E, hidden, inter] in
-    `fmt` ('bf16', 'w4a16' (indexed) or 'mxfp4'): the down kernel, plus `combine` when not fused."""
-    from ..compiled import Launch, meta
+    `fmt` ('bf16', 'w4a16' (indexed) or 'mxfp4'), for `kernel` ('expert-major': `moe_gemm_kernel`
+    with the router weight in its epilogue, atomically added into an fp32 [T, H] accumulator when
+    fused; 'token-major': `down_tail_kernel`), plus `combine` when not fused."""
+    from ..compiled import meta
 
+    if kernel not in TAIL_KERNELS:
+        raise ValueError(f"kernel must be one of {TAIL_KERNELS}, got {kernel!r}")
     T, k, E, H, I = tokens, top_k, experts, hidden, inter
     if fmt == "bf16":
         qw = sc = meta((E, H, I), torch.bfloat16)
@@ -779,15 +832,27 @@ def moe_tail_launches(tokens: int, top_k: int, experts: int, hidden: int, inter:
         code, group, q_es, s_es = MXF.LAYOUT_CODE, MXF.BLOCK, H * I // 2, H * I // MXF.BLOCK
     else:
         raise ValueError(f"fmt must be 'bf16', 'w4a16' or 'mxfp4', got {fmt!r}")
-    cfg = dict(BLOCK_N=64, BLOCK_K=128, num_warps=4)
-    c = meta((T, H), torch.bfloat16) if fused else meta((T * k, H), inter_dtype)
-    out = [Launch(f"{name} down_tail {fmt} {'fused' if fused else 'separate y:' + str(inter_dtype)[6:]} T{T} k{k} H{H} I{I}".strip(),
-                  down_tail_kernel,
-                  [meta((T * k, I), torch.bfloat16), qw, sc, meta((T, k), torch.int32), meta((T, k), torch.float32), c,
-                   H, I, k, q_es, s_es],
-                  dict(FUSED=fused, OUT_BF16=fused or inter_dtype == torch.bfloat16, LAYOUT=code, GROUP=group,
-                       EMULATE=False, **cfg, enable_fp_fusion=False),
-                  "moe/fused_moe.py:moe_tail", (T, triton.cdiv(H, cfg["BLOCK_N"])))]
+    dev = torch.device("cuda")
+    emu = dot_needs_fp32(dev)
+    a, ids, w = meta((T * k, I), torch.bfloat16), meta((T, k), torch.int32), meta((T, k), torch.float32)
+    tag = f"{fmt} {'fused' if fused else 'separate y:' + str(inter_dtype)[6:]} T{T} k{k} H{H} I{I}"
+    if kernel == "token-major":
+        cfg = dict(token_major_config(False), enable_fp_fusion=False)
+        c = meta((T, H), torch.bfloat16) if fused else meta((T * k, H), inter_dtype)
+        la = _down_tail_launch(a, qw, sc, ids, w, c, H, I, k, q_es, s_es, fused=fused, code=code, group=group, emu=emu,
+                               cfg=cfg, grid=(T, triton.cdiv(H, cfg["BLOCK_N"])))
+    else:
+        cfg = dict(moe_config(T * k / E, False))
+        BM, BN = cfg["BLOCK_M"], cfg["BLOCK_N"]
+        P = (T * k + E * (BM - 1) + BM - 1) // BM * BM            # routing.align_indexed's worst-case buffer
+        c = meta((T, H), torch.float32) if fused else meta((T * k, H), inter_dtype)
+        la = _tail_gemm_launch(a, qw, sc, c, meta((P,), torch.int32), meta((P // BM,), torch.int32),
+                               meta((1,), torch.int32), meta((T * k,), torch.float32), T, k, H, I, q_es, s_es,
+                               (P // BM, triton.cdiv(H, BN)), out_div=k if fused else 1, atomic=fused, code=code,
+                               group=group, emu=emu, cfg=cfg)
+        tag += f" cfg {BM}x{BN}x{cfg['BLOCK_K']}"
+    la.name = f"{name} {la.name} {tag}".strip()
+    out = [la]
     if not fused:
         out += combine_launches(T, k, H, inter_dtype, torch.bfloat16, name=name)
     return out

@@ -628,11 +628,8 @@ def linear(x: torch.Tensor, q: PackedW4, *, layout: str | None = None, block: di
         return (out.reshape(*lead, N), None) if return_kernel else out.reshape(*lead, N)
     cfg = dict(linear_config(M, False) if block == "gpu" else (block or linear_config(M, x.device.type != "cuda")))
     check_block_k(cfg["BLOCK_K"], q.group_size, q.layout)
-    BM, BN = cfg["BLOCK_M"], cfg["BLOCK_N"]
-    grid = (triton.cdiv(M, BM), triton.cdiv(N, BN))
-    kernel = _w4a16_linear_kernel[grid](x2, q.qweight, q.scales, out, M, N, K, x2.stride(0), x2.stride(1),
-                                        out.stride(0), out.stride(1), LAYOUT=LAYOUT_CODE[q.layout],
-                                        GROUP=q.group_size, DOT_FP32=dot_needs_fp32(x.device), **cfg)
+    launch = _linear_launch(x2, q.qweight, q.scales, out, q.layout, q.group_size, cfg, device=x.device)
+    kernel = launch.kernel[launch.grid](*launch.args, **launch.kwargs)
     out = out.reshape(*lead, N)
     return (out, kernel) if return_kernel else out
 
@@ -649,6 +646,20 @@ def weight_bytes(n: int, k: int, fmt: str, group_size: int = GROUP_SIZE) -> int:
 # ---------------------------------------------------------------------------
 # Launch builder (inferbook.compiled): what `linear` launches on a GPU, without running it
 
+def _linear_launch(x2, qweight, scales, out, layout: str, group_size: int, cfg: dict, *, device: torch.device):
+    """The launch (`compiled.Launch`) `linear` makes: x2 bf16 [M, K], the packed weight and scales of
+    `layout`, out bf16 [M, N], tiles `cfg` (tensors or `meta` stand-ins; `device` sets DOT_FP32)."""
+    from ..compiled import Launch
+
+    M, K = x2.shape
+    N = out.shape[1]
+    return Launch(f"w4a16 linear {layout} M{M} N{N} K{K} cfg {cfg['BLOCK_M']}x{cfg['BLOCK_N']}x{cfg['BLOCK_K']}",
+                  _w4a16_linear_kernel,
+                  [x2, qweight, scales, out, M, N, K, x2.stride(0), x2.stride(1), out.stride(0), out.stride(1)],
+                  dict(LAYOUT=LAYOUT_CODE[layout], GROUP=group_size, DOT_FP32=dot_needs_fp32(device), **cfg),
+                  "moe/w4a16.py:linear", (triton.cdiv(M, cfg["BLOCK_M"]), triton.cdiv(N, cfg["BLOCK_N"])))
+
+
 def linear_launches(m: int, n: int, k: int, layout: str = "indexed", *, group_size: int = GROUP_SIZE,
                     block: dict | None = None, name: str = "") -> list:
     """The launch `linear(x [m, k] bf16, q [n, k] packed for `layout`)` makes on a GPU, from the
@@ -656,13 +667,10 @@ def linear_launches(m: int, n: int, k: int, layout: str = "indexed", *, group_si
     from ..compiled import meta
 
     cfg = dict(block or linear_config(m, False))
-    qdt = torch.uint8 if layout == "grouped_masked" else (torch.bfloat16 if layout == "bf16" else torch.int32)
-    x2, out = meta((m, k), torch.bfloat16), meta((m, n), torch.bfloat16)
-    from ..compiled import Launch
-
-    return [Launch(name or f"w4a16 linear {layout} M{m} N{n} K{k} cfg {cfg['BLOCK_M']}x{cfg['BLOCK_N']}x{cfg['BLOCK_K']}",
-                   _w4a16_linear_kernel,
-                   [x2, meta((1,), qdt), meta((1,), torch.bfloat16), out, m, n, k, x2.stride(0), x2.stride(1),
-                    out.stride(0), out.stride(1)],
-                   dict(LAYOUT=LAYOUT_CODE[layout], GROUP=group_size, DOT_FP32=False, **cfg),
-                   "moe/w4a16.py:linear", (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"])))]
+    check_block_k(cfg["BLOCK_K"], group_size, layout)
+    qdt = torch.bfloat16 if layout == "bf16" else torch.int32      # every packing spec stores int32 words
+    launch = _linear_launch(meta((m, k), torch.bfloat16), meta((1,), qdt), meta((1,), torch.bfloat16),
+                            meta((m, n), torch.bfloat16), layout, group_size, cfg, device=torch.device("cuda"))
+    if name:
+        launch.name = name
+    return [launch]

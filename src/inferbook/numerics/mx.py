@@ -372,7 +372,6 @@ def quantize_triton(x: torch.Tensor, fmt: str = "e4m3", axis: int = -1, block=32
     axis, block = _check_args(x, fmt, axis, block, scale_rounding)
     if triton is None:
         raise RuntimeError("triton is not installed; use quantize_reference or backend='torch'")
-    f = FORMATS[fmt]
     elements = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
     if x.numel() == 0:
         return MXTensor(elements, torch.empty(_scale_shape(x, axis, block), dtype=torch.uint8, device=x.device),
@@ -382,13 +381,8 @@ def quantize_triton(x: torch.Tensor, fmt: str = "e4m3", axis: int = -1, block=32
     MB, NB = -(-M // sr), -(-N // sc)
     e2d = torch.empty((M, N), dtype=torch.uint8, device=x.device)
     s2d = torch.empty((MB, NB), dtype=torch.uint8, device=x.device)
-    nbr, nbc = _tile(sr, sc)
-    grid = (triton.cdiv(MB, nbr), triton.cdiv(NB, nbc))
-    mx_quantize_kernel[grid](x2d, e2d, s2d, M, N, MB, NB, x2d.stride(0), x2d.stride(1), e2d.stride(0),
-                             e2d.stride(1), s2d.stride(0), s2d.stride(1), SR=sr, SC=sc, NBR=nbr, NBC=nbc,
-                             EMAX=f.emax, EMIN=f.emin, MBITS=f.mbits, SIGN_SHIFT=f.sign_shift,
-                             MAX_NORMAL=f.max_normal, MAX_MANT=f.max_mant, NAN_CODE=f.nan_code,
-                             ROUND_UP=scale_rounding == "up")
+    launch = _quantize_launch(x2d, e2d, s2d, sr, sc, fmt, scale_rounding)
+    launch.kernel[launch.grid](*launch.args, **launch.kwargs)
     return MXTensor(restore(e2d), _restore_scales(s2d, x, axis, block), fmt, axis, block, scale_rounding,
                     x.dtype, "triton")
 
@@ -471,7 +465,6 @@ def quantize_rowcol_triton(x: torch.Tensor, fmt: str = "e4m3", block: int = 32,
         raise ValueError(f"one-pass row+column quantization supports block <= {ROWCOL_TILE_COLS}, got {block}")
     if triton is None:
         raise RuntimeError("triton is not installed; use quantize_rowcol_reference")
-    f = FORMATS[fmt]
     M, N = x.shape
     NBN, MBM = -(-N // block), -(-M // block)
     dev = x.device
@@ -480,12 +473,8 @@ def quantize_rowcol_triton(x: torch.Tensor, fmt: str = "e4m3", block: int = 32,
     sr = torch.empty((M, NBN), dtype=torch.uint8, device=dev)
     sc = torch.empty((MBM, N), dtype=torch.uint8, device=dev)
     if x.numel():
-        tc = ROWCOL_TILE_COLS
-        grid = (MBM, triton.cdiv(N, tc))
-        mx_quantize_rowcol_kernel[grid](x, er, sr, ec, sc, M, N, NBN, MBM, x.stride(0), x.stride(1),
-                                        BLOCK=block, TC=tc, EMAX=f.emax, EMIN=f.emin, MBITS=f.mbits,
-                                        SIGN_SHIFT=f.sign_shift, MAX_NORMAL=f.max_normal, MAX_MANT=f.max_mant,
-                                        NAN_CODE=f.nan_code, ROUND_UP=scale_rounding == "up")
+        launch = _rowcol_launch(x, er, sr, ec, sc, fmt, block, scale_rounding)
+        launch.kernel[launch.grid](*launch.args, **launch.kwargs)
     return (MXTensor(er, sr, fmt, 1, block, scale_rounding, x.dtype, "triton"),
             MXTensor(ec, sc, fmt, 0, block, scale_rounding, x.dtype, "triton"))
 
@@ -786,24 +775,71 @@ def direction_disagreement(x: torch.Tensor, fmt: str, scale_rounding: str = "flo
 # ---------------------------------------------------------------------------
 # Launch builder (inferbook.compiled): what `quantize_triton` launches on a GPU, without running it
 
+def _quantize_launch(x2d, e2d, s2d, sr: int, sc: int, fmt: str, scale_rounding: str):
+    """The launch (`compiled.Launch`) `quantize_triton` makes for x2d [M, N] (sr x sc blocks), codes
+    e2d uint8 [M, N] and scales s2d uint8 [ceil(M/sr), ceil(N/sc)] (tensors or `meta` stand-ins)."""
+    from ..compiled import Launch
+
+    f = FORMATS[fmt]
+    M, N = x2d.shape
+    MB, NB = -(-M // sr), -(-N // sc)
+    nbr, nbc = _tile(sr, sc)
+    return Launch(f"mx_quantize {fmt} {scale_rounding} {sr}x{sc} {str(x2d.dtype)[6:]} {M}x{N}", mx_quantize_kernel,
+                  [x2d, e2d, s2d, M, N, MB, NB, x2d.stride(0), x2d.stride(1), e2d.stride(0), e2d.stride(1),
+                   s2d.stride(0), s2d.stride(1)],
+                  dict(SR=sr, SC=sc, NBR=nbr, NBC=nbc, EMAX=f.emax, EMIN=f.emin, MBITS=f.mbits,
+                       SIGN_SHIFT=f.sign_shift, MAX_NORMAL=f.max_normal, MAX_MANT=f.max_mant, NAN_CODE=f.nan_code,
+                       ROUND_UP=scale_rounding == "up"),
+                  "numerics/mx.py:quantize_triton", (triton.cdiv(MB, nbr), triton.cdiv(NB, nbc)))
+
+
+def _rowcol_launch(x, er, sr, ec, sc, fmt: str, block: int, scale_rounding: str):
+    """The launch (`compiled.Launch`) `quantize_rowcol_triton` makes for x [M, N], codes er/ec uint8
+    [M, N], scales sr uint8 [M, ceil(N/block)] and sc uint8 [ceil(M/block), N] (or `meta` stand-ins)."""
+    from ..compiled import Launch
+
+    f = FORMATS[fmt]
+    M, N = x.shape
+    NBN, MBM = -(-N // block), -(-M // block)
+    tc = ROWCOL_TILE_COLS
+    return Launch(f"mx_quantize_rowcol {fmt} {scale_rounding} {block} {str(x.dtype)[6:]} {M}x{N} tile {block}x{tc}",
+                  mx_quantize_rowcol_kernel, [x, er, sr, ec, sc, M, N, NBN, MBM, x.stride(0), x.stride(1)],
+                  dict(BLOCK=block, TC=tc, EMAX=f.emax, EMIN=f.emin, MBITS=f.mbits, SIGN_SHIFT=f.sign_shift,
+                       MAX_NORMAL=f.max_normal, MAX_MANT=f.max_mant, NAN_CODE=f.nan_code,
+                       ROUND_UP=scale_rounding == "up"),
+                  "numerics/mx.py:quantize_rowcol_triton", (MBM, triton.cdiv(N, tc)))
+
+
+def quantize_rowcol_launches(shape, dtype=torch.bfloat16, fmt: str = "e4m3", block: int = 32,
+                             scale_rounding: str = "floor", name: str = "") -> list:
+    """The launch `quantize_rowcol_triton(x of `shape`/`dtype`, fmt, block, scale_rounding)` makes on a
+    GPU ([] for an empty x), without running it (`compiled.Launch` list; `meta` stand-ins)."""
+    from ..compiled import meta
+
+    M, N = (int(n) for n in shape)
+    if not M * N:
+        return []
+    NBN, MBM = -(-N // block), -(-M // block)
+    u8 = torch.uint8
+    launch = _rowcol_launch(meta((M, N), dtype), meta((M, N), u8), meta((M, NBN), u8), meta((M, N), u8),
+                            meta((MBM, N), u8), fmt, block, scale_rounding)
+    if name:
+        launch.name = name
+    return [launch]
+
+
 def quantize_launches(shape, dtype=torch.bfloat16, fmt: str = "e4m3", axis: int | None = -1, block=32,
                       scale_rounding: str = "floor", name: str = "") -> list:
     """The launch `quantize_triton(x of `shape`/`dtype`, fmt, axis, block, scale_rounding)` makes,
     from the same `_as_2d` / `_tile` and arguments (`compiled.Launch` list; `meta` stand-ins)."""
-    from ..compiled import Launch, meta
+    from ..compiled import meta
 
     x = meta(shape, dtype)
     axis, block = _check_args(x, fmt, axis, block, scale_rounding)
-    f = FORMATS[fmt]
     x2d, sr, sc, _ = _as_2d(x, axis, block)
     M, N = x2d.shape
-    MB, NB = -(-M // sr), -(-N // sc)
-    e2d, s2d = meta((M, N), torch.uint8), meta((MB, NB), torch.uint8)
-    nbr, nbc = _tile(sr, sc)
-    return [Launch(name or f"mx_quantize {fmt} {scale_rounding} {sr}x{sc} {str(dtype)[6:]} {M}x{N}", mx_quantize_kernel,
-                   [x2d, e2d, s2d, M, N, MB, NB, x2d.stride(0), x2d.stride(1), e2d.stride(0), e2d.stride(1),
-                    s2d.stride(0), s2d.stride(1)],
-                   dict(SR=sr, SC=sc, NBR=nbr, NBC=nbc, EMAX=f.emax, EMIN=f.emin, MBITS=f.mbits,
-                        SIGN_SHIFT=f.sign_shift, MAX_NORMAL=f.max_normal, MAX_MANT=f.max_mant, NAN_CODE=f.nan_code,
-                        ROUND_UP=scale_rounding == "up"),
-                   "numerics/mx.py:quantize_triton", (triton.cdiv(MB, nbr), triton.cdiv(NB, nbc)))]
+    launch = _quantize_launch(x2d, meta((M, N), torch.uint8), meta((-(-M // sr), -(-N // sc)), torch.uint8), sr, sc,
+                              fmt, scale_rounding)
+    if name:
+        launch.name = name
+    return [launch]
