@@ -1,5 +1,5 @@
 """MXFP8 dispatch/combine over gloo: the MXFP8 payload (quantized before the exchange) equals the BF16
-payload quantized after it, and the no-communication layer, bit for bit, forward and backward."""
+payload quantized after it bit for bit, and the no-communication layer to one BF16 ulp, forward and backward."""
 import pytest
 import torch
 
@@ -43,6 +43,17 @@ def test_single_process_reference_matches_a_per_token_loop_closely():
         err = (got["out"].double() - want).abs().max() / want.abs().max()
         assert err < 2 ** -7, err
         assert math.isfinite(float(err))
+
+
+def test_within_one_ulp_is_what_it_says():
+    a = torch.tensor([1.0, -1.0, 0.0, 3.0], dtype=torch.bfloat16)
+    up = (a.view(torch.int16) + 1).view(torch.bfloat16)
+    assert mx_ep.within_one_ulp(a, a) and mx_ep.within_one_ulp(a[:2], up[:2])
+    two = (a.view(torch.int16) + 2).view(torch.bfloat16)
+    assert not mx_ep.within_one_ulp(a[:1], two[:1])
+    assert not mx_ep.within_one_ulp(a, torch.full_like(a, float("nan")))
+    tiny = torch.tensor([0.0], dtype=torch.bfloat16).view(torch.int16) + torch.tensor([1], dtype=torch.int16)
+    assert mx_ep.within_one_ulp(torch.tensor([-0.0], dtype=torch.bfloat16), tiny.view(torch.bfloat16))
 
 
 def test_bytes_and_bad_layout():

@@ -266,11 +266,22 @@ def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
         if a.dtype == torch.bfloat16 else torch.equal(a, b)
 
 
+def within_one_ulp(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """BF16 tensors equal up to one unit in the last place per element (finite, same shape)."""
+    if a.shape != b.shape or not (torch.isfinite(a.float()).all() and torch.isfinite(b.float()).all()):
+        return False
+    ia, ib = a.view(torch.int16).to(torch.int32), b.view(torch.int16).to(torch.int32)
+    # order-preserving integer view of BF16 (sign-magnitude -> two's complement), so neighbours differ by 1
+    ka = torch.where(ia < 0, -32768 - ia, ia)
+    kb = torch.where(ib < 0, -32768 - ib, ib)
+    return bool(((ka - kb).abs() <= 1).all())
+
+
 def check(results: list[dict], *, tokens: int, hidden: int, inter: int, experts: int, topk: int,
           seed: int = 0) -> list[dict]:
     """Rows {check, passed, detail}: per rank, the MXFP8 payload's forward output and dx equal the
     BF16 payload's (quantized after the exchange) bit for bit, the received codes and scales too,
-    and both equal the single-process layer with no exchange."""
+    and both agree with the single-process layer with no exchange to one BF16 ulp."""
     world = len(results)
     epr = check_layout(world, experts, topk, hidden)
     probs = [make_problem(r, tokens, hidden, inter, experts, topk, seed) for r in range(world)]
@@ -282,10 +293,13 @@ def check(results: list[dict], *, tokens: int, hidden: int, inter: int, experts:
             rows.append({"check": f"rank {r} {what}: MXFP8 payload == quantize after the exchange, in bits",
                          "passed": bits_equal(m[what], b[what]) and bool(torch.isfinite(m[what].float()).all()),
                          "detail": f"{int((m[what].view(torch.int16) != b[what].view(torch.int16)).sum())} elements differ"})
-            rows.append({"check": f"rank {r} {what}: == the single-process layer, in bits",
-                         "passed": bits_equal(m[what], single[r][what]),
+            # Not bitwise: the same rows reach the GEMM here in other matrices (other processes, other
+            # shapes), and BLAS may block fp32 sums differently; what the math guarantees is agreement
+            # to BF16 rounding of the same sum.
+            rows.append({"check": f"rank {r} {what}: == the single-process layer, within one BF16 ulp",
+                         "passed": within_one_ulp(m[what], single[r][what]),
                          "detail": f"{int((m[what].view(torch.int16) != single[r][what].view(torch.int16)).sum())} "
-                                   "elements differ"})
+                                   "elements differ in bits"})
         rows.append({"check": f"rank {r}: received codes and scales identical for both payloads",
                      "passed": torch.equal(m["received_codes"], b["received_codes"])
                      and torch.equal(m["received_scales"], b["received_scales"]), "detail": ""})
