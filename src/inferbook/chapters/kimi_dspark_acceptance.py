@@ -33,7 +33,7 @@ from ..serving.metrics import run_closed_loop
 from ..serving.model import load_weights
 from ..serving.model_runner import observed_paged_kernels, paged_kernels_label
 from ..serving.sequence import SamplingParams
-from .kimi_spec_budget import torch_threads
+from ..device import torch_threads
 from ..serving.speculative import leviathan_expected_length
 from ..serving.train import DRAFTS, TARGET_FILE, draft_file, run_all
 

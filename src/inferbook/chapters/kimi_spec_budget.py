@@ -18,12 +18,12 @@ so only scheduling differs between them. One RunRecord per (policy, concurrency)
 """
 from __future__ import annotations
 
-import contextlib
 import statistics
 import time
 
 import torch
 
+from ..device import torch_threads
 from ..errors import UserError
 from ..measure import compare_timings, significant
 from ..presets import Param
@@ -170,22 +170,6 @@ def measure(ctx, *, cpu_threads, **params) -> list[RunRecord]:
     for r in records:
         r.workload["torch_threads"] = threads
     return records
-
-
-@contextlib.contextmanager
-def torch_threads(device, n: int):
-    """On CPU, run with `n` torch threads (restored afterwards). The engine's matmuls are small
-    (at most a few hundred rows); on a shared 2-core machine a second thread mostly waits on the
-    first, and an oversubscribed machine makes that wait dominate. Yields the thread count used."""
-    if device.type != "cpu" or n <= 0:
-        yield torch.get_num_threads()
-        return
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield n
-    finally:
-        torch.set_num_threads(before)
 
 
 # (metric, unit, phase) of each number a run yields; records keep the median over repeats

@@ -203,21 +203,11 @@ def to_contiguous_from_masked(m: Masked, block_m: int) -> Contiguous:
     return Contiguous(xp, dest, block_expert, counts, block_m)
 
 
-class cpu_threads:
-    """Time CPU paths with a fixed intra-op thread count (restored on exit). On a small shared
-    machine two intra-op threads make a microsecond op wait for a busy sibling (tens of ms)."""
+def cpu_threads(n: int = 1):
+    """Time CPU paths with a fixed intra-op thread count (restored on exit): `device.torch_threads`."""
+    from ..device import torch_threads
 
-    def __init__(self, n: int = 1):
-        self.n = n
-
-    def __enter__(self):
-        self.saved = torch.get_num_threads()
-        torch.set_num_threads(self.n)
-        return self
-
-    def __exit__(self, *exc):
-        torch.set_num_threads(self.saved)
-        return False
+    return torch_threads("cpu", n)
 
 
 def on_gpu(ctx) -> bool:

@@ -9,23 +9,13 @@
 - `graphs`: a CUDA Graph replay check that retained gradients are not overwritten.
 """
 
-import contextlib
 
 import torch
 
 
-@contextlib.contextmanager
 def small_op_threads(device):
     """One intra-op thread on CPU while running many tiny ops (a toy MLP's steps, a Python-loop
-    recurrence): splitting a 64x64 matmul across threads only adds synchronisation, and on a
-    loaded machine OpenMP's barrier waits made such loops ~50x slower. Restored on exit; never
-    used around a timed region."""
-    if torch.device(device).type != "cpu":
-        yield
-        return
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
+    recurrence); never used around a timed region. See `device.torch_threads`."""
+    from ..device import torch_threads
+
+    return torch_threads(device, 1)
