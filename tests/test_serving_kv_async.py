@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from inferbook.errors import UserError
-from inferbook.serving import kv_tiers as kt
+from inferbook.serving import kv_offload as kt
 from inferbook.serving.config import EngineConfig
 from inferbook.serving.engine import LLMEngine
 from inferbook.serving.model import TinyConfig, TinyDecoder, init_weights
@@ -104,7 +104,7 @@ def test_blocks_return_only_when_the_copy_completes(model, monkeypatch):
         assert threading.current_thread() is not threading.main_thread()   # never the engine thread
         gate.wait(timeout=GATE_TIMEOUT_S)
         return real_copy(*a, **k)
-    monkeypatch.setattr(kt, "copy_blocks_to_rows", held_copy)
+    monkeypatch.setattr(kt.block_copy, "copy_blocks_to_rows", held_copy)
     try:
         bm = e.block_manager
         a = e.add_request(first, SamplingParams(max_tokens=2))

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from inferbook.errors import UserError
-from inferbook.serving import kv_tiers as kt
+from inferbook.serving import kv_offload as kt
 from inferbook.serving.config import EngineConfig
 from inferbook.serving.hybrid import HybridDecoder, hybrid_engine
 from inferbook.serving.model import TinyConfig, init_weights
@@ -99,7 +99,7 @@ def test_restoring_kv_without_the_state_is_wrong(model, monkeypatch):
                     for block, _ in pairs:
                         runner.state_blocks[block].zero_()
                     return n
-                monkeypatch.setattr(kt, "copy_rows_to_blocks", without_state)
+                monkeypatch.setattr(kt.block_copy, "copy_rows_to_blocks", without_state)
             seq = e.add_request(p2, SamplingParams(max_tokens=1))
             logits = {}
             real_forward = e.runner.forward

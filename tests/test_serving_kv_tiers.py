@@ -1,6 +1,7 @@
 """KV tiers: keys, exact restore from every tier (bits and greedy tokens), corrupt files, failing
 directories, a peer that vanishes mid-transfer, concurrent offload/restore, hybrid state, TP merge."""
 import errno
+import struct
 import threading
 import time
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from inferbook.errors import UserError
-from inferbook.serving import kv_tiers as kt
+from inferbook.serving import kv_offload as kt
 from inferbook.serving.config import EngineConfig
 from inferbook.serving.engine import LLMEngine
 from inferbook.serving.model import TinyConfig, TinyDecoder, init_weights
@@ -262,7 +263,7 @@ def test_concurrent_offload_and_restore_never_see_half_written_blocks(tmp_path, 
     rows = random_rows(4, g)
 
     def slow_write(self, f, header, payload):
-        f.write(kt.MAGIC + kt.struct.pack("<I", len(header)) + header)
+        f.write(kt.MAGIC + struct.pack("<I", len(header)) + header)
         half = len(payload) // 2
         f.write(payload[:half])
         f.flush()
@@ -410,7 +411,7 @@ def test_offload_under_writer_backpressure_skips_and_counts(model, tmp_path, mon
 
     def blocked_write(self, f, header, payload):
         release.wait(timeout=20)
-        f.write(kt.MAGIC + kt.struct.pack("<I", len(header)) + header)
+        f.write(kt.MAGIC + struct.pack("<I", len(header)) + header)
         f.write(payload)
     monkeypatch.setattr(kt.FileTier, "_write_file", blocked_write)
     g = torch.Generator().manual_seed(fresh_seed())

@@ -24,27 +24,22 @@ when most requests share no prefix, slower storage only adds copying.
 """
 from __future__ import annotations
 
-import os
 import shutil
 import statistics
-import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from ..errors import UserError
-from ..measure import Timing, benchmark, ceilings, compare_timings, significant
+from ..measure import Timing, compare_timings, significant
 from ..presets import Param
 from ..record import RunRecord
-from ..serving.config import EngineConfig
-from ..serving.engine import LLMEngine
-from ..serving.kv_tiers import (CROSS_LAYER, LAYER_MAJOR, BlockLayout, EngineKVTiers, FileTier, HostTier, PeerProcess,
-                                copy_blocks_to_rows)
-from ..serving.metrics import run_closed_loop
+from ..serving.kv_offload import CROSS_LAYER, LAYER_MAJOR, PeerProcess
+from ..serving.kv_offload.bench import (RESTORE_SOURCES, copy_ceiling, filesystem_benchmark, host_copy_benchmark,
+                                       restore_vs_recompute, run_workload)
+
 from ..serving.model_runner import observed_paged_kernels, paged_kernels_label
 from ..serving.model import TinyConfig, TinyDecoder, init_weights
-from ..serving.sequence import SamplingParams
 
 # The results page's headline: (record name prefix, measurement).
 HEADLINE = ('restore-host', 'first_token_time')
@@ -165,217 +160,29 @@ def make_workload(kind: str, P: dict, seed: int) -> list[list[int]]:
 # ---------------------------------------------------------------------------
 # Copy and filesystem benchmarks
 
-def copy_ceiling(device: torch.device, nbytes: int = 1 << 28) -> dict:
-    """The memory-copy bandwidth this run compares the host tier with.
-
-    CPU: `measure.ceilings(device).copy_gbps`, a large host->host copy, counting bytes read +
-    written. CUDA: a large device->host copy into pinned memory, counting bytes transferred."""
-    if device.type != "cuda":
-        c = ceilings(device)
-        return {"gbps": c.copy_gbps, "what": f"host->host copy of {c.copy_bytes // 2 >> 20} MiB (measure.ceilings)",
-                "convention": "bytes read + written", "factor": 2.0}
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_()
-    dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    t = benchmark(lambda: dst.copy_(src, non_blocking=True), device, label="d2h", warmup=2, min_reps=5)
-    return {"gbps": nbytes / t.median_s / 1e9, "what": f"device->pinned host copy of {nbytes >> 20} MiB",
-            "convention": "bytes transferred", "factor": 1.0}
 
 
-COPY_LAYERS, COPY_HEADS, COPY_HEAD_DIM = 8, 8, 128
 
 
-def copy_block_tokens(block_mb: float, dtype: torch.dtype) -> int:
-    """Tokens per block so that one block (K and V of 8 layers x 8 KV heads x 128 head dim) is about `block_mb` MB."""
-    per_token = 2 * COPY_LAYERS * COPY_HEADS * COPY_HEAD_DIM * dtype.itemsize
-    return max(1, round(block_mb * (1 << 20) / per_token))
 
 
-def copy_pool(device: torch.device, n: int, bs: int, dtype: torch.dtype, kv_layout: str):
-    """A stand-in for the engine's runner holding a paged pool of `n` blocks in `kv_layout`, random
-    values; `kv_tiers.copy_blocks_to_rows` reads it exactly as it reads the engine's pool."""
-    from types import SimpleNamespace
-
-    from ..serving.kv_tiers import engine_layout, use_cross_layer_blocks
-
-    shape = (COPY_LAYERS, n * bs, COPY_HEADS, COPY_HEAD_DIM)
-    runner = SimpleNamespace(block_size=bs, dtype=dtype, device=device,
-                             k_cache=torch.empty(shape, dtype=dtype, device=device),
-                             v_cache=torch.empty(shape, dtype=dtype, device=device))
-    if kv_layout == CROSS_LAYER:
-        use_cross_layer_blocks(runner)
-        runner.kv_blocks.normal_()
-    else:
-        runner.k_cache.normal_(), runner.v_cache.normal_()
-    return runner, engine_layout(runner)
 
 
-def host_copy_setup(device: torch.device, block_mb: float, total_mb: int, dtype: torch.dtype,
-                    kv_layout: str = CROSS_LAYER) -> dict:
-    """A paged pool of about `total_mb` in `kv_layout` and a host tier with a row for each of its
-    blocks; `fn` offloads every block through the engine's copy path (`copy_blocks_to_rows`: one
-    copy per block cross-layer, 2 x layers layer-major) as one batch, and waits for it."""
-    from ..device import synchronize
-
-    bs = copy_block_tokens(block_mb, dtype)
-    block_bytes = 2 * COPY_LAYERS * bs * COPY_HEADS * COPY_HEAD_DIM * dtype.itemsize
-    n = max(2, int(total_mb * (1 << 20) // block_bytes))
-    runner, layout = copy_pool(device, n, bs, dtype, kv_layout)
-    host = HostTier(n, layout.nbytes, pin=device.type == "cuda")
-    pairs = [(b, host.row(b)) for b in range(n)]
-    copies = [0]
-
-    def fn():
-        copies[0] = copy_blocks_to_rows(runner, layout, pairs)
-        synchronize(device)
-
-    def exact() -> bool:   # the benchmarked path in bits: first and last block
-        from ..serving.kv_tiers import block_pieces
-        return all(torch.equal(host.row(b)[:block_bytes].cpu(),
-                               torch.cat([p.contiguous().view(-1).view(torch.uint8).cpu()
-                                          for p in block_pieces(runner, b)])) for b in (0, n - 1))
-    return {"block_bytes": block_bytes, "blocks": n, "block_size_tokens": bs, "fn": fn, "exact": exact,
-            "bytes": n * block_bytes, "pinned": host.pinned_memory, "copies": copies, "kv_layout": kv_layout}
 
 
-def host_copy_benchmark(device: torch.device, block_mbs: list[float], total_mb: int, dtype: torch.dtype,
-                        rounds: int = 3) -> list[dict]:
-    """Every block size in both layouts, `rounds` times in turn (so a change in machine load hits all
-    alike); each (size, layout)'s samples pooled into one Timing."""
-    out = [{"block_mb": mb, "kv_layout": lay, "samples": []} for mb in block_mbs for lay in (CROSS_LAYER, LAYER_MAJOR)]
-    for _ in range(rounds):
-        for item in out:           # one pool at a time: the pools of all sizes need not fit together
-            setup = host_copy_setup(device, item["block_mb"], total_mb, dtype, item["kv_layout"])
-            t = benchmark(setup["fn"], device, label=f"offload {item['block_mb']} MB {item['kv_layout']}", warmup=1,
-                          min_reps=3, max_reps=6, min_time_s=0.1)
-            item["samples"] += t.samples_s
-            item.update({k: v for k, v in setup.items() if k not in ("fn", "exact", "copies")}, timer=t.timer,
-                        copies_per_call=setup["copies"][0], exact=item.get("exact", True) and setup["exact"]())
-            del setup
-    for item in out:
-        item["timing"] = Timing(label=f"offload {item['block_mb']} MB {item['kv_layout']}",
-                                samples_s=item.pop("samples"), timer=item.pop("timer"), warmup=1)
-    return out
 
 
-def filesystem_benchmark(directory: Path, total_mb: int, block_mb: float = 1.0) -> dict:
-    """Durable writes of `block_mb` blocks through the file tier, warm reads back (verified), and a
-    sequential write of the same bytes to one file (block-sized writes, one fsync) on the same disk."""
-    directory.mkdir(parents=True, exist_ok=True)
-    nbytes = int(block_mb * (1 << 20))
-    n = max(2, total_mb * (1 << 20) // nbytes)
-    g = torch.Generator().manual_seed(7)
-    rows = [torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g) for _ in range(min(n, 8))]
-    tier = FileTier(directory / "tier", "bench", nbytes, durable=True)
-    keys = [f"{i:064x}" for i in range(n)]
-    t0 = time.perf_counter()
-    ok = sum(tier.put(key, rows[i % len(rows)]) for i, key in enumerate(keys))
-    t_tier = time.perf_counter() - t0
-    back = torch.empty(nbytes, dtype=torch.uint8)
-    t0 = time.perf_counter()
-    good = sum(tier.read_into(key, back) and torch.equal(back, rows[i % len(rows)]) for i, key in enumerate(keys))
-    t_read = time.perf_counter() - t0
-    seq = directory / "sequential.bin"
-    t0 = time.perf_counter()
-    with open(seq, "wb") as f:
-        for i in range(n):
-            f.write(memoryview(rows[i % len(rows)].numpy()))
-        f.flush()
-        os.fsync(f.fileno())
-    t_seq = time.perf_counter() - t0
-    shutil.rmtree(directory, ignore_errors=True)
-    return {"blocks": n, "block_bytes": nbytes, "bytes": n * nbytes, "tier_write_s": t_tier, "tier_read_s": t_read,
-            "sequential_write_s": t_seq, "written": ok, "read_ok": good}
 
 
 # ---------------------------------------------------------------------------
 # The engine runs
 
-def run_workload(model, prompts, P: dict, config: str, *, host_blocks: int, scratch: Path, peer_address, seed: int):
-    """One closed-loop run on a fresh engine (device prefix caching on); tiers per `config`."""
-    ecfg = EngineConfig(max_num_seqs=P["max_num_seqs"], max_num_batched_tokens=P["max_num_batched_tokens"],
-                        block_size=P["block_size"], num_blocks=P["device_blocks"], enable_prefix_caching=True, seed=seed)
-    engine = LLMEngine(model, ecfg)
-    tiers = None
-    if config != "no tiers":
-        kw = {"host_capacity_blocks": host_blocks, "admit_after": P["admit_after"] if "on reuse" in config else 1}
-        if "file" in config:
-            kw["file_dir"] = scratch
-        if "peer" in config and peer_address is not None:
-            kw["peer_address"] = peer_address
-        tiers = EngineKVTiers(engine, kw, model_id=f"tiny-seed{seed}")
-        for t in tiers.store.lower:
-            if t.name == "peer" and not t.clear():   # one peer process serves every run; each run starts empty
-                raise RuntimeError(f"the KV peer could not be cleared: {t.stats.last_error}")
-    # warm-up on a prompt no measured request shares (first-call costs are not the tiers')
-    g = torch.Generator().manual_seed(seed + 999)
-    engine.generate([torch.randint(P["vocab"], (P["block_size"] + 1,), generator=g).tolist()], SamplingParams(max_tokens=2))
-    engine.steps.clear()
-    if tiers is not None:
-        tiers.flush()
-        tiers.stats.__init__()
-        for t in tiers.store.tiers:
-            t.stats.__init__(t.name)
-        tiers.store.not_admitted = 0
-    run = run_closed_loop(engine, prompts, SamplingParams(max_tokens=P["output_len"]), P["max_num_seqs"])
-    if tiers is not None:
-        tiers.flush()
-    return engine, tiers, run
 
 
-RESTORE_SOURCES = ("recompute", "host", "file")
 
 
-def first_token_time(engine, prompt: list[int]) -> float:
-    """Seconds from admitting `prompt` (one request, engine otherwise idle) to its first token."""
-    t0 = engine.clock()
-    seq = engine.add_request(prompt, SamplingParams(max_tokens=1))
-    while seq.first_token_s is None:
-        engine.step()
-    while engine.has_unfinished():
-        engine.step()
-    return seq.first_token_s - t0
 
 
-def restore_vs_recompute(model, P: dict, scratch: Path, seed: int) -> dict:
-    """One request with a shared prefix of `prefix_len` tokens and a fresh suffix, timed to its first
-    token `restore_reps` times per source, the sources interleaved: `recompute` (no tiers; the
-    device cache is off, so the prefix is prefilled every time), `host` (restored from the host
-    tier), `file` (a one-block host tier over the file tier: the prefix comes from files). The
-    device prefix cache is off in all three, so nothing but the source differs. Returns
-    {source: Timing, "restored_tokens": {source: [...]}}."""
-    g = torch.Generator().manual_seed(seed + 7)
-    prefix = torch.randint(P["vocab"], (P["prefix_len"],), generator=g).tolist()
-    ecfg = EngineConfig(max_num_seqs=1, max_num_batched_tokens=P["max_num_batched_tokens"],
-                        block_size=P["block_size"], num_blocks=P["device_blocks"], enable_prefix_caching=False)
-    engines, tiers = {}, {}
-    for src in RESTORE_SOURCES:
-        engines[src] = LLMEngine(model, ecfg)
-        if src != "recompute":
-            kw = {"host_capacity_blocks": P["host_blocks"] if src == "host" else 1}
-            if src == "file":   # written in the copy's completion, so a one-row host tier passes every block down
-                kw.update(file_dir=scratch / "restore-file", background=False)
-            tiers[src] = EngineKVTiers(engines[src], kw, model_id=f"restore-{seed}")
-    samples = {src: [] for src in RESTORE_SOURCES}
-    cached = {src: [] for src in RESTORE_SOURCES}
-    try:
-        for src in RESTORE_SOURCES:      # warm-up; puts the prefix into the tiers
-            first_token_time(engines[src], prefix + [0])
-            if src in tiers:
-                tiers[src].flush()
-        for _ in range(P["restore_reps"]):
-            for src in RESTORE_SOURCES:
-                suffix = torch.randint(P["vocab"], (P["suffix_len"],), generator=g).tolist()
-                samples[src].append(first_token_time(engines[src], prefix + suffix))
-                cached[src].append(engines[src].finished[-1].num_cached_tokens)
-                if src in tiers:
-                    tiers[src].flush()     # the offload of this request, outside the timed region
-    finally:
-        for t in tiers.values():
-            t.close()
-    out = {src: Timing(label=f"first token, prefix from {src}", samples_s=samples[src], timer="perf_counter", warmup=1)
-           for src in RESTORE_SOURCES}
-    out["restored_tokens"] = cached
-    return out
 
 
 def _median(xs):
@@ -490,7 +297,7 @@ def _measure(ctx, P: dict) -> list[RunRecord]:
             "ceiling": ceil["what"], "convention": ceil["convention"]}, topology={"ranks": 1})
         rec.set_backend("offload_copy", f"torch copy_ per contiguous piece, {r['copies_per_call'] // r['blocks']} per block"
                         + (", non_blocking into pinned" if r["pinned"] else ""),
-                        reason="kv_tiers.copy_blocks_to_rows, the engine's path", dtype=P["dtype"])
+                        reason="kv_offload.block_copy.copy_blocks_to_rows, the engine's path", dtype=P["dtype"])
         rec.add_timing("copy_time", r["timing"], phase="steady", bytes=r["bytes"])
         rec.add("copies_per_block", r["copies_per_call"] / r["blocks"], "copies", phase="steady")
         rec.add("copy_gbps", gbps, "GB/s", phase="steady", convention=ceil["convention"])
@@ -505,7 +312,7 @@ def _measure(ctx, P: dict) -> list[RunRecord]:
         "block_bytes": fs["block_bytes"], "blocks": fs["blocks"], "disk": str(scratch_root),
         "durable": "fsync per block file (tier); one fsync at the end (sequential)"}, topology={"ranks": 1})
     rec.set_backend("file_tier", "one file per block, tmp + fsync + os.replace, sha256 verified on read",
-                    reason="kv_tiers.FileTier")
+                    reason="kv_offload.FileTier")
     rec.add("tier_write_gbps", fs["bytes"] / fs["tier_write_s"] / 1e9, "GB/s", phase="steady")
     rec.add("sequential_write_gbps", fs["bytes"] / fs["sequential_write_s"] / 1e9, "GB/s", phase="steady")
     rec.add("tier_read_gbps", fs["bytes"] / fs["tier_read_s"] / 1e9, "GB/s", phase="steady",
@@ -756,130 +563,11 @@ def verdicts(records: list[RunRecord], P: dict) -> dict:
 # ---------------------------------------------------------------------------
 # Correctness checks the notebook runs (fresh random inputs) and asserts
 
-CHECK_CFG = TinyConfig(vocab=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn=176, max_seq=160)
 
 
-def restore_checks(seed: int, workdir: Path, peer_address=None) -> list[dict]:
-    """For each tier: a small device pool (every prefix evicted between uses) with only that tier below;
-    the greedy tokens must equal a run without any prefix cache, the restored KV must equal the
-    device KV in bits, and that tier must have served blocks."""
-    from ..serving.kv_tiers import prefix_keys
-
-    g = torch.Generator().manual_seed(seed + 31)
-    model = init_weights(TinyDecoder(CHECK_CFG), seed + 32).eval()
-    pre = [torch.randint(256, (72,), generator=g).tolist() for _ in range(4)]
-    prompts = [pre[i % 4] + torch.randint(256, (int(torch.randint(1, 20, (1,), generator=g)),), generator=g).tolist()
-               for i in range(10)]
-    params = SamplingParams(max_tokens=10)
-    ref = LLMEngine(model, EngineConfig(max_num_seqs=2, max_num_batched_tokens=96)).generate(prompts, params)
-    rows = []
-    for tier in ("host", "file", "peer"):
-        if tier == "peer" and peer_address is None:
-            continue
-        kw = {"host_capacity_blocks": 64 if tier == "host" else 1, "background": False}
-        if tier == "file":
-            kw["file_dir"] = Path(workdir) / "restore-check"
-        if tier == "peer":
-            kw["peer_address"] = peer_address
-        engine = LLMEngine(model, EngineConfig(max_num_seqs=2, max_num_batched_tokens=96, enable_prefix_caching=True,
-                                               num_blocks=15))
-        tiers = EngineKVTiers(engine, kw, model_id=f"check-{seed}")
-        for t in tiers.store.lower:
-            if t.name == "peer":
-                t.clear()
-        out = engine.generate(prompts, params)
-        # the bits: a fresh prompt's first block, offloaded, fetched back, against the device block it was
-        # copied from (still device-cached)
-        tiers.flush()          # a one-row host tier refuses (counts as skipped) blocks while its row is busy
-        fresh = torch.randint(256, (40,), generator=g).tolist()
-        engine.generate([fresh], SamplingParams(max_tokens=1))
-        tiers.flush()          # the offload copies run off the engine thread
-        seq, bm = engine.finished[-1], engine.block_manager
-        key = prefix_keys(seq.prompt[:16], 16, tiers.ns)[0]
-        got = tiers.store.fetch([key])
-        block = bm.hash_to_block[bm._chain_hash(None, seq.prompt[:16])]   # freed last: still device-cached
-        dev = tiers.block_bytes(block)
-        bits = bool(got.rows) and torch.equal(got.rows[0][:dev.numel()], dev)
-        got.release()
-        rows.append({"tier": tier, "blocks restored from it": tiers.stats.restored_blocks[tier],
-                     "KV bits equal": bits, "greedy tokens equal": out == ref,
-                     "passed": out == ref and bits and tiers.stats.restored_blocks[tier] > 0})
-        tiers.close()
-    return rows
 
 
-def corruption_check(seed: int, workdir: Path) -> dict:
-    """Flip one random bit of one stored block file: the read must be a counted miss."""
-    from ..serving.kv_tiers import TieredKVStore, namespace, prefix_keys
-
-    g = torch.Generator().manual_seed(seed + 41)
-    layout = BlockLayout((("k", torch.float32, (2, 16, 2, 16)), ("v", torch.float32, (2, 16, 2, 16))))
-    ns = namespace("corruption-check", 16, torch.float32, layout)
-    keys = prefix_keys(torch.randint(256, (48,), generator=g).tolist(), 16, ns)
-    rows = [torch.randint(0, 256, (layout.nbytes,), dtype=torch.uint8, generator=g) for _ in keys]
-    store = TieredKVStore(layout, ns, host_capacity_blocks=1, file_dir=Path(workdir) / "corruption", background=False)
-    for key, row in zip(keys, rows):
-        slot = store.reserve(key)
-        store.host.row(slot).copy_(row)
-        store.commit([(key, slot)])
-    ft = store.tier("file")
-    path = ft.path(keys[1])
-    data = bytearray(path.read_bytes())
-    pos = len(data) - layout.nbytes + int(torch.randint(layout.nbytes, (1,), generator=g))
-    bit = int(torch.randint(8, (1,), generator=g))
-    data[pos] ^= 1 << bit
-    path.write_bytes(bytes(data))
-    got = store.fetch(keys)
-    n, first_ok = len(got.rows), bool(got.rows) and torch.equal(got.rows[0], rows[0])
-    got.release()
-    out = {"flipped byte": pos, "bit": bit, "blocks returned": n, "first block exact": first_ok,
-           "corrupt counted": ft.stats.corrupt, "file removed": not path.exists()}
-    out["passed"] = n == 1 and first_ok and ft.stats.corrupt == 1 and out["file removed"]
-    store.close()
-    return out
 
 
-def hybrid_check(seed: int, workdir: Path) -> dict:
-    """The hybrid model inside the serving engine (`serving.hybrid.hybrid_restore_check`): a prefix
-    restored from the file tier with its recurrent state continues as the whole-sequence reference;
-    restored without the state, it does not."""
-    from ..serving.hybrid import hybrid_restore_check
-
-    return hybrid_restore_check(seed + 51, workdir)
 
 
-def tp_check(seed: int, workdir: Path, use_cuda: bool = False, timeout_s: float = 120.0) -> dict:
-    """Two TP ranks (torch.distributed on loopback) store a prompt's KV merged and sharded; the merged
-    rows are read back at TP 1, 2 and 4 and compared in bits with the reference shards. Twice: with
-    4 KV heads (split 2 + 2) and with 1 KV head held whole by both ranks (replicated, as MLA's
-    latent is), where the merge writes each head once and TP 4 reads replicas."""
-    from ..serving import kv_tp_merge as tpm
-
-    rows, exact, res0, passed = [], {}, None, True
-    for kv_heads, what in ((4, "4 KV heads, split"), (1, "1 KV head, replicated")):
-        cfg = dict(vocab=128, d_model=64, n_layers=2, n_heads=4, n_kv_heads=kv_heads, ffn=96, max_seq=160)
-        args = dict(cfg=cfg, block_size=16, prompt_len=128, seed=seed + 61, model_id=f"tp-check-{seed}-{kv_heads}",
-                    dir=str(Path(workdir) / f"tp{kv_heads}"), mode=["merged", "sharded"], durable=True,
-                    use_cuda=use_cuda)
-        res = tpm.launch(args, world_size=2, timeout_s=timeout_s)
-        res0 = res0 or res[0]
-        _, k, v = tpm.full_kv(cfg, args["seed"], args["prompt_len"], 16)
-        for tp in (1, 2, 4):
-            back = tpm.restore_at(args["dir"], args, tp)
-            exact[f"{what}, TP {tp}"] = all(
-                back[r][i] is not None and torch.equal(back[r][i]["k"], tpm.shard_of(k[i], tp, r))
-                and torch.equal(back[r][i]["v"], tpm.shard_of(v[i], tp, r))
-                for r in range(tp) for i in range(k.shape[0]))
-        merged = [r["modes"]["merged"] for r in res]
-        sharded = [r["modes"]["sharded"] for r in res]
-        rows += [{"KV heads": what, "layout": "merged on rank 0", "files written": sum(m["writes"] for m in merged),
-                  "bytes per file": merged[0]["bytes_per_write"],
-                  "seconds (slowest rank)": significant(max(m["seconds"] for m in merged))},
-                 {"KV heads": what, "layout": "one shard per rank", "files written": sum(s_["writes"] for s_ in sharded),
-                  "bytes per file": sharded[0]["bytes_per_write"],
-                  "seconds (slowest rank)": significant(max(s_["seconds"] for s_ in sharded))}]
-        factor = 2 if kv_heads == 4 else 1     # split: merged files are twice the size; replicated: the same size
-        passed = passed and rows[-2]["files written"] * 2 == rows[-1]["files written"] \
-            and rows[-2]["bytes per file"] == factor * rows[-1]["bytes per file"]
-    return {"rows": rows, "restore exact at tp": exact, "backend": res0["backend"], "blocks": res0["blocks"],
-            "passed": passed and all(exact.values())}

@@ -28,7 +28,7 @@ class BlockManager:
         self.ref_count = [0] * num_blocks
         self.block_hash: list[int | None] = [None] * num_blocks
         self.hash_to_block: dict[int, int] = {}
-        # Optional KV tiers (`kv_tiers.EngineKVTiers`): `free` launches the offload of a request's
+        # Optional KV tiers (`kv_offload.EngineKVTiers`): `free` launches the offload of a request's
         # prompt blocks and holds the blocks under copy until `reclaim` gets them back; `kv_loading`
         # lets a request wait while its prefix comes from a slow tier; `allocate` restores further
         # prefix blocks after the device lookup.

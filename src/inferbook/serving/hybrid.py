@@ -28,7 +28,7 @@ from .model_runner import ModelRunner
 # token at position p writes the state after p into the slot of the block holding p, and a
 # request continuing at position p reads the state from the block holding p - 1. A full prompt
 # block's slot therefore holds the state at its last token; a block reached from the prefix
-# cache or restored from a tier brings its state with it, and `kv_tiers` copies the state slot
+# cache or restored from a tier brings its state with it, and `kv_offload` copies the state slot
 # as part of the block's host row.
 
 class GatedLinearRecurrence(nn.Module):
@@ -228,7 +228,7 @@ def hybrid_restore_check(seed: int, workdir, *, heads: int = 4, key_dim: int = 6
     from pathlib import Path
 
     from .config import EngineConfig
-    from .kv_tiers import EngineKVTiers
+    from .kv_offload import EngineKVTiers
     from .model import TinyConfig, init_weights
     from .sequence import SamplingParams
 

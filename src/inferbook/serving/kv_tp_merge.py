@@ -28,6 +28,7 @@ import argparse
 import datetime
 import json
 import os
+import secrets
 import time
 import traceback
 from pathlib import Path
@@ -36,7 +37,7 @@ import torch
 
 from ..dist import loopback_ranks
 from ..errors import UserError
-from .kv_tiers import BlockLayout, FileTier, namespace, prefix_keys
+from .kv_offload import BlockLayout, FileTier, namespace, prefix_keys
 
 MODES = ("merged", "sharded")
 
@@ -171,7 +172,8 @@ def _store(mode, rank, world, args, cfg, bs, tokens, keys, mine_k, mine_v, full_
             dist.gather(mine_k, gk, dst=0)
             dist.gather(mine_v, gv, dst=0)
         if rank == 0:
-            tier = FileTier(args["dir"], ns_full, full_layout.nbytes, durable=bool(args.get("durable", True)))
+            tier = FileTier(args["dir"], ns_full, full_layout.nbytes, durable=bool(args.get("durable", True)),
+                            secret=file_secret(args))
             merged_k = merge_shards([t.cpu() for t in gk], cfg["n_kv_heads"])
             merged_v = merge_shards([t.cpu() for t in gv], cfg["n_kv_heads"])
             row = torch.empty(full_layout.nbytes, dtype=torch.uint8)
@@ -185,7 +187,7 @@ def _store(mode, rank, world, args, cfg, bs, tokens, keys, mine_k, mine_v, full_
         shard_layout = layout_for(cfg, bs, b - a)
         ns = namespace(args["model_id"], bs, torch.float32, shard_layout) + f"|tp={world}|rank={rank}"
         tier = FileTier(Path(args["dir"]) / f"tp{world}-rank{rank}", ns, shard_layout.nbytes,
-                        durable=bool(args.get("durable", True)))
+                        durable=bool(args.get("durable", True)), secret=file_secret(args))
         row = torch.empty(shard_layout.nbytes, dtype=torch.uint8)
         views = shard_layout.views(row)
         for i, key in enumerate(prefix_keys(tokens, bs, ns)):
@@ -197,6 +199,14 @@ def _store(mode, rank, world, args, cfg, bs, tokens, keys, mine_k, mine_v, full_
             "bytes_per_write": nbytes / writes if writes else 0}
 
 
+def file_secret(args: dict) -> bytes:
+    """The key the block files of one TP run are authenticated with (`FileTier`'s `secret`), drawn by
+    `launch` and carried in `args`."""
+    if not isinstance(args.get("file_secret"), str):
+        raise UserError("args has no 'file_secret': run `launch(args)` first, it draws the files' key")
+    return bytes.fromhex(args["file_secret"])
+
+
 def launch(args: dict, world_size: int = 2, timeout_s: float = 120.0) -> list[dict]:
     """Spawn `world_size` ranks of `tp_worker` on loopback; return their summaries in rank order."""
 
@@ -206,6 +216,7 @@ def launch(args: dict, world_size: int = 2, timeout_s: float = 120.0) -> list[di
     if not modes or any(m not in MODES for m in modes):
         raise UserError(f"mode={args.get('mode')!r} unknown; choose 'merged', 'sharded' or a list of them")
     head_range(args["cfg"]["n_kv_heads"], world_size, 0)
+    args.setdefault("file_secret", secrets.token_hex(32))   # the ranks and `restore_at` share the files' key
     json.dumps(args)
     with loopback_ranks(tp_worker, world_size, (args,), timeout_s=timeout_s, what="TP KV workers",
                         prefix="inferbook-kvtp-") as out_dir:
@@ -220,7 +231,7 @@ def restore_at(directory: str | os.PathLike, args: dict, tp: int) -> list[list[d
     ns = namespace(args["model_id"], bs, torch.float32, layout)
     tokens = torch.randint(cfg["vocab"], (int(args["prompt_len"]),),
                            generator=torch.Generator().manual_seed(int(args["seed"]) + 1)).tolist()
-    tier = FileTier(directory, ns, layout.nbytes)
+    tier = FileTier(directory, ns, layout.nbytes, secret=file_secret(args))
     out = [[] for _ in range(tp)]
     row = torch.empty(layout.nbytes, dtype=torch.uint8)
     for key in prefix_keys(tokens, bs, ns):
@@ -244,6 +255,11 @@ def main(argv: list[str] | None = None) -> None:
     args = {"cfg": dict(vocab=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn=176, max_seq=256),
             "block_size": 16, "prompt_len": 128, "seed": 0, "model_id": "tp-demo", **json.loads(a.args),
             "dir": a.dir, "mode": a.mode}
+    # the files' key comes from the environment every rank shares (never the command line, which /proc shows)
+    args["file_secret"] = os.environ.get("INFERBOOK_KV_FILE_SECRET")
+    if not args["file_secret"] or len(args["file_secret"]) < 32:
+        raise SystemExit("error: set INFERBOOK_KV_FILE_SECRET (64 hex characters, the same on every rank) to "
+                         "authenticate the block files")
     Path(a.out).mkdir(parents=True, exist_ok=True)
     tp_worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), "env://", args, a.out, a.timeout)
 

@@ -100,7 +100,7 @@ class ModelRunner:
 def write_pool(pool: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
     """pool[slot] = x for each slot. pool: one layer's [slots, Hkv, D] (flat), or its
     [blocks, block_size, Hkv, D] strided view of a cross-layer block tensor
-    (`kv_tiers.use_cross_layer_blocks`), where slot = block * block_size + offset."""
+    (`kv_offload.block_copy.use_cross_layer_blocks`), where slot = block * block_size + offset."""
     if pool.dim() == 3:
         pool.index_copy_(0, slots, x)
     else:
