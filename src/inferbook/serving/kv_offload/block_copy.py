@@ -67,29 +67,39 @@ def row_pieces(layout: BlockLayout, row: torch.Tensor) -> list[torch.Tensor]:
     return [t[i] for t in (v["k"], v["v"]) for i in range(t.shape[0])] + extra
 
 
+def swap_blocks_batch(dsts: list[torch.Tensor], srcs: list[torch.Tensor], non_blocking: bool) -> None:
+    """Every piece of one transfer in one call, as vLLM's `ops.swap_blocks_batch` moves a transfer's
+    blocks with one batched memcpy from arrays of (src, dst, size). Here the one call is
+    `torch._foreach_copy_`; across devices PyTorch still issues one memcpy per piece inside it
+    (vLLM's `cudaMemcpyBatchAsync` is one driver call), so the batching saves Python and dispatch
+    per block, not driver calls."""
+    if dsts:
+        torch._foreach_copy_(dsts, srcs, non_blocking=non_blocking)
+
+
 def copy_blocks_to_rows(runner, layout: BlockLayout, pairs: list[tuple[int, torch.Tensor]], *,
                         non_blocking: bool | None = None) -> int:
-    """Device blocks -> host rows, one `copy_` per contiguous piece (see `block_pieces`); returns
-    the number of copies launched. Asynchronous into pinned rows on CUDA (the caller records
-    an event); complete on return on CPU."""
+    """Device blocks -> host rows in one batched copy (`swap_blocks_batch`) of every contiguous piece
+    (see `block_pieces`); returns the number of pieces. Asynchronous into pinned rows on CUDA (the
+    caller records an event); complete on return on CPU."""
     nb = runner.k_cache.device.type == "cuda" if non_blocking is None else non_blocking
-    n = 0
+    dsts, srcs = [], []
     for block, row in pairs:
-        for dst, src in zip(row_pieces(layout, row), block_pieces(runner, block)):
-            dst.copy_(src, non_blocking=nb)
-            n += 1
-    return n
+        dsts += row_pieces(layout, row)
+        srcs += block_pieces(runner, block)
+    swap_blocks_batch(dsts, srcs, nb)
+    return len(dsts)
 
 
 def copy_rows_to_blocks(runner, layout: BlockLayout, pairs: list[tuple[int, torch.Tensor]]) -> int:
-    """Host rows -> device blocks, one `copy_` per piece; asynchronous from pinned rows on CUDA."""
+    """Host rows -> device blocks in one batched copy; asynchronous from pinned rows on CUDA."""
     nb = runner.k_cache.device.type == "cuda"
-    n = 0
+    dsts, srcs = [], []
     for block, row in pairs:
-        for dst, src in zip(block_pieces(runner, block), row_pieces(layout, row)):
-            dst.copy_(src, non_blocking=nb)
-            n += 1
-    return n
+        dsts += block_pieces(runner, block)
+        srcs += row_pieces(layout, row)
+    swap_blocks_batch(dsts, srcs, nb)
+    return len(dsts)
 
 
 def model_fingerprint(model) -> str:

@@ -15,6 +15,7 @@ from .block_copy import (CROSS_LAYER, KV_LAYOUTS, block_pieces, engine_layout, m
                          runner_kv_layout, use_cross_layer_blocks)
 from .copy_stream import CopyJob, CopyStream
 from .layout import namespace, prefix_keys
+from .reuse import ReuseTracker
 from .store import Fetched, TieredKVStore
 from .tiers import TIER_NAMES
 
@@ -45,6 +46,9 @@ class EngineTierStats:
     fetches_started: int = 0
     steps_with_fetch_in_flight: int = 0
     copy_failures: int = 0
+    transfers: int = 0            # device->host and host->device copies launched, each one batched call
+    stored_while_running: int = 0  # blocks whose store was launched while their request still ran (decode)
+    not_stored_unreused: int = 0   # full blocks not copied to host: looked up fewer than store_threshold times
     mirror_share: list = field(default_factory=list)   # at each admission: host blocks also in the device cache
 
 
@@ -77,7 +81,8 @@ class EngineKVTiers:
     kv_layout: "cross_layer" (default; one copy per block, see `use_cross_layer_blocks`) or
     "layer_major" (the runner's own pool; 2 x layers copies per block)."""
 
-    def __init__(self, engine, store_kwargs: dict, model_id: str | None = None, kv_layout: str = CROSS_LAYER):
+    def __init__(self, engine, store_kwargs: dict, model_id: str | None = None, kv_layout: str = CROSS_LAYER,
+                 store_threshold: int = 1):
         if kv_layout not in KV_LAYOUTS:
             raise UserError(f"kv_layout={kv_layout!r} unknown; choose one of {', '.join(KV_LAYOUTS)}")
         self.engine, self.runner, self.bm = engine, engine.runner, engine.block_manager
@@ -91,6 +96,13 @@ class EngineKVTiers:
         pin = self.runner.device.type == "cuda"
         self.store = TieredKVStore(self.layout, self.ns, pin=pin, **store_kwargs)
         self.stats = EngineTierStats()
+        # vLLM's FilterReusedOffloadingManager: a block crosses to the host only once looked up
+        # `store_threshold` times (each admission that had to look beyond the device cache counts)
+        self.reuse = ReuseTracker(store_threshold)
+        self._unlaunched: list[int] = []
+        self._stored: dict[int, int] = {}       # seq_id -> leading full blocks already stored (or passed over)
+        # the engine's one compute-stream sync per step is its own; phase syncs would add five more
+        engine.sync_every_phase = False
         self._device_hash: dict[str, int | None] = {}
         self._released: queue.SimpleQueue = queue.SimpleQueue()   # blocks whose copy completed
         self._held = 0                                             # blocks handed to the copier, not yet back
@@ -144,35 +156,65 @@ class EngineKVTiers:
 
     # -- offload -----------------------------------------------------------------------
     def offload(self, seq) -> list[int]:
-        """Called by `BlockManager.free` while the request still owns its blocks: count a use of
-        each full prompt block, launch the device->host copy of those not yet in the host tier,
-        and return the device blocks under copy (the block manager holds them until
-        `completed_blocks` returns them)."""
+        """Called by `BlockManager.free` while the request still owns its blocks: store its full blocks
+        not stored yet (the last ones of its decode; see `store_filled`). The blocks under copy are
+        held here (a reference each) until `completed_blocks` returns them, so this returns []."""
         t0 = time.perf_counter()
+        self._store_upto(seq, seq.num_computed_tokens, t0, final=True)
+        self._stored.pop(seq.seq_id, None)
+        self.stats.offloads += 1
+        self.stats.offload_call_s.append(time.perf_counter() - t0)
+        return []
+
+    def store_filled(self) -> None:
+        """Each step, before the forward: launch the store of every block that filled in the steps
+        before (prompt chunks and decode tokens alike), as vLLM's offloading connector stores a
+        request's blocks as they fill rather than when it finishes. The copy waits for the compute
+        stream that wrote the KV; the next forward writes other slots."""
         bs = self.runner.block_size
-        n = min(seq.num_computed_tokens, seq.num_prompt_tokens) // bs
-        keys = prefix_keys(seq.prompt[:n * bs], bs, self.ns)
+        t0 = time.perf_counter()
+        for seq in list(self.engine.scheduler.running):
+            if seq.num_computed_tokens // bs > self._stored.get(seq.seq_id, 0):
+                self.stats.stored_while_running += self._store_upto(seq, seq.num_computed_tokens, t0)
+
+    def _store_upto(self, seq, num_tokens: int, t0: float, final: bool = False) -> int:
+        """Launch the device->host copy of `seq`'s full blocks below `num_tokens` that were not handled
+        yet and that pass the reuse gate; returns the blocks launched. While the request runs, a host
+        tier with no free row now is asked again next step; at its finish, what finds no row is
+        skipped (counted)."""
+        bs = self.runner.block_size
+        start, full = self._stored.get(seq.seq_id, 0), min(num_tokens, len(seq.token_ids)) // bs
+        if full <= start:
+            return 0
+        self._stored[seq.seq_id] = full
+        keys = prefix_keys(seq.token_ids[:full * bs], bs, self.ns)[start:]
         want = []
-        for i, key in enumerate(keys):   # which device-cache entry holds the same block (for `mirror_share`)
-            self._device_hash[key] = self.bm.block_hash[seq.block_table[i]]
+        for i, key in enumerate(keys, start):   # which device-cache entry holds the same block (`mirror_share`)
+            block = seq.block_table[i]
+            self._device_hash[key] = self.bm.block_hash[block]
             self.store.note_use(key)
             if self.store.host.touch(key):
                 self.store.admit_if_reused(key)      # reused often enough now: write it below, from host
+            elif not self.reuse.eligible(key):
+                self.stats.not_stored_unreused += 1  # never crossed to the host: not reused (yet)
             else:
-                want.append((key, seq.block_table[i]))
-        self.stats.offloads += 1
+                want.append((key, block))
         if not want:
-            self.stats.offload_call_s.append(time.perf_counter() - t0)
-            return []
-        blocks = [b for _, b in want]
+            return 0
+        for _, block in want:                        # held until the copy completed (`completed_blocks`)
+            self.bm.ref_count[block] += 1
         with self._lock:
-            self._held += len(blocks)
-        if not self._offload_round({"want": want, "t0": t0, "done": 0}, first=True):
-            with self._lock:            # nothing launched: the caller frees these blocks at once
-                self._held -= len(blocks)
-            blocks = []
-        self.stats.offload_call_s.append(time.perf_counter() - t0)
-        return blocks
+            self._held += len(want)
+        n = len(want)
+        if not self._offload_round({"want": want, "t0": t0, "done": 0, "final": final}, first=True):
+            if not final:
+                self._stored[seq.seq_id] = start     # try again next step
+            for block in self._unlaunched:           # nothing launched: not held after all
+                self.bm.ref_count[block] -= 1
+            with self._lock:
+                self._held -= len(self._unlaunched)
+            n = 0
+        return n
 
     def _offload_round(self, state: dict, first: bool) -> bool:
         """Reserve host rows for as many wanted blocks as the host can give now and launch their
@@ -187,17 +229,24 @@ class EngineKVTiers:
             key, block = want.pop(0)
             todo.append((key, slot, block))
         if not todo:
+            self._unlaunched = []
             if want:
-                self.store.host.stats.skipped += len(want)   # host full of rows still being written or read
-                if not first:                                # (the first round's blocks were never held)
+                if not first or state.get("final", True):
+                    self.store.host.stats.skipped += len(want)   # host full of rows still being written or read
+                if first:                                    # the caller lets go of them at once
+                    self._unlaunched = [block for _, block in want]
+                else:
                     for _, block in want:
                         self._released.put(block)
                 want.clear()
-            self.stats.free_s.append(time.perf_counter() - state["t0"])
+            if state["done"] or state.get("final", True):
+                self.stats.free_s.append(time.perf_counter() - state["t0"])
             self.stats.offloaded_blocks += state["done"]
             self._notify()
             return False
         pairs = [(b, self.store.host.row(s)) for _, s, b in todo]
+
+        self.stats.transfers += 1
 
         def copy():
             block_copy.copy_blocks_to_rows(self.runner, self.layout, pairs)
@@ -274,8 +323,11 @@ class EngineKVTiers:
         return True
 
     def note_step(self) -> None:
+        """The engine, after scheduling a step: count a step taken while a fetch is in flight, and
+        store the blocks that filled before it (`store_filled`)."""
         if any(not f.done.is_set() for f in self._fetches.values()):
             self.stats.steps_with_fetch_in_flight += 1
+        self.store_filled()
 
     def _fetch_loop(self) -> None:
         while True:
@@ -300,6 +352,9 @@ class EngineKVTiers:
         self.stats.prompt_blocks += max(limit, 0)
         self.stats.device_hit_blocks += start_block
         self.stats.mirror_share.append(self.mirrored_share())
+        if self.reuse.threshold > 1:       # the lookup the reuse gate counts: blocks past the device cache
+            for key in self._restorable_keys(seq, start_block):
+                self.reuse.note(key)
         f = self._fetches.pop(getattr(seq, "seq_id", None), None)
         t0 = time.perf_counter()
         if f is not None:
@@ -327,6 +382,7 @@ class EngineKVTiers:
             got.release()
             return []
         blocks = [take_block() for _ in got.rows]   # allocated only now that the data is in host memory
+        self.stats.transfers += 1
         pairs = list(zip(blocks, got.rows))
         if self.runner.device.type == "cuda":
             # on the copy stream; the compute stream waits on its event (no host synchronisation),
