@@ -17,7 +17,7 @@ when most requests share no prefix, slower storage only adds copying.
 - `<workload>/<config>`: the serving engine on two workloads — `shared` (requests draw one of a
   few long prefixes) and `none` (no shared prefix) — with no tiers, with a host tier, and with
   host + filesystem + peer tiers, once admitting every block below the host and once only blocks
-  reused `admit_after` times: TTFT (every request's, all repeats, for `measure.compare_timings`),
+  looked up `admit_after` times before it may cross to the host (vLLM's reuse gate): TTFT (every request's, all repeats, for `measure.compare_timings`),
   throughput, per-tier lookups/hits/bytes/latency, and device free / re-allocation times;
 - `sweep/host=<blocks>`: the shared workload with a host tier of growing capacity (multiples of
   the device KV pool): blocks served by the host tier beyond what the device cache served.
@@ -62,12 +62,13 @@ PARAMETERS = {
     "max_num_batched_tokens": Param(int, help="per-step token budget"),
     "device_blocks": Param(int, help="KV blocks in the device pool (running requests + device prefix cache)"),
     "host_blocks": Param(int, help="host tier capacity (blocks) in the workload comparison"),
+    "file_blocks": Param(int, help="file tier capacity (blocks; LRU): beyond it, blocks are served by the peer"),
     "host_sweep": Param(str, help="host capacities for the sizing sweep, as multiples of device_blocks"),
     "copy_block_mb": Param(str, help="block sizes (MB) of the host copy benchmark, comma-separated"),
     "copy_total_mb": Param(int, help="MB copied per block size in the copy benchmark"),
     "file_total_mb": Param(int, help="MB written through the file tier in the filesystem benchmark"),
     "use_peer": Param(bool, help="add the remote-peer tier (a second process on 127.0.0.1)"),
-    "admit_after": Param(int, help="uses of a block before it is written below the host (the 'admit on reuse' config)"),
+    "admit_after": Param(int, help="lookups of a block before it may cross to the host (vLLM's store_threshold; the 'admit on reuse' config)"),
     "repeats": Param(int, min=2, help="runs of each engine configuration, interleaved; their median TTFTs are compared"),
     "restore_reps": Param(int, help="timed single requests per source in the restore-vs-recompute benchmark"),
     "cpu_threads": Param(int, 1, min=0, help="torch threads on CPU during the measurement (0: leave as is)"),
@@ -76,16 +77,18 @@ PARAMETERS = {
 PRESETS = {
     "smoke": dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn=176, vocab=256, dtype="float32",
                   block_size=16, prefix_len=96, suffix_len=16, output_len=4, num_prefixes=6, num_requests=24,
-                  max_num_seqs=2, max_num_batched_tokens=128, device_blocks=32, host_blocks=64,
+                  max_num_seqs=2, max_num_batched_tokens=128, device_blocks=32, host_blocks=12, file_blocks=12,
                   host_sweep="0.5,1,2,3", copy_block_mb="1,4", copy_total_mb=32, file_total_mb=8, use_peer=True, admit_after=2, repeats=3, restore_reps=6),
+    # the host tier holds a third of the working set of shared prefixes (num_prefixes x prefix blocks),
+    # so the file and peer tiers serve hits and requests wait for their fetches
     "cpu": dict(d_model=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn=688, vocab=512, dtype="float32",
-                block_size=16, prefix_len=384, suffix_len=32, output_len=8, num_prefixes=8, num_requests=48,
-                max_num_seqs=4, max_num_batched_tokens=512, device_blocks=160, host_blocks=320,
-                host_sweep="0.25,0.5,0.75,1,1.5", copy_block_mb="1,2,4,8", copy_total_mb=256, file_total_mb=64,
-                use_peer=True, admit_after=2, repeats=4, restore_reps=15),
+                block_size=16, prefix_len=192, suffix_len=16, output_len=4, num_prefixes=6, num_requests=16,
+                max_num_seqs=4, max_num_batched_tokens=512, device_blocks=72, host_blocks=24, file_blocks=24,
+                host_sweep="0.5,1,1.5", copy_block_mb="1,4", copy_total_mb=64, file_total_mb=16,
+                use_peer=True, admit_after=2, repeats=3, restore_reps=8),
     "gpu": dict(d_model=1024, n_layers=8, n_heads=16, n_kv_heads=8, ffn=2816, vocab=32000, dtype="bfloat16",
                 block_size=16, prefix_len=2048, suffix_len=128, output_len=32, num_prefixes=16, num_requests=64,
-                max_num_seqs=8, max_num_batched_tokens=8192, device_blocks=2048, host_blocks=4096,
+                max_num_seqs=8, max_num_batched_tokens=8192, device_blocks=2048, host_blocks=1024, file_blocks=512,
                 host_sweep="0.25,0.5,0.75,1,1.5,2", copy_block_mb="1,2,4,8,16", copy_total_mb=1024, file_total_mb=512,
                 use_peer=True, admit_after=2, repeats=5, restore_reps=15),
 }
@@ -95,7 +98,8 @@ WORKLOADS = ("shared", "none")
 
 def configs(P: dict) -> tuple[str, ...]:
     """The engine configurations compared: no tiers; host only; every tier, admitting every block
-    below the host; every tier, admitting a block below the host only after `admit_after` uses."""
+    to the host (and on below it); every tier with vLLM's reuse gate, a block crossing to the host only
+    once looked up `admit_after` times."""
     full = "host+file+peer" if P["use_peer"] else "host+file"
     return ("no tiers", "host", f"{full}, admit all", f"{full}, admit on reuse")
 
@@ -124,7 +128,7 @@ def check_params(P: dict) -> None:
     """Every size the measurement relies on, checked before any work."""
     for name in ("d_model", "n_layers", "n_heads", "n_kv_heads", "ffn", "vocab", "block_size", "prefix_len",
                  "suffix_len", "output_len", "num_prefixes", "num_requests", "max_num_seqs", "max_num_batched_tokens",
-                 "device_blocks", "host_blocks", "copy_total_mb", "file_total_mb", "admit_after", "repeats",
+                 "device_blocks", "host_blocks", "file_blocks", "copy_total_mb", "file_total_mb", "admit_after", "repeats",
                  "restore_reps"):
         if P[name] < 1:
             raise UserError(f"{name}={P[name]!r} must be a positive int")
@@ -244,6 +248,15 @@ def engine_record(ctx, name: str, variant: str, workload_kind: str, P: dict, cfg
                 definition="per request with a slow-tier fetch: fetch started until its rows were in host memory; "
                            "the request waited, the engine stepped others")
         rec.add("fetches", st.fetches_started, "requests", phase="ttft")
+        rec.add("transfers", st.transfers, "batched copies", phase="total",
+                definition="device<->host transfers launched, each one batched call for all its blocks")
+        rec.add("stored_while_running", st.stored_while_running, "blocks", phase="total",
+                definition="blocks whose store was launched as they filled, while their request still ran")
+        rec.add("not_stored_unreused", st.not_stored_unreused, "blocks", phase="total",
+                definition=f"full blocks kept off the host: looked up fewer than store_threshold="
+                           f"{tiers.reuse.threshold} times (vLLM's FilterReusedOffloadingManager)")
+        steps = max(1, len(engine.steps))
+        rec.add("compute_syncs_per_step", engine.compute_syncs / steps, "syncs", phase="total")
         rec.add("steps_with_fetch_in_flight", st.steps_with_fetch_in_flight, "steps", phase="total")
         rec.add("not_admitted_below_host", tiers.store.not_admitted, "blocks", phase="total",
                 definition=f"blocks kept in host memory only: used fewer than admit_after="
@@ -295,7 +308,7 @@ def _measure(ctx, P: dict) -> list[RunRecord]:
             "block_bytes": r["block_bytes"], "blocks": r["blocks"], "dtype": P["dtype"], "block_mb": mb,
             "kv_layout": lay, "shapes": shapes, "pinned_host": r["pinned"],
             "ceiling": ceil["what"], "convention": ceil["convention"]}, topology={"ranks": 1})
-        rec.set_backend("offload_copy", f"torch copy_ per contiguous piece, {r['copies_per_call'] // r['blocks']} per block"
+        rec.set_backend("offload_copy", f"one torch._foreach_copy_ per transfer, {r['copies_per_call'] // r['blocks']} piece(s) per block"
                         + (", non_blocking into pinned" if r["pinned"] else ""),
                         reason="kv_offload.block_copy.copy_blocks_to_rows, the engine's path", dtype=P["dtype"])
         rec.add_timing("copy_time", r["timing"], phase="steady", bytes=r["bytes"])
@@ -450,7 +463,7 @@ def tier_rows(records: list[RunRecord]) -> list[dict]:
                          "engine-thread offload ms": _ms(r.value("offload_call_median")),
                          "fetch wait ms": _ms(r.value("fetch_wait_median")),
                          "re-alloc ms (median)": _ms(r.value("realloc_time_median")),
-                         "not admitted": int(r.value("not_admitted_below_host")) if tier != "host" else None,
+                         "not stored (unreused)": int(_v(r, "not_stored_unreused")) if tier == "host" else None,
                          "skipped": int(r.value(f"{tier}/skipped")),
                          "failures": int(r.value(f"{tier}/failures")), "corrupt": int(r.value(f"{tier}/corrupt")),
                          "timeouts": int(r.value(f"{tier}/timeouts"))})
@@ -494,7 +507,7 @@ def copy_rows(records: list[RunRecord]) -> list[dict]:
         rows.append({"block MB": round(r.workload["block_bytes"] / (1 << 20), 2), "blocks": r.workload["blocks"],
                      "cross-layer GB/s": float(significant(r.value("copy_gbps"))),
                      "layer-major GB/s": float(significant(lm.value("copy_gbps"))),
-                     "copies per block": f"{r.value('copies_per_block'):g} vs {lm.value('copies_per_block'):g}",
+                     "pieces per block": f"{r.value('copies_per_block'):g} vs {lm.value('copies_per_block'):g}",
                      "cross / layer-major time": float(significant(c.ratio)), "90% interval": c.interval(),
                      "verdict": c.verdict, "samples": f"{c.n_a}, {c.n_b}",
                      "memory copy GB/s": float(significant(r.value("ceiling_gbps"))),

@@ -131,23 +131,27 @@ def tp_worker(rank: int, world: int, init_method: str, args: dict, out_dir: str,
         dist.init_process_group("nccl" if use_cuda else "gloo", init_method=init_method, rank=rank,
                                 world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
         try:
-            cfg, bs, mode = args["cfg"], int(args["block_size"]), args["mode"]
-            tokens, k, v = full_kv(cfg, int(args["seed"]), int(args["prompt_len"]), bs)
-            H = cfg["n_kv_heads"]
-            a, b = head_range(H, world, rank)
-            mine_k, mine_v = k[..., a:b, :].contiguous().to(device), v[..., a:b, :].contiguous().to(device)
-            full_layout = layout_for(cfg, bs, H)
-            ns_full = namespace(args["model_id"], bs, torch.float32, full_layout)
-            keys = prefix_keys(tokens, bs, ns_full)
-            summary = {}
-            for mode in ([mode] if isinstance(mode, str) else list(mode)):
-                summary[mode] = _store(mode, rank, world, args, cfg, bs, tokens, keys, mine_k, mine_v, full_layout,
-                                       ns_full, use_cuda, a, b)
+            runs = []
+            # several models in one process group (`args["variants"]`: dicts over `args`), so one spawn serves all
+            for variant in args.get("variants") or [{}]:
+                va = {**args, **variant}
+                cfg, bs, mode = va["cfg"], int(va["block_size"]), va["mode"]
+                tokens, k, v = full_kv(cfg, int(va["seed"]), int(va["prompt_len"]), bs)
+                H = cfg["n_kv_heads"]
+                a, b = head_range(H, world, rank)
+                mine_k, mine_v = k[..., a:b, :].contiguous().to(device), v[..., a:b, :].contiguous().to(device)
+                full_layout = layout_for(cfg, bs, H)
+                ns_full = namespace(va["model_id"], bs, torch.float32, full_layout)
+                keys = prefix_keys(tokens, bs, ns_full)
+                summary = {}
+                for mode in ([mode] if isinstance(mode, str) else list(mode)):
+                    summary[mode] = _store(mode, rank, world, va, cfg, bs, tokens, keys, mine_k, mine_v, full_layout,
+                                           ns_full, use_cuda, a, b)
+                runs.append({"blocks": len(keys), "modes": summary})
             dist.barrier()
         finally:
             dist.destroy_process_group()
-        result = {"rank": rank, "world": world, "backend": "nccl" if use_cuda else "gloo", "blocks": len(keys),
-                  "modes": summary}
+        result = {"rank": rank, "world": world, "backend": "nccl" if use_cuda else "gloo", "runs": runs, **runs[0]}
         (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(result))
     except BaseException:
         (Path(out_dir) / f"rank{rank}.err").write_text(traceback.format_exc())
@@ -215,7 +219,8 @@ def launch(args: dict, world_size: int = 2, timeout_s: float = 120.0) -> list[di
     modes = [args.get("mode")] if isinstance(args.get("mode"), str) else list(args.get("mode") or [None])
     if not modes or any(m not in MODES for m in modes):
         raise UserError(f"mode={args.get('mode')!r} unknown; choose 'merged', 'sharded' or a list of them")
-    head_range(args["cfg"]["n_kv_heads"], world_size, 0)
+    for variant in args.get("variants") or [{}]:
+        head_range({**args, **variant}["cfg"]["n_kv_heads"], world_size, 0)
     args.setdefault("file_secret", secrets.token_hex(32))   # the ranks and `restore_at` share the files' key
     json.dumps(args)
     with loopback_ranks(tp_worker, world_size, (args,), timeout_s=timeout_s, what="TP KV workers",

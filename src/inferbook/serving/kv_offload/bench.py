@@ -145,19 +145,24 @@ def filesystem_benchmark(directory: Path, total_mb: int, block_mb: float = 1.0) 
 
 
 def run_workload(model, prompts, P: dict, config: str, *, host_blocks: int, scratch: Path, peer_address, seed: int):
-    """One closed-loop run on a fresh engine (device prefix caching on); tiers per `config`."""
+    """One closed-loop run on a fresh engine (device prefix caching on); tiers per `config`. "on reuse":
+    vLLM's reuse gate before the host (a block crosses to the host once looked up `admit_after`
+    times); otherwise every full block is stored as it fills."""
     ecfg = EngineConfig(max_num_seqs=P["max_num_seqs"], max_num_batched_tokens=P["max_num_batched_tokens"],
                         block_size=P["block_size"], num_blocks=P["device_blocks"], enable_prefix_caching=True, seed=seed)
     engine = LLMEngine(model, ecfg)
     tiers = None
     if config != "no tiers":
-        kw = {"host_capacity_blocks": host_blocks, "admit_after": P["admit_after"] if "on reuse" in config else 1}
+        kw = {"host_capacity_blocks": host_blocks}
         if "file" in config:
             kw["file_dir"] = scratch
         if "peer" in config and peer_address is not None:
             kw["peer_address"] = peer_address
-        tiers = EngineKVTiers(engine, kw, model_id=f"tiny-seed{seed}")
+        tiers = EngineKVTiers(engine, kw, model_id=f"tiny-seed{seed}",
+                              store_threshold=P["admit_after"] if "on reuse" in config else 1)
         for t in tiers.store.lower:
+            if t.name == "file" and P.get("file_blocks"):   # an LRU of that many block files (header < 1 KiB)
+                t.capacity_bytes = P["file_blocks"] * (t.row_bytes + 1024)
             if t.name == "peer" and not t.clear():   # one peer process serves every run; each run starts empty
                 raise RuntimeError(f"the KV peer could not be cleared: {t.stats.last_error}")
     # warm-up on a prompt no measured request shares (first-call costs are not the tiers')
@@ -170,6 +175,8 @@ def run_workload(model, prompts, P: dict, config: str, *, host_blocks: int, scra
         for t in tiers.store.tiers:
             t.stats.__init__(t.name)
         tiers.store.not_admitted = 0
+        tiers.reuse.counts.clear()          # the warm-up's lookups are not the workload's
+    engine.compute_syncs = 0
     run = run_closed_loop(engine, prompts, SamplingParams(max_tokens=P["output_len"]), P["max_num_seqs"])
     if tiers is not None:
         tiers.flush()

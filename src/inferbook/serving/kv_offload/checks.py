@@ -116,23 +116,27 @@ def tp_check(seed: int, workdir: Path, use_cuda: bool = False, timeout_s: float 
     latent is), where the merge writes each head once and TP 4 reads replicas."""
     from .. import kv_tp_merge as tpm
 
-    rows, exact, res0, passed = [], {}, None, True
-    for kv_heads, what in ((4, "4 KV heads, split"), (1, "1 KV head, replicated")):
+    rows, exact, passed = [], {}, True
+    variants = []
+    for kv_heads in (4, 1):
         cfg = dict(vocab=128, d_model=64, n_layers=2, n_heads=4, n_kv_heads=kv_heads, ffn=96, max_seq=160)
-        args = dict(cfg=cfg, block_size=16, prompt_len=128, seed=seed + 61, model_id=f"tp-check-{seed}-{kv_heads}",
-                    dir=str(Path(workdir) / f"tp{kv_heads}"), mode=["merged", "sharded"], durable=True,
-                    use_cuda=use_cuda)
-        res = tpm.launch(args, world_size=2, timeout_s=timeout_s)
-        res0 = res0 or res[0]
-        _, k, v = tpm.full_kv(cfg, args["seed"], args["prompt_len"], 16)
+        variants.append(dict(cfg=cfg, model_id=f"tp-check-{seed}-{kv_heads}", dir=str(Path(workdir) / f"tp{kv_heads}")))
+    args = dict(block_size=16, prompt_len=128, seed=seed + 61, mode=["merged", "sharded"], durable=True,
+                use_cuda=use_cuda, variants=variants, **variants[0])
+    res = tpm.launch(args, world_size=2, timeout_s=timeout_s)    # both variants in one process group
+    res0 = res[0]
+    for i, (variant, what) in enumerate(zip(variants, ("4 KV heads, split", "1 KV head, replicated"))):
+        va = {**args, **variant}
+        kv_heads = va["cfg"]["n_kv_heads"]
+        _, k, v = tpm.full_kv(va["cfg"], va["seed"], va["prompt_len"], 16)
         for tp in (1, 2, 4):
-            back = tpm.restore_at(args["dir"], args, tp)
+            back = tpm.restore_at(va["dir"], va, tp)
             exact[f"{what}, TP {tp}"] = all(
-                back[r][i] is not None and torch.equal(back[r][i]["k"], tpm.shard_of(k[i], tp, r))
-                and torch.equal(back[r][i]["v"], tpm.shard_of(v[i], tp, r))
-                for r in range(tp) for i in range(k.shape[0]))
-        merged = [r["modes"]["merged"] for r in res]
-        sharded = [r["modes"]["sharded"] for r in res]
+                back[r][j] is not None and torch.equal(back[r][j]["k"], tpm.shard_of(k[j], tp, r))
+                and torch.equal(back[r][j]["v"], tpm.shard_of(v[j], tp, r))
+                for r in range(tp) for j in range(k.shape[0]))
+        merged = [r["runs"][i]["modes"]["merged"] for r in res]
+        sharded = [r["runs"][i]["modes"]["sharded"] for r in res]
         rows += [{"KV heads": what, "layout": "merged on rank 0", "files written": sum(m["writes"] for m in merged),
                   "bytes per file": merged[0]["bytes_per_write"],
                   "seconds (slowest rank)": significant(max(m["seconds"] for m in merged))},

@@ -47,7 +47,7 @@ class EngineTierStats:
     steps_with_fetch_in_flight: int = 0
     copy_failures: int = 0
     transfers: int = 0            # device->host and host->device copies launched, each one batched call
-    stored_while_running: int = 0  # blocks whose store was launched while their request still ran (decode)
+    stored_while_running: int = 0  # blocks stored (copy completed) from a store launched while their request ran
     not_stored_unreused: int = 0   # full blocks not copied to host: looked up fewer than store_threshold times
     mirror_share: list = field(default_factory=list)   # at each admission: host blocks also in the device cache
 
@@ -175,7 +175,7 @@ class EngineKVTiers:
         t0 = time.perf_counter()
         for seq in list(self.engine.scheduler.running):
             if seq.num_computed_tokens // bs > self._stored.get(seq.seq_id, 0):
-                self.stats.stored_while_running += self._store_upto(seq, seq.num_computed_tokens, t0)
+                self._store_upto(seq, seq.num_computed_tokens, t0)
 
     def _store_upto(self, seq, num_tokens: int, t0: float, final: bool = False) -> int:
         """Launch the device->host copy of `seq`'s full blocks below `num_tokens` that were not handled
@@ -259,6 +259,8 @@ class EngineKVTiers:
             else:
                 self.store.commit([(k, s) for k, s, _ in todo])   # visible only now: the copy completed
                 state["done"] += len(todo)
+                if not state.get("final", True):
+                    self.stats.stored_while_running += len(todo)
             for _, _, block in todo:
                 self._released.put(block)
             self._offload_round(state, first=False)
