@@ -381,8 +381,10 @@ def test_bad_input_is_a_clear_error(case, tmp_path):
 
 @pytest.mark.parametrize("change, needle", [
     ({"device_blocks": 8}, "device_blocks=8"), ({"prefix_len": 8}, "prefix_len=8"), ({"repeats": 0}, "repeats=0"),
-    ({"host_sweep": "1,x"}, "host_sweep='1,x'"), ({"copy_block_mb": "-1"}, "copy_block_mb='-1'"),
-    ({"repeats": 1}, "repeats=1"), ({"restore_reps": 0}, "restore_reps=0"), ({"admit_after": 0}, "admit_after=0")])
+    ({"host_sweep": "1,x"}, "host_sweep='1,x'"), ({"host_sweep": "nan"}, "host_sweep='nan'"),
+    ({"host_sweep": "1,inf"}, "host_sweep='1,inf'"), ({"copy_block_mb": "-1"}, "copy_block_mb='-1'"),
+    ({"repeats": 1}, "repeats=1"), ({"restore_reps": 0}, "restore_reps=0"), ({"admit_after": 0}, "admit_after=0"),
+    ({"file_blocks": 0}, "file_blocks=0")])
 def test_chapter_parameters_are_checked_before_any_work(change, needle):
     from inferbook.chapters import tiered_kv_offload as ch
 
