@@ -37,6 +37,7 @@ from torch import nn
 from ..errors import UserError
 from .draft import SwiGLU, _rotate, rope_cos_sin
 from .model import RMSNorm, TinyDecoder
+from .sampler import exponential_race_sample
 
 BLOCK_DRAFT_FORMAT = "dspark-block-v1"
 
@@ -178,18 +179,26 @@ class BlockDraft(nn.Module):
         return logits, conf
 
     @torch.no_grad()
-    def draft(self, ctx_feats, ctx_pos, ctx_valid, anchor, anchor_pos):
-        """One forward, then K greedy picks in order (each slot's Markov bias needs the previous
-        pick) -> (tokens [B, K] int64, acceptance probabilities [B, K] float32 or None)."""
+    def draft(self, ctx_feats, ctx_pos, ctx_valid, anchor, anchor_pos, temperature: float = 0.0, generator=None):
+        """One forward, then K picks in order (each slot's Markov bias needs the previous pick):
+        greedy, or sampled from softmax(logits / temperature) by the exponential race ->
+        (tokens [B, K] int64, acceptance probabilities [B, K] float32 or None, draft probabilities
+        [B, K, V] float32 or None when greedy)."""
         h, logits = self.backbone(ctx_feats, ctx_pos, ctx_valid, anchor, anchor_pos)
-        prev, tokens, confs = anchor, [], []
+        prev, tokens, confs, probs = anchor, [], [], []
         for i in range(self.cfg.block):
             lg, conf = self.heads(h[:, i:i + 1], logits[:, i:i + 1], prev[:, None])
-            prev = lg[:, 0].argmax(-1)
+            if temperature > 0:
+                q = torch.softmax(lg[:, 0] / temperature, dim=-1)
+                probs.append(q)
+                prev = exponential_race_sample(q, generator)
+            else:
+                prev = lg[:, 0].argmax(-1)
             tokens.append(prev)
             if conf is not None:
                 confs.append(torch.sigmoid(conf[:, 0].float()))
-        return torch.stack(tokens, 1), (torch.stack(confs, 1) if confs else None)
+        return (torch.stack(tokens, 1), torch.stack(confs, 1) if confs else None,
+                torch.stack(probs, 1) if probs else None)
 
 
 def save_block_draft(draft: BlockDraft, path: str | Path, extra: dict | None = None) -> str:
@@ -223,13 +232,17 @@ def load_block_draft(path: str | Path, target: TinyDecoder) -> BlockDraft:
 class BlockDrafter:
     """Engine drafter around a `BlockDraft`: per request it keeps the target's features of the last
     `window` positions (`seq.draft_hidden_rows` of each step), and drafts every request's block in
-    one batched forward. Greedy: the proposals are one-hot (probabilities None)."""
+    one batched forward. temperature 0: greedy proposals, one-hot (probabilities None); > 0: each
+    slot sampled from the draft's softmax at that temperature, which verification receives as q."""
 
     name = "DSpark-style parallel block draft"
     kind = "parallel"             # config.draft_slots_for: K - 1 slots per request
 
-    def __init__(self, draft: BlockDraft):
-        self.draft, self.vocab = draft, draft.cfg.vocab
+    def __init__(self, draft: BlockDraft, temperature: float = 0.0, seed: int = 0):
+        if temperature < 0:
+            raise UserError(f"draft temperature={temperature!r} must be >= 0")
+        self.draft, self.vocab, self.temperature, self.seed = draft, draft.cfg.vocab, temperature, seed
+        self.generator: torch.Generator | None = None
         self.feature_layers = None     # the target's final hidden state
         self.contexts: dict[int, tuple[weakref.ref, torch.Tensor, int]] = {}   # seq id -> (seq, feats, end)
         self.last_confidence: torch.Tensor | None = None
@@ -253,7 +266,7 @@ class BlockDrafter:
             del self.contexts[key]
 
     @torch.no_grad()
-    def propose(self, seqs, k: int, device) -> tuple[torch.Tensor, None]:
+    def propose(self, seqs, k: int, device) -> tuple[torch.Tensor, torch.Tensor | None]:
         if k != self.draft.cfg.block:
             raise UserError(f"the block draft drafts {self.draft.cfg.block} tokens per forward; the engine asked for k={k}")
         self._forget_finished()
@@ -270,7 +283,12 @@ class BlockDrafter:
             valid[i, C - c:] = True
         anchor = torch.tensor([s.token_ids[-1] for s in seqs], dtype=torch.long)
         anchor_pos = torch.tensor([end for _, end in ctxs], dtype=torch.long)
-        toks, conf = self.draft.draft(feats.to(self.draft.embed_weight.dtype), pos.to(dev), valid.to(dev),
-                                      anchor.to(dev), anchor_pos.to(dev))
+        gen = None
+        if self.temperature > 0:
+            if self.generator is None or self.generator.device != torch.device(dev):
+                self.generator = torch.Generator(device=dev).manual_seed(self.seed)
+            gen = self.generator
+        toks, conf, probs = self.draft.draft(feats.to(self.draft.embed_weight.dtype), pos.to(dev), valid.to(dev),
+                                             anchor.to(dev), anchor_pos.to(dev), self.temperature, gen)
         self.last_confidence = conf
-        return toks.to(device), None
+        return toks.to(device), (None if probs is None else probs.to(device))
