@@ -113,6 +113,16 @@ def test_four_ranks_gloo_all_checks_pass():
     failed = {r["check"] for r in workers.check_results(bad, args) if not r["passed"]}
     assert any("residual_out: finalize-before-exchange == unfused" in c for c in failed)
     assert any("vocab gather ring" in c for c in failed)
+    # the shared-memory push (finalize stored into the peers' slots, flags waited on) and pull paths
+    assert any("shared-memory push" in n for n in names) and any("shm-pull" in n for n in names)
+    bad = [dict(r) for r in results]
+    shm_out, shm_res = bad[3]["tail/fused_shm"]
+    shm_out = shm_out.clone()
+    shm_out.view(torch.int16)[1, 0] ^= 1
+    bad[3]["tail/fused_shm"] = [shm_out, shm_res]
+    bad[2]["gather/shm-pull"] = bad[2]["gather/shm-pull"].roll(1, dims=1)
+    failed = {r["check"] for r in workers.check_results(bad, args) if not r["passed"]}
+    assert any("out: shared-memory push" in c for c in failed) and any("shm-pull" in c for c in failed)
 
 
 def test_disagreement_counts_elements_not_element_rank_pairs():

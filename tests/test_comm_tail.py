@@ -105,3 +105,18 @@ def test_bad_finalize_and_variant():
         tail.run_tail({}, "fast")
     with pytest.raises(UserError, match="backend"):
         tail.select_backend(torch.device("cpu"), "cuda")
+
+
+@pytest.mark.parametrize("tokens,hidden", [(1, 7168), (4, 7168), (16, 4096), (256, 7168)])
+def test_elementwise_kernels_split_rows_at_small_t(tokens, hidden):
+    """At decode the finalize, rank sum and adds spread a row over CTAs (T x slices >= 132 where the
+    row is long enough); RMSNorm and the fused pass keep one CTA per row."""
+    from inferbook.comm import tail as TL
+
+    las = TL.tail_launches(8, tokens, hidden, 4)
+    split = [la for la in las if la.kernel in (TL._finalize_kernel, TL._allreduce_sum_kernel, TL._add_kernel)]
+    assert split and all(la.grid[0] == tokens for la in split)
+    ctas = split[0].grid[0] * split[0].grid[1]
+    assert ctas >= min(TL.TARGET_CTAS, tokens * -(-hidden // TL.MIN_SPLIT_BLOCK))
+    assert all(la.grid[1] * la.kwargs["BLOCK_H"] >= hidden for la in split)
+    assert all(la.grid == (tokens,) for la in las if la.kernel in (TL._rmsnorm_kernel, TL._fused_tail_kernel))

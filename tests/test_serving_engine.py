@@ -89,29 +89,64 @@ def test_chunked_prefill_same_tokens(model, budget, seqs, temperature):
     assert max(len(o) for o in out) == 12
 
 
+class SlotDrafter:
+    """Repeats the last token k times and declares `slots` draft slots: the budget test's drafter."""
+
+    def __init__(self, vocab):
+        self.vocab = vocab
+
+    def propose(self, seqs, k, device):
+        return torch.tensor([[s.token_ids[-1]] * k for s in seqs]), None
+
+
 @pytest.mark.parametrize("policy", ["static", "adaptive", "decode-only"])
-@pytest.mark.parametrize("k", [1, 4, 8])
-def test_budget_never_exceeded_and_reservation(model, policy, k):
-    max_seqs, budget = 4, 4 * 9 + 7
+@pytest.mark.parametrize("k,slots", [(1, 0), (4, 0), (4, 3), (8, 7), (8, 8)])
+def test_budget_never_exceeded_and_reservation(model, policy, k, slots):
+    max_seqs, budget = 4, 4 * 9 + 4 * 8 + 7
     ps = prompts((5, 60, 31, 2, 47, 16, 90))
-    out, engine = run(model, ps, SamplingParams(max_tokens=9), max_num_batched_tokens=budget, max_num_seqs=max_seqs,
-                      num_spec_tokens=k, spec_budget=policy)
+    engine = LLMEngine(model, EngineConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, num_spec_tokens=k,
+                                           spec_budget=policy, draft_slots=slots), drafter=SlotDrafter(CFG.vocab))
+    out = engine.generate(ps, SamplingParams(max_tokens=9))
     assert all(len(o) == 9 for o in out)
     for s in engine.steps:
-        assert s.num_tokens <= budget
-        expected = {"static": max_seqs, "adaptive": s.num_running, "decode-only": s.num_decode}[policy] * (1 + k)
-        assert s.reserved == expected
-        assert s.num_decode * (1 + k) <= s.reserved
-        assert s.num_prefill_tokens <= budget - s.reserved
+        if policy == "static":
+            assert s.reserved == max_seqs * slots
+            assert s.num_tokens <= budget - max_seqs * slots
+        elif policy == "adaptive":   # every scheduled request is charged its slots
+            assert s.reserved == s.num_scheduled * slots
+            assert s.num_tokens + s.reserved <= budget
+        else:                        # FastDeploy: decodes paid from num_decoding x (1 + k)
+            assert s.reserved == s.num_decode * (1 + k)
+            assert s.num_prefill_tokens <= budget - s.reserved
+            assert s.num_tokens <= budget
 
 
 def test_static_reservation_splits_a_prefill_that_adaptive_keeps_whole(model):
     p = prompts([100])
-    kw = dict(max_num_batched_tokens=112, max_num_seqs=8, num_spec_tokens=2)  # static reserves 16 -> 96 < 100
-    _, static = run(model, p, spec_budget="static", **kw)
-    _, adaptive = run(model, p, spec_budget="adaptive", **kw)
+    # parallel drafter, k=2: 1 slot per request; static holds back 8 x 1 -> 96 < 100, adaptive 1 -> 103
+    kw = dict(max_num_batched_tokens=104, max_num_seqs=8, num_spec_tokens=2, draft_slots=1)
+    static = LLMEngine(model, EngineConfig(spec_budget="static", **kw), drafter=SlotDrafter(CFG.vocab))
+    adaptive = LLMEngine(model, EngineConfig(spec_budget="adaptive", **kw), drafter=SlotDrafter(CFG.vocab))
+    static.generate(p, SamplingParams(max_tokens=4))
+    adaptive.generate(p, SamplingParams(max_tokens=4))
     assert static.finished[0].num_prefill_chunks == 2
     assert adaptive.finished[0].num_prefill_chunks == 1
+
+
+def test_ngram_static_equals_adaptive(model):
+    """vLLM reserves nothing for an n-gram drafter (0 slots): #51725 changes nothing for it."""
+    p = prompts([100, 30])
+    kw = dict(max_num_batched_tokens=104, max_num_seqs=8, num_spec_tokens=2)
+    a = LLMEngine(model, EngineConfig(spec_budget="static", **kw))
+    b = LLMEngine(model, EngineConfig(spec_budget="adaptive", **kw))
+    assert a.generate(p, SamplingParams(max_tokens=6)) == b.generate(p, SamplingParams(max_tokens=6))
+    assert [(s.num_tokens, s.reserved) for s in a.steps] == [(s.num_tokens, s.reserved) for s in b.steps]
+    assert all(s.reserved == 0 for s in a.steps)
+
+
+def test_drafter_kind_must_match_the_slots(model):
+    with pytest.raises(UserError, match="draft slots"):
+        LLMEngine(model, EngineConfig(max_num_batched_tokens=104, num_spec_tokens=2, draft_slots=1))
 
 
 class RandomDrafter:

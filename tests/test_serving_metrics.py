@@ -6,7 +6,8 @@ import pytest
 from inferbook.chapters import kimi_dspark_acceptance as dspark_acceptance, kimi_spec_budget as spec_budget
 from inferbook.serving.config import EngineConfig
 from inferbook.serving.engine import LLMEngine
-from inferbook.serving.metrics import run_closed_loop
+from inferbook.serving.metrics import (SkippingClock, output_lengths, poisson_arrivals, run_closed_loop,
+                                      run_open_loop)
 from inferbook.serving.model import TinyConfig, TinyDecoder, init_weights
 from inferbook.serving.sequence import SamplingParams
 from inferbook.serving.speculative import NgramDrafter
@@ -31,6 +32,36 @@ def test_closed_loop_metrics_with_a_step_clock():
     assert [r.prefill_chunks > 1 for r in run.requests][1]   # 40 tokens > 32-token budget: split
     with pytest.raises(ValueError, match="concurrency"):
         run_closed_loop(engine, prompts, SamplingParams(), concurrency=0)
+
+
+def test_open_loop_with_a_step_clock():
+    """Open loop on a clock that ticks once per reading: arrivals far apart find an idle engine (the
+    clock skips ahead, no request waits), arrivals at 0 queue behind the concurrency cap."""
+    cfg = TinyConfig(vocab=64, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn=64, max_seq=96)
+    model = init_weights(TinyDecoder(cfg), 0).eval()
+    ticks = itertools.count()
+    clock = SkippingClock(lambda: float(next(ticks)))
+    engine = LLMEngine(model, EngineConfig(max_num_batched_tokens=32, max_num_seqs=4), clock=clock)
+    prompts = [[1] * n for n in (5, 12, 3)]
+    apart = run_open_loop(engine, prompts, [3, 4, 5], [0.0, 1e4, 2e4], max_concurrency=2)
+    assert [r.output_len for r in apart.requests] == [3, 4, 5]
+    assert clock.skipped > 1e4 and apart.coinciding_share == 0
+    together = run_open_loop(engine, prompts, [3, 4, 5], [0.0, 0.0, 0.0], max_concurrency=2)
+    assert together.coinciding_share == pytest.approx(2 / 3)        # two entered the first step together
+    assert max(s.num_running for s in engine.steps) <= 2
+    with pytest.raises(ValueError, match="SkippingClock"):
+        run_open_loop(LLMEngine(model, EngineConfig()), prompts, [3, 3, 3], [0, 0, 0], 1)
+
+
+def test_poisson_arrivals_and_output_lengths():
+    import torch
+    g = torch.Generator().manual_seed(0)
+    t = poisson_arrivals(4000, 50.0, g)
+    gaps = [b - a for a, b in zip(t, t[1:])]
+    assert t[0] == 0 and min(gaps) >= 0
+    assert abs(sum(gaps) / len(gaps) - 1 / 50) < 0.1 / 50          # mean gap 1/rate, within 10 %
+    lens = output_lengths(2000, 64, g)
+    assert min(lens) >= 32 and max(lens) <= 96 and len(set(lens)) > 30
 
 
 def test_ngram_drafter_proposes_the_continuation_of_the_last_match():

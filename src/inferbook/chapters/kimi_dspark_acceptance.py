@@ -35,7 +35,11 @@ from ..serving.model_runner import observed_paged_kernels, paged_kernels_label
 from ..serving.sequence import SamplingParams
 from ..device import torch_threads
 from ..serving.speculative import leviathan_expected_length
-from ..serving.train import DRAFTS, TARGET_FILE, draft_file, run_all
+from ..serving.block_draft import BlockDrafter, load_block_draft
+from ..serving.config import draft_slots_for
+from ..serving.train import BLOCK_DRAFT_FILE, DRAFTS, TARGET_FILE, draft_file, run_all
+
+PARALLEL = "parallel"   # the DSpark-style block draft (one forward per round), beside the chain drafts
 
 # The results page's headline: (record name prefix, measurement).
 HEADLINE = ('small-math', 'mean_acceptance_length')
@@ -72,7 +76,8 @@ def models_dir() -> Path:
 
 
 def model_paths(root: Path) -> dict[str, Path]:
-    return {"target": root / TARGET_FILE, **{name: root / draft_file(name) for name in DRAFTS}}
+    return {"target": root / TARGET_FILE, **{name: root / draft_file(name) for name in DRAFTS},
+            PARALLEL: root / BLOCK_DRAFT_FILE}
 
 
 def ensure_models(ctx, retrain: bool, target_steps: int, draft_steps: int) -> tuple[dict[str, Path], str]:
@@ -120,8 +125,10 @@ CLOCKS = {"wall": time.perf_counter, "process": time.process_time}
 
 def run_task(target, prompts, params: SamplingParams, k: int, drafter=None, timer: str = "wall"):
     """Requests one at a time (batch 1, where speculation matters most); returns (engine, run)."""
-    cfg = EngineConfig(max_num_seqs=1, max_num_batched_tokens=max(512, max(map(len, prompts)) + k + 1),
-                       num_spec_tokens=k if drafter is not None else 0)
+    kind = getattr(drafter, "kind", None)
+    slots = draft_slots_for(kind, k) if drafter is not None and kind else 0
+    cfg = EngineConfig(max_num_seqs=1, max_num_batched_tokens=max(512, max(map(len, prompts)) + k + 1 + slots),
+                       num_spec_tokens=k if drafter is not None else 0, draft_slots=slots)
     engine = LLMEngine(target, cfg, drafter=drafter, clock=CLOCKS[timer])
     engine.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=params.temperature))   # warm-up
     engine.steps.clear()
@@ -180,7 +187,8 @@ def recommend(records: list[RunRecord], a: str = "small", b: str = "large") -> l
         xa, xb = pick(a), pick(b)
         cmp = compare_timings(xb, xa, higher_is_better=True)
         choice = {True: b, False: a, None: "cannot tell"}[cmp.a_better]
-        rows.append({"task": task, "recommended": choice, f"{b} / {a} tokens/s": cmp.ratio, "lo": cmp.lo,
+        rows.append({"task": task, "recommended": choice, "ratio": cmp.ratio, f"{b} / {a} tokens/s": cmp.ratio,
+                     "lo": cmp.lo,
                      "hi": cmp.hi, "requests": f"{len(xb)} and {len(xa)}", "sentence": cmp.sentence(
                          f"the {b} draft", f"the {a} draft"), "_cmp": cmp})
     return rows
@@ -206,6 +214,10 @@ def _measure(ctx, *, num_spec_tokens, prompts_per_task, code_prompt_chars, outpu
     paths, provenance = ensure_models(ctx, retrain, target_steps, draft_steps)
     target = load_weights(paths["target"], ctx.device)
     drafts = {name: load_draft(paths[name], target) for name in DRAFTS}
+    block = load_block_draft(paths[PARALLEL], target) if paths[PARALLEL].is_file() else None
+    if block is not None and block.cfg.block != k:
+        raise UserError(f"the committed parallel draft drafts {block.cfg.block} positions per forward; "
+                        f"num_spec_tokens={k} asks for another block size (retrain it with --block)")
     target_sha = sha(paths["target"])
     kernels = observed_paged_kernels(target.cfg, torch.float32, ctx.device, prefill_len=code_prompt_chars,
                                      context_len=code_prompt_chars + output_len, k=k)
@@ -236,25 +248,34 @@ def _measure(ctx, *, num_spec_tokens, prompts_per_task, code_prompt_chars, outpu
         records.append(rec)
         greedy = SamplingParams(max_tokens=min(32, output_len))
         greedy_plain = run_task(target, prompts[:2], greedy, k)[1].outputs
-        for name, draft in drafts.items():
-            engine, run = run_task(target, prompts, sp, k, HiddenStateDrafter(draft, temperature, seed=ctx.seed),
-                                   timer=timer)
+        entries = list(drafts.items()) + ([(PARALLEL, block)] if block is not None else [])
+        for name, draft in entries:
+            parallel = name == PARALLEL
+            make = ((lambda t=temperature: BlockDrafter(block, t, seed=ctx.seed)) if parallel else
+                    (lambda t=temperature, d=draft: HiddenStateDrafter(d, t, seed=ctx.seed)))
+            engine, run = run_task(target, prompts, sp, k, make(), timer=timer)
             acc = engine.acceptance
             steps = decode_steps(engine)
-            t_draft = statistics.median(s.draft_s for s in steps) / k
+            # a chain pays k draft steps per round, the parallel draft one forward
+            t_draft = statistics.median(s.draft_s for s in steps) / (1 if parallel else k)
             t_verify = statistics.median(s.forward_s for s in steps)
             t_rest = statistics.median(s.total_s - s.draft_s - s.forward_s for s in steps)
             tau = acc.mean_acceptance_length()
             tau_err = statistics.stdev(acc.accepted) / len(acc.accepted) ** 0.5 if acc.rounds > 1 else float("inf")
             measured_tpot = sum(s.total_s for s in steps) / sum(a + 1 for a in acc.accepted)
             spread = cost_spread(steps, acc.accepted, k, seed=ctx.seed)
-            meta = draft_metadata(paths[name])
+            meta = draft_metadata(paths[name]) if not parallel else _block_meta(paths[name])
+            n_par = sum(p.numel() for p in draft.parameters()) / 1e6
+            desc = (f"DSpark-style parallel block draft: one forward over an anchored block of {k} positions, "
+                    f"{draft.cfg.n_layers} layer(s) attending to the last {draft.cfg.window} target features, "
+                    f"Markov head rank {draft.cfg.markov_rank}, confidence head ({n_par:.2f}M params)" if parallel else
+                    f"hidden-state draft, {draft.cfg.n_layers} layer(s) with own attention "
+                    f"({draft.cfg.n_heads} heads, {draft.cfg.n_kv_heads} KV heads) and KV cache, "
+                    f"ffn {draft.cfg.ffn}, reads "
+                    f"target layers {draft.cfg.feature_layers or target.cfg.n_layers} "
+                    f"({draft.cfg.n_params() / 1e6:.2f}M params)")
             rec = ctx.new_record(f"{name}-{task}", variant=f"draft {name}", workload={
-                **common, "draft": f"hidden-state draft, {draft.cfg.n_layers} layer(s) with own attention "
-                                   f"({draft.cfg.n_heads} heads, {draft.cfg.n_kv_heads} KV heads) and KV cache, "
-                                   f"ffn {draft.cfg.ffn}, reads "
-                                   f"target layers {draft.cfg.feature_layers or target.cfg.n_layers} "
-                                   f"({draft.cfg.n_params() / 1e6:.2f}M params)",
+                **common, "draft": desc,
                 "draft_revision": f"sha256:{sha(paths[name])[:16]} (trained {meta.get('steps', '?')} steps from "
                                   f"{meta.get('trained_from', '?')})"}, topology={"ranks": 1})
             rec.set_backend("attention", paged_kernels_label(kernels),
@@ -270,13 +291,16 @@ def _measure(ctx, *, num_spec_tokens, prompts_per_task, code_prompt_chars, outpu
             rec.add("alpha", alpha, "fraction", phase="decode", definition="accepted / draft tokens examined")
             rec.add("leviathan_expected_length", leviathan_expected_length(alpha, k), "tokens per round",
                     phase="decode", formula="(1 - alpha^(k+1)) / (1 - alpha)")
-            rec.add("draft_time_per_position", t_draft, "s", phase="decode")
+            n_draft = 1 if parallel else k
+            rec.add("draft_time_per_position" if not parallel else "draft_time_per_forward", t_draft, "s",
+                    phase="decode", forwards_per_round=n_draft)
             rec.add("verify_time", t_verify, "s", phase="decode", tokens=k + 1)
             rec.add("other_time_per_round", t_rest, "s", phase="decode")
-            rec.add("round_time_model", k * t_draft + t_verify, "s", phase="decode",
-                    formula="draft time x k + verify time")
-            rec.add("time_per_token_model", (k * t_draft + t_verify + t_rest) / tau, "s", phase="decode",
-                    formula="(draft x k + verify + other) / mean acceptance length")
+            rec.add("round_time_model", n_draft * t_draft + t_verify, "s", phase="decode",
+                    formula="one draft forward + verify time" if parallel else "draft time x k + verify time")
+            rec.add("time_per_token_model", (n_draft * t_draft + t_verify + t_rest) / tau, "s", phase="decode",
+                    formula=("(draft forward + verify + other)" if parallel else "(draft x k + verify + other)")
+                    + " / mean acceptance length")
             rec.add("round_time", statistics.median(s.total_s for s in steps), "s", phase="decode",
                     definition="median decode step (one round) time, measured")
             rec.add("time_per_token", measured_tpot, "s", phase="decode",
@@ -297,18 +321,25 @@ def _measure(ctx, *, num_spec_tokens, prompts_per_task, code_prompt_chars, outpu
             rec.add("request_tokens_per_s", statistics.median(per_request_rates(run)), "tokens/s", phase="decode",
                     runs=per_request_rates(run), definition="per request: (output tokens - 1) / decode time")
             # exactness, on two prompts: greedy speculation with this draft must give plain greedy's tokens
-            greedy_spec = run_task(target, prompts[:2], greedy, k, HiddenStateDrafter(draft))[1].outputs
+            greedy_spec = run_task(target, prompts[:2], greedy, k, make(0.0))[1].outputs
             rec.add_check("greedy speculative output equals plain greedy", greedy_spec == greedy_plain,
                           error=sum(a != b for a, b in zip(greedy_spec, greedy_plain)), tolerance=0)
             records.append(rec)
     return records
 
 
+def _block_meta(path: Path) -> dict:
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        return dict(f.metadata() or {})
+
+
 def acceptance_rows(records: list[RunRecord]) -> list[dict]:
     """Per (draft, task): mean acceptance length beside the seed's model-card number for that task."""
     rows = []
     for r in records:
-        if not r.name.startswith(tuple(DRAFTS)):
+        if not r.name.startswith(tuple(DRAFTS) + (PARALLEL,)):
             continue
         task = r.workload["task"]
         seed_name, seed_value = SEED_ACCEPTANCE[task]
@@ -340,7 +371,7 @@ def cost_rows(records: list[RunRecord]) -> list[dict]:
     plain = {r.workload["task"]: r.value("time_per_token") for r in records if r.name.startswith("plain-")}
     rows = []
     for r in records:
-        if not r.name.startswith(tuple(DRAFTS)):
+        if not r.name.startswith(tuple(DRAFTS) + (PARALLEL,)):
             continue
         task = r.workload["task"]
         ci = r.get("acceptance_length_ci")

@@ -35,7 +35,7 @@ from ..measure import benchmark
 from ..errors import UserError
 from ..presets import Param
 from ..record import RunRecord
-from ..moe import fused_moe as FM, mxfp4 as MXF, w4a16 as W
+from ..moe import fused_moe as FM, latent_tail as LT, mxfp4 as MXF, w4a16 as W
 from ..moe.routing import cpu_threads, on_gpu
 from ..moe.timing import gpu_time
 from .chord_w4a16 import parse_ints
@@ -59,12 +59,23 @@ PARAMETERS = {
     "tokens": Param(str, help="comma-separated decode batch sizes T"),
     "formats": Param(str, help="comma-separated expert weight formats: bf16, w4a16, mxfp4"),
     "reps": Param(int, help="minimum timed repetitions"),
+    "ranks": Param(int, help="tensor-parallel ranks of the latent tail (K3 serves at TP8)"),
+    "up_hidden": Param(int, help="model hidden size the latent tail's up projection writes (K3: 7168; latent = hidden)"),
 }
 
+# Kimi K3's public MoE shapes (vLLM #53152 / #50088 / #53556): routed experts in a 3584-wide latent
+# space, 896 experts, top-16, hidden 7168, served at TP8. The expert FFN size per rank is ours
+# (Kimi K2's moe_intermediate_size 2048 over 8 ranks): the public sources we read do not state K3's.
+K3 = dict(latent=3584, hidden=7168, experts=896, top_k=16, inter_per_rank=256, ranks=8)
+
 PRESETS = {
-    "smoke": dict(hidden=64, inter=32, experts=16, top_k=8, tokens="1,4", formats="bf16,w4a16,mxfp4", reps=3),
-    "cpu": dict(hidden=256, inter=128, experts=32, top_k=8, tokens="1,4,16", formats="bf16,w4a16,mxfp4", reps=5),
-    "gpu": dict(hidden=7168, inter=2048, experts=128, top_k=8, tokens="1,8,32,128", formats="bf16,w4a16,mxfp4", reps=50),
+    "smoke": dict(hidden=64, inter=32, experts=16, top_k=8, tokens="1,4", formats="bf16,w4a16,mxfp4", reps=3,
+                  ranks=2, up_hidden=96),
+    "cpu": dict(hidden=64, inter=64, experts=16, top_k=8, tokens="1,8", formats="bf16,w4a16,mxfp4", reps=5,
+                ranks=2, up_hidden=128),
+    # K3's shapes: the down projection writes the latent (hidden = 3584) from one rank's expert slice
+    "gpu": dict(hidden=K3["latent"], inter=K3["inter_per_rank"], experts=K3["experts"], top_k=K3["top_k"],
+                tokens="1,8,32,128", formats="bf16,w4a16,mxfp4", reps=50, ranks=K3["ranks"], up_hidden=K3["hidden"]),
 }
 
 
@@ -176,7 +187,7 @@ BACKEND = {"separate": "expert-major tl.dot down GEMM, router weight in the epil
            "token-major": "token-major GEMV per slot (no tensor cores), k rows summed in registers"}
 
 
-def measure(ctx, *, hidden, inter, experts, top_k, tokens, formats, reps) -> list[RunRecord]:
+def measure(ctx, *, hidden, inter, experts, top_k, tokens, formats, reps, ranks, up_hidden) -> list[RunRecord]:
     Ts = parse_ints(tokens, "tokens")
     fmts = parse_formats(formats)
     if inter % 32:
@@ -248,7 +259,92 @@ def measure(ctx, *, hidden, inter, experts, top_k, tokens, formats, reps) -> lis
             records += list(recs.values())
             if not on_gpu(ctx):
                 records.append(cpu_record(ctx, act, w2, tw, ids, fmt, T, p, reps))
+            if fmt in LATENT_FORMATS:
+                records += latent_records(ctx, fmt, T, p, ranks, up_hidden, reps, triton_ok, name, why)
     return records
+
+
+# #53152's experts are MXFP4; BF16 beside them. (The latent tail runs W4A16 too; this chapter leaves it out.)
+LATENT_FORMATS = ("bf16", "mxfp4")
+
+LATENT_BACKEND = {
+    "separate": "GEMM2 rows (permuted, unweighted) -> finalize kernel (gather, x router weight, fp32 top-k sum) "
+                "-> collective (rank sum, RMSNorm) -> up-projection + shared",
+    "atomic": "zero-fill fp32 -> GEMM2 with router weight + atomic add -> cast -> collective -> up-projection + shared",
+    "deferred": "GEMM2 rows -> collective that gathers, weights and sums the rows as it loads them (#53152, "
+                "do_finalize=False) -> up-projection + shared",
+}
+
+
+def latent_counts(T: int, k: int, E: int, L: int, H: int, I: int, N: int, fmt: str, variant: str,
+                  counts: list[int], block_m: int) -> dict:
+    """Launches and bytes of one rank's latent tail, summed over `LT.tail_costs`'s launches."""
+    costs = LT.tail_costs(T, k, E, L, H, I, N, fmt, variant, counts, block_m)
+    return {"launches": len(costs), "bytes": sum(c["read"] + c["written"] for c in costs), "per_launch": costs}
+
+
+def latent_records(ctx, fmt, T, p, ranks, up_hidden, reps, triton_ok, backend_name, why) -> list[RunRecord]:
+    """The latent tail at this run's shapes (latent = `hidden`, `ranks` TP slices of `inter` each):
+    one record per variant, with launches and bytes per rank, the checks, and GPU times on CUDA."""
+    E, k, L, I = p["experts"], p["top_k"], p["hidden"], p["inter"]
+    x = LT.make_inputs(ranks, T, L, up_hidden, E, k, I * ranks, fmt=fmt, device=ctx.device, seed=ctx.seed + 77 + T)
+    ref = LT.latent_tail_reference(x)
+    torch_out = LT.latent_tail_torch(x)
+    counts = torch.bincount(x.topk_ids.flatten().long(), minlength=E).tolist()
+    block_m = FM.moe_config(T * k / E, ctx.device.type != "cuda")["BLOCK_M"]
+    outs, recs = {}, {}
+    for variant in LT.VARIANTS:
+        out, names, buffers = LT.run_tail(x, variant)
+        outs[variant] = out
+        rec = ctx.new_record(f"latent-{fmt}-T{T}-{variant}", variant=f"latent {variant}", workload={
+            "model": f"latent MoE tail: E{E} L{L} I{I}/rank top-{k}, TP{ranks}, up-projection to {up_hidden}",
+            "quantization": QUANT_LABEL[fmt], "batch": T, "dtype": "bfloat16", "ranks": ranks})
+        rec.set_backend("latent_tail", f"{backend_name}: {LATENT_BACKEND[variant]}" if triton_ok else "torch", reason=why,
+                        shapes={"rows": [ranks, T * k, L], "w_up": [up_hidden, L]})
+        c = latent_counts(T, k, E, L, up_hidden, I, ranks, fmt, variant, counts, block_m)
+        rec.add("launches", c["launches"], "kernels per rank", phase="analysis", launches=list(LT.LAUNCHES[variant]),
+                ran=names)
+        rec.add("tail_bytes", c["bytes"], "bytes per rank", phase="analysis",
+                per_launch=c["per_launch"], note="one rank of the real protocol (tail_costs)")
+        rec.add("intermediate_bytes", buffers.get("partial", 0) + buffers.get("accumulator", 0), "bytes per rank",
+                phase="analysis", buffers=buffers)
+        err, tol, ok = FM.within_tolerance(out, ref, torch_out)
+        rec.add_check(f"latent {variant} vs fp32 reference", ok, error=err, tolerance=tol)
+        rec.add("max_abs_error", err, "abs", phase="check")
+        if triton_ok:   # the launches that ran, less the stand-in's per-rank repeats of GEMM2
+            rec.add_check("launches that ran == the variant's launch list", len(names) - (ranks - 1) == c["launches"],
+                          error=float(len(names) - (ranks - 1)), tolerance=float(c["launches"]))
+        recs[variant] = rec
+    if triton_ok:
+        recs["deferred"].add_check("deferred == separate (bitwise: same arithmetic, same order)",
+                                   torch.equal(outs["deferred"], outs["separate"]),
+                                   error=float((outs["deferred"].float() - outs["separate"].float()).abs().max()),
+                                   tolerance=0.0)
+        recs["deferred"].add_check("deferred takes fewer launches and bytes than separate",
+                                   recs["deferred"].value("launches") < recs["separate"].value("launches")
+                                   and recs["deferred"].value("tail_bytes") < recs["separate"].value("tail_bytes"))
+    if on_gpu(ctx) and triton_ok:
+        for variant in LT.VARIANTS:
+            t, how = gpu_time(lambda v=variant: LT.run_tail(x, v), ctx.device, label=f"latent {fmt} T={T} {variant}",
+                              reps=reps)
+            recs[variant].add_timing("latent_tail", t, phase="decode", how=how,
+                                     note=f"{ranks} ranks' GEMM2 in one process (the AllReduce stand-in)")
+    return list(recs.values())
+
+
+def k3_table(tokens=(1, 8, 32, 128), fmt: str = "mxfp4") -> list[dict]:
+    """Launches and bytes per rank of the three latent-tail variants at K3's public shapes, counted
+    launch by launch (`LT.tail_costs`) for T tokens spread evenly over the experts."""
+    E, k, L, H, I, N = K3["experts"], K3["top_k"], K3["latent"], K3["hidden"], K3["inter_per_rank"], K3["ranks"]
+    rows = []
+    for T in tokens:
+        counts = [T * k // E + (1 if e < T * k % E else 0) for e in range(E)]
+        block_m = FM.moe_config(T * k / E, False)["BLOCK_M"]
+        for variant in LT.VARIANTS:
+            c = latent_counts(T, k, E, L, H, I, N, fmt, variant, counts, block_m)
+            rows.append({"T": T, "variant": variant, "launches per rank": c["launches"],
+                         "bytes per rank MB": c["bytes"] / 1e6})
+    return rows
 
 
 def cpu_record(ctx, act, w2, tw, ids, fmt, T, p, reps) -> RunRecord:
@@ -283,11 +379,29 @@ def cpu_record(ctx, act, w2, tw, ids, fmt, T, p, reps) -> RunRecord:
     return rec
 
 
+def latent_rows(records: list[RunRecord]) -> list[dict]:
+    """One row per latent-tail record: launches and bytes per rank, intermediate buffer, error, time."""
+    out = []
+    for r in records:
+        if not r.name.startswith("latent-"):
+            continue
+        row = {"format": r.workload["quantization"], "T": r.workload["batch"], "variant": r.variant,
+               "launches per rank": int(r.value("launches")), "tail MB per rank (counted)": r.value("tail_bytes") / 1e6,
+               "finalized / fp32 intermediate MB": r.value("intermediate_bytes") / 1e6,
+               "max |err| vs fp32": r.value("max_abs_error")}
+        try:
+            row["time µs"] = 1e6 * r.value("latent_tail")
+        except KeyError:
+            pass
+        out.append(row)
+    return out
+
+
 def rows(records: list[RunRecord]) -> list[dict]:
     """One row per (format, T, variant) for the chapter's table."""
     out = []
     for r in records:
-        if r.name.startswith("cpu-"):
+        if r.name.startswith(("cpu-", "latent-")):
             continue
         row = {"format": r.workload["quantization"], "T": r.workload["batch"], "variant": r.variant,
                "launches": int(r.value("launches")), "intermediate rows MB": r.value("intermediate_bytes") / 1e6,
@@ -321,6 +435,9 @@ def gpu_launches(params: dict) -> list:
             for kernel in FM.TAIL_KERNELS:
                 launches += FM.moe_tail_launches(T, k, E, H, I, fmt, fused=False, inter_dtype=torch.float32,
                                                  kernel=kernel, name="check: fp32 rows")
+        for T in parse_ints(p["tokens"], "tokens") if fmt in LATENT_FORMATS else ():
+            for variant in LT.VARIANTS:
+                launches += LT.tail_launches(T, k, E, H, p["up_hidden"], I, p["ranks"], fmt, variant, name="latent")
         if fmt == "mxfp4":
             launches += FM.moe_tail_launches(I, 1, E, H, I, fmt, fused=True, name="MXFP4 decode probe")
             launches += MX.quantize_launches((E, H, I), torch.float32, MXF.ELEMENT, axis=-1, block=MXF.BLOCK,

@@ -248,12 +248,15 @@ def shared_timings(ctx, hidden, inter, experts, top_k, concurrency, reps, rsf) -
             for cfg in tile_configs(C, experts, top_k):
                 tag = tiles_tag(cfg)
                 variants.append((tag, {
+                    # the separate path's shared MLP runs the dense kernel's own tuned tiles at this M
                     "separate": lambda cfg=cfg: FM.routed_plus_shared_mlp(x, w13, w2, tw, ids, s13, s2,
                                                                           routed_scaling_factor=rsf, check=False,
-                                                                          block=cfg),
+                                                                          block=cfg,
+                                                                          shared_block=W.linear_config(C, False)),
                     "fused": lambda cfg=cfg: FM.shared_fused_step(x, a13, a2, tw, ids, routed_scaling_factor=rsf,
                                                                   check=False, block=cfg)}))
-            backend = {"separate": f"{name}: routed MoE + shared gate/up GEMM, SiLU-and-mul, down GEMM, add",
+            backend = {"separate": f"{name}: routed MoE + shared gate/up GEMM, SiLU-and-mul, down GEMM (the dense "
+                                    "kernel's tuned tiles), add",
                        "fused": f"{name}: k+1-slot routing table, then one grouped MoE"}
         else:  # PyTorch on CPU, BF16 weights resident (no dequantization inside the timed call)
             W13, W2, Ws13, Ws2 = (W.dequantize(q) for q in (w13, w2, s13, s2))
@@ -373,8 +376,9 @@ def gpu_launches(params: dict) -> list:
             tag = f"C{C} {tiles_tag(cfg)}"
             launches += FM.fused_moe_launches(C, k + 1, E + 1, H, I, "indexed", block=cfg, name=f"fused-slot {tag}")
             launches += FM.fused_moe_launches(C, k, E, H, I, "indexed", block=cfg, name=f"routed {tag}")
-            launches += W.linear_launches(C, 2 * I, H, "indexed", block=cfg, name=f"shared_mlp gate/up {tag}")
-            launches += W.linear_launches(C, H, I, "indexed", block=cfg, name=f"shared_mlp down {tag}")
+        dense = W.linear_config(C, False)      # the separate path's shared MLP: the dense kernel's own tiles
+        launches += W.linear_launches(C, 2 * I, H, "indexed", block=dense, name=f"shared_mlp gate/up C{C} dense cfg")
+        launches += W.linear_launches(C, H, I, "indexed", block=dense, name=f"shared_mlp down C{C} dense cfg")
     T = 19                                                                    # shared_check
     launches += FM.fused_moe_launches(T, k + 1, E + 1, H, I, "indexed", name=f"shared check fused-slot T{T}")
     for dt in (torch.float32, torch.bfloat16):                                # shared_separate, round_each False/True

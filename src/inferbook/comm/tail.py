@@ -200,7 +200,7 @@ if triton is not None:
     @triton.jit
     def _finalize_kernel(Y, TW, OUT, H, K: tl.constexpr, BLOCK_H: tl.constexpr, EMU: tl.constexpr):
         row = tl.program_id(0)
-        cols = tl.arange(0, BLOCK_H)
+        cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)   # a row split over CTAs at small T
         mask = cols < H
         acc = tl.zeros([BLOCK_H], dtype=tl.float32)
         for k in tl.static_range(K):
@@ -212,7 +212,7 @@ if triton is not None:
     @triton.jit
     def _allreduce_sum_kernel(P, OUT, H, stride_rank, N: tl.constexpr, BLOCK_H: tl.constexpr, EMU: tl.constexpr):
         row = tl.program_id(0)
-        cols = tl.arange(0, BLOCK_H)
+        cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         mask = cols < H
         acc = _sum_ranks(P, row * H + cols, mask, stride_rank, N)
         tl.store(OUT + row * H + cols, _round(acc, OUT.dtype.element_ty, EMU), mask=mask)       # rounding point 2
@@ -220,7 +220,7 @@ if triton is not None:
     @triton.jit
     def _add_kernel(A, B, OUT, H, BLOCK_H: tl.constexpr, EMU: tl.constexpr):
         row = tl.program_id(0)
-        cols = tl.arange(0, BLOCK_H)
+        cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         mask = cols < H
         a = tl.load(A + row * H + cols, mask=mask, other=0.0).to(tl.float32)
         b = tl.load(B + row * H + cols, mask=mask, other=0.0).to(tl.float32)
@@ -285,6 +285,28 @@ def _launch_cfg(H: int, device: torch.device) -> dict:
 
 
 
+# The elementwise kernels (finalize, the rank sum, the adds) need no row-wide reduction, so at small T a
+# row is split over CTAs: one CTA per row would leave most of a GPU's SMs idle at decode (T = 1..16 CTAs on
+# 132 SMs). Per element the arithmetic and its order are unchanged, so the bits are too. The RMSNorm and
+# the fused passes reduce over the whole row and keep one CTA per row (a split would need a second pass or
+# a grid-wide wait for the sum of squares).
+TARGET_CTAS = 132     # H100/H200 SMs
+MIN_SPLIT_BLOCK = 256
+
+
+def _split_cfg(T: int, H: int, device: torch.device) -> dict:
+    """The elementwise kernels' block: the whole row when T alone fills the GPU, else a power-of-two
+    slice of at least MIN_SPLIT_BLOCK columns so that T x slices reaches TARGET_CTAS."""
+    cfg = _launch_cfg(H, device)
+    full = cfg["BLOCK_H"]
+    want = max(1, -(-TARGET_CTAS // max(T, 1)))           # slices per row
+    per = max(1, H // want)
+    block = max(MIN_SPLIT_BLOCK, 1 << (per.bit_length() - 1))    # rounded down: at least `want` slices
+    block = min(block, full)
+    cfg.update(BLOCK_H=block, num_warps=4 if block <= 1024 else 8)
+    return cfg
+
+
 select_backend = _device.select_backend  # kept as this module's name: chapters call it here
 
 
@@ -297,8 +319,10 @@ def _finalize_launch(expert_out, topk_weights, out, *, device: torch.device):
     from ..compiled import Launch
 
     T, K, H = expert_out.shape
-    return Launch(f"finalize -> {str(out.dtype)[6:]} T{T} K{K} H{H}", _finalize_kernel,
-                  [expert_out, topk_weights, out, H], dict(K=K, **_launch_cfg(H, device)), "comm/tail.py:finalize", (T,))
+    cfg = _split_cfg(T, H, device)
+    return Launch(f"finalize -> {str(out.dtype)[6:]} T{T} K{K} H{H} block {cfg['BLOCK_H']}", _finalize_kernel,
+                  [expert_out, topk_weights, out, H], dict(K=K, **cfg), "comm/tail.py:finalize",
+                  (T, triton.cdiv(H, cfg["BLOCK_H"])))
 
 
 def _unfused_launches(p, s, r, w, ar, h, residual_out, out, eps: float, *, device: torch.device) -> list:
@@ -307,10 +331,14 @@ def _unfused_launches(p, s, r, w, ar, h, residual_out, out, eps: float, *, devic
 
     N, T, H = p.shape
     cfg = _launch_cfg(H, device)
+    sc = _split_cfg(T, H, device)
+    split = (T, triton.cdiv(H, sc["BLOCK_H"]))
     src = "comm/tail.py:unfused_tail"
-    return [Launch(f"allreduce_sum N{N} T{T} H{H}", _allreduce_sum_kernel, [p, ar, H, T * H], dict(N=N, **cfg), src, (T,)),
-            Launch(f"add (shared) T{T} H{H}", _add_kernel, [ar, s, h, H], dict(cfg), src, (T,)),
-            Launch(f"add (residual) T{T} H{H}", _add_kernel, [h, r, residual_out, H], dict(cfg), src, (T,)),
+    tag = f"block {sc['BLOCK_H']}"
+    return [Launch(f"allreduce_sum N{N} T{T} H{H} {tag}", _allreduce_sum_kernel, [p, ar, H, T * H], dict(N=N, **sc), src,
+                   split),
+            Launch(f"add (shared) T{T} H{H} {tag}", _add_kernel, [ar, s, h, H], dict(sc), src, split),
+            Launch(f"add (residual) T{T} H{H} {tag}", _add_kernel, [h, r, residual_out, H], dict(sc), src, split),
             Launch(f"rmsnorm T{T} H{H}", _rmsnorm_kernel, [residual_out, w, out, H, float(H), float(eps)], dict(cfg),
                    src, (T,))]
 

@@ -643,12 +643,15 @@ def shared_mlp(x, shared_w13: PackedW4, shared_w2: PackedW4, *, block=None) -> t
 
 
 def routed_plus_shared_mlp(x, w13, w2, topk_weights, topk_ids, shared_w13, shared_w2, *,
-                           routed_scaling_factor: float = 1.0, check: bool = True, block=None) -> torch.Tensor:
+                           routed_scaling_factor: float = 1.0, check: bool = True, block=None,
+                           shared_block=None) -> torch.Tensor:
     """The path before the fusion: routed MoE (its weights times `routed_scaling_factor`), the shared
-    expert's own GEMMs and activation, the add. `block` applies to every launch (equal tiles)."""
+    expert's own GEMMs and activation, the add. `block` sets the MoE's tiles; `shared_block` the shared
+    MLP's dense GEMMs (None: the same `block`; a real separate path runs the dense kernel's own tuned
+    tiles, `w4a16.linear_config`)."""
     rsf = _check_rsf(routed_scaling_factor)
     routed = fused_moe(x, w13, w2, topk_weights.float() * rsf, topk_ids, check=check, block=block)
-    return routed + shared_mlp(x, shared_w13, shared_w2, block=block)
+    return routed + shared_mlp(x, shared_w13, shared_w2, block=block if shared_block is None else shared_block)
 
 
 def shared_slot_weights(w13, w2, shared_w13, shared_w2):

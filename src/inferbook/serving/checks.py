@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .config import EngineConfig
+from .config import EngineConfig, draft_slots_for
 from .engine import LLMEngine
 from .model import TinyDecoder, reference_logits
 from .model_runner import ModelRunner
@@ -55,8 +55,11 @@ def greedy_speculation_matches(model: TinyDecoder, prompts: list[list[int]], max
     params = SamplingParams(max_tokens=max_tokens)
     plain = LLMEngine(model, EngineConfig(max_num_batched_tokens=budget, max_num_seqs=len(prompts)))
     ref = plain.generate(prompts, params)
-    spec = LLMEngine(model, EngineConfig(max_num_batched_tokens=max(budget, len(prompts) * (k + 1)),
-                                         max_num_seqs=len(prompts), num_spec_tokens=k), drafter=drafter)
+    kind = getattr(drafter, "kind", None)
+    slots = draft_slots_for(kind, k) if kind else 0
+    spec = LLMEngine(model, EngineConfig(max_num_batched_tokens=max(budget, len(prompts) * (k + 1 + slots)),
+                                         max_num_seqs=len(prompts), num_spec_tokens=k, draft_slots=slots),
+                     drafter=drafter)
     out = spec.generate(prompts, params)
     mismatched = sum(a != b for a, b in zip(out, ref))
     return {"requests": len(prompts), "mismatched_requests": mismatched, "equal": mismatched == 0,

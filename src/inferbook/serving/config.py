@@ -1,23 +1,26 @@
 """What the engine is allowed to do in one step: the knobs a serving config names.
 
-`max_num_batched_tokens` is the per-step token budget (prefill chunks + decode tokens +
-speculative tokens); `max_num_seqs` caps the requests in flight. With speculation on
-(`num_spec_tokens` = k > 0), each decoding request verifies 1 + k tokens per step, and the
-scheduler reserves budget for them, 1 + k tokens per reserved request, before it spends the rest
-on prompts:
+`max_num_batched_tokens` is the per-step token budget; `max_num_seqs` caps the requests in flight.
+With speculation on (`num_spec_tokens` = k > 0) each decoding request verifies 1 + k tokens per step.
+What the budget must also hold is the drafter's own input: the *draft slots* a drafter adds per
+request beyond the tokens the target computes (vLLM's `SpeculativeConfig.max_num_new_slots_for_drafting`,
+`draft_slots_for`): 0 for an n-gram lookup or an EAGLE/MTP chain (the draft re-reads the target's
+rows), 1 for a separate draft model, K - 1 for a parallel drafter such as DSpark (an anchor that reuses
+the bonus token's slot plus K - 1 mask queries), K for DFlash (its bonus query too, #51256).
 
-- `spec_budget="static"`: reserve `max_num_seqs * (1 + k)`, however few requests are running (vLLM
-  before #51725, which took `max_num_seqs` x the drafting slots off `max_num_scheduled_tokens` in
-  `VllmConfig._set_max_num_scheduled_tokens`; FastDeploy #7438);
-- `spec_budget="adaptive"`: reserve `len(running) * (1 + k)` (the seed's vLLM #51725);
-- `spec_budget="decode-only"`: reserve `num_decoding * (1 + k)`, only for running requests that have
-  finished their prompt (FastDeploy #7499, `num_running_decode_reqs * tokens_per_seq`): a request
-  still prefilling verifies nothing this step.
+Three policies for charging them (`spec_budget`):
 
-Where vLLM differs: its reservation covers the slots the *drafter* inserts, and each decoding
-request's 1 + k verify tokens (`num_tokens_with_spec`) are charged to the token budget as it is
-scheduled. Here, as in FastDeploy #7499, the decode tokens are paid from the reservation, so the
-three policies differ only in how many requests they reserve for.
+- `"static"` (vLLM before #51725): `max_num_seqs x draft_slots` comes off the budget once, however
+  few requests run (`VllmConfig._set_max_num_scheduled_tokens`); each request is then charged its
+  new tokens (a decode: its 1 + k verify tokens, `num_tokens_with_spec`).
+- `"adaptive"` (vLLM #51725): nothing comes off up front; each *scheduled* request is charged its new
+  tokens + `draft_slots`, so the hold-back follows the requests actually in the batch.
+- `"decode-only"` (FastDeploy #7499): reserve `num_decoding x (1 + k)` up front
+  (`num_running_decode_reqs * tokens_per_seq`) and pay every decode's 1 + k verify tokens from it;
+  prompts get the rest.
+
+With an n-gram or chain drafter (`draft_slots = 0`) static and adaptive are the same policy, as in
+vLLM: #51725 changes nothing for them. FastDeploy's unit is the verify tokens, vLLM's the drafter's.
 """
 from __future__ import annotations
 
@@ -27,6 +30,19 @@ from ..errors import UserError, choices
 
 SPEC_BUDGETS = ("static", "adaptive", "decode-only")
 MAX_SPEC_TOKENS = 8
+
+# drafter kind -> draft slots per request for k speculative tokens (vLLM's max_num_new_slots_for_drafting)
+DRAFTER_KINDS = ("ngram", "eagle", "draft-model", "parallel", "dflash")
+
+
+def draft_slots_for(kind: str, k: int) -> int:
+    """Extra token slots the drafter's input adds per scheduled request (vLLM
+    `SpeculativeConfig.max_num_new_slots_for_drafting`): n-gram and EAGLE/MTP chains 0 (the draft
+    reads the rows the target computed), a separate draft model 1 (its tokens are not sliced),
+    parallel drafting (DSpark, P-EAGLE) K - 1 mask queries, DFlash K (#51256: its bonus query too)."""
+    if kind not in DRAFTER_KINDS:
+        raise UserError(f"drafter kind {kind!r} unknown; choose {choices(DRAFTER_KINDS)}")
+    return {"ngram": 0, "eagle": 0, "draft-model": 1, "parallel": k - 1, "dflash": k}[kind]
 
 
 def check_spec_tokens(k: int) -> int:
@@ -46,6 +62,7 @@ class EngineConfig:
     enable_prefix_caching: bool = False
     num_spec_tokens: int = 0               # k; 0 turns speculation off
     spec_budget: str = "adaptive"
+    draft_slots: int = 0                   # the drafter's extra input slots per request (`draft_slots_for`)
     seed: int = 0                          # seeds the generator of greedy verification rounds
 
     def __post_init__(self):
@@ -60,28 +77,53 @@ class EngineConfig:
             raise UserError(f"num_blocks={self.num_blocks!r} must be a positive int or None")
         if self.spec_budget not in SPEC_BUDGETS:
             raise UserError(f"spec_budget={self.spec_budget!r} unknown; choose {choices(SPEC_BUDGETS)}")
+        if isinstance(self.draft_slots, bool) or not isinstance(self.draft_slots, int) or self.draft_slots < 0:
+            raise UserError(f"draft_slots={self.draft_slots!r} must be an int >= 0")
         if self.num_spec_tokens != 0:
             check_spec_tokens(self.num_spec_tokens)
-            # every decoding request needs 1 token of budget beyond the reservation
-            worst = self.max_num_seqs * (self.num_spec_tokens + 1)
-            if self.max_num_batched_tokens < worst:
+            if self.draft_slots > self.num_spec_tokens:
+                raise UserError(f"draft_slots={self.draft_slots} exceeds k={self.num_spec_tokens}: no drafter adds "
+                                "more input slots than it drafts tokens (DFlash's K is the most)")
+            # the budget must hold at least one decoding request's step under the policy
+            one = {"static": self.max_num_seqs * self.draft_slots + 1 + self.num_spec_tokens,
+                   "adaptive": 1 + self.num_spec_tokens + self.draft_slots,
+                   # FastDeploy pays every decode from the reservation: all seats decoding must fit
+                   "decode-only": self.max_num_seqs * (1 + self.num_spec_tokens)}[self.spec_budget]
+            if self.max_num_batched_tokens < one:
                 raise UserError(
-                    f"max_num_batched_tokens={self.max_num_batched_tokens} cannot hold one speculative step of "
-                    f"max_num_seqs={self.max_num_seqs} requests with k={self.num_spec_tokens} "
-                    f"(needs at least {worst})")
+                    f"max_num_batched_tokens={self.max_num_batched_tokens} cannot hold one speculative step under "
+                    f"spec_budget={self.spec_budget!r} with max_num_seqs={self.max_num_seqs}, k={self.num_spec_tokens}, "
+                    f"draft_slots={self.draft_slots} (needs at least {one})")
+        elif self.draft_slots:
+            raise UserError(f"draft_slots={self.draft_slots} without speculation (num_spec_tokens=0)")
 
     @property
     def speculative(self) -> bool:
         return self.num_spec_tokens > 0
 
-    def spec_reservation(self, num_running: int, num_decoding: int | None = None) -> int:
-        """Tokens of the step budget held back for decoding requests' 1 + k verify tokens.
-        `num_decoding` (running requests past their prompt) defaults to `num_running`."""
+    def upfront_reservation(self, num_decoding: int) -> int:
+        """Tokens taken off the step budget before anything is scheduled: static
+        `max_num_seqs x draft_slots`, adaptive 0 (it charges per scheduled request instead),
+        decode-only `num_decoding x (1 + k)`."""
         if not self.speculative:
             return 0
-        per_request = 1 + self.num_spec_tokens
         if self.spec_budget == "static":
-            return self.max_num_seqs * per_request
+            return self.max_num_seqs * self.draft_slots
         if self.spec_budget == "adaptive":
-            return num_running * per_request
-        return (num_running if num_decoding is None else num_decoding) * per_request
+            return 0
+        return num_decoding * (1 + self.num_spec_tokens)
+
+    @property
+    def slots_per_scheduled_request(self) -> int:
+        """Tokens charged per scheduled request on top of its new tokens: `draft_slots` under the
+        adaptive policy (vLLM #51725), else 0."""
+        return self.draft_slots if self.speculative and self.spec_budget == "adaptive" else 0
+
+    @property
+    def decode_cost(self) -> int:
+        """Budget a decoding request's own tokens take as it is scheduled: 1 + k under vLLM's
+        policies (num_tokens_with_spec), 0 under decode-only (paid from its reservation), 1 with
+        speculation off."""
+        if not self.speculative:
+            return 1
+        return 0 if self.spec_budget == "decode-only" else 1 + self.num_spec_tokens

@@ -317,6 +317,7 @@ class HiddenStateDrafter:
     keeps the output distributed as the target's."""
 
     name = "hidden-state draft"
+    kind = "eagle"            # a chain: config.draft_slots_for gives 0 extra input slots
 
     def __init__(self, draft: HiddenStateDraft, temperature: float = 0.0, seed: int = 0):
         if temperature < 0:

@@ -16,7 +16,7 @@ import torch
 from ..device import synchronize
 from ..errors import UserError
 from .block_manager import BlockManager
-from .config import EngineConfig
+from .config import EngineConfig, draft_slots_for
 from .model import TinyDecoder
 from .model_runner import ModelRunner
 from .sampler import probs_from_logits, sample
@@ -38,6 +38,7 @@ class StepStats:
     num_decode: int
     num_running: int
     reserved: int
+    num_scheduled: int = 0        # requests in the batch (each charged its draft slots under "adaptive")
     draft_on_host: bool = False   # a model-free drafter (n-gram lookup) is the engine's own CPU work
 
     @property
@@ -63,6 +64,10 @@ class LLMEngine:
             raise UserError(f"draft vocabulary ({drafter.vocab}) differs from the target's ({mcfg.vocab}); "
                             "speculative decoding needs one shared vocabulary")
         self.drafter = drafter if cfg.speculative else None
+        kind = getattr(self.drafter, "kind", None)
+        if kind is not None and cfg.draft_slots != draft_slots_for(kind, cfg.num_spec_tokens):
+            raise UserError(f"a {kind} drafter adds {draft_slots_for(kind, cfg.num_spec_tokens)} draft slots per request "
+                            f"at k={cfg.num_spec_tokens}; the config says draft_slots={cfg.draft_slots}")
         num_blocks = cfg.num_blocks or cfg.max_num_seqs * -(-(mcfg.max_seq + cfg.num_spec_tokens) // cfg.block_size)
         self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(cfg, self.block_manager)
@@ -94,7 +99,9 @@ class LLMEngine:
             raise UserError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens})"
                             + (f" + k ({cfg.num_spec_tokens})" if cfg.speculative else "")
                             + f" = {need} exceeds the model's context of {self.max_model_len} tokens")
-        if not cfg.chunked_prefill and len(prompt) > cfg.max_num_batched_tokens - cfg.spec_reservation(cfg.max_num_seqs):
+        # the most a lone prompt can get in one step (the worst-case up-front reservation)
+        if not cfg.chunked_prefill and len(prompt) > (cfg.max_num_batched_tokens - cfg.upfront_reservation(cfg.max_num_seqs)
+                                                      - cfg.slots_per_scheduled_request):
             raise UserError(f"prompt of {len(prompt)} tokens cannot be prefilled in one step of "
                             f"{cfg.max_num_batched_tokens} tokens (minus the speculative reservation) with "
                             "chunked prefill off; turn chunked_prefill on or raise max_num_batched_tokens")
@@ -155,7 +162,7 @@ class LLMEngine:
         self.steps.append(StepStats(schedule_s=t1 - t0, draft_s=t2 - t1, prepare_s=t3 - t2, forward_s=t4 - t3,
                                     sample_s=t5 - t4, update_s=t6 - t5, num_tokens=out.num_tokens,
                                     num_prefill_tokens=out.num_prefill_tokens, num_decode=out.num_decode,
-                                    num_running=num_running, reserved=out.reserved,
+                                    num_running=num_running, reserved=out.reserved, num_scheduled=len(out.chunks),
                                     draft_on_host=bool(spec) and getattr(self.drafter, "runs_on_host", False)))
         return finished
 

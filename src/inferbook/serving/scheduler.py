@@ -1,19 +1,19 @@
 """Who runs this step, and how many tokens each: continuous batching under a token budget.
 
-Each step the scheduler spends at most `max_num_batched_tokens` tokens:
+Each step the scheduler spends at most `max_num_batched_tokens` tokens (see `config.py` for the
+three speculative policies):
 
-1. it holds back the speculative reservation (`EngineConfig.spec_reservation`: static
-   `max_num_seqs * (1 + k)`, adaptive `len(running) * (1 + k)`, decode-only
-   `num_decoding * (1 + k)`);
-2. running requests go first, decoding ones before prefilling ones: a decoding request takes its 1 + k
-   verify tokens from the reservation (as FastDeploy #7499 pre-deducts them); a request still prefilling takes the next
-   chunk of its prompt, as much as the budget left allows (chunked prefill);
+1. it takes the up-front reservation off the budget (`EngineConfig.upfront_reservation`: static
+   `max_num_seqs x draft_slots`, adaptive nothing, decode-only `num_decoding x (1 + k)`);
+2. running requests go first, decoding ones before prefilling ones: a decoding request is charged
+   its 1 + k verify tokens (`decode_cost`; 0 under decode-only, whose reservation pays them) and, under
+   the adaptive policy, its drafter's `draft_slots`; a request still prefilling takes the next chunk of
+   its prompt, as much as the budget left allows (chunked prefill), plus its draft slots when adaptive;
 3. waiting requests are admitted, first come first served, while there is budget, a free seat
    (`max_num_seqs`) and KV blocks for the whole request.
 
-A prefill that does not fit the budget left is *split* into chunks over several steps; the
-static reservation makes that happen even when only one request is running — the waste the
-adaptive policy removes.
+`schedulable_tokens(n)` is the budget left for new tokens when n requests are scheduled — the
+column of vLLM #51725's table — computed by the same rules `schedule` spends.
 """
 from __future__ import annotations
 
@@ -36,8 +36,9 @@ class ScheduledChunk:
 @dataclass
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
-    reserved: int = 0          # speculative reservation held back this step
+    reserved: int = 0          # held back for speculation this step: up front + draft slots charged per request
     budget: int = 0            # max_num_batched_tokens
+    draft_slots: int = 0       # of `reserved`, the drafter's slots charged per scheduled request (adaptive)
 
     @property
     def num_tokens(self) -> int:
@@ -69,36 +70,50 @@ class Scheduler:
         """Positions the request can ever write: prompt + output + k draft slots."""
         return seq.num_prompt_tokens + seq.params.max_tokens + self.config.num_spec_tokens
 
+    def schedulable_tokens(self, num_scheduled: int) -> int:
+        """New tokens a step can schedule when `num_scheduled` requests share it (vLLM #51725's column):
+        the budget less the up-front reservation less the slots charged per scheduled request."""
+        cfg = self.config
+        return (cfg.max_num_batched_tokens - cfg.upfront_reservation(num_scheduled)
+                - num_scheduled * cfg.slots_per_scheduled_request)
+
     def schedule(self) -> SchedulerOutput:
         cfg = self.config
         k = cfg.num_spec_tokens
         num_decoding = sum(1 for s in self.running if not s.is_prefill)
-        reserved = cfg.spec_reservation(len(self.running), num_decoding)
-        out = SchedulerOutput(reserved=reserved, budget=cfg.max_num_batched_tokens)
-        # without speculation nothing is reserved and each decode token is paid from the budget
-        left = cfg.max_num_batched_tokens - reserved
-        decode_cost = 0 if cfg.speculative else 1
+        upfront = cfg.upfront_reservation(num_decoding)
+        slots = cfg.slots_per_scheduled_request
+        out = SchedulerOutput(reserved=upfront, budget=cfg.max_num_batched_tokens)
+        left = cfg.max_num_batched_tokens - upfront
+        decode_cost = cfg.decode_cost
 
-        # decoding requests first (their latency is the user's), then prefills; with speculation a
-        # decode is paid from the reservation, so only prompt chunks are limited by what is left
+        def charge_slots() -> None:
+            nonlocal left
+            left -= slots
+            out.reserved += slots
+            out.draft_slots += slots
+
+        # decoding requests first (their latency is the user's), then prefills. A decode that does not
+        # fit whole (1 + k verify tokens + its slots) waits a step, as vLLM leaves a running request
+        # unscheduled when the budget is spent; under decode-only it is paid from the reservation.
         for seq in [s for s in self.running if not s.is_prefill] + [s for s in self.running if s.is_prefill]:
-            if left <= 0 and (seq.is_prefill or not cfg.speculative):
-                break
             if seq.is_prefill:
-                n = seq.num_prompt_tokens - seq.num_computed_tokens
-                if n > left:
-                    if not cfg.chunked_prefill:
-                        continue
-                    n = left
+                n = min(seq.num_prompt_tokens - seq.num_computed_tokens, left - slots)
+                if n <= 0 or (n < seq.num_prompt_tokens - seq.num_computed_tokens and not cfg.chunked_prefill):
+                    continue
                 out.chunks.append(ScheduledChunk(seq, n, 0, True))
                 left -= n
+                charge_slots()
             else:
+                if decode_cost + slots > left:
+                    continue
                 out.chunks.append(ScheduledChunk(seq, 1, k, False))
                 left -= decode_cost
+                charge_slots()
 
         # requests whose prefix is still on its way from the KV tiers: they wait (each holding a seat), others go
         loading = []
-        while self.waiting and left > 0 and len(self.running) + len(loading) < cfg.max_num_seqs:
+        while self.waiting and left - slots > 0 and len(self.running) + len(loading) < cfg.max_num_seqs:
             seq = self.waiting[0]
             if self.block_manager.kv_loading(seq):
                 loading.append(self.waiting.popleft())
@@ -106,15 +121,16 @@ class Scheduler:
             if not self.block_manager.can_allocate(self.blocks_needed(seq)):
                 break
             remaining = seq.num_prompt_tokens  # before a prefix-cache hit
-            if not cfg.chunked_prefill and remaining > left:
+            if not cfg.chunked_prefill and remaining > left - slots:
                 break
             self.waiting.popleft()
             self.block_manager.allocate(seq, self.blocks_needed(seq))
             seq.status = Status.RUNNING
             self.running.append(seq)
-            n = min(seq.num_prompt_tokens - seq.num_computed_tokens, left)
+            n = min(seq.num_prompt_tokens - seq.num_computed_tokens, left - slots)
             out.chunks.append(ScheduledChunk(seq, n, 0, True))
             left -= n
+            charge_slots()
         self.waiting.extendleft(reversed(loading))
         return out
 

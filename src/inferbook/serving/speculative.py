@@ -143,6 +143,7 @@ class NgramDrafter:
     scan for the longest match; here the latest match of the longest n wins."""
 
     name = "n-gram prompt lookup"
+    kind = "ngram"            # config.draft_slots_for: no extra input slots
     runs_on_host = True
 
     def __init__(self, vocab: int, max_ngram: int = 3):

@@ -233,6 +233,80 @@ def train_draft(shards: Path, target_path: Path, out: Path, *, name="small", ste
             "seconds": time.perf_counter() - t0, "steps": steps, "name": name}
 
 
+BLOCK_DRAFT_FILE = "dspark-block-draft.safetensors"
+
+
+def block_draft_loss(draft, H: torch.Tensor, X: torch.Tensor, rows: torch.Tensor, anchors: torch.Tensor,
+                     gamma: float = 4.0, conf_alpha: float = 1.0) -> tuple[torch.Tensor, dict]:
+    """The parallel draft's loss at anchored blocks, as speculators' DSpark trains it: H [N, S, d]
+    the target's final hidden states, X [N, S] tokens; block b anchors at position anchors[b] of row
+    rows[b], its context the features of the `window` positions before. Slot i predicts the token at
+    anchor + i + 1: KL from the target's distribution there (softmax of the LM head at H[anchor + i]),
+    weighted exp(-i / gamma) (`fixed-exp-decay`); the Markov head sees the true previous token
+    (teacher forcing); the confidence head is scored by binary cross-entropy against whether the
+    draft's argmax matches the target's at every slot up to i (how far the block would be accepted)."""
+    cfg = draft.cfg
+    K, W = cfg.block, cfg.window
+    B = rows.shape[0]
+    ctx_idx = anchors[:, None] - W + torch.arange(W)                          # [B, W] positions < anchor
+    valid = ctx_idx >= 0
+    ci = ctx_idx.clamp_min(0)
+    feats = H[rows[:, None], ci]
+    blk = anchors[:, None] + torch.arange(K)                                  # anchor .. anchor + K - 1
+    tokens = X[rows[:, None], blk]                                            # slot i's previous token
+    hidden, logits = draft.backbone(feats, ci, valid, tokens[:, 0], anchors)
+    logits, conf = draft.heads(hidden, logits, tokens)
+    with torch.no_grad():
+        p = F.softmax(F.linear(H[rows[:, None], blk], draft.lm_head_weight), dim=-1)   # [B, K, V]
+    kl = (p * (p.clamp_min(1e-9).log() - F.log_softmax(logits, -1))).sum(-1)            # [B, K]
+    wts = torch.exp(-torch.arange(K, dtype=torch.float32) / gamma)
+    loss = (kl * wts).sum(-1).mean() / wts.sum()
+    match = (logits.argmax(-1) == p.argmax(-1)).float().cumprod(-1)          # accepted up to slot i (greedy)
+    stats = {"kl": float(kl.mean()), "match_rate": float(match.mean())}
+    if conf is not None:
+        bce = F.binary_cross_entropy_with_logits(conf.float(), match)
+        loss = loss + conf_alpha * bce
+        stats["bce"] = float(bce)
+    return loss, stats
+
+
+def train_block_draft(shards: Path, target_path: Path, out: Path, *, steps=400, batch=32, block=8, n_layers=1,
+                      ffn=256, markov_rank=32, window=48, lr=2e-3, seed=0, log=print) -> dict:
+    """Train the DSpark-style parallel draft (`block_draft.BlockDraft`) from the hidden-state shards
+    alone (the target's embedding and LM head are its only other inputs)."""
+    from .block_draft import BlockDraft, BlockDraftConfig, save_block_draft
+
+    torch.manual_seed(seed)
+    target = load_weights(target_path, "cpu")
+    H, X = load_shards(shards)
+    tc = target.cfg
+    draft = BlockDraft(BlockDraftConfig(d_model=tc.d_model, vocab=tc.vocab, block=block, n_layers=n_layers, ffn=ffn,
+                                        n_heads=tc.n_heads, n_kv_heads=tc.n_kv_heads, markov_rank=markov_rank,
+                                        window=window, rope_theta=tc.rope_theta), target)
+    del target
+    opt = torch.optim.AdamW(draft.parameters(), lr=lr, weight_decay=0.0)
+    g = torch.Generator().manual_seed(seed)
+    t0, losses, stats = time.perf_counter(), [], {}
+    for step in range(steps):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, steps, lr)
+        rows = torch.randint(len(H), (batch,), generator=g)
+        anchors = torch.randint(1, H.shape[1] - block, (batch,), generator=g)
+        loss, stats = block_draft_loss(draft, H, X, rows, anchors)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        if step % 100 == 0 or step == steps - 1:
+            log(f"block draft step {step}/{steps} loss {loss.item():.3f} match {stats['match_rate']:.2f} "
+                f"({time.perf_counter() - t0:.0f} s)")
+    seconds = time.perf_counter() - t0
+    sha = save_block_draft(draft.eval(), out, extra={"name": "block", "steps": steps, "batch": batch,
+                                                     "trained_from": "hidden-state shards", "seconds": round(seconds)})
+    return {"path": str(out), "sha256": sha, "final_loss": sum(losses[-20:]) / len(losses[-20:]),
+            "seconds": seconds, "steps": steps, **stats}
+
+
 def run_all(out: Path, shards: Path, *, target_steps=500, draft_steps=800, windows_per_task=96, threads=1,
             log=print) -> dict:
     """Step 1 here; steps 2 and 3 each in a fresh Python process, talking only through files."""
@@ -246,6 +320,8 @@ def run_all(out: Path, shards: Path, *, target_steps=500, draft_steps=800, windo
         subprocess.run(base + ["draft", "--target", str(target_path), "--shards", str(shards), "--name", name,
                                "--out", str(out / draft_file(name)), "--steps", str(draft_steps),
                                "--threads", str(threads)], check=True)
+    subprocess.run(base + ["block", "--target", str(target_path), "--shards", str(shards),
+                           "--out", str(out / BLOCK_DRAFT_FILE), "--threads", str(threads)], check=True)
     report["shards"] = str(shards)
     return report
 
@@ -277,7 +353,13 @@ def main(argv=None) -> None:
     d.add_argument("--window", type=int, default=124, help="draft positions per window (at most seq_len - 1 - unroll)")
     d.add_argument("--token-input", choices=("eagle3", "eagle1"), default="eagle3")
     d.add_argument("--lr", type=float, default=2e-3)
-    for p in (a, t, e, d):
+    b = sub.add_parser("block", help="train the DSpark-style parallel block draft from the shards")
+    b.add_argument("--target", type=Path, required=True)
+    b.add_argument("--shards", type=Path, required=True)
+    b.add_argument("--out", type=Path, required=True)
+    b.add_argument("--steps", type=int, default=400)
+    b.add_argument("--batch", type=int, default=32, help="anchored blocks per step")
+    for p in (a, t, e, d, b):
         p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -288,6 +370,9 @@ def main(argv=None) -> None:
         print(json.dumps(train_target(args.out, steps=args.steps), indent=1))
     elif args.cmd == "extract":
         extract_hidden(args.target, args.shards, windows_per_task=args.windows_per_task, seq_len=args.seq_len)
+    elif args.cmd == "block":
+        print(json.dumps(train_block_draft(args.shards, args.target, args.out, steps=args.steps, batch=args.batch),
+                         indent=1))
     else:
         print(json.dumps(train_draft(args.shards, args.target, args.out, name=args.name, steps=args.steps,
                                      windows=args.windows, window=args.window, token_input=args.token_input, lr=args.lr), indent=1))
