@@ -94,3 +94,14 @@ def test_caption_given_by_the_chapter_wins():
     out = charts.show(charts.bar([{"k": "a", "v": 1}], x="k", y="v", title="t", hardware="CPU: X"),
                       caption="Time per backend; lower is better.")
     assert out._repr_mimebundle_()[1]["inferbook_chart"]["caption"] == "Time per backend; lower is better."
+
+
+def test_a_wide_chart_fits_the_column_with_its_text_unshrunk():
+    """Five wide panels would be drawn scaled down on the page, text with them: the plot areas shrink
+    instead, so every font stays at 11 px or more as drawn."""
+    rows = [{"T": t, "v": float(t), "variant": f"variant number {i}", "p": p}
+            for t in (1, 8, 64, 512) for i in range(4) for p in "abcde"]
+    svg = charts.render(charts.sweep(rows, x="T", y="v", color="variant", facet="p", columns=5, title="wide",
+                                     hardware="CPU: X")).svg
+    assert charts._svg_width(svg) <= charts.COLUMN_PX
+    assert min(float(x) for x in re.findall(r'font-size="([\d.]+)px"', svg)) >= 11

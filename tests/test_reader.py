@@ -103,3 +103,20 @@ def test_verdict_is_prose_with_its_interval():
     text = nb.verdict(compare_timings(fast, slow), "the fused kernel", "eager")._repr_markdown_()
     assert text.startswith("The fused kernel is faster than eager") and "90 % interval" in text
     assert text.endswith(".")
+
+
+def test_a_chart_sharing_its_cell_becomes_a_figure_of_its_own():
+    page = nbformat.v4.new_notebook()
+    cell = nbformat.v4.new_code_cell("display(table); charts.show(a); charts.show(b)")
+    chart = lambda cap: nbformat.v4.new_output("display_data", data={"image/png": "AAAA"},
+                                                metadata={"inferbook_chart": {"caption": cap, "alt": "Chart, x."}})
+    cell.outputs = [nbformat.v4.new_output("display_data", data={"text/html": "<table></table>"}),
+                    chart("A."), chart("B.")]
+    page.cells = [nbformat.v4.new_markdown_cell("# Title"), cell]
+    out = reader.reader_notebook(page, "chord-w4a16")
+    code = [c for c in out.cells if c.cell_type == "code"]
+    assert [len(c.outputs) for c in code] == [1, 1, 1]
+    assert "mystnb" not in code[0].metadata, "the table's cell is no figure"
+    assert [c.metadata["mystnb"]["figure"]["caption"] for c in code[1:]] == ["A.", "B."]
+    assert [c.metadata["mystnb"]["figure"]["name"] for c in code[1:]] == ["fig-chord-w4a16-1", "fig-chord-w4a16-2"]
+    assert all(c.metadata["tags"] == ["remove-input"] for c in code[1:])

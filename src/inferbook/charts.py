@@ -32,6 +32,9 @@ def _alt():
             # full legend labels: a truncated "mxfp4 (e2m1, e8m0 per 3…" says nothing
             "legend": {"labelFontSize": 11, "titleFontSize": 12, "labelLimit": 0, "titleLimit": 0},
             "title": {"fontSize": 13, "anchor": "start", "subtitleFontSize": 11, "subtitleColor": "#555"},
+            # facet headers and text marks default to 10 px in Vega-Lite: never below 11 here
+            "header": {"labelFontSize": 11, "titleFontSize": 12},
+            "text": {"fontSize": 11},
             # transparent: the page's CSS inverts charts in dark mode, so they read in both themes
             "background": None,
         }
@@ -203,12 +206,54 @@ class Rendered:
         return path
 
 
+# The page's content column is about 670 px wide (jupyter-book's theme at desktop width): a wider chart is
+# drawn scaled down, and its text with it.
+COLUMN_PX = 660
+_SIZE_KEYS = ("width", "height", "continuousWidth", "continuousHeight", "discreteWidth", "step")
+
+
+def _shrink_plots(spec, factor: float):
+    """A copy of a Vega-Lite spec whose plot areas (widths, heights, discrete steps) are `factor` as
+    large; text keeps its size."""
+    if isinstance(spec, dict):
+        out = {}
+        for k, v in spec.items():
+            if k in _SIZE_KEYS and isinstance(v, (int, float)) and not isinstance(v, bool):
+                out[k] = max(8, round(v * factor))
+            elif k in _SIZE_KEYS and isinstance(v, dict) and isinstance(v.get("step"), (int, float)):
+                out[k] = {**v, "step": max(4, round(v["step"] * factor))}
+            else:
+                out[k] = _shrink_plots(v, factor)
+        return out
+    if isinstance(spec, list):
+        return [_shrink_plots(v, factor) for v in spec]
+    return spec
+
+
+def _svg_width(svg: str) -> float:
+    import re
+
+    m = re.search(r'<svg[^>]*\swidth="([\d.]+)', svg)
+    return float(m.group(1)) if m else 0.0
+
+
 def render(chart, *, png_scale: float = 2.0, caption: str = "", alt: str = "") -> Rendered:
-    """Render an altair chart offline with vl-convert."""
+    """Render an altair chart offline with vl-convert. A chart wider than the page's column would be
+    drawn scaled down there, text included: its plot areas are shrunk until it fits, so its text reads
+    at the theme's sizes (11 px and up) as the page draws it."""
     import vl_convert as vlc
 
     spec = chart.to_dict()
-    return Rendered(vlc.vegalite_to_svg(spec), vlc.vegalite_to_png(spec, scale=png_scale), caption, alt)
+    spec.setdefault("config", {}).setdefault("view", {}).setdefault("continuousWidth", WIDTH)
+    spec["config"]["view"].setdefault("continuousHeight", HEIGHT)
+    svg = vlc.vegalite_to_svg(spec)
+    for _ in range(8):  # axes, legends and titles do not shrink: settle in a few rounds
+        width = _svg_width(svg)
+        if width <= COLUMN_PX:
+            break
+        spec = _shrink_plots(spec, max(0.3, 0.95 * COLUMN_PX / width))
+        svg = vlc.vegalite_to_svg(spec)
+    return Rendered(svg, vlc.vegalite_to_png(spec, scale=png_scale), caption, alt)
 
 
 def _title_text(spec: dict) -> tuple[str, str]:

@@ -110,22 +110,42 @@ def headline_box(slug: str, module, records) -> str:
             f"{text}\n:::\n")
 
 
+def _chart_info(output) -> dict | None:
+    return (output.get("metadata") or {}).get("inferbook_chart")
+
+
 def _figure_metadata(nb, slug: str) -> None:
-    """Charts rendered by `charts.show` carry {caption, alt} in their output metadata: give their cell
-    MyST-NB's figure metadata, so the chart is a numbered figure with a caption and real alt text."""
+    """Charts rendered by `charts.show` carry {caption, alt} in their output metadata: each becomes a
+    numbered MyST-NB figure (`mystnb.figure` / `mystnb.image` cell metadata) with its caption and alt
+    text. MyST-NB applies a cell's figure metadata to every output of the cell, so a chart that shares
+    its cell with a table or another chart moves into a cell of its own (input removed) first."""
+    import nbformat
+
+    cells = []
+    for cell in nb.cells:
+        outputs = cell.get("outputs", []) if cell.get("cell_type") == "code" else []
+        charts = [o for o in outputs if _chart_info(o)]
+        if not charts or len([o for o in _visible_outputs(cell)]) == 1:
+            cells.append(cell)
+            continue
+        cell["outputs"] = [o for o in outputs if not _chart_info(o)]
+        cells.append(cell)
+        for o in charts:
+            moved = nbformat.v4.new_code_cell("", outputs=[o])
+            moved.metadata["tags"] = ["remove-input"]
+            cells.append(moved)
+    nb.cells = cells
     n = 0
     for cell in nb.cells:
-        if cell.get("cell_type") != "code":
+        charts = [_chart_info(o) for o in cell.get("outputs", [])] if cell.get("cell_type") == "code" else []
+        charts = [c for c in charts if c]
+        if not charts:
             continue
-        for o in cell.get("outputs", []):
-            info = (o.get("metadata") or {}).get("inferbook_chart")
-            if not info:
-                continue
-            n += 1
-            md = cell.setdefault("metadata", {}).setdefault("mystnb", {})
-            md["figure"] = {"caption": info.get("caption", ""), "name": f"fig-{slug}-{n}"}
-            md["image"] = {"alt": info.get("alt", info.get("caption", "chart"))}
-            break  # one figure per cell: MyST-NB's figure metadata applies to the cell's image output
+        info = charts[0]
+        n += 1
+        md = cell.setdefault("metadata", {}).setdefault("mystnb", {})
+        md["figure"] = {"caption": info.get("caption", ""), "name": f"fig-{slug}-{n}"}
+        md["image"] = {"alt": info.get("alt", info.get("caption", "chart"))}
 
 
 def reader_notebook(nb, slug: str, records=None):
