@@ -39,6 +39,7 @@ def fake_book(tmp_path, monkeypatch):
     (root / "data").mkdir()
     (root / "data" / "input.txt").write_text("v1")
     shutil.copy(ROOT / "_config.yml", root / "_config.yml")
+    shutil.copy(ROOT / "references.bib", root / "references.bib")  # the config names it
     (root / "intro.md").write_text("# Fake book\n\nIntro.\n")
     (root / "_toc.yml").write_text("format: jb-book\nroot: intro\nchapters:\n  - file: chapters/good\n"
                                    "  - file: chapters/bad\n  - file: status\n")

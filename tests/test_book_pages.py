@@ -213,3 +213,119 @@ def test_upgrade_record_chart_is_drawn(server, browser_page):
     svg = page.request.get(charts[0]).text()
     assert "Phases kept apart" in svg
     assert svg.count('aria-roledescription="bar"') + svg.count('aria-roledescription="point"') >= 12
+
+
+# --- a book a reader trusts at a glance ----------------------------------------------------------------
+
+# Template leftovers and garbled glue, looked for in a page's prose (code listings excluded).
+LEFTOVERS_CHECK = r"""() => {
+  const art = (document.querySelector('article.bd-article') || document.querySelector('main')).cloneNode(true);
+  art.querySelectorAll('pre, div.highlight, script, style, mjx-container, code').forEach(e => e.remove());
+  return art.textContent.replace(/\s+/g, ' ');
+}"""
+LEFTOVERS = [
+    (re.compile(r"\w\((s|es)\)"), "a plural left as '(s)' / '(es)': use notebook.count"),
+    (re.compile(r"(?<![\w.])nan(?![\w.])"), "'nan' shown to a reader"),
+    (re.compile(r"\{'|\['"), "a dict or list repr"),
+    (re.compile(r"`"), "a raw backtick (Markdown not rendered)"),
+    (re.compile(r"\b((?:\w+\W+){2,}\w+)\W+\1\b"), "a phrase said twice in a row"),
+    (re.compile(r"this book's issue tracker"), "a sentence about the project's own tracker"),
+]
+
+# Every chart's smallest text, in CSS pixels at the width the page draws it.
+CHART_TEXT = r"""async () => {
+  const out = [];
+  for (const img of document.querySelectorAll('article .cell_output img')) {
+    if (!img.src.endsWith('.svg') || img.offsetParent === null) continue;
+    const svg = await (await fetch(img.src)).text();
+    const doc = new DOMParser().parseFromString(svg, 'image/svg+xml').documentElement;
+    const natural = parseFloat(doc.getAttribute('width'));
+    const sizes = [...doc.querySelectorAll('text')].map(t => parseFloat(t.getAttribute('font-size')
+        || (t.getAttribute('style') || '').replace(/.*font-size:\s*([\d.]+).*/, '$1'))).filter(x => x > 0);
+    const scale = img.getBoundingClientRect().width / natural;
+    out.push({src: img.src.split('/').pop(), min_px: Math.min(...sizes) * scale, alt: img.alt,
+              caption: (img.closest('figure') || {}).innerText || ''});
+  }
+  return out;
+}"""
+
+# Rows of the compiler section's tables a reader sees without opening a fold.
+COMPILER_ROWS = r"""() => {
+  const sec = [...document.querySelectorAll('section')].find(s => {
+      const h = s.querySelector('h2, h3'); return h && /What the compiler made of it/.test(h.innerText); });
+  if (!sec) return null;
+  return [...sec.querySelectorAll('tr')].filter(tr => tr.offsetParent !== null
+      && !tr.closest('details, .dropdown, .toggle-hidden')).length;
+}"""
+
+
+def _prose(page) -> str:
+    return page.evaluate(LEFTOVERS_CHECK)
+
+
+@pytest.mark.browser
+@pytest.mark.parametrize("slug", WRITTEN)
+def test_chapter_page_has_no_leftovers_and_says_where_it_came_from(slug, server, browser_page):
+    page, _, _ = browser_page
+    page.goto(f"{server}/chapters/{slug}.html", wait_until="networkidle")
+    text = _prose(page)
+    for pattern, what in LEFTOVERS:
+        m = pattern.search(text)
+        assert not m, f"{what}: …{text[max(0, m.start() - 80):m.end() + 80]}…"
+    assert "This page was executed from commit" in text, "every page shows its commit and preset"
+    rows = page.evaluate(COMPILER_ROWS)
+    assert rows is None or rows <= 30, f"the compiler section shows {rows} table rows unfolded"
+
+
+@pytest.mark.browser
+@pytest.mark.parametrize("slug", WRITTEN)
+def test_charts_read_at_the_column_width(slug, server, browser_page):
+    page, _, _ = browser_page
+    page.goto(f"{server}/chapters/{slug}.html", wait_until="networkidle")
+    for chart in page.evaluate(CHART_TEXT):
+        assert chart["min_px"] >= 10.9, f"chart text under 11 px as drawn: {chart}"
+        assert chart["alt"].startswith("Chart, ") and ".svg" not in chart["alt"], chart
+        assert re.match(r"Fig\. \d", chart["caption"]), f"a chart is a numbered figure with a caption: {chart}"
+
+
+@pytest.mark.browser
+def test_every_results_value_is_found_on_its_chapter_page(server, browser_page):
+    page, _, _ = browser_page
+    page.goto(f"{server}/results.html", wait_until="networkidle")
+    links = page.eval_on_selector_all("a[href*='#headline-']", "els => els.map(a => [a.href, a.innerText.trim()])")
+    executed = [s for s in WRITTEN]
+    assert len(links) == len(executed), links
+    for href, value in links:
+        page.goto(href, wait_until="networkidle")
+        anchor = href.split("#", 1)[1]
+        box = page.evaluate(f"""() => {{ const a = document.getElementById('{anchor}');
+            if (!a) return null; let n = a; while (n && !(n.classList && n.classList.contains('admonition'))) n = n.nextElementSibling || n.parentElement;
+            return n ? n.innerText : null; }}""")
+        assert box and value in box, f"{href}: the results page's {value!r} is not in the page's headline box {box!r}"
+
+
+@pytest.mark.browser
+def test_results_page_stacks_on_a_phone(server, browser_page):
+    page, _, _ = browser_page
+    page.set_viewport_size({"width": 390, "height": 844})
+    try:
+        page.goto(f"{server}/results.html", wait_until="networkidle")
+        wide = page.evaluate("""() => { const t = document.querySelector('div.ib-results table');
+            return t ? t.getBoundingClientRect().right > document.documentElement.clientWidth + 2 : null; }""")
+        assert wide is False
+    finally:
+        page.set_viewport_size({"width": 1280, "height": 1000})
+
+
+@pytest.mark.browser
+def test_glossary_bibliography_and_chinese_render(server, browser_page):
+    page, left_machine, failed = browser_page
+    page.goto(f"{server}/glossary.html", wait_until="networkidle")
+    assert page.eval_on_selector_all("dl.glossary dt", "els => els.length") >= 20
+    page.goto(f"{server}/bibliography.html", wait_until="networkidle")
+    assert page.eval_on_selector_all("div.citation, dl.citation > dt, li.citation, .bibliography dt, "
+                                     "div[role=list] div.citation", "els => els.length") >= 20
+    page.goto(f"{server}/chapters/kimi-spec-budget.html", wait_until="networkidle")
+    loaded = page.evaluate("""async () => (await document.fonts.load('16px "inferbook CJK"', '二')).length""")
+    assert loaded >= 1, "the bundled CJK font serves the seed's quotes"
+    assert not left_machine and not failed, (left_machine, failed)

@@ -11,8 +11,11 @@ def test_bar_renders_offline_svg_and_png():
     assert out.svg.lstrip().startswith("<svg") and "CPU: X" in out.svg
     assert out.svg.count('aria-roledescription="bar"') == 2, "both bars drawn"
     assert out.png[:8] == b"\x89PNG\r\n\x1a\n"
-    bundle = out._repr_mimebundle_()
-    assert set(bundle) == {"image/svg+xml", "image/png"}
+    data, meta = out._repr_mimebundle_()
+    assert set(data) == {"image/svg+xml", "image/png"}
+    # the caption (the chart's title unless the chapter gives one) and alt text travel with the output
+    assert meta["inferbook_chart"]["caption"] == "t"
+    assert meta["inferbook_chart"]["alt"] == "Chart, t: value against phase (CPU: X)."
     assert "http" not in out.svg.replace("http://www.w3.org", ""), "no external references in a chart"
 
 
@@ -65,3 +68,40 @@ def test_small_multiples_and_full_legend_labels():
 def test_charts_have_a_transparent_background():
     spec = charts.bar([{"a": "x", "b": 1}], x="a", y="b", title="t", hardware="CPU: X").to_dict()
     assert spec["config"].get("background") is None
+
+
+def test_measured_bars_carry_their_spread_as_error_bars():
+    rows = [{"k": k, "median_s": m, "p10_s": m * 0.9, "p90_s": m * 1.2} for k, m in (("a", 1.0), ("b", 2.0))]
+    svg = charts.render(charts.bar(rows, x="k", y="median_s", title="t", hardware="CPU: X")).svg
+    assert svg.count('aria-roledescription="bar"') == 2
+    assert svg.count('aria-roledescription="rule mark"') == 2, "one error bar per measured bar"
+    plain = charts.render(charts.bar([{"k": "a", "v": 1}], x="k", y="v", title="t", hardware="CPU: X")).svg
+    assert 'aria-roledescription="rule mark"' not in plain, "no spread, no error bar"
+
+
+def test_small_multiples_wrap_in_numeric_order():
+    rows = [{"k": "a", "v": 1.0, "c": c} for c in (16, 1, 4, 64)]
+    chart = charts.bar(rows, x="k", y="v", column="c", title="t", hardware="CPU: X")
+    spec = chart.to_dict()
+    assert spec["facet"]["type"] == "ordinal" and spec["columns"] == 3
+    svg = charts.render(chart).svg
+    order = [int(m) for m in re.findall(r'aria-label="c: (\d+)"|>(\d+)</text>', svg) for m in m if m]
+    shown = [v for v in order if v in (1, 4, 16, 64)]
+    assert shown[:4] == [1, 4, 16, 64], shown
+
+
+def test_caption_given_by_the_chapter_wins():
+    out = charts.show(charts.bar([{"k": "a", "v": 1}], x="k", y="v", title="t", hardware="CPU: X"),
+                      caption="Time per backend; lower is better.")
+    assert out._repr_mimebundle_()[1]["inferbook_chart"]["caption"] == "Time per backend; lower is better."
+
+
+def test_a_wide_chart_fits_the_column_with_its_text_unshrunk():
+    """Five wide panels would be drawn scaled down on the page, text with them: the plot areas shrink
+    instead, so every font stays at 11 px or more as drawn."""
+    rows = [{"T": t, "v": float(t), "variant": f"variant number {i}", "p": p}
+            for t in (1, 8, 64, 512) for i in range(4) for p in "abcde"]
+    svg = charts.render(charts.sweep(rows, x="T", y="v", color="variant", facet="p", columns=5, title="wide",
+                                     hardware="CPU: X")).svg
+    assert charts._svg_width(svg) <= charts.COLUMN_PX
+    assert min(float(x) for x in re.findall(r'font-size="([\d.]+)px"', svg)) >= 11

@@ -112,3 +112,34 @@ def test_chapter_titles_match_the_table_of_contents():
         heading = next(line for line in (ROOT / "chapters" / f"{info.slug}.md").read_text().splitlines()
                        if line.startswith("# "))
         assert heading[2:].strip() == info.title, (info.slug, heading)
+
+
+def test_cjk_font_covers_every_character_the_pages_quote():
+    """The seed's Chinese renders offline: the committed subset font has every CJK character a page's source
+    holds (rerun scripts/subset_cjk_font.py after adding Chinese text)."""
+    import importlib.util
+
+    pytest.importorskip("fontTools")
+    pytest.importorskip("brotli")
+    from fontTools.ttLib import TTFont
+
+    spec = importlib.util.spec_from_file_location("subset_cjk_font", ROOT / "scripts" / "subset_cjk_font.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    font = TTFont(script.OUT)
+    cmap = font.getBestCmap()
+    missing = sorted(ch for ch in script.used_characters() if ord(ch) not in cmap)
+    assert not missing, f"the CJK font lacks {''.join(missing[:40])}: run scripts/subset_cjk_font.py"
+    assert script.OUT.stat().st_size < 400_000, "a subset, not the whole font"
+    css = (ROOT / "_static" / "inferbook.css").read_text()
+    assert 'url("fonts/inferbook-cjk.woff2")' in css and "unicode-range" in css
+
+
+def test_glossary_and_bibliography_are_in_the_book():
+    import yaml
+
+    files = [c["file"] for part in yaml.safe_load((ROOT / "_toc.yml").read_text())["parts"] for c in part["chapters"]]
+    assert {"glossary", "bibliography"} <= set(files)
+    assert all(part.get("numbered") for part in yaml.safe_load((ROOT / "_toc.yml").read_text())["parts"][:6])
+    assert "{bibliography}" in (ROOT / "bibliography.md").read_text()
+    assert "@misc{vllm51725" in (ROOT / "references.bib").read_text()

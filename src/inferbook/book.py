@@ -28,7 +28,7 @@ from pathlib import Path
 from . import reader, toc
 from .context import build_dir, repo_root, results_dir
 from .errors import MissingRequirement, UserError
-from .record import write_json_atomic
+from .record import load_records, write_json_atomic
 
 DEFAULT_CELL_TIMEOUT_S = 1800
 
@@ -404,8 +404,9 @@ def stage(metas: dict[str, dict | None]) -> Path:
     p = paths()
     st = p["stage"]
     st.mkdir(parents=True, exist_ok=True)
-    for name in ("_config.yml", "_toc.yml", "intro.md"):
-        _copy_if_changed(p["root"] / name, st / name)
+    for name in ("_config.yml", "_toc.yml", "intro.md", "glossary.md", "bibliography.md", "references.bib"):
+        if (p["root"] / name).is_file():
+            _copy_if_changed(p["root"] / name, st / name)
     for folder in ("parts", "_static"):
         for f in sorted((p["root"] / folder).rglob("*")) if (p["root"] / folder).is_dir() else []:
             if f.is_file():
@@ -431,7 +432,11 @@ def stage(metas: dict[str, dict | None]) -> Path:
             nb.cells.insert(1 if nb.cells and nb.cells[0].cell_type == "markdown" else 0, banner)
             _write_if_changed(dst, nbformat.writes(nb))
         else:
-            page = reader.reader_notebook(nbformat.read(executed, as_version=4), slug)
+            try:
+                records = load_records(p["results"] / f"{slug}.json")
+            except Exception:  # a page without its records still builds; it shows no headline then
+                records = []
+            page = reader.reader_notebook(nbformat.read(executed, as_version=4), slug, records)
             _write_if_changed(dst, nbformat.writes(page))
     # stale pages of chapters no longer in the book
     for f in (st / "chapters").glob("*.ipynb"):

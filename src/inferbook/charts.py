@@ -32,6 +32,9 @@ def _alt():
             # full legend labels: a truncated "mxfp4 (e2m1, e8m0 per 3…" says nothing
             "legend": {"labelFontSize": 11, "titleFontSize": 12, "labelLimit": 0, "titleLimit": 0},
             "title": {"fontSize": 13, "anchor": "start", "subtitleFontSize": 11, "subtitleColor": "#555"},
+            # facet headers and text marks default to 10 px in Vega-Lite: never below 11 here
+            "header": {"labelFontSize": 11, "titleFontSize": 12},
+            "text": {"fontSize": 11},
             # transparent: the page's CSS inverts charts in dark mode, so they read in both themes
             "background": None,
         }
@@ -54,17 +57,39 @@ def _title(title: str, hardware: str):
     return {"text": title, "subtitle": [hardware]}
 
 
+def _facet_type(df, name: str) -> str:
+    """Ordinal for numbers (panels in numeric order: 1, 4, 16, not 1, 16, 4), nominal otherwise."""
+    import pandas as pd
+
+    return "O" if pd.api.types.is_numeric_dtype(df[name]) else "N"
+
+
 def _data(rows):
     import pandas as pd
 
     return rows if isinstance(rows, pd.DataFrame) else pd.DataFrame(list(rows))
 
 
+def _interval_columns(df, y: str, err) -> tuple[str, str] | None:
+    """The (low, high) columns of `y`'s spread: given, or found by name (`y_lo`/`y_hi`, `y_p10`/`y_p90`,
+    `p10_s`/`p90_s` for seconds)."""
+    if err:
+        return tuple(err)
+    for lo, hi in ((f"{y}_lo", f"{y}_hi"), (f"{y}_p10", f"{y}_p90"), ("p10_s", "p90_s") if y.endswith("_s") or y == "value" else ("", "")):
+        if lo and lo in df.columns and hi in df.columns:
+            return lo, hi
+    return None
+
+
 def bar(rows, *, x: str, y: str, color: str | None = None, title: str, hardware: str,
-        x_title: str | None = None, y_title: str | None = None, log_y: bool = False, column: str | None = None):
-    """Grouped bars: one bar per `x` (and `color`), e.g. time per backend."""
+        x_title: str | None = None, y_title: str | None = None, log_y: bool = False, column: str | None = None,
+        err: tuple[str, str] | None = None):
+    """Grouped bars: one bar per `x` (and `color`), e.g. time per backend. A measured value's spread
+    (`err=(low column, high column)`, or columns found by name, see `_interval_columns`) is drawn as
+    an error bar on it."""
     alt = _alt()
     df = _data(rows)
+    spread = _interval_columns(df, y, err)
     enc = {
         "x": alt.X(f"{x}:N", title=x_title or x, sort=None),
         "y": alt.Y(f"{y}:Q", title=y_title or y, scale=alt.Scale(type="log") if log_y else alt.Undefined),
@@ -73,17 +98,24 @@ def bar(rows, *, x: str, y: str, color: str | None = None, title: str, hardware:
     if color:
         enc["color"] = alt.Color(f"{color}:N", title=color)
         enc["xOffset"] = alt.XOffset(f"{color}:N")
-    if log_y:
-        # A bar's length means nothing on a log axis (there is no zero to start from): draw a dot
-        # plot instead, one dot per value.
-        chart = alt.Chart(df).mark_point(filled=True, size=80).encode(**enc)
-    else:
-        chart = alt.Chart(df).mark_bar().encode(**enc)
+    # A bar's length means nothing on a log axis (there is no zero to start from): a dot plot there.
+    mark = alt.Chart().mark_point(filled=True, size=80) if log_y else alt.Chart().mark_bar()
+    layers = [mark.encode(**enc)]
+    if spread:
+        rule = {"x": enc["x"], "y": alt.Y(f"{spread[0]}:Q", title=y_title or y), "y2": f"{spread[1]}:Q"}
+        if color:
+            rule["xOffset"] = enc["xOffset"]
+        layers.append(alt.Chart().mark_rule(color="#333", strokeWidth=1.5).encode(**rule))
+    chart = alt.layer(*layers, data=df)
     if df[x].nunique() > 24 and not column:
         # many categories: fit the page width instead of one 20-px step per category
         chart = chart.properties(width=WIDTH)
     if column:
-        chart = chart.facet(column=alt.Column(f"{column}:N", title=column))
+        # small multiples wrap (three a row) instead of running past the column in one long row
+        n = df[column].nunique()
+        per_row = min(3, n)
+        chart = chart.properties(width=max(140, WIDTH // per_row - 30)).facet(
+            facet=alt.Facet(f"{column}:{_facet_type(df, column)}", title=column), columns=per_row)
     return chart.properties(title=_title(title, hardware))
 
 
@@ -105,7 +137,7 @@ def sweep(rows, *, x: str, y: str, color: str | None = None, title: str, hardwar
         panel_w = max(160, WIDTH // columns - 20)
         # each panel keeps its own y scale: panels of different units (ms, MiB) never share an axis
         return line.properties(width=panel_w, height=HEIGHT // 2).facet(
-            facet=alt.Facet(f"{facet}:N", title=facet), columns=columns).resolve_scale(y="independent").properties(
+            facet=alt.Facet(f"{facet}:{_facet_type(df, facet)}", title=facet), columns=columns).resolve_scale(y="independent").properties(
             title=_title(title, hardware))
     return line.properties(title=_title(title, hardware))
 
@@ -147,18 +179,22 @@ def heatmap(rows, *, x: str, y: str, passed: str = "passed", title: str, hardwar
         tooltip=list(df.columns))
     layers = cells
     if text:
-        layers = cells + base.mark_text(fontSize=9, color="white").encode(text=f"{text}:N")
+        layers = cells + base.mark_text(fontSize=11, color="white").encode(text=f"{text}:N")
     return layers.properties(title=_title(title, hardware))
 
 
 class Rendered:
-    """A chart rendered to SVG (HTML) and PNG (PDF); Jupyter shows whichever it prefers."""
+    """A chart rendered to SVG (HTML) and PNG (PDF); Jupyter shows whichever it prefers. Its caption
+    and alt text travel in the output's metadata, which the book's staging turns into a numbered figure."""
 
-    def __init__(self, svg: str, png: bytes):
-        self.svg, self.png = svg, png
+    def __init__(self, svg: str, png: bytes, caption: str = "", alt: str = ""):
+        self.svg, self.png, self.caption, self.alt = svg, png, caption, alt
 
     def _repr_mimebundle_(self, include=None, exclude=None):
-        return {"image/svg+xml": self.svg, "image/png": base64.b64encode(self.png).decode("ascii")}
+        data = {"image/svg+xml": self.svg, "image/png": base64.b64encode(self.png).decode("ascii")}
+        if not (self.caption or self.alt):
+            return data
+        return data, {"inferbook_chart": {"caption": self.caption, "alt": self.alt or self.caption}}
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)
@@ -170,17 +206,83 @@ class Rendered:
         return path
 
 
-def render(chart, *, png_scale: float = 2.0) -> Rendered:
-    """Render an altair chart offline with vl-convert."""
+# The page's content column is about 670 px wide (jupyter-book's theme at desktop width): a wider chart is
+# drawn scaled down, and its text with it.
+COLUMN_PX = 660
+_SIZE_KEYS = ("width", "height", "continuousWidth", "continuousHeight", "discreteWidth", "step")
+
+
+def _shrink_plots(spec, factor: float):
+    """A copy of a Vega-Lite spec whose plot areas (widths, heights, discrete steps) are `factor` as
+    large; text keeps its size."""
+    if isinstance(spec, dict):
+        out = {}
+        for k, v in spec.items():
+            if k in _SIZE_KEYS and isinstance(v, (int, float)) and not isinstance(v, bool):
+                out[k] = max(8, round(v * factor))
+            elif k in _SIZE_KEYS and isinstance(v, dict) and isinstance(v.get("step"), (int, float)):
+                out[k] = {**v, "step": max(4, round(v["step"] * factor))}
+            else:
+                out[k] = _shrink_plots(v, factor)
+        return out
+    if isinstance(spec, list):
+        return [_shrink_plots(v, factor) for v in spec]
+    return spec
+
+
+def _svg_width(svg: str) -> float:
+    import re
+
+    m = re.search(r'<svg[^>]*\swidth="([\d.]+)', svg)
+    return float(m.group(1)) if m else 0.0
+
+
+def render(chart, *, png_scale: float = 2.0, caption: str = "", alt: str = "") -> Rendered:
+    """Render an altair chart offline with vl-convert. A chart wider than the page's column would be
+    drawn scaled down there, text included: its plot areas are shrunk until it fits, so its text reads
+    at the theme's sizes (11 px and up) as the page draws it."""
     import vl_convert as vlc
 
     spec = chart.to_dict()
-    return Rendered(vlc.vegalite_to_svg(spec), vlc.vegalite_to_png(spec, scale=png_scale))
+    spec.setdefault("config", {}).setdefault("view", {}).setdefault("continuousWidth", WIDTH)
+    spec["config"]["view"].setdefault("continuousHeight", HEIGHT)
+    svg = vlc.vegalite_to_svg(spec)
+    for _ in range(8):  # axes, legends and titles do not shrink: settle in a few rounds
+        width = _svg_width(svg)
+        if width <= COLUMN_PX:
+            break
+        spec = _shrink_plots(spec, max(0.3, 0.95 * COLUMN_PX / width))
+        svg = vlc.vegalite_to_svg(spec)
+    return Rendered(svg, vlc.vegalite_to_png(spec, scale=png_scale), caption, alt)
 
 
-def show(chart) -> Rendered:
-    """What a chapter calls to display a chart (the last expression of a cell)."""
-    return render(chart)
+def _title_text(spec: dict) -> tuple[str, str]:
+    title = spec.get("title") or {}
+    if isinstance(title, str):
+        return title, ""
+    sub = title.get("subtitle") or []
+    return str(title.get("text", "")), " · ".join(sub) if isinstance(sub, list) else str(sub)
+
+
+def describe(chart) -> str:
+    """Alt text from the chart's own spec: its title, device, and what is drawn against what."""
+    spec = chart.to_dict()
+    text, sub = _title_text(spec)
+    inner = spec.get("spec") or spec  # a faceted chart keeps its panels' spec inside
+    enc = inner.get("encoding") or (inner.get("layer") or [{}])[0].get("encoding", {})
+    def axis(k):
+        e = enc.get(k) or {}
+        return e.get("title") or e.get("field") or ""
+    x, y = axis("x"), axis("y")
+    drawn = f": {y} against {x}" if x and y else ""
+    return f"Chart, {text}{drawn}" + (f" ({sub})" if sub else "") + "."
+
+
+def show(chart, caption: str = "") -> Rendered:
+    """What a chapter calls to display a chart (the last expression of a cell). `caption` says what
+    the chart shows (the page numbers it as a figure); without one the chart's title is the caption."""
+    spec_title, _ = _title_text(chart.to_dict())
+    return render(chart, caption=caption or spec_title, alt=describe(chart))
 
 
 def records_rows(records: Iterable, names: Sequence[str] | None = None) -> list[dict]:

@@ -32,12 +32,28 @@ class _Markdown:
         return self.text
 
 
-LISTING_FOLD_LINES = 40  # longer listings are collapsed behind a toggle
+HELPER_FOLD_LINES = 15  # a helper (launcher, reference, glue) longer than this folds behind a toggle
+
+
+def is_kernel(obj: Any) -> bool:
+    """A Triton kernel (`@triton.jit`), compiled or interpreted: what a kernel chapter is about."""
+    try:
+        from triton.runtime.jit import JITFunction
+    except ImportError:  # pragma: no cover - triton is a core dependency on Linux
+        return False
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+    except ImportError:  # pragma: no cover
+        InterpretedFunction = ()  # noqa: N806
+    return isinstance(obj, (JITFunction, InterpretedFunction)) or isinstance(getattr(obj, "fn", None), JITFunction)
 
 
 def show_source(obj: Any, *, note: str = "", fold: bool | None = None) -> _Markdown:
     """The source of a function, class or Triton kernel, as it is in `src/` (not a copy).
-    Listings longer than `LISTING_FOLD_LINES` lines are collapsible (`fold` forces either way)."""
+    A Triton kernel is shown in full, whatever its length: it is what the page is about. Helpers
+    (launchers, references, plumbing) longer than `HELPER_FOLD_LINES` lines fold instead; `fold`
+    forces either way."""
+    kernel = is_kernel(obj)
     fn = getattr(obj, "fn", obj)  # triton JITFunction / InterpretedFunction keep the python fn in .fn
     fn = inspect.unwrap(fn)
     lines, start = inspect.getsourcelines(fn)
@@ -46,7 +62,7 @@ def show_source(obj: Any, *, note: str = "", fold: bool | None = None) -> _Markd
     rel = "/".join(parts[parts.index("src"):]) if "src" in parts else path.name
     head = f"`{rel}`, lines {start}–{start + len(lines) - 1}" + (f" — {note}" if note else "")
     code = "```python\n" + textwrap.dedent("".join(lines)).rstrip() + "\n```\n"
-    if fold if fold is not None else len(lines) > LISTING_FOLD_LINES:
+    if fold if fold is not None else (not kernel and len(lines) > HELPER_FOLD_LINES):
         return _Markdown(f"::::{{admonition}} {head} ({len(lines)} lines)\n:class: dropdown\n\n{code}::::\n")
     return _Markdown(head + "\n\n" + code)
 
@@ -63,6 +79,23 @@ def glue(name: str, value: Any, fmt: str | None = None, *, display: bool = False
     except ImportError:
         return None
     _glue(name, shown, display=display)
+
+
+def count(n: int, noun: str, plural: str | None = None) -> str:
+    """'1 launch', '3 launches', '0 tokens': a count with its noun agreeing, for glued prose (never
+    'launch(es)'). `plural` where adding -s/-es is wrong ('1 matrix', '2 matrices')."""
+    n = int(n)
+    if n == 1:
+        return f"1 {noun}"
+    if plural is None:
+        plural = noun + ("es" if noun.endswith(("s", "x", "z", "ch", "sh")) else "s")
+    return f"{n} {plural}"
+
+
+def verdict(comparison, a: str, b: str, *, digits: int = 3) -> _Markdown:
+    """A comparison helper's sentence as page prose (Markdown that wraps, interval included), not stdout."""
+    text = comparison.sentence(a, b, digits=digits)
+    return _Markdown(text[0].upper() + text[1:] + ("" if text.endswith(".") else "."))
 
 
 def table(rows: Iterable[dict] | Iterable[RunRecord], columns: list[str] | None = None):

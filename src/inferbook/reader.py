@@ -12,7 +12,12 @@ it hides the plumbing, by tags Sphinx/MyST-NB understands, added when the notebo
 - stderr streams (library warnings) are dropped.
 
 Above the page's first section sits a box naming the seed section (English and Chinese), the upstream
-changes the seed cites (plain links), and the chapter's source and executed notebook as downloads.
+changes the seed cites (plain links), the commit and preset the page was executed from, and the chapter's
+source and executed notebook as downloads; under it, the chapter's headline result, the same text the
+results page shows (one function, `headline_text`, makes both), with an anchor the results page links to.
+
+Charts that `charts.show` rendered carry their caption and alt text in the output's metadata; staging
+turns them into numbered MyST-NB figures (`mystnb.figure` / `mystnb.image` cell metadata).
 """
 from __future__ import annotations
 
@@ -56,8 +61,25 @@ def tag_cells(nb) -> None:
             tags.append(HIDE)
 
 
-def chapter_box(slug: str) -> str:
-    """Markdown for the box above a chapter: seed section, upstream links, downloads, the command."""
+def provenance(records) -> str:
+    """'commit abc1234 (uncommitted changes), preset cpu, seed 0, on <device>' of a page's measured records."""
+    from .device import hardware_label
+
+    measured = [r for r in records or [] if not str(r.source).startswith("quoted")]
+    if not measured:
+        return ""
+    r = measured[0]
+    git = r.git or {}
+    commit = str(git.get("commit") or "")[:10] or "unknown"
+    dirty = " (with uncommitted changes)" if git.get("dirty") else ""
+    seed = (r.parameters or {}).get("seed")
+    seed = f", seed {seed}" if seed is not None else ""
+    return f"commit `{commit}`{dirty}, preset `{r.preset}`{seed}, on {hardware_label(r.hardware)}"
+
+
+def chapter_box(slug: str, records=None) -> str:
+    """Markdown for the box above a chapter: seed section, upstream links, the commit and preset the
+    page was executed from, downloads, the command."""
     info = toc.CHAPTERS[slug]
     en, zh = toc.SEED_SECTIONS.get(info.seed_section, (info.seed_section, info.seed_section))
     links = ", ".join(f"[{name}]({url})" for name, url in toc.UPSTREAM.get(slug, []))
@@ -67,18 +89,82 @@ def chapter_box(slug: str) -> str:
              f"**Take it home:** {{download}}`chapter source (.md) <../{DOWNLOADS}/{slug}.md>` · "
              f"{{download}}`executed notebook (.ipynb) <../{DOWNLOADS}/{slug}.ipynb>` · "
              f"re-run it on your GPU with `inferbook run {slug} --device cuda --preset gpu`."]
+    built = provenance(records)
+    if built:
+        lines.insert(2, f"**This page was executed from** {built}.")
     return ":::{admonition} About this chapter\n:class: tip\n" + "\n\n".join(lines) + "\n:::\n"
 
 
-def reader_notebook(nb, slug: str):
-    """A copy of an executed notebook as its page shows it: tagged cells, the box after the title
-    cell, and a download link under "Run it yourself"."""
+def headline_anchor(slug: str) -> str:
+    return f"headline-{slug}"
+
+
+def headline_box(slug: str, module, records) -> str:
+    """The page's headline result, under its box: the same words the results page shows."""
+    head = headline(module, records) if records else None
+    if head is None:
+        return ""
+    what, value, spread = head
+    text = headline_text(what, value, spread)
+    return (f"({headline_anchor(slug)})=\n:::{{admonition}} Headline result of this run\n:class: important\n"
+            f"{text}\n:::\n")
+
+
+def _chart_info(output) -> dict | None:
+    return (output.get("metadata") or {}).get("inferbook_chart")
+
+
+def _figure_metadata(nb, slug: str) -> None:
+    """Charts rendered by `charts.show` carry {caption, alt} in their output metadata: each becomes a
+    numbered MyST-NB figure (`mystnb.figure` / `mystnb.image` cell metadata) with its caption and alt
+    text. MyST-NB applies a cell's figure metadata to every output of the cell, so a chart that shares
+    its cell with a table or another chart moves into a cell of its own (input removed) first."""
+    import nbformat
+
+    cells = []
+    for cell in nb.cells:
+        outputs = cell.get("outputs", []) if cell.get("cell_type") == "code" else []
+        charts = [o for o in outputs if _chart_info(o)]
+        if not charts or len([o for o in _visible_outputs(cell)]) == 1:
+            cells.append(cell)
+            continue
+        cell["outputs"] = [o for o in outputs if not _chart_info(o)]
+        cells.append(cell)
+        for o in charts:
+            moved = nbformat.v4.new_code_cell("", outputs=[o])
+            moved.metadata["tags"] = ["remove-input"]
+            cells.append(moved)
+    nb.cells = cells
+    n = 0
+    for cell in nb.cells:
+        charts = [_chart_info(o) for o in cell.get("outputs", [])] if cell.get("cell_type") == "code" else []
+        charts = [c for c in charts if c]
+        if not charts:
+            continue
+        info = charts[0]
+        n += 1
+        md = cell.setdefault("metadata", {}).setdefault("mystnb", {})
+        md["figure"] = {"caption": info.get("caption", ""), "name": f"fig-{slug}-{n}"}
+        md["image"] = {"alt": info.get("alt", info.get("caption", "chart"))}
+
+
+def reader_notebook(nb, slug: str, records=None):
+    """A copy of an executed notebook as its page shows it: tagged cells, the box and the headline
+    after the title cell, charts as numbered figures, and a download link under "Run it yourself".
+    `records`: the run's RunRecords (for the commit, preset and headline); None shows neither."""
     import nbformat
 
     out = copy.deepcopy(nb)
     tag_cells(out)
+    _figure_metadata(out, slug)
     first_md = next((i for i, c in enumerate(out.cells) if c.cell_type == "markdown"), -1)
-    out.cells.insert(first_md + 1, nbformat.v4.new_markdown_cell(chapter_box(slug)))
+    try:
+        module = toc.load_module(toc.CHAPTERS[slug])
+    except Exception:
+        module = None
+    box = chapter_box(slug, records)
+    head = headline_box(slug, module, records)
+    out.cells.insert(first_md + 1, nbformat.v4.new_markdown_cell(box + ("\n" + head if head else "")))
     for cell in out.cells:
         if cell.cell_type == "markdown" and "Run it yourself" in cell.source and cell.source.lstrip().startswith("#"):
             head, _, rest = cell.source.partition("\n")
@@ -91,10 +177,10 @@ def reader_notebook(nb, slug: str):
 
 # --- results at a glance ------------------------------------------------------------------------------
 
-def _shown(m: dict) -> str:
+def _shown(m: dict, value: float | None = None) -> str:
     from .measure import significant
 
-    unit, value = m.get("unit", ""), m["value"]
+    unit, value = m.get("unit", ""), m["value"] if value is None else value
     if unit == "s":
         return f"{significant(value * 1e3)} ms"
     if unit == "fraction":
@@ -103,11 +189,31 @@ def _shown(m: dict) -> str:
     return f"{shown} {unit}".strip()
 
 
-def headline(module, records) -> tuple[str, str] | None:
-    """(what, value) of the chapter's headline measurement: the one its measure module names in
-    `HEADLINE = (record name prefix, measurement name)` (names carry the preset's shapes, e.g.
-    'shared-fused-c1-<tiles>'), else the first timed measurement of its first measured (not quoted)
-    record, else its first measurement."""
+def _spread(m: dict) -> str:
+    """The measurement's own spread, where it kept one: a timing's p10-p90, or a comparison's interval."""
+    for lo_key, hi_key, what in (("p10_s", "p90_s", "p10–p90"), ("lo", "hi", "90 % interval"),
+                                 ("interval_lo", "interval_hi", "90 % interval")):
+        lo, hi = m.get(lo_key), m.get(hi_key)
+        if isinstance(lo, (int, float)) and isinstance(hi, (int, float)) and lo != hi:
+            return f"{what} {_shown(m, lo)} to {_shown(m, hi)}"
+    n = m.get("n")
+    return f"{n} samples" if isinstance(n, int) and n > 1 else ""
+
+
+def _readable(name: str) -> str:
+    return str(name).replace("_", " ").strip()
+
+
+def headline_text(what: str, value: str, spread: str) -> str:
+    """The one sentence a page and the results page both show for a chapter's headline."""
+    return f"{what}: **{value}**" + (f" ({spread})" if spread else "") + "."
+
+
+def headline(module, records) -> tuple[str, str, str] | None:
+    """(what, value, spread) of the chapter's headline measurement: the one its measure module names in
+    `HEADLINE = (record name prefix, measurement name[, what it is in words])` (names carry the preset's
+    shapes, e.g. 'shared-fused-c1-<tiles>'), else the first timed measurement of its first measured (not
+    quoted) record, else its first measurement. `what` is the chapter's words where it gives them."""
     measured = [r for r in records if not str(r.source).startswith("quoted")]
     spec = getattr(module, "HEADLINE", None)
     candidates = ([(r, m) for r in measured for m in r.measurements
@@ -117,7 +223,9 @@ def headline(module, records) -> tuple[str, str] | None:
     if not candidates:
         return None
     r, m = candidates[0]
-    return f"{r.name}: {m['name']}", _shown(m)
+    named = spec and r.name.startswith(spec[0]) and m["name"] == spec[1]
+    what = spec[2] if named and len(spec) > 2 else f"{_readable(m['name'])} ({_readable(r.name)})"
+    return what, _shown(m), _spread(m)
 
 
 def results_page(results_dir: Path) -> str:
@@ -148,7 +256,9 @@ def results_page(results_dir: Path) -> str:
             refs = sorted({hardware_label(r.hardware) for recs in reference_records(info.slug).values() for r in recs})
         except Exception:
             refs = []
-        cells = [link, html.escape(head[0]) if head else "—", head[1] if head else "—", where,
+        value = (f"{{ref}}`{head[1]} <{headline_anchor(info.slug)}>`" + (f" ({head[2]})" if head[2] else "")
+                 if head else "—")
+        cells = [link, html.escape(head[0]) if head else "—", value, where,
                  f"{passed} of {len(checks)}" if checks else "—", ", ".join(refs) if refs else "none yet"]
         rows.append(cells)
     # one device and preset for the whole build is said once, not in every row
@@ -158,9 +268,12 @@ def results_page(results_dir: Path) -> str:
     table = ["| " + " | ".join(header[i] for i in keep) + " |", "|" + "---|" * len(keep)]
     table += ["| " + " | ".join(r[i].replace("|", "\\|") for i in keep) + " |" for r in rows]
     where_line = [f"Every chapter below was executed on {wheres[0]}.", ""] if same and wheres else []
+    # a container the page's CSS stacks into one block per chapter on a narrow screen
+    table = [":::{container} ib-results", *table, ":::"]
     return "\n".join([
         "# Results at a glance", "",
-        "One row per chapter: its headline measurement as this build executed it (device and preset named), "
+        "One row per chapter: its headline measurement as this build executed it (device and preset named; "
+        "each value links to the place on its chapter's page that shows it), "
         "how many of its recorded checks passed, and the hardware of the committed GPU reference runs under "
         "`data/results/`. CPU times are of PyTorch paths only (Triton kernels run in the interpreter there and "
         "are never timed). Each chapter page says what the number means.", "", *where_line, *table, ""])
