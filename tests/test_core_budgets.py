@@ -8,7 +8,7 @@ from inferbook import budgets, cli, rehearsal
 
 
 def _counts(slug, **kw):
-    c = {"slug": slug, "params": rehearsal.rehearsal_params(slug), "cpu_s": 1.0, "aten_ops": 0, "scalar_reads": 0,
+    c = {"slug": slug, "params": rehearsal.rehearsal_params(slug), "cpu_s": 1.0, "torch_calls": 0, "scalar_reads": 0,
          "triton_launches": 0, "triton_specialisations": 0, "compiled_graphs": 0, "checks_failed": []}
     return {**c, **kw}
 
@@ -29,10 +29,10 @@ def test_count_scale_multiplies_the_count_knobs():
 
 
 def test_host_and_compile_parts_follow_the_unit_costs():
-    c = _counts("upgrade-record", aten_ops=1000, scalar_reads=10, triton_launches=0, compiled_graphs=2)
+    c = _counts("upgrade-record", torch_calls=1000, scalar_reads=10, triton_launches=0, compiled_graphs=2)
     p = budgets.predict("upgrade-record", c, budget_s=15)
     u = budgets.UNIT_COSTS_S
-    assert p.host_s == pytest.approx(p.scale * (1000 * u["aten_op"] + 10 * u["scalar_read"]))
+    assert p.host_s == pytest.approx(p.scale * (1000 * u["torch_call"] + 10 * u["scalar_read"]))
     assert p.compile_s == pytest.approx(2 * u["compiled_graph"])
     assert p.scale == pytest.approx((128 / 8) * (10 / 3) * (8 / 2))   # new_tokens, reps, n_layers
     assert p.binding == "compile" and p.fits == (p.total_s <= 15)

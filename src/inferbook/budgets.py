@@ -4,7 +4,7 @@
 
 - **host**: the CPU dry run's counts (`inferbook.rehearsal`: the gpu preset's branches at smoke sizes),
   scaled to the gpu preset by `COUNT_KNOBS` (the knobs that multiply the number of steps), times a
-  per-step host cost: one eager ATen op dispatch, one Triton launch, one scalar read (a device sync).
+  per-step host cost: one eager torch call, one Triton launch, one host read (a device sync).
 - **compile**: distinct Triton specialisations (one cold JIT compile each, scaled by the list knobs in
   `SHAPE_KNOBS`) and torch.compile graphs, times a cold-compile cost each.
 - **device**: the chapter's gpu-preset launches, each at the cost model's predicted time
@@ -25,7 +25,7 @@ from pathlib import Path
 
 # Seconds per counted step on an H200 host (Sapphire Rapids class CPU, CUDA build of PyTorch 2.x).
 UNIT_COSTS_S = {
-    "aten_op": 8e-6,          # eager dispatch of one ATen op incl. the CUDA launch (PyTorch's ~5-10 µs per op)
+    "torch_call": 8e-6,       # one torch call from Python, eager: dispatch + CUDA launch (PyTorch's ~5-10 µs per op)
     "scalar_read": 30e-6,     # .item()/.tolist(): the stream drains and the value crosses PCIe
     "triton_launch": 25e-6,   # Triton's Python launcher: argument binding, specialisation key, cache lookup
     "triton_compile": 1.0,    # one specialisation compiled cold: TTIR -> PTX -> ptxas, H200 host
@@ -148,7 +148,7 @@ def predict(slug: str, counts: dict, budget_s: float) -> Prediction:
     gpu = m.PRESETS["gpu"]
     scale = count_scale(slug, gpu, counts["params"])
     u = UNIT_COSTS_S
-    host = scale * (counts["aten_ops"] * u["aten_op"] + counts["scalar_reads"] * u["scalar_read"]
+    host = scale * (counts["torch_calls"] * u["torch_call"] + counts["scalar_reads"] * u["scalar_read"]
                     + counts["triton_launches"] * u["triton_launch"])
     comp = (counts["triton_specialisations"] * shape_scale(slug, gpu, counts["params"]) * u["triton_compile"]
             + counts["compiled_graphs"] * u["compiled_graph"])

@@ -5,8 +5,8 @@ a mode the cpu preset never picks) must not meet its first run there. `rehearsal
 gpu preset with every *size* knob (ints, floats, comma lists, tuples) taken from the smoke preset and
 every *branch* knob (a dtype or other choice, a bool, a named mode) kept from the gpu preset; knobs
 in `KEEP_GPU` are kept too (a shape a gpu-only branch needs). `rehearse(slug)` runs `measure` with
-them on CPU and counts what a step-count model needs (`inferbook.budgets`): top-level ATen ops (one
-host dispatch each on a GPU), scalar reads (`aten::_local_scalar_dense`, a device sync each on a GPU),
+them on CPU and counts what a step-count model needs (`inferbook.budgets`): torch calls from Python
+(one host dispatch each on a GPU), host reads (`.item()`, `.tolist()`, `.cpu()`: a device sync each),
 Triton launches and their distinct specialisations (one JIT compile each, cold), and torch.compile
 graphs.
 
@@ -98,39 +98,51 @@ class _LaunchCounter:
                 cls.run = orig
 
 
-def count_ops(events) -> dict:
-    """Top-level ATen ops (no ATen parent: one host dispatch each) and scalar reads among `events`."""
-    top, scalar = 0, 0
-    for e in events:
-        if not e.name.startswith("aten::"):
-            continue
-        parent = e.cpu_parent
-        while parent is not None and not parent.name.startswith("aten::"):
-            parent = parent.cpu_parent
-        if parent is None:
-            top += 1
-        if e.name == "aten::_local_scalar_dense":
-            scalar += 1
-    return {"aten_ops": top, "scalar_reads": scalar}
+# Tensor methods that read a value back to the host: on a GPU each one waits for the stream.
+SCALAR_READS = frozenset({"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy", "cpu"})
+
+
+class _TorchCallCounter:
+    """Counts torch calls made from Python (torch.*, F.*, Tensor methods: one host dispatch each on a
+    GPU; inside a compiled graph they are not made, so they are not counted) and host reads. A
+    TorchFunctionMode, so it nests with a chapter's own profiler (a second Kineto profiler would not)."""
+
+    def __init__(self):
+        self.calls = 0
+        self.scalar_reads = 0
+
+    @contextlib.contextmanager
+    def counting(self):
+        from torch.overrides import TorchFunctionMode
+
+        counter = self
+
+        class Mode(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                counter.calls += 1
+                if getattr(func, "__name__", "") in SCALAR_READS:
+                    counter.scalar_reads += 1
+                return func(*args, **(kwargs or {}))
+
+        with Mode():
+            yield self
 
 
 def rehearse(slug: str, params: dict | None = None, seed: int = 0) -> dict:
     """Run `slug`'s measure on CPU with `params` (default `rehearsal_params(slug)`) and count its steps.
-    Returns {slug, params, cpu_s, records, checks_failed, aten_ops, scalar_reads, triton_launches,
+    Returns {slug, params, cpu_s, records, checks_failed, torch_calls, scalar_reads, triton_launches,
     triton_specialisations, compiled_graphs}. Raises what the chapter raises: that is the point."""
-    from torch.profiler import ProfilerActivity, profile
-
     from .context import setup
 
     params = dict(rehearsal_params(slug) if params is None else params)
     ctx = setup(slug, device="cpu", preset="gpu", seed=seed, budget_s="none", **params)
     graphs_before = _unique_graphs()
-    launches = _LaunchCounter()
+    launches, calls = _LaunchCounter(), _TorchCallCounter()
     t0 = time.perf_counter()
-    with launches.patched(), profile(activities=[ProfilerActivity.CPU]) as prof:
+    with launches.patched(), calls.counting():
         records = ctx.measure()
     cpu_s = time.perf_counter() - t0
-    ops = count_ops(prof.events())
+    ops = {"torch_calls": calls.calls, "scalar_reads": calls.scalar_reads}
     failed = [f"{r.name}: {c['name']}" for r in records for c in r.checks if not c["passed"]]
     return {"slug": slug, "params": {k: list(v) if isinstance(v, tuple) else v for k, v in params.items()},
             "cpu_s": cpu_s, "records": len(records), "checks_failed": failed, **ops,
