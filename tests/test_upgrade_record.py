@@ -44,3 +44,15 @@ def test_a_perturbed_model_fails(tiny, scale):
     assert not got["logits"]
     if scale == 1.5:
         assert not got["greedy"]
+
+
+def test_the_backend_is_observed_in_the_models_own_forward(tiny):
+    """The profiler sees SDPA's kernel in the sdpa model's prefill and decode, and none in the explicit-
+    softmax model: a check that names the kernel fails where that kernel is absent."""
+    path, prompt, _ = tiny
+    sdpa = load_weights(path, "cpu")
+    ran = chapter.profiled_forward_attention(sdpa, sdpa, prompt)
+    assert all(r["backend"] == "flash" for r in ran.values()), ran   # CPU SDPA: ATen's flash kernel
+    math_model = load_weights(path, "cpu", attention="math")
+    ran = chapter.profiled_forward_attention(math_model, math_model, prompt)
+    assert all(r["backend"] == "none" for r in ran.values()), ran

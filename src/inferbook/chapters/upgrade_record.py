@@ -25,7 +25,7 @@ from ..presets import Param
 from ..record import RunRecord
 from ..serving.model import (TinyConfig, TinyDecoder, generate, init_weights, load_weights, quantize_int8_,
                     reference_logits, save_weights)
-from ..sdpa import sdpa_record
+from ..sdpa import attention_kernels_in, sdpa_record
 from ..tolerance import decisive_agreement, within_reference_error
 
 # The results page's headline: (record name prefix, measurement).
@@ -44,15 +44,22 @@ PARAMETERS = {
     "dtype": Param(str, help="weights and activations", choices=("float32", "bfloat16", "float16")),
     "compile": Param(bool, True, help="also run the torch.compile configuration"),
     "reps": Param(int, help="steady-state repetitions"),
+    "serve_requests": Param(int, help="requests of the open-loop serving run (0: skip)"),
+    "request_rate": Param(float, help="open-loop arrivals per second (vLLM --request-rate)"),
+    "burstiness": Param(float, 1.0, help="gamma shape of the arrival gaps: 1 Poisson, < 1 burstier (vLLM --burstiness)"),
+    "max_concurrency": Param(int, help="requests in flight at most (vLLM --max-concurrency)"),
 }
 
 PRESETS = {
     "smoke": dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn=176, vocab=256, batch=2,
-                  prompt_len=16, new_tokens=8, dtype="float32", reps=3),
+                  prompt_len=16, new_tokens=8, dtype="float32", reps=3, serve_requests=6, request_rate=50.0,
+                  max_concurrency=2),
     "cpu": dict(d_model=256, n_layers=4, n_heads=8, n_kv_heads=2, ffn=688, vocab=2048, batch=4,
-                prompt_len=128, new_tokens=32, dtype="float32", reps=5),
+                prompt_len=128, new_tokens=32, dtype="float32", reps=5, serve_requests=16, request_rate=20.0,
+                max_concurrency=4),
     "gpu": dict(d_model=1024, n_layers=8, n_heads=16, n_kv_heads=4, ffn=2816, vocab=32000, batch=8,
-                prompt_len=2048, new_tokens=128, dtype="bfloat16", reps=10),
+                prompt_len=2048, new_tokens=128, dtype="bfloat16", reps=10, serve_requests=64, request_rate=16.0,
+                max_concurrency=16),
 }
 
 PHASES = ("load", "cold_start", "ttft", "decode", "total")
@@ -155,6 +162,19 @@ def observed_attention(cfg: TinyConfig, batch: int, prompt_len: int, dtype, devi
     return out
 
 
+def profiled_forward_attention(step, model: TinyDecoder, prompt) -> dict:
+    """The attention kernels the model's own forward ran (`step`: the eager or compiled forward),
+    from the profiler: one prefill over `prompt` and one decode step, each profiled.
+    {'prefill': {...}, 'decode': {...}} as `sdpa.attention_kernels_in` returns them."""
+    B, S = prompt.shape
+    k, v = model.new_cache(B)
+    out = {"prefill": attention_kernels_in(lambda: step(prompt, torch.arange(S, device=prompt.device), k, v),
+                                           prompt.device)}
+    pos = torch.tensor([S], device=prompt.device)
+    out["decode"] = attention_kernels_in(lambda: step(prompt[:, -1:], pos, k, v), prompt.device)
+    return out
+
+
 def attention_label(observed: dict) -> str:
     """'torch sdpa: flash (prefill), flash (decode)' from `observed_attention`."""
     return "torch sdpa: " + ", ".join(f"{r['kernel']} ({phase})" for phase, r in observed.items())
@@ -183,20 +203,25 @@ def _run_variant(ctx, *, name: str, variant: str, path: str, sha: str, dtype, at
         "quantization": model.quantization,
         "input_len": S, "output_len": new_tokens, "batch": B, "dtype": str(dtype).replace("torch.", ""),
     }, topology={"ranks": 1, "tp": 1})
+    shapes = {"q": [B, cfg.n_heads, S, cfg.head_dim], "kv_cache": [B, cfg.n_kv_heads, cfg.max_seq, cfg.head_dim]}
+    # observed in the model's own forward (the profiler's op and kernel names), recorded as observed
+    ran = profiled_forward_attention(step, model, prompt)
     if attention == "sdpa":
-        observed = observed_attention(cfg, B, S, dtype, ctx.device)
-        rec.set_backend("attention", attention_label(observed), reason="observed: SDPA run restricted to each "
-                        "backend in priority order, first that runs", dtype=str(dtype).replace("torch.", ""),
-                        shapes={"q": [B, cfg.n_heads, S, cfg.head_dim],
-                                "kv_cache": [B, cfg.n_kv_heads, cfg.max_seq, cfg.head_dim]})
-        rec.backends["attention"]["kernels"] = {phase: {"kernel": r["kernel"], "op": r["op"]}
-                                                for phase, r in observed.items()}
-        rec.backends["attention"]["priority"] = observed["prefill"]["priority"]
+        standin = observed_attention(cfg, B, S, dtype, ctx.device)
+        rec.set_backend("attention", "torch sdpa: " + ", ".join(f"{r['backend']} ({ph})" for ph, r in ran.items()),
+                        reason="observed: profiler op/kernel names in the model's own prefill and decode",
+                        dtype=str(dtype).replace("torch.", ""), shapes=shapes)
+        rec.backends["attention"]["kernels"] = {ph: r["events"] for ph, r in ran.items()}
+        rec.backends["attention"]["stand_in"] = {ph: r["kernel"] for ph, r in standin.items()}
+        rec.backends["attention"]["priority"] = standin["prefill"]["priority"]
+        rec.add_check("an SDPA kernel ran in the model's own prefill and decode",
+                      all(r["backend"] not in ("none", "math") or standin[ph]["kernel"] == "math"
+                          for ph, r in ran.items()), kernels={ph: r["events"] for ph, r in ran.items()})
     else:
         rec.set_backend("attention", "explicit softmax (math)", reason="chosen by configuration: no SDPA call",
-                        dtype=str(dtype).replace("torch.", ""),
-                        shapes={"q": [B, cfg.n_heads, S, cfg.head_dim],
-                                "kv_cache": [B, cfg.n_kv_heads, cfg.max_seq, cfg.head_dim]})
+                        dtype=str(dtype).replace("torch.", ""), shapes=shapes)
+        rec.add_check("no SDPA kernel ran (explicit softmax)", all(r["backend"] == "none" for r in ran.values()),
+                      kernels={ph: r["events"] for ph, r in ran.items()})
     rec.set_backend("linear", "int8 dequantize + F.linear" if int8 else "F.linear",
                     shapes={"qkv_in": [B * S, cfg.d_model], "ffn": [cfg.d_model, cfg.ffn]})
     rec.add("load", phases.seconds("load"), "s", phase="load")
@@ -216,8 +241,46 @@ def _run_variant(ctx, *, name: str, variant: str, path: str, sha: str, dtype, at
     return rec, {"tokens": tokens, "logits": logits}
 
 
+def serving_record(ctx, *, path: str, sha: str, dtype, prompt_len: int, new_tokens: int, requests: int,
+                   request_rate: float, burstiness: float, max_concurrency: int) -> RunRecord:
+    """The tiny decoder behind the serving engine under open-loop arrivals: vLLM's bench-JSON fields
+    (`serving.bench`), with the arrival process in the workload."""
+    from ..serving import bench
+    from ..serving.config import EngineConfig
+    from ..serving.engine import LLMEngine
+    from ..serving.sequence import SamplingParams
+
+    model = load_weights(path, ctx.device, dtype=dtype)
+    cfg = model.cfg
+    engine = LLMEngine(model, EngineConfig(max_num_seqs=max_concurrency, max_num_batched_tokens=max(256, prompt_len),
+                                           block_size=16))
+    g = torch.Generator().manual_seed(ctx.seed + 2)
+    prompts = [torch.randint(cfg.vocab, (prompt_len,), generator=g).tolist() for _ in range(requests)]
+    r = bench.run_open_loop(engine, prompts, SamplingParams(max_tokens=new_tokens), request_rate=request_rate,
+                            burstiness=burstiness, max_concurrency=max_concurrency, seed=ctx.seed)
+    rec = ctx.new_record("serving-open-loop", variant="eager", workload={
+        "model": f"tiny-decoder L{cfg.n_layers} d{cfg.d_model} h{cfg.n_heads}/{cfg.n_kv_heads}",
+        "model_revision": f"sha256:{sha[:16]} (random init, seed {ctx.seed})", "quantization": model.quantization,
+        "input_len": prompt_len, "output_len": new_tokens, "batch": f"open loop, at most {max_concurrency}",
+        "dtype": str(dtype).replace("torch.", ""), "request_rate": request_rate, "burstiness": burstiness,
+        "max_concurrency": max_concurrency, "num_prompts": requests,
+        "arrivals": "gamma inter-arrival gaps (shape = burstiness), as vllm bench serve"}, topology={"ranks": 1})
+    rec.set_backend("engine", "inferbook.serving.LLMEngine (paged KV, chunked prefill, greedy)")
+    for key in ("request_throughput", "output_throughput", "total_token_throughput"):
+        rec.add(key, r[key], "req/s" if key == "request_throughput" else "tok/s", phase="total")
+    rec.add("duration", r["duration"], "s", phase="total", completed=r["completed"])
+    for m in ("ttft", "tpot", "itl", "e2el"):
+        phase = {"ttft": "ttft", "e2el": "total"}.get(m, "decode")
+        for stat in ("mean", "median", "p50", "p99", "std"):
+            rec.add(f"{stat}_{m}_ms", r[f"{stat}_{m}_ms"], "ms", phase=phase)
+    rec.add("mean_queue_wait_ms", 1e3 * sum(r["queue_waits"]) / len(r["queue_waits"]), "ms", phase="ttft",
+            note="part of TTFT spent waiting for a max_concurrency slot")
+    rec.add_check("every request completed", r["completed"] == requests, error=requests - r["completed"], tolerance=0)
+    return rec
+
+
 def measure(ctx, *, d_model, n_layers, n_heads, n_kv_heads, ffn, vocab, batch, prompt_len, new_tokens, dtype,
-            compile, reps) -> list[RunRecord]:
+            compile, reps, serve_requests=0, request_rate=1.0, burstiness=1.0, max_concurrency=1) -> list[RunRecord]:
     """Four configurations of the same workload, one RunRecord each (see the module docstring)."""
     cfg = config_from(dict(vocab=vocab, d_model=d_model, n_layers=n_layers, n_heads=n_heads,
                            n_kv_heads=n_kv_heads, ffn=ffn, prompt_len=prompt_len, new_tokens=new_tokens))
@@ -237,4 +300,8 @@ def measure(ctx, *, d_model, n_layers, n_heads, n_kv_heads, ffn, vocab, batch, p
     math_attn, _ = _run_variant(ctx, name="math-attention", variant="eager", attention="math", int8=False,
                                 compiled=False, **common)
     records += [int8, math_attn]
+    if serve_requests:
+        records.append(serving_record(ctx, path=path, sha=sha, dtype=torch_dtype, prompt_len=prompt_len,
+                                      new_tokens=new_tokens, requests=serve_requests, request_rate=request_rate,
+                                      burstiness=burstiness, max_concurrency=max_concurrency))
     return records
