@@ -110,7 +110,11 @@ def device_seconds(slug: str, params: dict) -> tuple[float, str]:
     if work is None:
         return 0.0, why + "no kernel work declared"
     card = next((c for c in compiled.CARDS if c.startswith("H200")), "H200")
-    total = sum(compiled.roofline_seconds(w["bytes"], w["flops"], card) for w in work(params))
+    try:
+        full = compiled.gpu_params(slug)          # the preset with every Param default filled in
+    except Exception:
+        full = params
+    total = sum(compiled.roofline_seconds(w["bytes"], w["flops"], card) for w in work(full))
     return total, why + "ideal roofline (a floor, not a prediction)"
 
 

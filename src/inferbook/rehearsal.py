@@ -30,6 +30,15 @@ KEEP_GPU: dict[str, tuple[str, ...]] = {
 }
 
 
+# The dress-rehearsal test's extra shrinking (`rehearsal_params(slug, fast=True)`): sizes and counts
+# only (attention-test-matrix's `shapes` names shapes, a size list under names), so each chapter's gpu
+# branches still run, in seconds.
+FAST: dict[str, dict] = {
+    "attention-test-matrix": {"shapes": "base,q>k,empty-q,empty-k"},   # the smoke shapes; the gpu kv layouts
+    "upgrade-record": {"new_tokens": 2, "reps": 1, "serve_requests": 2},
+}
+
+
 def _is_branch(value, param) -> bool:
     if isinstance(value, bool) or getattr(param, "choices", None):
         return True
@@ -42,8 +51,9 @@ def chapter_module(slug: str):
     return importlib.import_module("inferbook.chapters." + slug.replace("-", "_"))
 
 
-def rehearsal_params(slug: str) -> dict:
-    """The gpu preset's branches at the smoke preset's sizes (see the module docstring)."""
+def rehearsal_params(slug: str, fast: bool = False) -> dict:
+    """The gpu preset's branches at the smoke preset's sizes (see the module docstring); `fast`: with
+    `FAST`'s further shrinking, for the test."""
     m = chapter_module(slug)
     gpu, smoke = m.PRESETS["gpu"], m.PRESETS["smoke"]
     out = {}
@@ -51,7 +61,7 @@ def rehearsal_params(slug: str) -> dict:
         param = m.PARAMETERS.get(name)
         keep = _is_branch(value, param) or name in KEEP_GPU.get(slug, ()) or name not in smoke
         out[name] = value if keep else smoke[name]
-    return out
+    return {**out, **(FAST.get(slug, {}) if fast else {})}
 
 
 class _LaunchCounter:
