@@ -55,7 +55,7 @@ PRESETS = {
                   prompt_len=16, new_tokens=8, dtype="float32", reps=3, serve_requests=6, request_rate=50.0,
                   max_concurrency=2),
     "cpu": dict(d_model=256, n_layers=4, n_heads=8, n_kv_heads=2, ffn=688, vocab=2048, batch=4,
-                prompt_len=128, new_tokens=32, dtype="float32", reps=5, serve_requests=16, request_rate=20.0,
+                prompt_len=128, new_tokens=16, dtype="float32", reps=3, serve_requests=8, request_rate=20.0,
                 max_concurrency=4),
     "gpu": dict(d_model=1024, n_layers=8, n_heads=16, n_kv_heads=4, ffn=2816, vocab=32000, batch=8,
                 prompt_len=2048, new_tokens=128, dtype="bfloat16", reps=10, serve_requests=64, request_rate=16.0,
