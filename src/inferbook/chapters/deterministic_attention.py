@@ -403,7 +403,8 @@ def run_engine(model, *, deterministic_inference: bool, lean: bool, invariant_re
     rng = random.Random(seed)
     g = torch.Generator().manual_seed(seed)
     prompt_max = cfg.max_seq - new_tokens
-    target_prompt = torch.randint(cfg.vocab, (min(24, prompt_max),), generator=g).tolist()
+    # the followed request spans several KV tiles, so a batch-dependent split can cut it in different places
+    target_prompt = torch.randint(cfg.vocab, (min(56, prompt_max),), generator=g).tolist()
     target_params = SamplingParams(max_tokens=new_tokens)
     targets, left, steps = [], requests, 0
     while left or engine.has_unfinished():
