@@ -11,7 +11,15 @@ TORCH       ?= $(if $(shell command -v nvidia-smi 2>/dev/null),torch,torch==2.13
 TORCH_INDEX ?=
 PIP_FLAGS   ?= -q
 
-.PHONY: book test setup setup-dev clean clean-all
+# The optional peers' wheels for a GPU run with no network (scripts/gpu_measure.sh installs them offline
+# from .wheelhouse/, which the device run carries: 64 MiB at most with the rest of the tree). gemlite
+# ships only an sdist on the index, so it is built here into a pure-Python wheel.
+WHEELHOUSE     ?= .wheelhouse
+PEER_WHEELS    ?= fla-core torchao liger-kernel
+PEER_SDISTS    ?= gemlite
+WHEELHOUSE_MIB ?= 48
+
+.PHONY: book test setup setup-dev wheelhouse clean clean-all
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +46,14 @@ book: $(VENV)/.book
 
 test: $(VENV)/.dev
 	$(BIN)/python -m pytest -n 2 --dist loadfile $(TEST_ARGS)
+
+wheelhouse: | $(BIN)/python
+	mkdir -p $(WHEELHOUSE)
+	$(BIN)/python -m pip download $(PIP_FLAGS) --no-deps --only-binary=:all: -d $(WHEELHOUSE) $(PEER_WHEELS)
+	$(BIN)/python -m pip wheel $(PIP_FLAGS) --no-deps -w $(WHEELHOUSE) $(PEER_SDISTS)
+	@size=$$(du -sm $(WHEELHOUSE) | cut -f1); ls -1 $(WHEELHOUSE); \
+	  if [ $$size -gt $(WHEELHOUSE_MIB) ]; then echo "wheelhouse is $$size MiB, over $(WHEELHOUSE_MIB) MiB: the device run carries 64 MiB in all"; exit 1; fi; \
+	  echo "wheelhouse: $$size MiB in $(WHEELHOUSE)"
 
 clean:
 	rm -rf _build

@@ -34,7 +34,7 @@ cd "$(dirname "$0")/.."
 START=$(date +%s)
 DEVICE="${DEVICE:-cuda}"; PRESET="${PRESET:-gpu}"; PY="${PYTHON:-python3}"
 # One device command may run at most 600 s: PART=1/2 and PART=2/2 split the sixteen chapters into two
-# calls of about 6 minutes each (`inferbook budgets --part K/N` lists them), each within its own total.
+# calls of about 6 minutes each (`inferbook budgets --table --part K/N` lists them), each within its own total.
 TOTAL_S="${TOTAL_S:-$([ -n "${PART:-}" ] && echo 590 || echo 720)}"
 OUT="${OUT:-/tmp/inferbook-out}"; LOG_DIR="${LOG_DIR:-logs}"; REF="${INFERBOOK_REFERENCE_DIR:-data/results}"
 mkdir -p "$OUT" "$LOG_DIR"
@@ -60,16 +60,31 @@ if ! "$PY" -c 'import av' 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
   "$PY" -m pip install --no-index --find-links .whl av > "$LOG_DIR/pip-av.log" 2>&1 || echo "PyAV wheels did not install (see pip-av.log)"
 fi
 
+# The optional peers (fla-core, torchao, gemlite, liger-kernel): `make wheelhouse` puts their wheels in
+# .wheelhouse/ (carried to the device with the working tree); they install offline, without dependencies
+# (torch and triton are the image's), into .peers/ on PYTHONPATH, leaving the image's environment alone.
+PEERS="fla:fla-core torchao:torchao gemlite:gemlite liger_kernel:liger-kernel"   # module:distribution
+if [ -d .wheelhouse ] && ls .wheelhouse/*.whl >/dev/null 2>&1; then
+  "$PY" -m pip install --no-index --no-deps --find-links .wheelhouse --target .peers --upgrade .wheelhouse/*.whl \
+    > "$LOG_DIR/pip-peers.log" 2>&1 || echo "peer wheels did not all install (see pip-peers.log)"
+  export PYTHONPATH="$PWD/.peers:$PYTHONPATH"
+fi
+for pair in $PEERS; do
+  m="${pair%%:*}"; dist="${pair#*:}"
+  v="$("$PY" -c "import importlib, importlib.metadata as md; importlib.import_module('$m'); print(md.version('$dist'))" 2>/dev/null)"
+  echo "$dist ${v:-absent}"
+done | tee "$LOG_DIR/peers.txt" | sed 's/^/peer: /'
+
 slugs=("$@")
 PART="${PART:-}"
 if [ ${#slugs[@]} -eq 0 ] && [ -n "$PART" ]; then
-  mapfile -t slugs < <("$PY" -m inferbook.cli budgets --preset "$PRESET" --part "$PART" | grep -v '^#' | cut -d' ' -f1)
+  mapfile -t slugs < <("$PY" -m inferbook.cli budgets --table --preset "$PRESET" --part "$PART" | grep -v '^#' | cut -d' ' -f1)
 elif [ ${#slugs[@]} -eq 0 ]; then
   mapfile -t slugs < <("$PY" -c "from inferbook import book; print('\n'.join(c.slug for c in book.built_chapters()))")
 fi
 declare -A TIMEOUT=()
 while read -r slug m c t; do [ "${slug:0:1}" = "#" ] || TIMEOUT[$slug]=$t; done \
-  < <("$PY" -m inferbook.cli budgets --preset "$PRESET" 2>/dev/null)
+  < <("$PY" -m inferbook.cli budgets --table --preset "$PRESET" 2>/dev/null)
 
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 || echo "no nvidia-smi"; } > "$LOG_DIR/nvidia-smi.txt"
 timeout -s INT -k 3 "${CEILINGS_TIMEOUT:-20}" "$PY" -m inferbook.cli ceilings --device "$DEVICE" --save-reference \
@@ -98,6 +113,25 @@ for slug in "${slugs[@]}"; do
   echo "== $slug: exit $rc in $(( $(date +%s) - t0 )) s (limit $t s): $last"
 done
 echo "total $(elapsed) s of $TOTAL_S s"
+# Which peers ran: the backends the saved records name (a peer installed but never selected did not run).
+"$PY" - "$REF" <<'PYEOF' | tee -a "$LOG_DIR/peers.txt"
+import json, pathlib, sys
+peers = ("fla", "torchao", "gemlite", "liger")
+ran = {}
+for f in pathlib.Path(sys.argv[1]).glob("*/*.json"):
+    try:
+        recs = json.loads(f.read_text()).get("records", [])
+    except Exception:
+        continue
+    for r in recs:
+        for op, b in (r.get("backends") or {}).items():
+            name = str(b.get("backend", "")).lower()
+            for p in peers:
+                if p in name:
+                    ran.setdefault(p, set()).add(f.stem)
+for p in peers:
+    print(f"ran {p}: {', '.join(sorted(ran[p])) if p in ran else 'no record names it'}")
+PYEOF
 BUNDLE="$OUT/results${PART:+-part${PART%/*}}.tar.gz"
 tar czf "$BUNDLE" "$REF" "$LOG_DIR" 2>/dev/null || tar czf "$BUNDLE" "$LOG_DIR"
 echo "bundle: $BUNDLE"

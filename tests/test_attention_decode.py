@@ -87,15 +87,47 @@ def test_bad_input(bad, match):
         decode.decode_attention(**args)
 
 
-def test_engine_comparison_switches_attention_alone():
-    """SGLang #37740 changed attention only: the adaptive and deterministic-attention engine
-    configurations must share linear layers, chunked prefill and sampling; only the fully fixed
-    configuration changes more."""
+def test_engine_modes_switch_attention_alone_as_37740_does():
+    """Everything but attention is batch-invariant in the last three modes, which differ only in the
+    path #37740's switch picks: Lean or the adaptive split with deterministic inference off, the
+    standard fixed-split path with it on (even with Lean enabled)."""
     from inferbook.chapters import deterministic_attention as ch
 
-    a, d, full = (ch.ENGINE_MODES[k] for k in ("adaptive", "deterministic attention", "all batch-invariant"))
-    assert {k for k in a if a[k] != d[k]} == {"deterministic_attention"}
-    assert full["deterministic_attention"] and full["fixed_linear"] and not full["chunked_prefill"]
-    Runner = ch._switchable_runner_class()
-    import inspect
-    assert "fixed_linear" in inspect.signature(Runner.__init__).parameters
+    inv = {m: f for m, f in ch.ENGINE_MODES.items() if f["invariant_rest"]}
+    assert len(inv) == 3 and not ch.ENGINE_MODES["engine as built"]["invariant_rest"]
+    assert {ch.engine_attention_path(f["deterministic_inference"], f["lean"]) for f in inv.values()} == \
+        {"adaptive split", "lean", "fixed split"}
+    assert ch.engine_attention_path(True, True) == "fixed split" == ch.engine_attention_path(True, False)
+
+
+def test_engine_deterministic_mode_checks_what_ran(monkeypatch):
+    """The end-to-end check names the kernel, so it tests the launcher's own report: deterministic
+    inference passes; the same run with Lean left on (the bug #37740 fixed) fails it."""
+    from inferbook.chapters import deterministic_attention as ch
+    from inferbook.serving.model import TinyConfig, TinyDecoder, init_weights
+
+    model = init_weights(TinyDecoder(TinyConfig(max_seq=40, n_layers=1)), 0).eval()
+    kw = dict(requests=4, new_tokens=3, seed=0, split_size=32, sms=8, invariant_rest=True)
+    good = ch.run_engine(model, deterministic_inference=True, lean=True, **kw)
+    assert all(passed for _, passed, _ in ch.deterministic_checks(good)), ch.deterministic_checks(good)
+    monkeypatch.setattr(ch, "engine_attention_path", lambda det, lean: "lean")   # the switch ignored
+    bad = ch.run_engine(model, deterministic_inference=True, lean=True, **kw)
+    assert bad["kernels_ran"] == ["lean (stream-K)"]
+    assert not ch.deterministic_checks(bad)[0][1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batch_invariant_rms_norm_matches_the_model_and_is_row_invariant(dtype):
+    from inferbook.serving.model import RMSNorm
+
+    g = torch.Generator().manual_seed(5)
+    x = (3 * torch.randn(9, 96, generator=g)).to(dtype)
+    norm = RMSNorm(96, 1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(96, generator=g) + 0.5)
+    got = (decode.batch_invariant_rms_norm(x, 1e-6) * norm.weight.to(dtype)).float()
+    want = norm.to(dtype)(x).float()
+    eps = torch.finfo(dtype).eps
+    assert (got - want).abs().max() <= 4 * eps * want.abs().max()           # the model's norm, to rounding
+    alone = decode.batch_invariant_rms_norm(x[4:5], 1e-6)
+    assert torch.equal(alone, decode.batch_invariant_rms_norm(x, 1e-6)[4:5])   # one kernel, one row: bits

@@ -76,13 +76,17 @@ def test_measure_without_jupyter_saves_reference_with_every_field(tmp_path, monk
     refs = list((tmp_path / "ref").glob("*/upgrade-record.json"))
     assert len(refs) == 1
     records = rec.load_records(refs[0])
-    assert {r.name for r in records} == {"eager", "int8", "math-attention"}
+    assert {r.name for r in records} == {"eager", "int8", "math-attention", "serving-open-loop"}
     for r in records:
         assert r.git["commit"] and "dirty" in r.git
         assert r.packages["torch"] and "triton" in r.packages
         assert r.hardware["cpu_model"] and r.hardware["cpu_cores"]
         assert r.parameters["compile"] is False and r.parameters["seed"] == 0 and r.preset == "smoke"
         assert {"model", "model_revision", "quantization", "input_len", "output_len"} <= set(r.workload)
+        if r.name == "serving-open-loop":   # the load test: vLLM bench-JSON names, the arrival process kept
+            assert {"request_rate", "burstiness", "max_concurrency"} <= set(r.workload)
+            assert r.value("p99_ttft_ms") >= r.value("p50_ttft_ms") > 0 and r.value("mean_itl_ms") > 0
+            continue
         assert r.backends["attention"]["backend"] and r.backends["attention"]["shapes"]["q"]
         phases = {m["phase"] for m in r.measurements}
         assert {"load", "cold_start", "ttft", "decode", "total"} <= phases

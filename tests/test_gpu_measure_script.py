@@ -66,3 +66,51 @@ def test_dry_run_from_a_copy_without_git(tmp_path):
     with tarfile.open(tmp_path / "out" / "results.tar.gz") as t:
         names = t.getnames()
     assert any(n.endswith("te-mxfp8-recipes.json") for n in names) and any(n.endswith("summary.tsv") for n in names)
+
+
+def _fake_wheel(folder: Path, dist: str, module: str, version: str) -> Path:
+    """A minimal pure-Python wheel, written by hand (no network, no build backend)."""
+    import zipfile
+
+    folder.mkdir(parents=True, exist_ok=True)
+    name = dist.replace("-", "_")
+    path = folder / f"{name}-{version}-py3-none-any.whl"
+    info = f"{name}-{version}.dist-info"
+    files = {f"{module}/__init__.py": f"__version__ = {version!r}\n",
+             f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n",
+             f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    files[f"{info}/RECORD"] = "".join(f"{f},,\n" for f in files) + f"{info}/RECORD,,\n"
+    with zipfile.ZipFile(path, "w") as z:
+        for f, text in files.items():
+            z.writestr(f, text)
+    return path
+
+
+def test_wheelhouse_installs_offline_and_the_script_says_which_peers(tmp_path):
+    copy = tmp_path / "tree"
+    for d in ("src", "scripts"):
+        shutil.copytree(ROOT / d, copy / d, ignore=shutil.ignore_patterns("__pycache__"))
+    _fake_wheel(copy / ".wheelhouse", "liger-kernel", "liger_kernel", "0.0.1")
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(tmp_path), "DEVICE": "cpu",
+           "PRESET": "smoke", "PYTHON": sys.executable, "OUT": str(tmp_path / "out"), "LOG_DIR": str(tmp_path / "logs"),
+           "INFERBOOK_REFERENCE_DIR": str(tmp_path / "ref"), "INFERBOOK_RESULTS": str(tmp_path / "res"),
+           "INFERBOOK_GIT_COMMIT": "0" * 40, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1",
+           "GIT_CEILING_DIRECTORIES": str(tmp_path), "CEILINGS_TIMEOUT": "1", "PIP_NO_INDEX": "1"}
+    p = subprocess.run(["bash", "scripts/gpu_measure.sh", "no-such-chapter"], cwd=copy, env=env,
+                       capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stdout + p.stderr
+    peers = (tmp_path / "logs" / "peers.txt").read_text().splitlines()
+    assert "liger-kernel 0.0.1" in peers, peers                       # installed offline from the wheelhouse
+    assert (copy / ".peers" / "liger_kernel" / "__init__.py").is_file()
+    assert "ran liger: no record names it" in peers                   # installed is not ran
+
+
+def test_make_wheelhouse_downloads_the_four_peers_without_dependencies():
+    p = subprocess.run(["make", "-n", "wheelhouse"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    cmds = p.stdout
+    assert "pip download" in cmds and "--no-deps" in cmds and "-d .wheelhouse" in cmds
+    for peer in ("fla-core", "torchao", "liger-kernel", "gemlite"):
+        assert peer in cmds, peer
+    ignored = (ROOT / ".gitignore").read_text().splitlines()
+    assert "/.wheelhouse/" in ignored and "/.peers/" in ignored

@@ -63,3 +63,18 @@ def test_bytes_and_bad_layout():
         mx_ep.check_layout(3, 4, 2, 64)
     with pytest.raises(UserError, match="payload"):
         mx_ep.payload_bytes(1, 32, "fp4")
+
+
+def test_one_process_slices_match_the_process_group_bit_for_bit():
+    """The one-GPU path (every rank's slice in one process, SlicesWire) runs the same layer code as the
+    NCCL/gloo ranks: here on CPU, its results equal the gloo ranks' in bits and pass the same checks."""
+    assert mx_ep.transport(2, "cpu") == "gloo"
+    sliced = mx_ep.launch(2, **PROBLEM, how="slices", reps=2)
+    rows = mx_ep.check(sliced, **PROBLEM)
+    assert rows and all(r["passed"] for r in rows), [r for r in rows if not r["passed"]]
+    ranks = mx_ep.launch(2, **PROBLEM, timeout_s=90)
+    for a, b in zip(sliced, ranks):
+        for pl in mx_ep.PAYLOADS:
+            for what in ("out", "dx", "received_codes", "received_scales"):
+                assert mx_ep.bits_equal(a["results"][pl][what], b["results"][pl][what]), (a["rank"], pl, what)
+    assert set(sliced[0]["times"]) == set(mx_ep.PAYLOADS) and all(len(v) == 2 for v in sliced[0]["times"].values())

@@ -6,7 +6,7 @@
     inferbook book [--force] [--keep-going] [--chapters SLUG ...]
     inferbook results [--chapter C] [--compare A B]
     inferbook ceilings [--device D] [--save-reference]
-    inferbook budgets [--preset P]
+    inferbook budgets [--preset P] [--part K/N] [--table] [--dry-run [--save]]
     inferbook inspect CHAPTER|--all [--target sm_80|sm_90|sm_100|all] [--save] [--jobs N]
     inferbook workflow run FILE.json [--output-dir D] [--input-dir D] [--device D] [--no-cache]
     inferbook workflow validate FILE.json
@@ -130,8 +130,11 @@ def cmd_ceilings(args) -> int:
 
 
 def cmd_budgets(args) -> int:
-    """Each chapter's time budget at a preset, and the hard timeout `scripts/gpu_measure.sh` gives it:
-    one line per chapter, `SLUG MEASURE_S COMPILE_S TIMEOUT_S`, then the total."""
+    """Each chapter's time budget at a preset with its predicted wall time (`inferbook.budgets`: the CPU
+    dry run's step counts through the cost model); exit 1 when a prediction exceeds its budget or a
+    chapter has no dry-run counts. `--table`: the machine form `scripts/gpu_measure.sh` reads, one line
+    per chapter `SLUG MEASURE_S COMPILE_S TIMEOUT_S`, then the total. `--dry-run`: run the rehearsal of
+    each chapter here first (`--save` keeps its counts in data/budgets/gpu-dry-run.json)."""
     from . import presets, toc
     from .errors import UserError
 
@@ -146,18 +149,63 @@ def cmd_budgets(args) -> int:
         if not 1 <= k <= n:
             raise UserError(f"--part {args.part!r}: K must be in 1..N")
         chosen = presets.budget_parts(args.preset, n)[k - 1]
-    part_s = presets.CEILINGS_S + presets.PACKING_S
+    if args.table:
+        part_s = presets.CEILINGS_S + presets.PACKING_S
+        for slug in chosen:
+            b = presets.budget_for(slug, args.preset)
+            if b is None:
+                continue
+            part_s += sum(b) + presets.STARTUP_ALLOWANCE_S + presets.KILL_GRACE_S
+            print(f"{slug} {b[0]:g} {b[1]:g} {int(round(sum(b) + presets.STARTUP_ALLOWANCE_S))}")
+        if args.part:
+            print(f"# part {args.part}: worst case {part_s:g} s")
+        print(f"# worst case {presets.worst_case_total_s(args.preset):g} s of {presets.GPU_RUN_TOTAL_S} s "
+              f"(ceilings {presets.CEILINGS_S} s, {presets.STARTUP_ALLOWANCE_S} s start-up and {presets.KILL_GRACE_S} s "
+              f"kill grace per chapter, packing {presets.PACKING_S} s)")
+        return 0
+    return _budget_predictions(args, chosen)
+
+
+def _budget_predictions(args, chosen) -> int:
+    from . import budgets, presets
+
+    if args.preset != "gpu":
+        print(f"# no predictions at preset {args.preset!r}: the step-count model prices the gpu preset only")
+        return 0
+    counts = budgets.load_dry_run()
+    if args.dry_run:
+        from . import rehearsal
+
+        for slug in chosen:
+            print(f"# dry run: {slug} ...", flush=True)
+            counts[slug] = rehearsal.rehearse(slug)
+        if args.save:
+            budgets.save_dry_run(counts)
+    print(f"{'chapter':<24} {'budget_s':>8} {'predicted_s':>11} {'host_s':>7} {'compile_s':>9} {'device_s':>8}  "
+          f"binding  device model")
+    over, missing, total, dry_cpu = [], [], 0.0, 0.0
     for slug in chosen:
         b = presets.budget_for(slug, args.preset)
         if b is None:
             continue
-        part_s += sum(b) + presets.STARTUP_ALLOWANCE_S + presets.KILL_GRACE_S
-        print(f"{slug} {b[0]:g} {b[1]:g} {int(round(sum(b) + presets.STARTUP_ALLOWANCE_S))}")
-    if args.part:
-        print(f"# part {args.part}: worst case {part_s:g} s")
-    print(f"# worst case {presets.worst_case_total_s(args.preset):g} s of {presets.GPU_RUN_TOTAL_S} s "
-          f"(ceilings {presets.CEILINGS_S} s, {presets.STARTUP_ALLOWANCE_S} s start-up and {presets.KILL_GRACE_S} s "
-          f"kill grace per chapter, packing {presets.PACKING_S} s)")
+        if slug not in counts or "error" in counts[slug]:
+            missing.append(slug)
+            why = counts.get(slug, {}).get("error", "no dry-run counts")
+            print(f"{slug:<24} {sum(b):>8g} {'—':>11}  ({why})")
+            continue
+        p = budgets.predict(slug, counts[slug], sum(b))
+        total += p.total_s + presets.STARTUP_ALLOWANCE_S
+        dry_cpu += p.dry_run_cpu_s or 0.0
+        flag = "" if p.fits else "  OVER BUDGET"
+        print(f"{slug:<24} {p.budget_s:>8g} {p.total_s:>11.3g} {p.host_s:>7.3g} {p.compile_s:>9.3g} {p.device_s:>8.3g}  "
+              f"{p.binding:<8} {p.device_model} (counts x{p.scale:.3g}){flag}")
+        if not p.fits:
+            over.append(slug)
+    print(f"# predicted total {total:.0f} s with {presets.STARTUP_ALLOWANCE_S} s start-up per chapter, "
+          f"of {presets.GPU_RUN_TOTAL_S} s; dry run took {dry_cpu:.0f} s on this CPU")
+    if over or missing:
+        print(f"# predicted over budget: {', '.join(over) or 'none'}; without dry-run counts: {', '.join(missing) or 'none'}")
+        return 1
     return 0
 
 
@@ -278,8 +326,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", default=None, metavar="S|none",
                    help="seconds the measurements may take (default: the preset's table; gpu only), or none")
     p.set_defaults(fn=cmd_measure)
-    p = sub.add_parser("budgets", help="each chapter's time budget and hard timeout at a preset")
+    p = sub.add_parser("budgets", help="each chapter's time budget, its predicted wall time, and the hard timeout")
     p.add_argument("--preset", default="gpu")
+    p.add_argument("--table", action="store_true", help="the machine form scripts/gpu_measure.sh reads")
+    p.add_argument("--dry-run", action="store_true", help="rehearse each chapter on CPU first (minutes)")
+    p.add_argument("--save", action="store_true", help="with --dry-run: keep the counts in data/budgets/")
     p.add_argument("--part", metavar="K/N", help="only the K-th of N parts of about equal time (one device call each)")
     p.set_defaults(fn=cmd_budgets)
     p = sub.add_parser("ceilings", help="measure this device's copy bandwidth and matmul rate")

@@ -94,3 +94,37 @@ def sdpa_record(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bo
             "shapes": {"q": list(q.shape), "k": list(k.shape), "v": list(v.shape)},
             "mask": None if attn_mask is None else str(attn_mask.dtype).replace("torch.", ""),
             "is_causal": bool(is_causal)}
+
+
+# What the profiler names each SDPA backend by: ATen ops (CPU and CUDA) and CUDA kernel names.
+_BACKEND_MARKS = (
+    ("flash", ("_scaled_dot_product_flash_attention", "_flash_attention_forward", "flash_fwd", "pytorch_flash")),
+    ("efficient", ("_scaled_dot_product_efficient_attention", "_efficient_attention_forward", "fmha_cutlass",
+                   "efficient_attention")),
+    ("cudnn", ("_scaled_dot_product_cudnn_attention", "cudnn_attention", "cudnn_generated_fort_native_sdpa",
+               "sm90_flash", "sdpa_cudnn")),
+    ("math", ("_scaled_dot_product_attention_math",)),
+)
+
+
+def attention_kernels_in(fn, device: torch.device) -> dict:
+    """Run `fn()` once under the profiler (CPU, and CUDA on a GPU) and report the attention that ran in
+    it: {'backend': 'flash' | 'efficient' | 'cudnn' | 'math' | 'none', 'events': the matching op and
+    kernel names}. This observes the caller's own forward, not a stand-in call."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with torch.no_grad(), profile(activities=activities) as prof:
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    names = sorted({e.name for e in prof.events()})
+    found, events = [], []
+    for backend, marks in _BACKEND_MARKS:
+        hit = [n for n in names if any(m in n for m in marks)]
+        if hit:
+            found.append(backend)
+            events += hit
+    # the math op calls no fused kernel; a fused backend's op shows with its kernel: the fused one wins
+    backend = next((b for b in found if b != "math"), found[0] if found else "none")
+    return {"backend": backend, "events": events}

@@ -370,32 +370,72 @@ def batch_invariance_sweep(*, batch_sizes, heads: int, kv_heads: int, head_dim: 
 if triton is not None:
 
     @triton.jit
-    def _bi_matmul_kernel(A, W, C, M, N, K, stride_am, stride_wn, stride_cm,
+    def _bi_matmul_kernel(A, W, C, M, N, K, stride_am, stride_wn, stride_cm, NUM_PROGRAMS,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          DOT_FP32: tl.constexpr, EMU: tl.constexpr):
-        """C[M, N] = A[M, K] @ W[N, K]^T with fixed tiles: each output tile is one K loop in order,
-        no split-K, so a row's result does not depend on M."""
-        pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
-        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+                          GROUP_M: tl.constexpr, DOT_FP32: tl.constexpr, EMU: tl.constexpr):
+        """C[M, N] = A[M, K] @ W[N, K]^T, persistent: NUM_PROGRAMS programs (one per SM) walk the
+        output tiles in grouped order (GROUP_M row tiles share a weight column strip in L2). Each tile
+        is one K loop in order with fixed tiles and no split-K, so a row's result never depends on M
+        or on which program computed it (batch_invariant_ops' persistent matmul)."""
+        pid = tl.program_id(0)
+        num_pid_m = tl.cdiv(M, BLOCK_M)
+        num_pid_n = tl.cdiv(N, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            a = tl.load(A + rm[:, None] * stride_am + (k0 + rk)[None, :],
-                        mask=(rm[:, None] < M) & ((k0 + rk)[None, :] < K), other=0.0)
-            w = tl.load(W + rn[:, None] * stride_wn + (k0 + rk)[None, :],
-                        mask=(rn[:, None] < N) & ((k0 + rk)[None, :] < K), other=0.0)
-            if DOT_FP32:
-                # interpreter: tl.dot becomes a BLAS call whose rounding can depend on a row's
-                # position inside the tile; an explicit product and sum over k does not
-                a = a.to(tl.float32)
-                w = w.to(tl.float32)
-                acc += tl.sum(a[:, None, :] * w[None, :, :], axis=2)
-            else:
-                acc += tl.dot(a, tl.trans(w))
-        tl.store(C + rm[:, None] * stride_cm + rn[None, :], _round(acc, C.dtype.element_ty, EMU),
-                 mask=(rm[:, None] < M) & (rn[None, :] < N))
+        for tile in range(pid, num_pid_m * num_pid_n, NUM_PROGRAMS):
+            group = tile // (GROUP_M * num_pid_n)
+            first_m = group * GROUP_M
+            size_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+            pid_m = first_m + (tile % (GROUP_M * num_pid_n)) % size_m
+            pid_n = (tile % (GROUP_M * num_pid_n)) // size_m
+            rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                a = tl.load(A + rm[:, None] * stride_am + (k0 + rk)[None, :],
+                            mask=(rm[:, None] < M) & ((k0 + rk)[None, :] < K), other=0.0)
+                w = tl.load(W + rn[:, None] * stride_wn + (k0 + rk)[None, :],
+                            mask=(rn[:, None] < N) & ((k0 + rk)[None, :] < K), other=0.0)
+                if DOT_FP32:
+                    # interpreter: tl.dot becomes a BLAS call whose rounding can depend on a row's
+                    # position inside the tile; an explicit product and sum over k does not
+                    acc += tl.sum(a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+                else:
+                    acc += tl.dot(a, tl.trans(w))
+            tl.store(C + rm[:, None] * stride_cm + rn[None, :], _round(acc, C.dtype.element_ty, EMU),
+                     mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+if triton is not None:
+
+    @triton.jit
+    def _bi_rms_norm_kernel(X, Y, D, stride_x, stride_y, eps, BLOCK_D: tl.constexpr, EMU: tl.constexpr):
+        """One program per row: y = x / sqrt(mean(x^2) + eps), the sum of squares in fp32 over the whole
+        row in one fixed reduction, so a row's result does not depend on how many rows there are."""
+        row = tl.program_id(0).to(tl.int64)
+        d = tl.arange(0, BLOCK_D)
+        x = tl.load(X + row * stride_x + d, mask=d < D, other=0.0).to(tl.float32)
+        r = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=0) / D + eps)
+        tl.store(Y + row * stride_y + d, _round(x * r, Y.dtype.element_ty, EMU), mask=d < D)
+
+
+def batch_invariant_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., D] -> x / sqrt(mean(x^2, -1) + eps) in x's dtype (no weight: multiply after, as
+    `serving.model.RMSNorm` does), batch-invariant by construction (one program per row). torch's own
+    mean over the last axis picks its reduction split from the tensor's shape on a GPU, so a row's
+    bits can change with the number of rows; batch_invariant_ops replaces it for the same reason."""
+    if x.dtype not in DTYPES or x.dim() < 1:
+        raise UserError(f"batch_invariant_rms_norm takes a float16/bfloat16/float32 tensor, got {_name(x.dtype)}")
+    ok, why = _device.triton_backend_for(x.device)
+    if not ok:
+        raise UserError(f"batch_invariant_rms_norm needs Triton on {x.device}: {why}")
+    D = x.shape[-1]
+    rows = x.reshape(-1, D).contiguous()
+    out = torch.empty_like(rows)
+    if rows.numel():
+        _bi_rms_norm_kernel[(rows.shape[0],)](rows, out, D, rows.stride(0), out.stride(0), float(eps),
+                                              BLOCK_D=triton.next_power_of_2(D),
+                                              EMU=_device.bf16_cast_needs_emulation(x.device))
+    return out.view(x.shape)
 
 
 def batch_invariant_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -419,27 +459,32 @@ def batch_invariant_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tenso
     return out
 
 
-BI_MATMUL_TILES = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=32)   # fixed: a row's result never depends on M
+# Fixed for every M (a row's result never depends on M): batch_invariant_ops' persistent config for
+# 16-bit inputs (128x128x64, 8 warps, 3 stages: wgmma on sm_90); 32-bit inputs halve K per stage.
+BI_MATMUL_TILES = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8)
+BI_MATMUL_TILES_FP32 = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, GROUP_M=8)
 
 
-def _bi_matmul_launch(x, weight, out, *, device: torch.device):
+def _bi_matmul_launch(x, weight, out, *, device: torch.device, sms: int | None = None):
     from ..compiled import Launch
 
     M, K = x.shape
     N = weight.shape[0]
-    t = BI_MATMUL_TILES
+    t = BI_MATMUL_TILES_FP32 if x.dtype == torch.float32 else BI_MATMUL_TILES
+    tiles = triton.cdiv(M, t["BLOCK_M"]) * triton.cdiv(N, t["BLOCK_N"])
+    programs = max(1, min(tiles, sm_count(device) if sms is None else sms))
     return Launch(f"bi_matmul M{M} N{N} K{K}", _bi_matmul_kernel,
-                  [x, weight, out, M, N, K, x.stride(0), weight.stride(0), out.stride(0)],
+                  [x, weight, out, M, N, K, x.stride(0), weight.stride(0), out.stride(0), programs],
                   dict(**t, DOT_FP32=_device.dot_needs_fp32(device), EMU=_device.bf16_cast_needs_emulation(device),
-                       num_warps=4), "attention/decode.py:batch_invariant_matmul",
-                  (triton.cdiv(M, t["BLOCK_M"]), triton.cdiv(N, t["BLOCK_N"])))
+                       num_warps=8, num_stages=3), "attention/decode.py:batch_invariant_matmul", (programs,))
 
 
-def bi_matmul_launches(m: int, n: int, k: int, dtype=torch.bfloat16) -> list:
+def bi_matmul_launches(m: int, n: int, k: int, dtype=torch.bfloat16, sms: int = 132) -> list:
     """The launch `batch_invariant_matmul` makes for x [m, k] @ weight[n, k]^T, without running it."""
     from ..compiled import meta
 
-    return [_bi_matmul_launch(meta((m, k), dtype), meta((n, k), dtype), meta((m, n), dtype), device=torch.device("cuda"))]
+    return [_bi_matmul_launch(meta((m, k), dtype), meta((n, k), dtype), meta((m, n), dtype), device=torch.device("cuda"),
+                              sms=sms)]
 
 
 def matmul_batch_invariance(fn, *, m_values, k: int, n: int, dtype=torch.bfloat16, device="cpu", seed: int = 0) -> dict:

@@ -14,7 +14,9 @@ grouping changes with the batch size).
 - `matmul-invariance` — `F.linear` (what the serving engine's linear layers call) and the fixed-tile
   Triton matmul: is mm(a[:1], w) == mm(a, w)[:1] in bits for every M?
 - `decode-time` (GPU only) — both modes over batch sizes: the time cost of determinism.
-- `engine-determinism` — the serving engine end to end, when available (see `e2e_engine`).
+- `engine-determinism` — the serving engine end to end in `ENGINE_MODES`: as built, then with
+  everything but attention batch-invariant under #37740's switch (Lean / adaptive split with
+  deterministic inference off, the forced standard path with it on).
 """
 from __future__ import annotations
 
@@ -57,10 +59,10 @@ PRESETS = {
                   split_size=32, sms=8, mm_m_values=(1, 3, 17, 64), mm_k=128, mm_n=64, time_batches=(1, 8),
                   time_seqlen=1024, reps=3, e2e_requests=4, e2e_new_tokens=3, e2e_layers=1),
     # cpu: every Triton kernel runs in the interpreter (one Python step per program), so the
-    # end-to-end run is 16 requests here; the gpu preset runs 100
-    "cpu": dict(batch_sizes=(1, 2, 3, 4, 6, 8, 16), heads=4, kv_heads=2, head_dim=64, max_seqlen=256,
-                target_len=250, split_size=64, sms=8, mm_m_values=(1, 2, 3, 8, 17, 64, 128), mm_k=256, mm_n=128,
-                time_batches=(1, 8), time_seqlen=1024, reps=5, e2e_requests=16, e2e_new_tokens=4, e2e_layers=1),
+    # end-to-end run is 12 requests here (four engine modes); the gpu preset runs 100
+    "cpu": dict(batch_sizes=(1, 2, 3, 5, 8, 16), heads=4, kv_heads=2, head_dim=64, max_seqlen=256,
+                target_len=250, split_size=64, sms=8, mm_m_values=(1, 3, 17, 64, 128), mm_k=256, mm_n=128,
+                time_batches=(1, 8), time_seqlen=1024, reps=5, e2e_requests=12, e2e_new_tokens=4, e2e_layers=1),
     "gpu": dict(batch_sizes=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64), heads=32, kv_heads=8, head_dim=128,
                 max_seqlen=8192, target_len=8000, split_size=256, sms=0, mm_m_values=(1, 2, 3, 8, 17, 64, 128, 256, 1024),
                 mm_k=4096, mm_n=4096, time_batches=(1, 2, 4, 8, 16, 32, 64), time_seqlen=8192, reps=20,
@@ -267,35 +269,70 @@ def engine_dtype(device: torch.device):
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
-# The engine configurations compared end to end. The first two differ in attention alone, as
-# SGLang #37740 changed attention alone (Lean Attention off under deterministic inference): the same
-# F.linear, the same chunked prefill, the same greedy sampling. The third fixes every batch-dependent
-# choice this engine has, to show what a bitwise guarantee needs beyond attention.
+def engine_attention_path(deterministic_inference: bool, lean: bool) -> str:
+    """The decode-attention path SGLang's Triton backend takes after #37740: with deterministic inference
+    on, the standard Triton decode kernel with a fixed split tile (`split_tile_size`, 256 by default),
+    whatever Lean's gate says; off, Lean (stream-K) where it is enabled (AMD), else the adaptive split."""
+    if deterministic_inference:
+        return "fixed split"
+    return "lean" if lean else "adaptive split"
+
+
+# The engine configurations compared end to end, on the same arrivals. The first is the engine as built
+# (F.linear, chunked prefill, adaptive split). The next three make everything but attention batch-invariant
+# (the persistent fixed-tile matmul for every linear, a row-wise RMSNorm kernel, each prompt prefilled in
+# one piece) so that attention's effect shows alone; they differ only in the attention path that #37740's
+# switch picks: Lean enabled with deterministic inference off, the adaptive split, and Lean enabled with
+# deterministic inference on (the fix forces the standard fixed-split path).
 ENGINE_MODES = {
-    "adaptive": dict(deterministic_attention=False, fixed_linear=False, chunked_prefill=True),
-    "deterministic attention": dict(deterministic_attention=True, fixed_linear=False, chunked_prefill=True),
-    "all batch-invariant": dict(deterministic_attention=True, fixed_linear=True, chunked_prefill=False),
+    "engine as built": dict(deterministic_inference=False, lean=False, invariant_rest=False),
+    "all but attention invariant, adaptive split": dict(deterministic_inference=False, lean=False,
+                                                        invariant_rest=True),
+    "all but attention invariant, Lean": dict(deterministic_inference=False, lean=True, invariant_rest=True),
+    "all but attention invariant, deterministic inference (#37740)": dict(deterministic_inference=True, lean=True,
+                                                                          invariant_rest=True),
 }
+DETERMINISTIC_MODE = "all but attention invariant, deterministic inference (#37740)"
 
 
 def _switchable_runner_class():
-    """A `ModelRunner` whose forward takes the switches: linear layers through F.linear (the
-    engine's own) or the fixed-tile matmul (`fixed_linear`); the decode rows' attention batched
-    through `decode_attention` (adaptive or fixed split: `deterministic`). Prefill chunks keep the
-    engine's attention, which already runs one request at a time."""
+    """A `ModelRunner` whose forward takes the switches. `invariant_rest`: linear layers through the
+    persistent fixed-tile matmul and RMSNorm through a row-wise kernel (else F.linear and torch's
+    reduction, whose split can follow the tensor's shape on a GPU). `attention`: the decode rows'
+    attention batched through the adaptive split, the fixed split or the stream-K (Lean) kernel, one
+    call per layer per step. Prefill spans keep the engine's attention, one request at a time."""
     from ..serving.model import apply_rope
     from ..serving.model_runner import ModelRunner, paged_attention
 
     class SwitchableRunner(ModelRunner):
-        def __init__(self, model, num_blocks, block_size, *, deterministic: bool, split_size: int, sms,
-                     fixed_linear: bool = False):
+        def __init__(self, model, num_blocks, block_size, *, attention: str, split_size: int, sms,
+                     invariant_rest: bool = False):
             super().__init__(model, num_blocks, block_size)
-            self.deterministic, self.split_size, self.sms = deterministic, split_size, sms
-            self.fixed_linear = fixed_linear
+            if attention not in ("adaptive split", "fixed split", "lean"):
+                raise ValueError(f"attention must be 'adaptive split', 'fixed split' or 'lean', got {attention!r}")
+            self.attention, self.split_size, self.sms = attention, split_size, sms
+            self.invariant_rest = invariant_rest
             self.decode_plans: list[dict] = []
+            self.kernels_ran: set[str] = set()     # what the launchers report running, per step
 
         def lin(self, mod, x):
-            return decode.batch_invariant_matmul(x, mod.weight) if self.fixed_linear else F.linear(x, mod.weight)
+            return decode.batch_invariant_matmul(x, mod.weight) if self.invariant_rest else F.linear(x, mod.weight)
+
+        def norm(self, mod, x):
+            if not self.invariant_rest:
+                return mod(x)
+            return decode.batch_invariant_rms_norm(x, mod.eps) * mod.weight
+
+        def decode_attention(self, q, kc, vc, lens):
+            if self.attention == "lean":
+                ctas = self.sms or decode.sm_count(q.device)
+                o, plan = lean.lean_decode_attention(q, kc, vc, lens, ctas=ctas, return_plan=True)
+                self.kernels_ran.add("lean (stream-K)")
+                return o, {"split_len": None, "pieces": len(plan["pieces"])}
+            o, plan = decode.decode_attention(q, kc, vc, lens, self.attention == "fixed split",
+                                              split_size=self.split_size, sms=self.sms, return_plan=True)
+            self.kernels_ran.add(f"split-KV ({plan['mode']})")
+            return o, plan
 
         @torch.no_grad()
         def forward(self, batch):
@@ -309,7 +346,7 @@ def _switchable_runner_class():
             rows = torch.tensor([start for start, _ in one], dtype=torch.long, device=x.device)
             for i, layer in enumerate(m.layers):
                 a = layer.attn
-                h = layer.attn_norm(x)
+                h = self.norm(layer.attn_norm, x)
                 q = apply_rope(self.lin(a.wq, h).view(T, H, D).transpose(0, 1)[None], cos, sin)[0]     # [H, T, D]
                 k = apply_rope(self.lin(a.wk, h).view(T, Hkv, D).transpose(0, 1)[None], cos, sin)[0]
                 v = self.lin(a.wv, h).view(T, Hkv, D)
@@ -327,23 +364,21 @@ def _switchable_runner_class():
                     for j, (_, slots) in enumerate(one):
                         kc[j, :len(slots)] = self.k_cache[i][slots]
                         vc[j, :len(slots)] = self.v_cache[i][slots]
-                    o, plan = decode.decode_attention(q[:, rows].transpose(0, 1).contiguous(), kc, vc, lens,
-                                                      self.deterministic, split_size=self.split_size, sms=self.sms,
-                                                      return_plan=True)
+                    o, plan = self.decode_attention(q[:, rows].transpose(0, 1).contiguous(), kc, vc, lens)
                     if i == 0:
-                        self.decode_plans.append({"batch": len(one), "split_len": plan["split_len"]})
+                        self.decode_plans.append({"batch": len(one), "split_len": plan.get("split_len")})
                     out[:, rows] = o.transpose(0, 1)
                 x = x + self.lin(a.wo, out.transpose(0, 1).reshape(T, cfg.d_model))
-                h = layer.mlp_norm(x)
+                h = self.norm(layer.mlp_norm, x)
                 x = x + self.lin(layer.w_down, F.silu(self.lin(layer.w_gate, h)) * self.lin(layer.w_up, h))
-            hidden = m.norm(x[batch.logit_rows])
+            hidden = self.norm(m.norm, x[batch.logit_rows])
             return self.lin(m.lm_head, hidden).float(), hidden
 
     return SwitchableRunner
 
 
-def run_engine(model, *, deterministic_attention: bool, requests: int, new_tokens: int, seed: int, split_size: int,
-               sms, fixed_linear: bool = False, chunked_prefill: bool = True, max_num_seqs: int = 16,
+def run_engine(model, *, deterministic_inference: bool, lean: bool, invariant_rest: bool, requests: int,
+               new_tokens: int, seed: int, split_size: int, sms, max_num_seqs: int = 16,
                max_steps: int = 100_000) -> dict:
     """`requests` copies of one greedy request, arriving in waves among random other requests
     (random prompt and output lengths), so each copy runs in different batches. Returns the
@@ -357,18 +392,19 @@ def run_engine(model, *, deterministic_attention: bool, requests: int, new_token
     from ..serving.sequence import SamplingParams
 
     cfg = model.cfg
-    # chunked_prefill=False prefills each prompt in one piece: where chunk boundaries fall depends
-    # on the other requests, and a chunk boundary can change a prompt's arithmetic
+    # with the rest invariant, each prompt is prefilled in one piece: where chunk boundaries fall
+    # depends on the other requests, and a chunk boundary can change a prompt's arithmetic
     engine = LLMEngine(model, EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=256, block_size=16,
-                                           chunked_prefill=chunked_prefill))
+                                           chunked_prefill=not invariant_rest))
     Runner = _switchable_runner_class()
-    engine.runner = Runner(model, engine.block_manager.num_blocks, engine.config.block_size,
-                           deterministic=deterministic_attention, split_size=split_size, sms=sms,
-                           fixed_linear=fixed_linear)
+    attention = engine_attention_path(deterministic_inference, lean)
+    engine.runner = Runner(model, engine.block_manager.num_blocks, engine.config.block_size, attention=attention,
+                           split_size=split_size, sms=sms, invariant_rest=invariant_rest)
     rng = random.Random(seed)
     g = torch.Generator().manual_seed(seed)
     prompt_max = cfg.max_seq - new_tokens
-    target_prompt = torch.randint(cfg.vocab, (min(24, prompt_max),), generator=g).tolist()
+    # the followed request spans several KV tiles, so a batch-dependent split can cut it in different places
+    target_prompt = torch.randint(cfg.vocab, (min(56, prompt_max),), generator=g).tolist()
     target_params = SamplingParams(max_tokens=new_tokens)
     targets, left, steps = [], requests, 0
     while left or engine.has_unfinished():
@@ -391,7 +427,21 @@ def run_engine(model, *, deterministic_attention: bool, requests: int, new_token
     return {"completions": completions, "hidden_bits": hidden, "steps": steps,
             "step_tokens": sorted({st.num_tokens for st in engine.steps}),
             "decode_batches": sorted({p["batch"] for p in engine.runner.decode_plans}),
-            "decode_split_lens": sorted({p["split_len"] for p in engine.runner.decode_plans})}
+            "decode_split_lens": sorted({p["split_len"] for p in engine.runner.decode_plans if p["split_len"]}),
+            "attention": attention, "kernels_ran": sorted(engine.runner.kernels_ran)}
+
+
+def deterministic_checks(res: dict) -> list[tuple[str, bool, dict]]:
+    """What #37740's deterministic mode must give on `run_engine`'s result: the fixed-split kernel is
+    the one its launcher reports running (not Lean, not the adaptive split), and every identical
+    request gets one completion and one hidden-state bit pattern."""
+    n_comp, n_hidden = len(set(res["completions"])), len(set(res["hidden_bits"]))
+    return [("deterministic inference: the standard fixed-split kernel ran, Lean did not",
+             res["kernels_ran"] == ["split-KV (fixed split size)"], {"kernels": res["kernels_ran"]}),
+            ("deterministic inference: one completion for all identical requests", n_comp == 1,
+             {"error": n_comp, "tolerance": 1}),
+            ("deterministic inference: one hidden-state bit pattern", n_hidden == 1,
+             {"error": n_hidden, "tolerance": 1})]
 
 
 def engine_record(ctx, *, requests: int, new_tokens: int, layers: int, split_size: int, sms) -> RunRecord:
@@ -405,13 +455,17 @@ def engine_record(ctx, *, requests: int, new_tokens: int, layers: int, split_siz
     dtype = engine_dtype(ctx.device)
     cfg = TinyConfig(max_seq=64 + new_tokens, n_layers=layers)
     model = init_weights(TinyDecoder(cfg), ctx.seed).to(ctx.device, dtype).eval()
-    rec = ctx.new_record("engine-determinism", variant="attention switched alone; everything fixed", workload={
+    rec = ctx.new_record("engine-determinism", variant="#37740's switch with everything but attention invariant",
+                         workload={
         "model": f"tiny-decoder L{cfg.n_layers} d{cfg.d_model} (random init, seed {ctx.seed})",
         "quantization": f"none ({str(dtype)[6:]})", "output_len": new_tokens, "batch": "varying (waves)",
         "requests": requests, "dtype": str(dtype)[6:], "modes": ENGINE_MODES}, topology={"ranks": 1})
     backend, why = decode.select_backend(ctx.device)
-    rec.set_backend("engine decode attention", "decode_attention (" + backend + ")", reason=why)
-    rec.set_backend("engine linear", "F.linear, except batch_invariant_matmul in 'all batch-invariant'")
+    rec.set_backend("engine decode attention", "per mode: " + ", ".join(
+        f"{m}: {engine_attention_path(f['deterministic_inference'], f['lean'])}" for m, f in ENGINE_MODES.items()),
+        reason=why)
+    rec.set_backend("engine linear / RMSNorm", "F.linear + torch RMSNorm ('engine as built'); persistent fixed-tile "
+                    "matmul + row-wise RMSNorm kernel (the 'all but attention invariant' modes)")
     for mode, flags in ENGINE_MODES.items():
         synchronize(ctx.device)
         t0 = time.perf_counter()
@@ -420,16 +474,16 @@ def engine_record(ctx, *, requests: int, new_tokens: int, layers: int, split_siz
         synchronize(ctx.device)
         wall = time.perf_counter() - t0
         n_comp, n_hidden = len(set(res["completions"])), len(set(res["hidden_bits"]))
-        rec.add("distinct_completions", n_comp, "completions", mode=mode, **flags, requests=requests,
-                steps=res["steps"], decode_batches=res["decode_batches"], decode_split_lens=res["decode_split_lens"])
-        rec.add("distinct_hidden_bits", n_hidden, "patterns", mode=mode, **flags, requests=requests)
+        rec.add("distinct_completions", n_comp, "completions", mode=mode, **flags, attention=res["attention"],
+                kernels_ran=res["kernels_ran"], requests=requests, steps=res["steps"],
+                decode_batches=res["decode_batches"], decode_split_lens=res["decode_split_lens"])
+        rec.add("distinct_hidden_bits", n_hidden, "patterns", mode=mode, **flags, attention=res["attention"],
+                requests=requests)
         if ctx.device.type == "cuda":
             rec.add("engine_wall", wall, "s", phase="total", mode=mode, **flags, steps=res["steps"])
-        if mode == "all batch-invariant":
-            rec.add_check("all batch-invariant engine: one completion for all identical requests", n_comp == 1,
-                          error=n_comp, tolerance=1)
-            rec.add_check("all batch-invariant engine: one hidden-state bit pattern", n_hidden == 1,
-                          error=n_hidden, tolerance=1)
+        if mode == DETERMINISTIC_MODE:
+            for name, passed, extra in deterministic_checks(res):
+                rec.add_check(name, passed, **extra)
     if ctx.device.type != "cuda":
         rec.notes = "No engine times on CPU: every mode runs Triton kernels in the interpreter."
     return rec

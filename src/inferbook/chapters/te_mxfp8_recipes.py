@@ -12,7 +12,7 @@ Records (one each):
   dequantize + BF16 GEMM (Hopper has no MX tensor-core GEMM; that needs sm_100);
 - `rowcol-one-pass`: both MX copies of one tensor in one pass against two passes (bytes; bits;
   times on a GPU);
-- `mxfp8-dispatch`: an MXFP8 dispatch/combine over torch.distributed (gloo), bit-exact against
+- `mxfp8-dispatch`: an MXFP8 dispatch/combine (NCCL, one GPU's slices, or gloo on CPU), bit-exact against
   quantizing after the exchange, with bytes and loopback times per payload;
 - `grouped-gemm-check`: the grouped GEMM checker on our Triton kernel and on a kernel with an
   injected fault (which must fail);
@@ -50,7 +50,7 @@ PARAMETERS = {
     "quant_k": Param(int, help="columns of the timed quantize input"),
     "n_groups": Param(int, help="groups in the grouped-GEMM check"),
     "max_rows": Param(int, help="largest group in the grouped-GEMM check"),
-    "ep_ranks": Param(int, help="ranks (gloo on CPU) of the MXFP8 dispatch/combine"),
+    "ep_ranks": Param(int, help="ranks of the MXFP8 dispatch/combine (NCCL, one GPU's slices, or gloo on CPU)"),
     "ep_tokens": Param(int, help="tokens per rank in the MXFP8 dispatch/combine"),
     "ep_hidden": Param(int, help="hidden size H (multiple of 32) of the dispatched tokens"),
     "ep_inter": Param(int, help="expert GEMM output features N"),
@@ -66,7 +66,7 @@ PRESETS = {
     "cpu": dict(m=512, k=1024, n=768, d_in=64, d_hidden=256, train_batch=256, train_steps=150, check_m=67,
                 check_n=133, quant_m=1024, quant_k=2048, n_groups=6, max_rows=48,
                 ep_ranks=2, ep_tokens=256, ep_hidden=1024, ep_inter=256, ep_experts=8, ep_topk=2, ep_reps=15),
-    # the EP ranks run on CPU with gloo on every preset (the chapter's GPU part is the quantize kernels)
+    # the EP ranks: gloo on CPU; on a GPU machine NCCL with a GPU per rank, else one GPU holds every rank's slice
     "gpu": dict(m=4096, k=4096, n=4096, d_in=256, d_hidden=1024, train_batch=1024, train_steps=300, check_m=1031,
                 check_n=2053, quant_m=8192, quant_k=8192, n_groups=16, max_rows=300,
                 ep_ranks=4, ep_tokens=512, ep_hidden=2048, ep_inter=512, ep_experts=16, ep_topk=4, ep_reps=15),
@@ -299,18 +299,27 @@ def rowcol_record(ctx, quant_m: int, quant_k: int) -> RunRecord:
 
 
 def dispatch_record(ctx, *, ep_ranks, ep_tokens, ep_hidden, ep_inter, ep_experts, ep_topk, ep_reps) -> RunRecord:
-    """MXFP8 dispatch/combine over gloo: checks (bits against quantize-after-exchange and against the
-    no-communication layer), bytes per payload, and dispatch times per payload on loopback."""
+    """MXFP8 dispatch/combine on the run's device (`mx_ep.transport`: NCCL with a GPU per rank, one GPU
+    holding every rank's slice, or gloo on CPU): checks (bits against quantize-after-exchange and against
+    the no-communication layer), bytes per payload, and interleaved dispatch times per payload."""
     from ..numerics import mx_ep
 
     prob = dict(tokens=ep_tokens, hidden=ep_hidden, inter=ep_inter, experts=ep_experts, topk=ep_topk, seed=ctx.seed)
-    results = mx_ep.launch(ep_ranks, **prob, reps=ep_reps, timeout_s=300)
+    how = mx_ep.transport(ep_ranks, ctx.device)
+    results = mx_ep.launch(ep_ranks, **prob, reps=ep_reps, timeout_s=300, device=ctx.device)
+    label = {"gloo": f"gloo on CPU, {ep_ranks} ranks on loopback: bytes and order are real, speed is not NVLink",
+             "nccl": f"NCCL, {ep_ranks} GPUs, one rank each",
+             "slices": f"one GPU holding all {ep_ranks} ranks' slices: the exchange is device copies through HBM, "
+                       "not NVLink"}[how]
     rec = ctx.new_record("mxfp8-dispatch", variant="mxfp8 vs bf16 payload", workload={
         "model": f"MoE expert layer: {ep_experts} experts, top-{ep_topk}, H={ep_hidden}, N={ep_inter}",
         "batch": ep_tokens, "dtype": "bfloat16 tokens, MXFP8 E4M3 1x32 payload", "quantization": "MXFP8 E4M3 (floor)"},
-        topology={"ranks": ep_ranks, "ep": ep_ranks, "backend": "gloo", "rank_device": "cpu",
-                  "run_label": f"gloo on CPU, {ep_ranks} ranks on loopback: bytes and order are real, speed is not NVLink"})
-    rec.set_backend("dispatch/combine", "torch.distributed all_to_all_single (gloo)", shapes={"ranks": ep_ranks})
+        topology={"ranks": ep_ranks, "ep": ep_ranks, "backend": how, "rank_device": results[0]["device"],
+                  "run_label": label})
+    rec.set_backend("dispatch/combine", {"gloo": "torch.distributed all_to_all_single (gloo)",
+                                         "nccl": "torch.distributed all_to_all_single (NCCL)",
+                                         "slices": "mx_ep.SlicesWire (device copies, one process)"}[how],
+                    reason=f"{ep_ranks} ranks on {ctx.device.type}", shapes={"ranks": ep_ranks})
     rec.set_backend("expert GEMM", "grouped GEMM (torch per-group matmul, fp32 accumulate) on pre-quantized rows")
     for row in mx_ep.check(results, **prob):
         rec.add_check(row["check"], row["passed"], detail=row["detail"])
@@ -323,7 +332,7 @@ def dispatch_record(ctx, *, ep_ranks, ep_tokens, ep_hidden, ep_inter, ep_experts
                    for pl in mx_ep.PAYLOADS}
         for pl, xs in slowest.items():
             rec.add(f"dispatch_time_{pl}", sorted(xs)[len(xs) // 2], "s", payload=pl, samples_s=xs, n=len(xs),
-                    timer="perf_counter (gloo loopback, slowest rank)")
+                    timer=f"perf_counter + barrier + device sync, payloads interleaved ({how}, slowest rank)")
     return rec
 
 

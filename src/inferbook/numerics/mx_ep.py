@@ -20,9 +20,15 @@ Layout (world W ranks, E experts, E % W == 0, experts_per_rank = E / W, expert e
 - combine backward: dy [T, N] goes to the experts by the same routing, with the same MXFP8 payload
   option, and the expert rank computes dx rows = dequant(dy rows) @ W_e (the dgrad GEMM).
 
+Where the ranks live (`launch`): on CPU, one gloo process per rank on loopback; on CUDA with at least
+`world` GPUs, one NCCL process per rank, each on its own GPU, device tensors end to end; on CUDA with
+fewer GPUs, one process holds every rank's slice on its GPU and `SlicesWire` moves the rows between the
+slices (device-to-device copies: the same bytes in the same order as the all-to-all, through HBM, not
+NVLink). The layer's code is one (`moe_forward_backward` over the ranks a process holds); only the
+wire differs.
+
 Not built: DeepEP/NCCL-EP's deduplication of a token sent to several experts on one rank (here
-one row per (token, slot) pair), and their low-latency kernels; gloo on CPU moves the same bytes in
-the same order of operations.
+one row per (token, slot) pair), and their low-latency kernels.
 """
 from __future__ import annotations
 
@@ -56,9 +62,11 @@ def check_layout(world: int, experts: int, topk: int, hidden: int) -> int:
     return experts // world
 
 
-def make_problem(rank: int, tokens: int, hidden: int, inter: int, experts: int, topk: int, seed: int) -> dict:
+def make_problem(rank: int, tokens: int, hidden: int, inter: int, experts: int, topk: int, seed: int,
+                 device="cpu") -> dict:
     """This rank's tokens, routing and upstream gradient, and every expert's weight [E, N, H]
-    (the same on every rank from the seed; each rank uses its own experts'). Fresh random values."""
+    (the same on every rank from the seed; each rank uses its own experts'). Fresh random values,
+    drawn on CPU (the same on any device) and placed on `device`."""
     g = torch.Generator().manual_seed(seed * 7919 + rank)
     x = torch.randn(tokens, hidden, generator=g)
     x[:, torch.randperm(hidden, generator=g)[: max(1, hidden // 64)]] *= 20.0   # outlier channels
@@ -67,7 +75,8 @@ def make_problem(rank: int, tokens: int, hidden: int, inter: int, experts: int, 
     dy = torch.randn(tokens, inter, generator=g)
     gw = torch.Generator().manual_seed(seed * 104729)
     w = torch.randn(experts, inter, hidden, generator=gw) / math.sqrt(hidden)
-    return {"x": x.bfloat16(), "ids": ids, "weights": w_top.float(), "dy": dy.bfloat16(), "w": w.bfloat16()}
+    p = {"x": x.bfloat16(), "ids": ids, "weights": w_top.float(), "dy": dy.bfloat16(), "w": w.bfloat16()}
+    return {k: v.to(device) for k, v in p.items()}
 
 
 def _order(ids: torch.Tensor, epr: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,15 +87,51 @@ def _order(ids: torch.Tensor, epr: int) -> tuple[torch.Tensor, torch.Tensor]:
     return order, dest[order]
 
 
-def _a2a(t: torch.Tensor, send_counts: list[int], recv_counts: list[int], group=None) -> torch.Tensor:
-    """all_to_all_single of the rows of t [P, ...] (rows sent in destination-rank order)."""
-    import torch.distributed as dist
+class ProcessWire:
+    """This process is one rank of a torch.distributed group (gloo on CPU, NCCL on CUDA): `a2a` is
+    `all_to_all_single` of its rows. Lists have one entry, this rank's."""
 
-    row = int(math.prod(t.shape[1:]))
-    out = torch.empty((sum(recv_counts), *t.shape[1:]), dtype=t.dtype, device=t.device)
-    dist.all_to_all_single(out.view(-1) if row else out, t.contiguous().view(-1) if row else t,
-                           [c * row for c in recv_counts], [c * row for c in send_counts], group=group)
-    return out
+    def __init__(self, group=None):
+        self.group = group
+
+    def counts(self, send: list[torch.Tensor]) -> list[torch.Tensor]:
+        import torch.distributed as dist
+
+        recv = torch.empty_like(send[0])
+        dist.all_to_all_single(recv, send[0], group=self.group)
+        return [recv]
+
+    def a2a(self, ts: list[torch.Tensor], send_counts: list[list[int]], recv_counts: list[list[int]]):
+        import torch.distributed as dist
+
+        t, sc, rc = ts[0], send_counts[0], recv_counts[0]
+        row = int(math.prod(t.shape[1:]))
+        out = torch.empty((sum(rc), *t.shape[1:]), dtype=t.dtype, device=t.device)
+        dist.all_to_all_single(out.view(-1) if row else out, t.contiguous().view(-1) if row else t,
+                               [c * row for c in rc], [c * row for c in sc], group=self.group)
+        return [out]
+
+    def barrier(self):
+        import torch.distributed as dist
+
+        dist.barrier(group=self.group)
+
+
+class SlicesWire:
+    """One process holds every rank's slice (one GPU, or a test on CPU): `a2a` delivers to rank j the
+    rows each rank i sends it, in source-rank order, as `all_to_all_single` does: the same bytes, moved
+    by device copies. Lists have one entry per rank, in rank order."""
+
+    def counts(self, send: list[torch.Tensor]) -> list[torch.Tensor]:
+        m = torch.stack(send)                      # m[i, j]: rows rank i sends to rank j
+        return list(m.t().contiguous().unbind(0))
+
+    def a2a(self, ts: list[torch.Tensor], send_counts: list[list[int]], recv_counts: list[list[int]]):
+        parts = [t.split(sc) for t, sc in zip(ts, send_counts)]
+        return [torch.cat([parts[i][j] for i in range(len(ts))]) for j in range(len(ts))]
+
+    def barrier(self):
+        pass
 
 
 def quantize_rows(x: torch.Tensor) -> mx.MXTensor:
@@ -96,33 +141,32 @@ def quantize_rows(x: torch.Tensor) -> mx.MXTensor:
     return fn(x, "e4m3", axis=-1, block=BLOCK)
 
 
-def exchange(rows: torch.Tensor, dest: torch.Tensor, world: int, payload: str, group=None) -> dict:
-    """Send rows [P, D] (BF16, already in destination-rank order `dest` [P]) to their ranks.
+def exchange(rows: list[torch.Tensor], dest: list[torch.Tensor], world: int, payload: str, wire) -> dict:
+    """Send each held rank's rows [P, D] (BF16, already in destination-rank order `dest` [P]) to their ranks.
 
-    payload 'mxfp8': quantize here, send codes [P, D] uint8 and scales [P, D/32] uint8, return the
-    received MXTensor. payload 'bf16': send the rows, return them (the receiver quantizes).
-    Returns {'mx' or 'bf16', 'send_counts', 'recv_counts', 'bytes_sent'}."""
-    import torch.distributed as dist
-
+    payload 'mxfp8': quantize at the sender, send codes [P, D] uint8 and scales [P, D/32] uint8; the
+    receiver gets MXTensors. payload 'bf16': send the rows (the receiver quantizes).
+    Returns {'mx' or 'bf16': [per held rank], 'send_counts', 'recv_counts', 'bytes_sent': [per held rank]}."""
     if payload not in PAYLOADS:
         raise UserError(f"payload must be one of {PAYLOADS}, got {payload!r}")
-    send = torch.bincount(dest, minlength=world).to(torch.int64)
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
-    sc, rc = send.tolist(), recv.tolist()
+    send = [torch.bincount(d, minlength=world).to(torch.int64) for d in dest]
+    recv = wire.counts(send)
+    sc, rc = [x.tolist() for x in send], [x.tolist() for x in recv]
     if payload == "mxfp8":
-        q = quantize_rows(rows)
-        codes, scales = _a2a(q.elements, sc, rc, group), _a2a(q.scales, sc, rc, group)
-        got = mx.MXTensor(codes, scales, "e4m3", 1, BLOCK, "floor", rows.dtype, q.backend)
+        qs = [quantize_rows(r) for r in rows]
+        codes = wire.a2a([q.elements for q in qs], sc, rc)
+        scales = wire.a2a([q.scales for q in qs], sc, rc)
+        got = [mx.MXTensor(c, g, "e4m3", 1, BLOCK, "floor", rows[0].dtype, qs[0].backend) for c, g in zip(codes, scales)]
         return {"mx": got, "send_counts": sc, "recv_counts": rc,
-                "bytes_sent": q.elements.numel() + q.scales.numel()}
-    got = _a2a(rows, sc, rc, group)
-    return {"bf16": got, "send_counts": sc, "recv_counts": rc, "bytes_sent": rows.numel() * rows.element_size()}
+                "bytes_sent": [q.elements.numel() + q.scales.numel() for q in qs]}
+    got = wire.a2a(rows, sc, rc)
+    return {"bf16": got, "send_counts": sc, "recv_counts": rc,
+            "bytes_sent": [r.numel() * r.element_size() for r in rows]}
 
 
-def received_mx(ex: dict) -> mx.MXTensor:
-    """The MXFP8 rows the expert GEMM consumes: as received, or quantized on arrival (BF16 payload)."""
-    return ex["mx"] if "mx" in ex else quantize_rows(ex["bf16"])
+def received_mx(ex: dict) -> list[mx.MXTensor]:
+    """The MXFP8 rows each held rank's expert GEMM consumes: as received, or quantized on arrival."""
+    return ex["mx"] if "mx" in ex else [quantize_rows(r) for r in ex["bf16"]]
 
 
 def expert_gemm(a: mx.MXTensor, local_expert: torch.Tensor, w_local: torch.Tensor) -> torch.Tensor:
@@ -142,10 +186,10 @@ def expert_gemm(a: mx.MXTensor, local_expert: torch.Tensor, w_local: torch.Tenso
 def combine(pair_rows: torch.Tensor, order: torch.Tensor, T: int, k: int, weights: torch.Tensor | None):
     """Rows back at their origin, in send order -> [T, D]: sum over slots 0..k-1 in slot order in fp32,
     weighted by `weights` [T, k] (forward) or not (backward's dx), rounded to BF16 once."""
-    pair = torch.empty(T * k, pair_rows.shape[1], dtype=pair_rows.dtype)
+    pair = torch.empty(T * k, pair_rows.shape[1], dtype=pair_rows.dtype, device=pair_rows.device)
     pair[order] = pair_rows
     pair = pair.view(T, k, -1).float()
-    out = torch.zeros(T, pair_rows.shape[1], dtype=torch.float32)
+    out = torch.zeros(T, pair_rows.shape[1], dtype=torch.float32, device=pair_rows.device)
     for s in range(k):
         out += pair[:, s] * (weights[:, s, None] if weights is not None else 1.0)
     return out.bfloat16()
@@ -162,26 +206,60 @@ def _pairs(p: dict, epr: int) -> dict:
     return {"order": order, "dest": dest, "tok": tok, "local": local, "dy": dy_pairs, "T": T, "k": k}
 
 
-def moe_forward_backward(p: dict, rank: int, world: int, epr: int, payload: str, group=None) -> dict:
-    """One MoE layer's expert part across the ranks: dispatch (payload), grouped GEMM, combine (BF16);
-    then the backward's dy dispatch (payload) and dgrad grouped GEMM, combined back (BF16).
-    Returns this rank's combined forward output [T, N], dx [T, H] and the bytes it sent."""
-    q = _pairs(p, epr)
-    send = torch.bincount(q["dest"], minlength=world).tolist()
-    ex = exchange(p["x"][q["tok"]], q["dest"], world, payload, group)
-    recv = ex["recv_counts"]
-    local_in = _a2a(q["local"], send, recv, group)                   # which local expert each row is for
-    w_local = p["w"][rank * epr:(rank + 1) * epr]                    # [epr, N, H]
+def moe_forward_backward(ps: list[dict], ranks: list[int], world: int, epr: int, payload: str, wire) -> list[dict]:
+    """One MoE layer's expert part for the ranks this process holds (`ps[i]` is rank `ranks[i]`'s
+    problem): dispatch (payload), grouped GEMM, combine (BF16); then the backward's dy dispatch
+    (payload) and dgrad grouped GEMM, combined back (BF16). Per held rank: the combined forward
+    output [T, N], dx [T, H], the bytes it sent and the codes/scales it received."""
+    qs = [_pairs(p, epr) for p in ps]
+    dest = [q["dest"] for q in qs]
+    ex = exchange([p["x"][q["tok"]] for p, q in zip(ps, qs)], dest, world, payload, wire)
+    send, recv = ex["send_counts"], ex["recv_counts"]
+    local_in = wire.a2a([q["local"] for q in qs], send, recv)         # which local expert each row is for
+    w_local = [p["w"][r * epr:(r + 1) * epr] for p, r in zip(ps, ranks)]   # [epr, N, H]
     a = received_mx(ex)
-    y = expert_gemm(a, local_in, w_local)
-    out = combine(_a2a(y, recv, send, group), q["order"], q["T"], q["k"], p["weights"])   # BF16 combine
+    y = [expert_gemm(ai, li, wi) for ai, li, wi in zip(a, local_in, w_local)]
+    back = wire.a2a(y, recv, send)
+    out = [combine(b, q["order"], q["T"], q["k"], p["weights"]) for b, q, p in zip(back, qs, ps)]   # BF16 combine
 
-    exb = exchange(q["dy"], q["dest"], world, payload, group)        # combine backward: dy to the experts
+    exb = exchange([q["dy"] for q in qs], dest, world, payload, wire)   # combine backward: dy to the experts
     dq = received_mx(exb)
-    dx_rows = expert_gemm(dq, local_in, w_local.transpose(1, 2))     # dgrad: dy @ W_e
-    dx = combine(_a2a(dx_rows, recv, send, group), q["order"], q["T"], q["k"], None)
-    return {"out": out, "dx": dx, "bytes_sent": ex["bytes_sent"] + exb["bytes_sent"],
-            "received_codes": a.elements, "received_scales": a.scales}
+    dx_rows = [expert_gemm(di, li, wi.transpose(1, 2)) for di, li, wi in zip(dq, local_in, w_local)]   # dgrad
+    dx = [combine(b, q["order"], q["T"], q["k"], None) for b, q in zip(wire.a2a(dx_rows, recv, send), qs)]
+    return [{"out": out[i], "dx": dx[i], "bytes_sent": ex["bytes_sent"][i] + exb["bytes_sent"][i],
+             "received_codes": a[i].elements, "received_scales": a[i].scales} for i in range(len(ps))]
+
+
+def timed_dispatch(ps: list[dict], world: int, epr: int, wire, device, reps: int, warmup: int = 2) -> dict:
+    """Dispatch times per payload for the held ranks, warmed up and interleaved: each round times one
+    dispatch of each payload, alternating which goes first, with a barrier and a device sync around
+    each sample (so every rank's sample covers the whole exchange). {payload: [seconds]}."""
+    import time
+
+    from ..device import synchronize
+
+    order = [_order(p["ids"], epr) for p in ps]
+    rows = [p["x"][o // p["ids"].shape[1]] for p, (o, _) in zip(ps, order)]
+    dest = [d for _, d in order]
+    times = {pl: [] for pl in PAYLOADS}
+    for i in range(warmup + reps):
+        for pl in (PAYLOADS if i % 2 == 0 else PAYLOADS[::-1]):
+            wire.barrier()
+            synchronize(device)
+            t0 = time.perf_counter()
+            exchange(rows, dest, world, pl, wire)
+            synchronize(device)
+            if i >= warmup:
+                times[pl].append(time.perf_counter() - t0)
+    return times
+
+
+def _to_cpu(x):
+    if isinstance(x, torch.Tensor):
+        return x.cpu()
+    if isinstance(x, dict):
+        return {k: _to_cpu(v) for k, v in x.items()}
+    return x
 
 
 def single_process_reference(problems: list[dict], epr: int) -> list[dict]:
@@ -215,48 +293,75 @@ def single_process_reference(problems: list[dict], epr: int) -> list[dict]:
 
 def run_rank(rank: int, world: int, init_method: str, args: dict, out_dir: str, timeout_s: float) -> None:
     """One rank (spawned by `launch`): both payloads on the same problem, their results and the
-    dispatch times of each payload."""
+    interleaved dispatch times. gloo with CPU tensors, or NCCL with this rank's GPU (args['device'])."""
     import torch.distributed as dist
-
-    from ..measure import benchmark
 
     torch.set_num_threads(1)
     path = Path(out_dir)
     try:
-        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        device = torch.device(args.get("device", "cpu"))
+        if device.type == "cuda":
+            device = torch.device("cuda", rank)
+            torch.cuda.set_device(device)
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=timeout_s),
+                                **({"device_id": device} if backend == "nccl" else {}))
         try:
             epr = check_layout(world, args["experts"], args["topk"], args["hidden"])
             p = make_problem(rank, args["tokens"], args["hidden"], args["inter"], args["experts"], args["topk"],
-                             args["seed"])
-            res = {pl: moe_forward_backward(p, rank, world, epr, pl) for pl in PAYLOADS}
-            times = {}
+                             args["seed"], device)
+            wire = ProcessWire()
+            res = {pl: moe_forward_backward([p], [rank], world, epr, pl, wire)[0] for pl in PAYLOADS}
             reps = int(args.get("reps", 0))
-            if reps:
-                order, dest = _order(p["ids"], epr)
-                rows = p["x"][order // p["ids"].shape[1]]
-                for pl in PAYLOADS:
-                    dist.barrier()
-                    t = benchmark(lambda pl=pl: exchange(rows, dest, world, pl), torch.device("cpu"),
-                                  label=f"dispatch {pl}", warmup=2, min_reps=reps, max_reps=reps, min_time_s=0.0)
-                    times[pl] = list(t.samples_s)
+            times = timed_dispatch([p], world, epr, wire, device, reps) if reps else {}
             dist.barrier()
         finally:
             dist.destroy_process_group()
-        torch.save({"rank": rank, "results": res, "times": times}, path / f"rank{rank}.pt")
+        torch.save({"rank": rank, "results": _to_cpu(res), "times": times, "backend": backend,
+                    "device": str(device)}, path / f"rank{rank}.pt")
     except BaseException:
         (path / f"rank{rank}.err").write_text(traceback.format_exc())
         raise
 
 
+def run_slices(world: int, args: dict, device) -> list[dict]:
+    """Every rank's slice in this process on `device` (one GPU for all ranks), moved by `SlicesWire`:
+    the same layer code and the same results structure as `run_rank`'s."""
+    device = torch.device(device)
+    epr = check_layout(world, args["experts"], args["topk"], args["hidden"])
+    ps = [make_problem(r, args["tokens"], args["hidden"], args["inter"], args["experts"], args["topk"], args["seed"],
+                       device) for r in range(world)]
+    wire = SlicesWire()
+    res = {pl: moe_forward_backward(ps, list(range(world)), world, epr, pl, wire) for pl in PAYLOADS}
+    reps = int(args.get("reps", 0))
+    times = timed_dispatch(ps, world, epr, wire, device, reps) if reps else {}
+    return [{"rank": r, "results": _to_cpu({pl: res[pl][r] for pl in PAYLOADS}), "times": times,
+             "backend": "one process, slices", "device": str(device)} for r in range(world)]
+
+
+def transport(world: int, device) -> str:
+    """How `launch` moves the rows for `world` ranks on `device`: 'nccl' (a GPU per rank), 'slices'
+    (one GPU holds every rank) or 'gloo' (CPU processes)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return "nccl" if torch.cuda.device_count() >= world and world > 1 else "slices"
+    return "gloo"
+
+
 def launch(world: int, *, tokens: int, hidden: int, inter: int, experts: int, topk: int, seed: int = 0,
-           reps: int = 0, timeout_s: float = 120.0) -> list[dict]:
-    """Spawn `world` gloo ranks on loopback, run both payloads; the ranks' results in rank order."""
+           reps: int = 0, timeout_s: float = 120.0, device="cpu", how: str | None = None) -> list[dict]:
+    """Run both payloads on `world` ranks (see `transport`; `how` overrides it, e.g. 'slices' on CPU
+    for a test); the ranks' results in rank order, on CPU."""
     from ..dist import loopback_ranks
 
     check_layout(world, experts, topk, hidden)
-    args = dict(tokens=tokens, hidden=hidden, inter=inter, experts=experts, topk=topk, seed=seed, reps=reps)
-    with loopback_ranks(run_rank, world, (args,), timeout_s=timeout_s, what="MXFP8 dispatch/combine",
+    how = how or transport(world, device)
+    args = dict(tokens=tokens, hidden=hidden, inter=inter, experts=experts, topk=topk, seed=seed, reps=reps,
+                device=str(device))
+    if how == "slices":
+        return run_slices(world, args, device)
+    with loopback_ranks(run_rank, world, (args,), timeout_s=timeout_s, what=f"MXFP8 dispatch/combine ({how})",
                         prefix="inferbook-mxep-") as out_dir:
         return [torch.load(out_dir / f"rank{r}.pt", weights_only=True) for r in range(world)]
 
