@@ -74,7 +74,7 @@ def cmd_run(args) -> int:
 
     params = _split_device_param(args)
     meta = book.execute(args.chapter, device=args.device, preset=args.preset, seed=args.seed, params=params,
-                        save_reference=args.save_reference)
+                        save_reference=args.save_reference, progress=sys.stderr.isatty())
     p = book.paths()
     print(f"{args.chapter}: ok in {meta['seconds']:.1f} s on {meta.get('device')}")
     print(f"  notebook: {p['executed'] / (args.chapter + '.ipynb')}")
@@ -165,7 +165,7 @@ def cmd_book(args) -> int:
     from . import book
 
     book.build_book(chapters=args.chapters or None, force=args.force, keep_going=args.keep_going,
-                    device=args.device, preset=args.preset)
+                    device=args.device, preset=args.preset, progress=sys.stderr.isatty())
     return 0
 
 
@@ -195,31 +195,40 @@ def cmd_results(args) -> int:
     from . import book
     from .context import reference_dir
     from .device import hardware_label
-    from .record import compare, load_records, results_complete
+    from .errors import printable
+    from .record import compare, complete_path, is_partial_path, load_records, results_complete
 
     if args.compare:
         a, b = (_resolve_record(s) for s in args.compare)
         cmp = compare(a, b)
         for line in cmp.context:
-            print(f"# {line}")
-        print(cmp.table().to_string(index=False) if hasattr(cmp.table(), "to_string") else cmp.rows)
+            print(f"# {printable(line)}")
+        table = cmp.table()
+        print(printable(table.to_string(index=False), keep_newlines=True) if hasattr(table, "to_string")
+              else printable(str(cmp.rows)))
         return 0
     from .errors import UserError
 
     root = book.paths()["root"]
     files = sorted(book.paths()["results"].glob("*.json")) + sorted(reference_dir().glob("*/*.json"))
     for f in files:
-        if args.chapter and f.stem != args.chapter:
+        if args.chapter and f.stem != args.chapter and f.name != args.chapter + ".partial.json":
             continue
         try:
             records = load_records(f)
         except UserError as e:  # one bad file does not hide the others
-            print(f"inferbook: skipping {e}", file=sys.stderr)
+            print(f"inferbook: skipping {printable(str(e))}", file=sys.stderr)
             continue
-        shown = _shown_path(f, root)
-        partial = "" if results_complete(f) else "  (incomplete: the run was stopped)"
+        shown = printable(_shown_path(f, root))
+        if is_partial_path(f):
+            good = complete_path(f)
+            partial = ("  (partial: a run that was stopped; the last complete run is " +
+                       (printable(good.name) if good.is_file() else "none") + ")")
+        else:
+            partial = "" if results_complete(f) else "  (incomplete: the run was stopped)"
         for r in records:
-            print(f"{shown:52} {r.name:24} {r.variant:12} {hardware_label(r.hardware):40} {r.created}{partial}")
+            print(f"{shown:52} {printable(r.name):24} {printable(r.variant):12} "
+                  f"{printable(hardware_label(r.hardware)):40} {printable(r.created)}{partial}")
     return 0
 
 
@@ -310,22 +319,49 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def main(argv: list[str] | None = None) -> int:
-    from .errors import UserError
+def _encodable_output() -> None:
+    """Any locale (LANG=C: ASCII) can print any name: what the encoding lacks is written as an escape."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.reconfigure(errors="backslashreplace")
+        except (AttributeError, ValueError, OSError):
+            pass
 
-    args = build_parser().parse_args(argv)
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM (a `timeout`, a scheduler): unwound like Ctrl-C, so partial records are saved once more."""
+
+
+def _on_sigterm(signum, frame):
+    raise _Terminated()
+
+
+def main(argv: list[str] | None = None) -> int:
+    import signal
+    import threading
+
+    from .errors import UserError, printable
+
+    _encodable_output()
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _on_sigterm)
     try:
-        from .book import ChapterFailed
-    except ImportError:  # a bare GPU image without the book extras can still `measure`
-        ChapterFailed = ()  # type: ignore[assignment]
-    try:
-        return args.fn(args)
-    except UserError as e:
-        print(f"inferbook: error: {e}", file=sys.stderr)
-        return 2
-    except ChapterFailed as e:  # type: ignore[misc]
-        print(f"inferbook: {e}", file=sys.stderr)
-        return 1
+        args = build_parser().parse_args(argv)
+        try:
+            from .book import ChapterFailed
+        except ImportError:  # a bare GPU image without the book extras can still `measure`
+            ChapterFailed = ()  # type: ignore[assignment]
+        try:
+            return args.fn(args)
+        except UserError as e:
+            print(f"inferbook: error: {printable(str(e))}", file=sys.stderr)
+            return 2
+        except ChapterFailed as e:  # type: ignore[misc]
+            print(f"inferbook: {printable(str(e))}", file=sys.stderr)
+            return 1
+    except _Terminated:
+        print("inferbook: terminated", file=sys.stderr)
+        return 143
     except KeyboardInterrupt:
         print("inferbook: interrupted", file=sys.stderr)
         return 130

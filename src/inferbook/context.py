@@ -20,7 +20,7 @@ import torch
 
 from . import toc, device as _device, presets as _presets
 from .errors import MissingRequirement, UserError
-from .record import RunRecord, load_records, save_records
+from .record import RunRecord, load_records, save_complete, save_partial, partial_path
 
 
 @functools.lru_cache(maxsize=1)
@@ -173,8 +173,10 @@ class Context:
     def measure(self) -> list[RunRecord]:
         """Run the chapter's `measure(ctx, **params)` within `budget_s`, save its records, return them.
 
-        Records made with `new_record` are saved (atomically, marked incomplete) as they fill in, at
-        most every AUTOSAVE_INTERVAL_S, so a run killed by a timeout keeps what it had measured."""
+        Records made with `new_record` are saved to `<chapter>.partial.json` (atomically, marked
+        incomplete) as they fill in, at most every AUTOSAVE_INTERVAL_S, so a run killed by a timeout
+        keeps what it had measured; `<chapter>.json`, the last complete run, is replaced only when
+        `measure` returns."""
         from .measure import time_budget
 
         self._live, self._measuring = [], True
@@ -216,19 +218,26 @@ class Context:
             self._autosave_failed = True
 
     def results_path(self) -> Path:
+        """`<results>/<chapter>.json`: the last complete run (replaced only when a run completes)."""
         return results_dir() / f"{self.chapter.slug}.json"
 
+    def partial_results_path(self) -> Path:
+        """`<results>/<chapter>.partial.json`: the records of the run in progress, or of one stopped."""
+        return partial_path(self.results_path())
+
     def save(self, records: list[RunRecord]) -> list[Path]:
-        """Write records atomically to `_build/results/`, and with INFERBOOK_SAVE_REFERENCE=1
-        also to `data/results/<hardware-slug>/<chapter>.json` (committed reference runs)."""
+        """The run completed: replace `_build/results/<chapter>.json` atomically (and remove the partial
+        file), and with INFERBOOK_SAVE_REFERENCE=1 also `data/results/<hardware-slug>/<chapter>.json`."""
         self.records = list(records)
         return self._write(self.records, complete=True)
 
     def _write(self, records: list[RunRecord], *, complete: bool) -> list[Path]:
-        paths = [save_records(self.results_path(), records, complete=complete)]
+        """complete: `record.save_complete` (replaces the good file); else `record.save_partial`
+        (`<chapter>.partial.json` beside it; the good file is never touched)."""
+        save = save_complete if complete else save_partial
+        paths = [save(self.results_path(), records)]
         if os.environ.get("INFERBOOK_SAVE_REFERENCE", "0") not in ("", "0"):
-            paths.append(save_records(reference_dir() / self.hardware_slug / f"{self.chapter.slug}.json", records,
-                                      complete=complete))
+            paths.append(save(reference_dir() / self.hardware_slug / f"{self.chapter.slug}.json", records))
         return paths
 
     def references(self) -> dict[str, list[RunRecord]]:
