@@ -73,6 +73,9 @@ def cmd_run(args) -> int:
     from . import book
 
     params = _split_device_param(args)
+    from .context import check_output_dirs
+
+    check_output_dirs(reference=args.save_reference)
     meta = book.execute(args.chapter, device=args.device, preset=args.preset, seed=args.seed, params=params,
                         save_reference=args.save_reference, progress=sys.stderr.isatty())
     p = book.paths()
@@ -92,7 +95,12 @@ def cmd_measure(args) -> int:
         os.environ["INFERBOOK_SAVE_REFERENCE"] = "1"
     from . import book
 
+    from .errors import printable
+
     typed = book._typed_for_notebook(args.chapter, params)
+    from .context import check_output_dirs
+
+    check_output_dirs(reference=args.save_reference)
     ctx = setup(args.chapter, device=args.device, preset=args.preset, seed=args.seed, budget_s=args.budget, **typed)
     budget = f", budget {ctx.budget_s:g} s" if ctx.budget_s is not None else ""
     print(f"{args.chapter}: measuring on {ctx.hardware_label} (preset {ctx.preset}{budget})", flush=True)
@@ -104,6 +112,12 @@ def cmd_measure(args) -> int:
         from .context import reference_dir
 
         print(f"  reference: {reference_dir() / ctx.hardware_slug / (args.chapter + '.json')}")
+    failed = [f"{r.name}: {c['name']}" for r in records for c in r.checks if not c["passed"]]
+    if failed:  # the records are kept (they say which), but a chapter whose checks fail has failed
+        total = sum(len(r.checks) for r in records)
+        print(f"inferbook: {args.chapter}: {len(failed)} of {total} checks failed (first: {printable(failed[0])})",
+              file=sys.stderr)
+        return 1
     return 0
 
 
@@ -115,7 +129,10 @@ def cmd_ceilings(args) -> int:
     from .measure import ceilings
     from .record import RunRecord, save_records
 
+    from .context import check_output_dirs
+
     device = resolve_device(args.device)
+    check_output_dirs(reference=args.save_reference)
     c = ceilings(device)
     info = hardware_info(device)
     r = RunRecord(chapter="device-ceilings", name="ceilings", git=git_state(), packages=package_versions(),
@@ -143,6 +160,8 @@ def cmd_budgets(args) -> int:
             k, n = (int(x) for x in args.part.split("/"))
         except ValueError:
             raise UserError(f"--part must be K/N, e.g. 1/2, got {args.part!r}") from None
+        if not 1 <= n <= len(chosen):
+            raise UserError(f"--part {args.part!r}: N must be in 1..{len(chosen)} (one part per chapter at most)")
         if not 1 <= k <= n:
             raise UserError(f"--part {args.part!r}: K must be in 1..N")
         chosen = presets.budget_parts(args.preset, n)[k - 1]
@@ -163,7 +182,9 @@ def cmd_budgets(args) -> int:
 
 def cmd_book(args) -> int:
     from . import book
+    from .context import check_output_dirs
 
+    check_output_dirs()
     book.build_book(chapters=args.chapters or None, force=args.force, keep_going=args.keep_going,
                     device=args.device, preset=args.preset, progress=sys.stderr.isatty())
     return 0
@@ -328,6 +349,14 @@ def _encodable_output() -> None:
             pass
 
 
+import errno as _errno
+
+# Errors of the place a file is written (a read-only folder, a file where a folder belongs, a full
+# disk): one line naming the path, never a traceback.
+_PLACE_ERRNOS = {_errno.EACCES, _errno.EPERM, _errno.EROFS, _errno.ENOTDIR, _errno.EISDIR, _errno.ENOSPC,
+                 _errno.EEXIST, _errno.EDQUOT}
+
+
 class _Terminated(KeyboardInterrupt):
     """SIGTERM (a `timeout`, a scheduler): unwound like Ctrl-C, so partial records are saved once more."""
 
@@ -359,6 +388,12 @@ def main(argv: list[str] | None = None) -> int:
         except ChapterFailed as e:  # type: ignore[misc]
             print(f"inferbook: {printable(str(e))}", file=sys.stderr)
             return 1
+        except OSError as e:
+            if e.errno not in _PLACE_ERRNOS:
+                raise
+            where = f" {printable(repr(str(e.filename)))}" if e.filename else ""
+            print(f"inferbook: error: cannot write{where}: {e.strerror or e}", file=sys.stderr)
+            return 2
     except _Terminated:
         print("inferbook: terminated", file=sys.stderr)
         return 143

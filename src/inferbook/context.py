@@ -39,6 +39,33 @@ def build_dir() -> Path:
     return Path(env) if env else repo_root() / "_build"
 
 
+def check_output_dir(path: Path, what: str) -> Path:
+    """`path` is a folder this process can write (or can make), else one UserError line: a file in
+    its place (INFERBOOK_BUILD_DIR pointing at a file), a read-only or unwritable place. Checked by
+    writing a probe file, since permission bits say nothing on a read-only mount or to root."""
+    import tempfile
+
+    existing = next((p for p in (path, *path.parents) if p.exists()), Path("/"))
+    if not existing.is_dir():  # the folder itself, or the first ancestor that exists, is a file
+        raise UserError(f"{what} {str(path)!r} cannot be a folder: {str(existing)!r} is a file")
+    try:  # nothing is made: the probe goes into the deepest folder that exists, and is removed
+        fd, probe = tempfile.mkstemp(prefix=".write-probe.", dir=existing)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise UserError(f"{what} {str(path)!r} is not writable: {e.strerror or e}") from None
+    return path
+
+
+def check_output_dirs(*, reference: bool = False) -> None:
+    """Before any work: the build folder and the results folder (and with `reference` the committed
+    reference folder) can be written."""
+    check_output_dir(build_dir(), "build folder (INFERBOOK_BUILD_DIR or _build)")
+    check_output_dir(results_dir(), "results folder")
+    if reference:
+        check_output_dir(reference_dir(), "reference folder")
+
+
 def results_dir() -> Path:
     """Where local runs write records: $INFERBOOK_RESULTS or `<build>/results`."""
     env = os.environ.get("INFERBOOK_RESULTS")
