@@ -22,7 +22,16 @@ from pathlib import Path
 
 
 def _params(pairs) -> dict:
-    return {name: value for name, value in (pairs or [])}
+    """`-p NAME VALUE` pairs; a name given twice is refused (which one was meant is unknowable)."""
+    from .errors import UserError
+
+    out: dict = {}
+    for name, value in pairs or []:
+        if name in out:
+            raise UserError(f"parameter {name!r} given twice (-p {name} {out[name]!r} and -p {name} {value!r}); "
+                            "give it once")
+        out[name] = value
+    return out
 
 
 def _add_run_args(p: argparse.ArgumentParser) -> None:
@@ -41,6 +50,10 @@ def _split_device_param(args) -> dict:
     from .errors import UserError
 
     params = _params(args.param)
+    for flag in ("device", "preset"):  # given both as --flag and as -p: refused, not one silently dropped
+        if flag in params and getattr(args, flag) != "auto":
+            raise UserError(f"{flag} given twice (--{flag} {getattr(args, flag)!r} and -p {flag} {params[flag]!r}); "
+                            "give it once")
     if "device" in params:
         args.device = params.pop("device")
     if "preset" in params:
@@ -198,7 +211,7 @@ def _resolve_record(spec: str):
 
     target, _, name = spec.partition("#")
     path = Path(target)
-    if not path.suffix == ".json":
+    if path.suffix != ".json" and "/" not in target and not path.exists():  # a chapter's name
         path = book.paths()["results"] / f"{target}.json"
     records = load_records(path)
     if name:

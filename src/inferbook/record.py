@@ -214,6 +214,11 @@ def _validate(d: dict, at: str) -> None:
                 bad(f"'hardware.{k}'", hw.get(k), "a non-empty string")
     elif hw is not None and "device_type" in hw and hw["device_type"] not in ("cpu", "cuda"):
         bad("'hardware.device_type'", hw["device_type"], "'cpu' or 'cuda'")
+    scalar = (str, int, float, bool, type(None))
+    for k in ("git", "packages"):
+        for sub, v in (d.get(k) or {}).items():
+            if not isinstance(v, scalar):
+                bad(f"'{k}.{sub}'", v, "a string, number, boolean or null")
     for op, e in (d.get("backends") or {}).items():
         if not isinstance(e, dict) or not isinstance(e.get("backend"), str):
             bad(f"'backends.{op}'", e, "an object with a string 'backend'")
@@ -228,6 +233,13 @@ def _validate(d: dict, at: str) -> None:
             for f, t in item_fields.items():
                 if not isinstance(m.get(f), t):
                     bad(f"'{key}[{i}].{f}'", m.get(f), f"a {'boolean' if t is bool else 'string'}")
+            for f in ("lifecycle", "request_phase") if key == "measurements" else ():
+                if f in m and not isinstance(m[f], str):
+                    bad(f"'{key}[{i}].{f}'", m[f], "a string")
+            for f in ("error", "tolerance") if key == "checks" else ():
+                v = m.get(f)
+                if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+                    bad(f"'{key}[{i}].{f}'", v, "a number or null")
             if key == "measurements":
                 v = m.get("value")
                 if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
@@ -500,6 +512,16 @@ def _hardware_key(r: RunRecord) -> str:
     return f"CPU {h.get('cpu_model')} x{h.get('cpu_cores')}"
 
 
+def _differ(x: Any, y: Any) -> bool:
+    """Values differ as JSON does: NaN equals NaN (a record is comparable with itself), 1 equals 1.0."""
+    if x == y:
+        return False
+    try:
+        return json.dumps(x, sort_keys=True, default=str) != json.dumps(y, sort_keys=True, default=str)
+    except (TypeError, ValueError, RecursionError):
+        return True
+
+
 def comparability(a: RunRecord, b: RunRecord) -> list[str]:
     """Reasons `a` and `b` must not be compared as if equal (empty list: comparable)."""
     reasons = []
@@ -509,7 +531,7 @@ def comparability(a: RunRecord, b: RunRecord) -> list[str]:
         reasons.append(f"hardware differs: {_hardware_key(a)} vs {_hardware_key(b)}")
     for key in _COMPARABILITY_WORKLOAD:
         va, vb = a.workload.get(key), b.workload.get(key)
-        if va != vb:
+        if _differ(va, vb):
             label = "quantization" if key == "quantization" else f"workload {key!r}"
             reasons.append(f"{label} differs: {va!r} vs {vb!r}")
     if a.hardware.get("device_type") == "cuda" or b.hardware.get("device_type") == "cuda":
@@ -518,10 +540,10 @@ def comparability(a: RunRecord, b: RunRecord) -> list[str]:
             if va != vb:
                 reasons.append(f"{'driver' if key == 'driver' else 'CUDA version'} differs: {va!r} vs {vb!r}")
     for key in _COMPARABILITY_RUNTIME:
-        if key in a.runtime and key in b.runtime and a.runtime[key] != b.runtime[key]:
+        if key in a.runtime and key in b.runtime and _differ(a.runtime[key], b.runtime[key]):
             reasons.append(f"runtime setting {key!r} differs: {a.runtime[key]!r} vs {b.runtime[key]!r}")
-    if a.topology != b.topology:
-        diff = sorted(k for k in set(a.topology) | set(b.topology) if a.topology.get(k) != b.topology.get(k))
+    if _differ(a.topology, b.topology):
+        diff = sorted(k for k in set(a.topology) | set(b.topology) if _differ(a.topology.get(k), b.topology.get(k)))
         reasons.append("topology differs: " + ", ".join(f"{k} {a.topology.get(k)!r} vs {b.topology.get(k)!r}" for k in diff))
     for op in sorted(set(a.backends) | set(b.backends)):
         ea, eb = a.backends.get(op), b.backends.get(op)
@@ -529,7 +551,7 @@ def comparability(a: RunRecord, b: RunRecord) -> list[str]:
             reasons.append(f"backend for {op!r} recorded on one side only")
         elif ea.get("backend") != eb.get("backend"):
             reasons.append(f"backend for {op!r} differs: {ea.get('backend')!r} vs {eb.get('backend')!r}")
-        elif ea.get("shapes") != eb.get("shapes"):
+        elif _differ(ea.get("shapes"), eb.get("shapes")):
             reasons.append(f"local shapes for {op!r} differ: {ea.get('shapes')} vs {eb.get('shapes')}")
     units_a = {_key(m): m["unit"] for m in a.measurements}
     for m in b.measurements:
