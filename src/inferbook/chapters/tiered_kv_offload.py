@@ -24,6 +24,8 @@ when most requests share no prefix, slower storage only adds copying.
 """
 from __future__ import annotations
 
+import math
+
 import os
 import shutil
 import statistics
@@ -110,8 +112,8 @@ def parse_floats(name: str, text) -> list[float]:
         values = [float(x) for x in str(text).replace(" ", "").split(",") if x]
     except ValueError:
         values = []
-    if not values or min(values) <= 0:
-        raise UserError(f"{name}={text!r} must be comma-separated positive numbers, e.g. '1,2,4'")
+    if not values or not all(math.isfinite(v) and v > 0 for v in values):  # NaN passes `min(values) <= 0`
+        raise UserError(f"{name}={text!r} must be comma-separated positive finite numbers, e.g. '1,2,4'")
     return values
 
 
