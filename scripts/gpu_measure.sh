@@ -5,7 +5,8 @@
 # each chapter measures within its time budget (`inferbook budgets` prints the table from
 # inferbook.presets.BUDGETS_S) and is stopped at budget + start-up allowance, never past the total.
 # Records are saved as each measurement arrives, so a chapter stopped at its timeout keeps what it had
-# measured (its results file says "complete": false). Everything is bundled into $OUT/results.tar.gz
+# measured in <chapter>.partial.json ("complete": false), beside the last complete <chapter>.json, which
+# only a run that completes replaces. Everything is bundled into $OUT/results.tar.gz
 # (the device tool returns at most 8 files) with one log per chapter and logs/summary.tsv inside it.
 #
 # The commit travels in the environment: the device tool copies the working tree without .git, so the
@@ -107,7 +108,7 @@ for slug in "${slugs[@]}"; do
   rc=$?
   last="$(tail -n 1 "$LOG_DIR/$slug.log" | tr '\t' ' ')"
   if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then
-    last="stopped at its ${t} s timeout; what it had measured is kept, marked incomplete ($last)"
+    last="stopped at its ${t} s timeout; what it had measured is kept in its .partial.json ($last)"
   fi
   printf "%s\t%s\t%s\t%s\n" "$slug" "$rc" "$(( $(date +%s) - t0 ))" "$last" >> "$LOG_DIR/summary.tsv"
   echo "== $slug: exit $rc in $(( $(date +%s) - t0 )) s (limit $t s): $last"

@@ -142,3 +142,42 @@ def test_missing_optional_package_refuses_or_keeps_going(fake_book, monkeypatch,
     assert "answer 42" in (html / "chapters" / "good.html").read_text()
     assert "was not executed" in (html / "chapters" / "bad.html").read_text()
     assert any("bad: not executed" in line for line in logs), logs
+
+
+def test_a_failed_run_never_replaces_the_last_good_notebook(fake_book, monkeypatch):
+    """A run that fails in a cell (a knob that passed validation, a changed input) keeps the last
+    good executed notebook and its meta byte-identical; the failure is kept beside them and the
+    staged page is the good one with a warning, the status page says both."""
+    import os
+
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([os.environ["PYTHONPATH"], str(ROOT / "src")]))
+    executed = fake_book / "_build" / "executed"
+    save = ("import os\nfrom inferbook import record\nr = record.RunRecord(chapter='good', name={!r})\n"
+            "record.save_complete(os.path.join(os.environ['INFERBOOK_RESULTS'], 'good.json'), [r])")
+    good_md = fake_book / "chapters" / "good.md"
+    source = good_md.read_text()
+    good_md.write_text(chapter_md("Good", [save.format("good-run"), "x = 6 * 7", "print('answer', x)"]))
+    book.execute("good", device="cpu", preset="smoke", progress=False)
+    nb, meta = executed / "good.ipynb", executed / "good.meta.json"
+    results = fake_book / "_build" / "results" / "good.json"
+    before = (nb.read_bytes(), meta.read_bytes(), results.read_bytes())
+    # the measure cell completes and saves its records, then a later cell fails
+    good_md.write_text(chapter_md("Good", [save.format("failed-run"), "raise RuntimeError('knob broke a cell')"]))
+    with pytest.raises(book.ChapterFailed):
+        book.execute("good", device="cpu", preset="smoke", progress=False)
+    assert (nb.read_bytes(), meta.read_bytes(), results.read_bytes()) == before, \
+        "the failed run replaced the good notebook, its meta or its results"
+    assert '"failed-run"' in (fake_book / "_build" / "results" / "good.partial.json").read_text()
+    assert not list(results.parent.glob(".*.tmp"))
+    failed = book.read_failed_meta("good")
+    assert failed["status"] == "failed" and "knob broke a cell" in failed["error"]
+    assert book.executed_ok("good", book.read_meta("good"))
+    metas = {"good": {**book.read_meta("good"), "latest_failure": failed}}
+    staged = (book.stage(metas) / "chapters" / "good.ipynb").read_text()
+    assert "The latest execution of this chapter failed" in staged and "answer 42" in staged
+    assert "a later run failed (code cell 3" in book.status_page(metas)
+    assert "a later measurement was stopped" in book.status_page(metas)
+    # a good run again: it replaces the notebook, and the kept failure goes
+    good_md.write_text(source)
+    book.execute("good", device="cpu", preset="smoke", progress=False)
+    assert book.read_failed_meta("good") is None and not book.failed_paths("good")[0].exists()

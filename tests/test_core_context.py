@@ -60,7 +60,7 @@ def test_records_are_saved_as_they_fill_in(tmp_path, monkeypatch):
     monkeypatch.delenv("INFERBOOK_SAVE_REFERENCE", raising=False)
     monkeypatch.setattr(context, "AUTOSAVE_INTERVAL_S", 0.0)
     ctx = inferbook.setup("upgrade-record", device="cpu", preset="smoke")
-    path = ctx.results_path()
+    path = ctx.partial_results_path()
 
     def interrupted(c, **params):
         r = c.new_record("first")
@@ -74,6 +74,7 @@ def test_records_are_saved_as_they_fill_in(tmp_path, monkeypatch):
         ctx.measure()
     data = json.loads(path.read_text())
     assert data["complete"] is False and [r["name"] for r in data["records"]] == ["first", "second"]
+    assert not ctx.results_path().exists(), "a stopped run must not write the complete results file"
     assert data["records"][1]["checks"][0]["passed"] is True
 
 
@@ -100,7 +101,8 @@ def test_killed_measure_keeps_what_it_measured(tmp_path):
         time.sleep(0.1)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    data = json.loads((tmp_path / "res" / "upgrade-record.json").read_text())
+    data = json.loads((tmp_path / "res" / "upgrade-record.partial.json").read_text())
+    assert not (tmp_path / "res" / "upgrade-record.json").exists()
     assert data["complete"] is False
     assert [m["name"] for m in data["records"][0]["measurements"]] == ["t", "u"]
 

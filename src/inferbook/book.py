@@ -87,11 +87,34 @@ def meta_path(slug: str, executed: Path | None = None) -> Path:
     return (executed or paths()["executed"]) / f"{slug}.meta.json"
 
 
+def failed_paths(slug: str, executed: Path | None = None) -> tuple[Path, Path]:
+    """(notebook, meta) of the latest failed execution, kept beside the last good one, which a
+    failure never replaces: `<slug>.failed.ipynb`, `<slug>.failed.meta.json`."""
+    folder = executed or paths()["executed"]
+    return folder / f"{slug}.failed.ipynb", folder / f"{slug}.failed.meta.json"
+
+
 def read_meta(slug: str, executed: Path | None = None) -> dict | None:
     try:
-        return json.loads(meta_path(slug, executed).read_text())
-    except (OSError, json.JSONDecodeError):
+        meta = json.loads(meta_path(slug, executed).read_text())
+    except (OSError, ValueError):
         return None
+    return meta if isinstance(meta, dict) else None
+
+
+def read_failed_meta(slug: str, executed: Path | None = None) -> dict | None:
+    """The meta of the latest failed execution kept beside a good one (None when there is none)."""
+    nb, meta_file = failed_paths(slug, executed)
+    try:
+        meta = json.loads(meta_file.read_text())
+    except (OSError, ValueError):
+        return None
+    return meta if isinstance(meta, dict) and nb.is_file() else None
+
+
+def _has_good_execution(slug: str, executed_dir: Path) -> bool:
+    meta = read_meta(slug, executed_dir)
+    return meta is not None and meta.get("status") == "ok" and executed_ok(slug, meta, executed_dir)
 
 
 def notebook_sha256(path: Path) -> str | None:
@@ -225,6 +248,7 @@ def execute(slug: str, *, device: str = "auto", preset: str = "auto", seed: int 
     executed_dir.mkdir(parents=True, exist_ok=True)
     clean_orphans(executed_dir)
     results_dir = Path(results_dir or paths()["results"])
+    clean_orphans(results_dir)
     out_nb = executed_dir / f"{slug}.ipynb"
     # papermill saves its output notebook cell by cell, so it writes into a temporary beside the good
     # notebook; that is replaced only once the run has ended (ok, or a cell failed: then notebook and
@@ -242,30 +266,33 @@ def execute(slug: str, *, device: str = "auto", preset: str = "auto", seed: int 
     started = time.perf_counter()
     meta = {"chapter": slug, "title": info.title, "parameters": run_params, "hash": input_hash(slug, run_params),
             "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
+    guard = _GoodResults(results_dir / f"{slug}.json")
+    succeeded = False
     try:
         try:
             papermill.execute_notebook(str(in_nb), str(tmp_nb), parameters=run_params, kernel_name="python3",
                                        execution_timeout=cell_timeout, progress_bar=progress, cwd=str(repo_root()),
-                                       log_output=False, report_mode=False)
+                                       log_output=False, report_mode=False,
+                                       kernel_manager_class=_kernel_manager_logging_to(executed_dir / f"{slug}.kernel.log"))
         except papermill.PapermillExecutionError as e:
             cell = _source_code_cell(tmp_nb, e.cell_index)
             meta.update(status="failed", seconds=round(time.perf_counter() - started, 2), cell=cell,
                         error=f"{e.ename}: {_first_line(e.evalue)}", device=_device_of_run(results_dir, slug))
-            _commit_execution(tmp_nb, out_nb, meta, slug, executed_dir)
+            _commit_failure(tmp_nb, out_nb, meta, slug, executed_dir)
             raise ChapterFailed(slug, cell, e.ename, _first_line(e.evalue)) from None
         except Exception as e:  # kernel died, timeout, bad notebook
             meta.update(status="failed", seconds=round(time.perf_counter() - started, 2), cell=None,
-                        error=f"{type(e).__name__}: {e}", device=None)
-            if tmp_nb.is_file() and _parses(tmp_nb):  # what ran, with its meta
-                _commit_execution(tmp_nb, out_nb, meta, slug, executed_dir)
-            elif not out_nb.is_file():  # nothing to keep: the meta says why
-                write_json_atomic(meta_path(slug, executed_dir), meta)
-            # else: the last good notebook and its meta stay as they were
+                        error=f"{type(e).__name__}: {_first_line(str(e))}", device=None)
+            _commit_failure(tmp_nb, out_nb, meta, slug, executed_dir)
             raise ChapterFailed(slug, None, type(e).__name__, _first_line(str(e))) from None
         meta.update(status="ok", seconds=round(time.perf_counter() - started, 2),
                     device=_device_of_run(results_dir, slug))
         _commit_execution(tmp_nb, out_nb, meta, slug, executed_dir)
+        for stale in failed_paths(slug, executed_dir):  # the latest execution is this good one
+            stale.unlink(missing_ok=True)
+        succeeded = True
     finally:
+        guard.release(succeeded)
         for k, v in env_backup.items():
             if v is None:
                 os.environ.pop(k, None)
@@ -276,6 +303,63 @@ def execute(slug: str, *, device: str = "auto", preset: str = "auto", seed: int 
     return meta
 
 
+class _GoodResults:
+    """Keeps `<slug>.json` (the last complete results) through a notebook execution: the notebook's
+    `ctx.measure()` may complete and save its records before a later cell fails, and a failed or
+    interrupted execution must not replace the last good results. A hard link holds the good file
+    (`.<slug>.<pid>.good.tmp`, cleaned by `clean_orphans` if this process is killed); on failure the
+    new records move to `<slug>.partial.json` and the good file is put back."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.backup = path.with_name(f".{path.stem}.{os.getpid()}.good.tmp")
+        self.started = time.time()
+        self.held = False
+        try:
+            if path.is_file():
+                self.backup.unlink(missing_ok=True)
+                os.link(path, self.backup)
+                self.held = True
+        except OSError:  # a filesystem without hard links: copy instead
+            try:
+                shutil.copy2(path, self.backup)
+                self.held = True
+            except OSError:
+                self.held = False
+
+    def release(self, succeeded: bool) -> None:
+        from .record import partial_path
+
+        try:
+            if succeeded:
+                return
+            written = self.path.is_file() and (not self.held or not os.path.samefile(self.path, self.backup)) \
+                and self.path.stat().st_mtime >= self.started - 1
+            if written:  # this failed run's records: beside the good file, never in its place
+                os.replace(self.path, partial_path(self.path))
+            if self.held:
+                os.replace(self.backup, self.path)
+        except OSError:
+            pass
+        finally:
+            self.backup.unlink(missing_ok=True)
+
+
+def _kernel_manager_logging_to(log: Path):
+    """A Jupyter kernel manager whose kernel writes its stderr (its start-up warnings, and the
+    tracebacks of a kernel torn down by Ctrl-C) to `log`, so that our one line is what the person
+    running the book sees; a cell's own error still comes back as the cell's output."""
+    from jupyter_client.manager import AsyncKernelManager
+
+    class KernelManagerWithLog(AsyncKernelManager):
+        async def _async_launch_kernel(self, kernel_cmd, **kw):
+            with open(log, "ab") as f:
+                kw["stderr"] = f
+                return await super()._async_launch_kernel(kernel_cmd, **kw)
+
+    return KernelManagerWithLog
+
+
 def _parses(nb: Path) -> bool:
     try:
         return isinstance(json.loads(nb.read_bytes()).get("cells"), list)
@@ -283,7 +367,8 @@ def _parses(nb: Path) -> bool:
         return False
 
 
-def _commit_execution(tmp_nb: Path, out_nb: Path, meta: dict, slug: str, executed_dir: Path) -> None:
+def _commit_execution(tmp_nb: Path, out_nb: Path, meta: dict, slug: str, executed_dir: Path,
+                      meta_file: Path | None = None) -> None:
     """Replace the executed notebook and its meta as one step: the meta carries the notebook's
     sha256 and is written last, so a crash between the two replaces leaves a meta that does not
     vouch for the notebook beside it (`executed_ok` is False: re-executed, never reused)."""
@@ -291,7 +376,23 @@ def _commit_execution(tmp_nb: Path, out_nb: Path, meta: dict, slug: str, execute
         os.fsync(f.fileno())
     meta["notebook_sha256"] = notebook_sha256(tmp_nb)
     os.replace(tmp_nb, out_nb)
-    write_json_atomic(meta_path(slug, executed_dir), meta)
+    write_json_atomic(meta_file or meta_path(slug, executed_dir), meta)
+
+
+def _commit_failure(tmp_nb: Path, out_nb: Path, meta: dict, slug: str, executed_dir: Path) -> None:
+    """A failed execution never replaces a good one: beside a good notebook it is kept as
+    `<slug>.failed.ipynb` + `.failed.meta.json` (the page shows the good run and says the latest
+    failed); with no good one it takes the chapter's place, so its page shows the failing cell."""
+    has_nb = tmp_nb.is_file() and _parses(tmp_nb)
+    if _has_good_execution(slug, executed_dir):
+        failed_nb, failed_meta = failed_paths(slug, executed_dir)
+        if has_nb:
+            _commit_execution(tmp_nb, failed_nb, meta, slug, executed_dir, meta_file=failed_meta)
+        return
+    if has_nb:  # what ran, with its meta
+        _commit_execution(tmp_nb, out_nb, meta, slug, executed_dir)
+    elif not out_nb.is_file():  # nothing to keep: the meta says why
+        write_json_atomic(meta_path(slug, executed_dir), meta)
 
 
 def _source_code_cell(executed_nb: Path, cell_index: int) -> int | None:
@@ -365,12 +466,32 @@ def status_page(metas: dict[str, dict | None]) -> str:
         status = meta.get("status", "?")
         if status == "failed":
             status = f"failed (code cell {meta.get('cell')}: {meta.get('error', '')[:80]})"
+        failure = meta.get("latest_failure")
+        if status == "ok" and failure:
+            status = (f"ok; a later run failed (code cell {failure.get('cell')}: {str(failure.get('error', ''))[:80]}, "
+                      f"{str(failure.get('date', '')).replace('T', ' ')}); this page shows the last good run")
+        if _partial_results(info.slug):
+            status += "; a later measurement was stopped (its records are partial and not shown)"
         lines.append(f"| {part} | [{info.title}](chapters/{info.slug}) | {status} | {meta.get('device') or ''} | "
                      f"{_resolved_preset(info.slug, meta)} | {meta.get('seconds', '')} | "
                      f"{meta.get('date', '').replace('T', ' ')} |")
     lines += ["", f"Built with Python {sys.version.split()[0]}. Chapter records are under `_build/results/`; "
               "committed reference runs are under `data/results/`.", ""]
     return "\n".join(lines)
+
+
+def _partial_results(slug: str) -> Path | None:
+    """`<results>/<slug>.partial.json` when a run stopped after the last complete one was saved."""
+    from .record import partial_path
+
+    good = paths()["results"] / f"{slug}.json"
+    partial = partial_path(good)
+    try:
+        if partial.is_file() and (not good.is_file() or partial.stat().st_mtime >= good.stat().st_mtime):
+            return partial
+    except OSError:
+        pass
+    return None
 
 
 def _resolved_preset(slug: str, meta: dict) -> str:
@@ -437,6 +558,14 @@ def stage(metas: dict[str, dict | None]) -> Path:
             except Exception:  # a page without its records still builds; it shows no headline then
                 records = []
             page = reader.reader_notebook(nbformat.read(executed, as_version=4), slug, records)
+            failure = meta.get("latest_failure")
+            if failure:
+                banner = nbformat.v4.new_markdown_cell(
+                    f":::{{warning}} The latest execution of this chapter failed\n"
+                    f"Run of {str(failure.get('date', '')).replace('T', ' ')} UTC, code cell {failure.get('cell')}: "
+                    f"`{str(failure.get('error', '')).replace('`', chr(39))}`. This page shows the last good run "
+                    f"({str(meta.get('date', '')).replace('T', ' ')} UTC).\n:::\n")
+                page.cells.insert(1 if page.cells and page.cells[0].cell_type == "markdown" else 0, banner)
             _write_if_changed(dst, nbformat.writes(page))
     # stale pages of chapters no longer in the book
     for f in (st / "chapters").glob("*.ipynb"):
@@ -511,6 +640,9 @@ def build_book(*, chapters: list[str] | None = None, force: bool = False, keep_g
                 if not keep_going:
                     raise
                 meta = read_meta(slug)
+                failed = read_failed_meta(slug)
+                if meta is not None and meta.get("status") == "ok" and failed is not None:
+                    meta = {**meta, "latest_failure": failed}  # the good page stays, marked
         else:
             meta = read_meta(slug)
             if executed_ok(slug, meta):

@@ -22,7 +22,16 @@ from pathlib import Path
 
 
 def _params(pairs) -> dict:
-    return {name: value for name, value in (pairs or [])}
+    """`-p NAME VALUE` pairs; a name given twice is refused (which one was meant is unknowable)."""
+    from .errors import UserError
+
+    out: dict = {}
+    for name, value in pairs or []:
+        if name in out:
+            raise UserError(f"parameter {name!r} given twice (-p {name} {out[name]!r} and -p {name} {value!r}); "
+                            "give it once")
+        out[name] = value
+    return out
 
 
 def _add_run_args(p: argparse.ArgumentParser) -> None:
@@ -41,6 +50,10 @@ def _split_device_param(args) -> dict:
     from .errors import UserError
 
     params = _params(args.param)
+    for flag in ("device", "preset"):  # given both as --flag and as -p: refused, not one silently dropped
+        if flag in params and getattr(args, flag) != "auto":
+            raise UserError(f"{flag} given twice (--{flag} {getattr(args, flag)!r} and -p {flag} {params[flag]!r}); "
+                            "give it once")
     if "device" in params:
         args.device = params.pop("device")
     if "preset" in params:
@@ -73,8 +86,11 @@ def cmd_run(args) -> int:
     from . import book
 
     params = _split_device_param(args)
+    from .context import check_output_dirs
+
+    check_output_dirs(reference=args.save_reference)
     meta = book.execute(args.chapter, device=args.device, preset=args.preset, seed=args.seed, params=params,
-                        save_reference=args.save_reference)
+                        save_reference=args.save_reference, progress=sys.stderr.isatty())
     p = book.paths()
     print(f"{args.chapter}: ok in {meta['seconds']:.1f} s on {meta.get('device')}")
     print(f"  notebook: {p['executed'] / (args.chapter + '.ipynb')}")
@@ -92,7 +108,12 @@ def cmd_measure(args) -> int:
         os.environ["INFERBOOK_SAVE_REFERENCE"] = "1"
     from . import book
 
+    from .errors import printable
+
     typed = book._typed_for_notebook(args.chapter, params)
+    from .context import check_output_dirs
+
+    check_output_dirs(reference=args.save_reference)
     ctx = setup(args.chapter, device=args.device, preset=args.preset, seed=args.seed, budget_s=args.budget, **typed)
     budget = f", budget {ctx.budget_s:g} s" if ctx.budget_s is not None else ""
     print(f"{args.chapter}: measuring on {ctx.hardware_label} (preset {ctx.preset}{budget})", flush=True)
@@ -104,6 +125,12 @@ def cmd_measure(args) -> int:
         from .context import reference_dir
 
         print(f"  reference: {reference_dir() / ctx.hardware_slug / (args.chapter + '.json')}")
+    failed = [f"{r.name}: {c['name']}" for r in records for c in r.checks if not c["passed"]]
+    if failed:  # the records are kept (they say which), but a chapter whose checks fail has failed
+        total = sum(len(r.checks) for r in records)
+        print(f"inferbook: {args.chapter}: {len(failed)} of {total} checks failed (first: {printable(failed[0])})",
+              file=sys.stderr)
+        return 1
     return 0
 
 
@@ -115,7 +142,10 @@ def cmd_ceilings(args) -> int:
     from .measure import ceilings
     from .record import RunRecord, save_records
 
+    from .context import check_output_dirs
+
     device = resolve_device(args.device)
+    check_output_dirs(reference=args.save_reference)
     c = ceilings(device)
     info = hardware_info(device)
     r = RunRecord(chapter="device-ceilings", name="ceilings", git=git_state(), packages=package_versions(),
@@ -146,6 +176,8 @@ def cmd_budgets(args) -> int:
             k, n = (int(x) for x in args.part.split("/"))
         except ValueError:
             raise UserError(f"--part must be K/N, e.g. 1/2, got {args.part!r}") from None
+        if not 1 <= n <= len(chosen):
+            raise UserError(f"--part {args.part!r}: N must be in 1..{len(chosen)} (one part per chapter at most)")
         if not 1 <= k <= n:
             raise UserError(f"--part {args.part!r}: K must be in 1..N")
         chosen = presets.budget_parts(args.preset, n)[k - 1]
@@ -211,9 +243,11 @@ def _budget_predictions(args, chosen) -> int:
 
 def cmd_book(args) -> int:
     from . import book
+    from .context import check_output_dirs
 
+    check_output_dirs()
     book.build_book(chapters=args.chapters or None, force=args.force, keep_going=args.keep_going,
-                    device=args.device, preset=args.preset)
+                    device=args.device, preset=args.preset, progress=sys.stderr.isatty())
     return 0
 
 
@@ -225,7 +259,7 @@ def _resolve_record(spec: str):
 
     target, _, name = spec.partition("#")
     path = Path(target)
-    if not path.suffix == ".json":
+    if path.suffix != ".json" and "/" not in target and not path.exists():  # a chapter's name
         path = book.paths()["results"] / f"{target}.json"
     records = load_records(path)
     if name:
@@ -243,31 +277,40 @@ def cmd_results(args) -> int:
     from . import book
     from .context import reference_dir
     from .device import hardware_label
-    from .record import compare, load_records, results_complete
+    from .errors import printable
+    from .record import compare, complete_path, is_partial_path, load_records, results_complete
 
     if args.compare:
         a, b = (_resolve_record(s) for s in args.compare)
         cmp = compare(a, b)
         for line in cmp.context:
-            print(f"# {line}")
-        print(cmp.table().to_string(index=False) if hasattr(cmp.table(), "to_string") else cmp.rows)
+            print(f"# {printable(line)}")
+        table = cmp.table()
+        print(printable(table.to_string(index=False), keep_newlines=True) if hasattr(table, "to_string")
+              else printable(str(cmp.rows)))
         return 0
     from .errors import UserError
 
     root = book.paths()["root"]
     files = sorted(book.paths()["results"].glob("*.json")) + sorted(reference_dir().glob("*/*.json"))
     for f in files:
-        if args.chapter and f.stem != args.chapter:
+        if args.chapter and f.stem != args.chapter and f.name != args.chapter + ".partial.json":
             continue
         try:
             records = load_records(f)
         except UserError as e:  # one bad file does not hide the others
-            print(f"inferbook: skipping {e}", file=sys.stderr)
+            print(f"inferbook: skipping {printable(str(e))}", file=sys.stderr)
             continue
-        shown = _shown_path(f, root)
-        partial = "" if results_complete(f) else "  (incomplete: the run was stopped)"
+        shown = printable(_shown_path(f, root))
+        if is_partial_path(f):
+            good = complete_path(f)
+            partial = ("  (partial: a run that was stopped; the last complete run is " +
+                       (printable(good.name) if good.is_file() else "none") + ")")
+        else:
+            partial = "" if results_complete(f) else "  (incomplete: the run was stopped)"
         for r in records:
-            print(f"{shown:52} {r.name:24} {r.variant:12} {hardware_label(r.hardware):40} {r.created}{partial}")
+            print(f"{shown:52} {printable(r.name):24} {printable(r.variant):12} "
+                  f"{printable(hardware_label(r.hardware)):40} {printable(r.created)}{partial}")
     return 0
 
 
@@ -361,22 +404,63 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def main(argv: list[str] | None = None) -> int:
-    from .errors import UserError
+def _encodable_output() -> None:
+    """Any locale (LANG=C: ASCII) can print any name: what the encoding lacks is written as an escape."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.reconfigure(errors="backslashreplace")
+        except (AttributeError, ValueError, OSError):
+            pass
 
-    args = build_parser().parse_args(argv)
+
+import errno as _errno
+
+# Errors of the place a file is written (a read-only folder, a file where a folder belongs, a full
+# disk): one line naming the path, never a traceback.
+_PLACE_ERRNOS = {_errno.EACCES, _errno.EPERM, _errno.EROFS, _errno.ENOTDIR, _errno.EISDIR, _errno.ENOSPC,
+                 _errno.EEXIST, _errno.EDQUOT}
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM (a `timeout`, a scheduler): unwound like Ctrl-C, so partial records are saved once more."""
+
+
+def _on_sigterm(signum, frame):
+    raise _Terminated()
+
+
+def main(argv: list[str] | None = None) -> int:
+    import signal
+    import threading
+
+    from .errors import UserError, printable
+
+    _encodable_output()
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _on_sigterm)
     try:
-        from .book import ChapterFailed
-    except ImportError:  # a bare GPU image without the book extras can still `measure`
-        ChapterFailed = ()  # type: ignore[assignment]
-    try:
-        return args.fn(args)
-    except UserError as e:
-        print(f"inferbook: error: {e}", file=sys.stderr)
-        return 2
-    except ChapterFailed as e:  # type: ignore[misc]
-        print(f"inferbook: {e}", file=sys.stderr)
-        return 1
+        args = build_parser().parse_args(argv)
+        try:
+            from .book import ChapterFailed
+        except ImportError:  # a bare GPU image without the book extras can still `measure`
+            ChapterFailed = ()  # type: ignore[assignment]
+        try:
+            return args.fn(args)
+        except UserError as e:
+            print(f"inferbook: error: {printable(str(e))}", file=sys.stderr)
+            return 2
+        except ChapterFailed as e:  # type: ignore[misc]
+            print(f"inferbook: {printable(str(e))}", file=sys.stderr)
+            return 1
+        except OSError as e:
+            if e.errno not in _PLACE_ERRNOS:
+                raise
+            where = f" {printable(repr(str(e.filename)))}" if e.filename else ""
+            print(f"inferbook: error: cannot write{where}: {e.strerror or e}", file=sys.stderr)
+            return 2
+    except _Terminated:
+        print("inferbook: terminated", file=sys.stderr)
+        return 143
     except KeyboardInterrupt:
         print("inferbook: interrupted", file=sys.stderr)
         return 130

@@ -20,7 +20,7 @@ import torch
 
 from . import toc, device as _device, presets as _presets
 from .errors import MissingRequirement, UserError
-from .record import RunRecord, load_records, save_records
+from .record import RunRecord, load_records, save_complete, save_partial, partial_path
 
 
 @functools.lru_cache(maxsize=1)
@@ -37,6 +37,33 @@ def build_dir() -> Path:
     """Root of everything generated: $INFERBOOK_BUILD_DIR or `_build` in the checkout."""
     env = os.environ.get("INFERBOOK_BUILD_DIR")
     return Path(env) if env else repo_root() / "_build"
+
+
+def check_output_dir(path: Path, what: str) -> Path:
+    """`path` is a folder this process can write (or can make), else one UserError line: a file in
+    its place (INFERBOOK_BUILD_DIR pointing at a file), a read-only or unwritable place. Checked by
+    writing a probe file, since permission bits say nothing on a read-only mount or to root."""
+    import tempfile
+
+    existing = next((p for p in (path, *path.parents) if p.exists()), Path("/"))
+    if not existing.is_dir():  # the folder itself, or the first ancestor that exists, is a file
+        raise UserError(f"{what} {str(path)!r} cannot be a folder: {str(existing)!r} is a file")
+    try:  # nothing is made: the probe goes into the deepest folder that exists, and is removed
+        fd, probe = tempfile.mkstemp(prefix=".write-probe.", dir=existing)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise UserError(f"{what} {str(path)!r} is not writable: {e.strerror or e}") from None
+    return path
+
+
+def check_output_dirs(*, reference: bool = False) -> None:
+    """Before any work: the build folder and the results folder (and with `reference` the committed
+    reference folder) can be written."""
+    check_output_dir(build_dir(), "build folder (INFERBOOK_BUILD_DIR or _build)")
+    check_output_dir(results_dir(), "results folder")
+    if reference:
+        check_output_dir(reference_dir(), "reference folder")
 
 
 def results_dir() -> Path:
@@ -173,8 +200,10 @@ class Context:
     def measure(self) -> list[RunRecord]:
         """Run the chapter's `measure(ctx, **params)` within `budget_s`, save its records, return them.
 
-        Records made with `new_record` are saved (atomically, marked incomplete) as they fill in, at
-        most every AUTOSAVE_INTERVAL_S, so a run killed by a timeout keeps what it had measured."""
+        Records made with `new_record` are saved to `<chapter>.partial.json` (atomically, marked
+        incomplete) as they fill in, at most every AUTOSAVE_INTERVAL_S, so a run killed by a timeout
+        keeps what it had measured; `<chapter>.json`, the last complete run, is replaced only when
+        `measure` returns."""
         from .measure import time_budget
 
         self._live, self._measuring = [], True
@@ -216,19 +245,26 @@ class Context:
             self._autosave_failed = True
 
     def results_path(self) -> Path:
+        """`<results>/<chapter>.json`: the last complete run (replaced only when a run completes)."""
         return results_dir() / f"{self.chapter.slug}.json"
 
+    def partial_results_path(self) -> Path:
+        """`<results>/<chapter>.partial.json`: the records of the run in progress, or of one stopped."""
+        return partial_path(self.results_path())
+
     def save(self, records: list[RunRecord]) -> list[Path]:
-        """Write records atomically to `_build/results/`, and with INFERBOOK_SAVE_REFERENCE=1
-        also to `data/results/<hardware-slug>/<chapter>.json` (committed reference runs)."""
+        """The run completed: replace `_build/results/<chapter>.json` atomically (and remove the partial
+        file), and with INFERBOOK_SAVE_REFERENCE=1 also `data/results/<hardware-slug>/<chapter>.json`."""
         self.records = list(records)
         return self._write(self.records, complete=True)
 
     def _write(self, records: list[RunRecord], *, complete: bool) -> list[Path]:
-        paths = [save_records(self.results_path(), records, complete=complete)]
+        """complete: `record.save_complete` (replaces the good file); else `record.save_partial`
+        (`<chapter>.partial.json` beside it; the good file is never touched)."""
+        save = save_complete if complete else save_partial
+        paths = [save(self.results_path(), records)]
         if os.environ.get("INFERBOOK_SAVE_REFERENCE", "0") not in ("", "0"):
-            paths.append(save_records(reference_dir() / self.hardware_slug / f"{self.chapter.slug}.json", records,
-                                      complete=complete))
+            paths.append(save(reference_dir() / self.hardware_slug / f"{self.chapter.slug}.json", records))
         return paths
 
     def references(self) -> dict[str, list[RunRecord]]:

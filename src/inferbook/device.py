@@ -26,17 +26,49 @@ DEVICE_CHOICES = ("auto", "cpu", "cuda")
 
 
 def configure_triton_interpreter() -> bool:
-    """Turn the Triton interpreter on when there is no CUDA device (unless the user chose).
+    """Turn the Triton interpreter on when there is no CUDA device (unless the user chose), and quiet
+    the PyTorch profiler's own log (see `quiet_profiler_log`).
 
     Returns whether the interpreter is on. Must run before `triton.jit` decorates kernels.
     """
+    quiet_profiler_log()
     if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
         os.environ["TRITON_INTERPRET"] = "1"
     return triton_interpreted()
 
 
+# Kineto (torch.profiler's engine, used where a chapter observes which kernel ran) logs every
+# profiler start and stop on stderr at its USDT level (5): up to ten lines a run, so an error was
+# never the only line. Level 6 is above all of Kineto's levels; read at the profiler's first use.
+# A user who wants Kineto's log sets KINETO_LOG_LEVEL themselves.
+KINETO_QUIET_LEVEL = "6"
+
+
+def quiet_profiler_log() -> None:
+    os.environ.setdefault("KINETO_LOG_LEVEL", KINETO_QUIET_LEVEL)
+
+
+# The values Triton reads as true (triton.knobs env_bool -> libtriton getenv_bool, Triton 3.6-3.9):
+# compared lower-cased, not stripped; everything else ("off", "2", " 1") is false.
+TRITON_TRUE_VALUES = ("1", "true", "on", "yes", "y")
+
+
+def env_flag_as_triton_reads_it(value: str | None) -> bool:
+    return value is not None and value.lower() in TRITON_TRUE_VALUES
+
+
 def triton_interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    """Whether Triton runs kernels in its interpreter: TRITON_INTERPRET read exactly as Triton reads
+    it (its own knob when Triton is importable, else Triton's rule), so a record never names the
+    interpreter for a value such as 'off' that Triton reads as false."""
+    value = os.environ.get("TRITON_INTERPRET")
+    if value is None:
+        return False
+    try:
+        from triton import knobs
+        return bool(knobs.runtime.interpret)
+    except Exception:  # no triton, or one without knobs (< 3.4)
+        return env_flag_as_triton_reads_it(value)
 
 
 @functools.lru_cache(maxsize=1)

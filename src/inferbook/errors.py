@@ -28,3 +28,18 @@ def choices(values) -> str:
     if len(values) <= 1:
         return "".join(values)
     return ", ".join(values[:-1]) + " or " + values[-1]
+
+
+def printable(text: str, *, keep_newlines: bool = False) -> str:
+    """`text` safe to print on a terminal: control characters (newline, ESC of an ANSI sequence, ...)
+    shown as escapes, so a name read from a file cannot move the cursor or forge a line."""
+    text = str(text)
+    if text.isprintable():
+        return text
+    out = []
+    for c in text:
+        if c.isprintable() or (keep_newlines and c == "\n"):
+            out.append(c)
+        else:
+            out.append(repr(c)[1:-1] if c not in "'\"" else c)
+    return "".join(out)

@@ -281,7 +281,7 @@ def parse_budget(text: str | float | None) -> float | None:
     """A --budget / INFERBOOK_BUDGET_S value: seconds (> 0), or 'none' for no budget."""
     if text is None or isinstance(text, (int, float)) and not isinstance(text, bool):
         value = text
-    elif str(text).strip().lower() in ("none", "off", "0", ""):
+    elif str(text).strip().lower() in ("none", "off"):
         return None
     else:
         try:

@@ -228,6 +228,25 @@ def headline(module, records) -> tuple[str, str, str] | None:
     return what, _shown(m), _spread(m)
 
 
+def _partial_note(good: Path, records: list) -> str:
+    """What a results row says about a partial run: the complete file itself marked incomplete
+    (written before partial files existed), or a later run that stopped (`<slug>.partial.json`),
+    whose records are never shown in place of the complete ones."""
+    from .record import partial_path, results_complete
+
+    if records and not results_complete(good):
+        return " (partial: the run was stopped)"
+    partial = partial_path(good)
+    try:
+        later = partial.is_file() and (not good.is_file() or partial.stat().st_mtime >= good.stat().st_mtime)
+    except OSError:
+        later = False
+    if later:
+        return " (a later run was stopped; its partial records are not shown)" if records else \
+            " (only a stopped run: partial records, not shown)"
+    return ""
+
+
 def results_page(results_dir: Path) -> str:
     """One row per chapter: the headline measurement with its device and preset, the checks that
     passed, and which hardware has committed GPU reference runs."""
@@ -238,10 +257,12 @@ def results_page(results_dir: Path) -> str:
     rows, wheres = [], []
     for info in toc.CHAPTERS.values():
         link = f"{{doc}}`{info.title} <chapters/{info.slug}>`"
+        good = Path(results_dir) / f"{info.slug}.json"
         try:
-            records = load_records(Path(results_dir) / f"{info.slug}.json")
+            records = load_records(good)
         except Exception:
             records = []
+        note = _partial_note(good, records)
         try:
             module = toc.load_module(info)
         except Exception:
@@ -258,7 +279,7 @@ def results_page(results_dir: Path) -> str:
             refs = []
         value = (f"{{ref}}`{head[1]} <{headline_anchor(info.slug)}>`" + (f" ({head[2]})" if head[2] else "")
                  if head else "—")
-        cells = [link, html.escape(head[0]) if head else "—", value, where,
+        cells = [link, html.escape(head[0]) if head else "—", value + note, where,
                  f"{passed} of {len(checks)}" if checks else "—", ", ".join(refs) if refs else "none yet"]
         rows.append(cells)
     # one device and preset for the whole build is said once, not in every row

@@ -214,6 +214,11 @@ def _validate(d: dict, at: str) -> None:
                 bad(f"'hardware.{k}'", hw.get(k), "a non-empty string")
     elif hw is not None and "device_type" in hw and hw["device_type"] not in ("cpu", "cuda"):
         bad("'hardware.device_type'", hw["device_type"], "'cpu' or 'cuda'")
+    scalar = (str, int, float, bool, type(None))
+    for k in ("git", "packages"):
+        for sub, v in (d.get(k) or {}).items():
+            if not isinstance(v, scalar):
+                bad(f"'{k}.{sub}'", v, "a string, number, boolean or null")
     for op, e in (d.get("backends") or {}).items():
         if not isinstance(e, dict) or not isinstance(e.get("backend"), str):
             bad(f"'backends.{op}'", e, "an object with a string 'backend'")
@@ -228,6 +233,13 @@ def _validate(d: dict, at: str) -> None:
             for f, t in item_fields.items():
                 if not isinstance(m.get(f), t):
                     bad(f"'{key}[{i}].{f}'", m.get(f), f"a {'boolean' if t is bool else 'string'}")
+            for f in ("lifecycle", "request_phase") if key == "measurements" else ():
+                if f in m and not isinstance(m[f], str):
+                    bad(f"'{key}[{i}].{f}'", m[f], "a string")
+            for f in ("error", "tolerance") if key == "checks" else ():
+                v = m.get(f)
+                if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+                    bad(f"'{key}[{i}].{f}'", v, "a number or null")
             if key == "measurements":
                 v = m.get("value")
                 if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
@@ -294,36 +306,154 @@ class _suppress:
         return True
 
 
-def save_records(path: str | os.PathLike, records: Iterable[RunRecord], *, complete: bool = True) -> Path:
-    """Write a results file atomically. `complete=False` marks the records of a run still in progress
-    (saved as each measurement arrives, so a killed run keeps what it measured)."""
-    records = list(records)
+PARTIAL_SUFFIX = ".partial.json"
+
+
+def partial_path(path: str | os.PathLike) -> Path:
+    """Where the run that will replace `path` keeps its records until it completes:
+    `<chapter>.json` -> `<chapter>.partial.json`, beside it."""
+    path = Path(path)
+    if path.name.endswith(PARTIAL_SUFFIX):
+        return path
+    stem = path.name[:-len(".json")] if path.name.endswith(".json") else path.name
+    return path.with_name(stem + PARTIAL_SUFFIX)
+
+
+def is_partial_path(path: str | os.PathLike) -> bool:
+    return Path(path).name.endswith(PARTIAL_SUFFIX)
+
+
+def complete_path(path: str | os.PathLike) -> Path:
+    """The good file a partial one stands beside: `<chapter>.partial.json` -> `<chapter>.json`."""
+    path = Path(path)
+    if not is_partial_path(path):
+        return path
+    return path.with_name(path.name[:-len(PARTIAL_SUFFIX)] + ".json")
+
+
+def _results_payload(records: list[RunRecord], complete: bool) -> dict:
     chapters = {r.chapter for r in records}
-    return write_json_atomic(path, {"inferbook_results": SCHEMA,
-                                    "chapter": chapters.pop() if len(chapters) == 1 else None,
-                                    "complete": bool(complete),
-                                    "records": [r.to_dict() for r in records]})
+    return {"inferbook_results": SCHEMA, "chapter": chapters.pop() if len(chapters) == 1 else None,
+            "complete": bool(complete), "records": [r.to_dict() for r in records]}
+
+
+def save_partial(path: str | os.PathLike, records: Iterable[RunRecord]) -> Path:
+    """Save the records of a run still in progress (or stopped) to `partial_path(path)`, atomically,
+    marked `"complete": false`. `path` itself, the last complete run, is never touched."""
+    return write_json_atomic(partial_path(path), _results_payload(list(records), False))
+
+
+def save_complete(path: str | os.PathLike, records: Iterable[RunRecord]) -> Path:
+    """Replace `path` with the records of a run that completed (atomically: temp + fsync + os.replace),
+    then remove its partial file. Returns `path`."""
+    path = complete_path(path)
+    out = write_json_atomic(path, _results_payload(list(records), True))
+    with _suppress():
+        os.unlink(partial_path(path))
+    return out
+
+
+def save_records(path: str | os.PathLike, records: Iterable[RunRecord], *, complete: bool = True) -> Path:
+    """`save_complete(path, records)`, or with `complete=False` `save_partial(path, records)` (which
+    writes `<chapter>.partial.json` beside `path` and returns that path)."""
+    return save_complete(path, records) if complete else save_partial(path, records)
+
+
+MAX_RESULTS_BYTES = 32 * 2**20     # the largest results file read (a gpu run's file is well under 1 MiB)
+MAX_JSON_DEPTH = 32                 # nesting of objects and lists in one file
+MAX_JSON_VALUES = 1_000_000         # scalars, objects and lists in one file
+MAX_JSON_INT = 2**63                # |int| above this is no count, size or seed: refused
+
+
+def read_file_bounded(path: str | os.PathLike, *, what: str = "file", max_bytes: int = MAX_RESULTS_BYTES) -> bytes:
+    """The bytes of a regular file of at most `max_bytes`, or one UserError line naming it.
+
+    Opened with O_NONBLOCK and checked with fstat before one byte is read, so a FIFO, a socket or a
+    device (/dev/zero) is refused at once, never waited on or read without end."""
+    import stat as _stat
+
+    name = str(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise UserError(f"no {what} at {name!r}") from None
+    except IsADirectoryError:
+        raise UserError(f"{what} path {name!r} is a folder, not a file") from None
+    except OSError as e:
+        raise UserError(f"cannot read {what} {name!r}: {e.strerror or e}") from None
+    try:
+        st = os.fstat(fd)
+        if _stat.S_ISDIR(st.st_mode):
+            raise UserError(f"{what} path {name!r} is a folder, not a file")
+        if not _stat.S_ISREG(st.st_mode):
+            kind = ("a FIFO" if _stat.S_ISFIFO(st.st_mode) else "a socket" if _stat.S_ISSOCK(st.st_mode)
+                    else "a device" if _stat.S_ISCHR(st.st_mode) or _stat.S_ISBLK(st.st_mode) else "not a regular file")
+            raise UserError(f"{what} {name!r} is {kind}; only regular files are read")
+        if st.st_size > max_bytes:
+            raise UserError(f"{what} {name!r} is {st.st_size} bytes; at most {max_bytes} are read")
+        chunks, total = [], 0
+        while True:
+            chunk = os.read(fd, min(1 << 20, max_bytes + 1 - total))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+            if total > max_bytes:  # grew while being read
+                raise UserError(f"{what} {name!r} is over {max_bytes} bytes; at most {max_bytes} are read")
+        return b"".join(chunks)
+    except BlockingIOError:
+        raise UserError(f"cannot read {what} {name!r}: it would block") from None
+    except OSError as e:
+        raise UserError(f"cannot read {what} {name!r}: {e.strerror or e}") from None
+    finally:
+        os.close(fd)
+
+
+def check_json_bounds(data: Any, where: str) -> None:
+    """Refuse JSON nested deeper than MAX_JSON_DEPTH, holding more than MAX_JSON_VALUES values, or an
+    int beyond MAX_JSON_INT (one UserError line). Iterative: no recursion on hostile input."""
+    stack, count = [(data, 1)], 0
+    while stack:
+        x, depth = stack.pop()
+        count += 1
+        if count > MAX_JSON_VALUES:
+            raise UserError(f"{where}: more than {MAX_JSON_VALUES} JSON values; refused")
+        if isinstance(x, dict):
+            if depth > MAX_JSON_DEPTH:
+                raise UserError(f"{where}: JSON nested deeper than {MAX_JSON_DEPTH} levels; refused")
+            stack.extend((v, depth + 1) for v in x.values())
+        elif isinstance(x, list):
+            if depth > MAX_JSON_DEPTH:
+                raise UserError(f"{where}: JSON nested deeper than {MAX_JSON_DEPTH} levels; refused")
+            stack.extend((v, depth + 1) for v in x)
+        elif isinstance(x, int) and not isinstance(x, bool) and abs(x) > MAX_JSON_INT:
+            raise UserError(f"{where}: integer with {len(str(abs(x)))} digits is out of range (|n| <= 2**63)")
+
+
+def read_json_file(path: str | os.PathLike, *, what: str = "results file", max_bytes: int = MAX_RESULTS_BYTES) -> Any:
+    """Parse a JSON file defensively: `read_file_bounded`, UTF-8, JSON, `check_json_bounds`.
+    Every failure is one UserError line naming the file."""
+    name = str(path)
+    raw = read_file_bounded(path, what=what, max_bytes=max_bytes)
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise UserError(f"{what} {name!r} is not UTF-8 text (byte {e.start})") from None
+    except json.JSONDecodeError as e:
+        raise UserError(f"{what} {name!r} is not valid JSON (line {e.lineno}, column {e.colno}): {e.msg}") from None
+    except (ValueError, RecursionError, MemoryError) as e:
+        raise UserError(f"{what} {name!r} is not valid JSON: {type(e).__name__}") from None
+    check_json_bounds(data, f"{what} {name!r}")
+    return data
 
 
 def load_records(path: str | os.PathLike) -> list[RunRecord]:
     """The records of a results file (or a file holding one record). Every failure is one UserError
-    line naming the file: missing, unreadable, not UTF-8, not JSON, or a record with a malformed field."""
+    line naming the file: missing, not a regular file, too large or deep, not UTF-8, not JSON, or a
+    record with a malformed field."""
     path = Path(path)
     name = str(path)
-    try:
-        data = json.loads(path.read_bytes().decode("utf-8"))
-    except FileNotFoundError:
-        raise UserError(f"no results file at {name!r}") from None
-    except IsADirectoryError:
-        raise UserError(f"results path {name!r} is a folder, not a file") from None
-    except OSError as e:
-        raise UserError(f"cannot read results file {name!r}: {e.strerror or e}") from None
-    except UnicodeDecodeError as e:
-        raise UserError(f"results file {name!r} is not UTF-8 text (byte {e.start})") from None
-    except json.JSONDecodeError as e:
-        raise UserError(f"results file {name!r} is not valid JSON (line {e.lineno}, column {e.colno}): {e.msg}") from None
-    except (ValueError, RecursionError) as e:
-        raise UserError(f"results file {name!r} is not valid JSON: {type(e).__name__}") from None
+    data = read_json_file(path, what="results file")
     if isinstance(data, dict) and "records" in data:
         records = data["records"]
         if not isinstance(records, list):
@@ -335,11 +465,13 @@ def load_records(path: str | os.PathLike) -> list[RunRecord]:
 
 
 def results_complete(path: str | os.PathLike) -> bool:
-    """False for a results file saved while its run was still going (and never finished: the run was
-    stopped or killed); True otherwise, also for files written before the flag existed."""
+    """False for a partial file (`<chapter>.partial.json`) and for a file whose run never finished
+    (`"complete": false`, as files before the partial file existed were written); True otherwise."""
+    if is_partial_path(path):
+        return False
     try:
-        data = json.loads(Path(path).read_bytes().decode("utf-8"))
-    except (OSError, ValueError, RecursionError):
+        data = read_json_file(path, what="results file")
+    except UserError:
         return True
     return not (isinstance(data, dict) and data.get("complete") is False)
 
@@ -380,6 +512,16 @@ def _hardware_key(r: RunRecord) -> str:
     return f"CPU {h.get('cpu_model')} x{h.get('cpu_cores')}"
 
 
+def _differ(x: Any, y: Any) -> bool:
+    """Values differ as JSON does: NaN equals NaN (a record is comparable with itself), 1 equals 1.0."""
+    if x == y:
+        return False
+    try:
+        return json.dumps(x, sort_keys=True, default=str) != json.dumps(y, sort_keys=True, default=str)
+    except (TypeError, ValueError, RecursionError):
+        return True
+
+
 def comparability(a: RunRecord, b: RunRecord) -> list[str]:
     """Reasons `a` and `b` must not be compared as if equal (empty list: comparable)."""
     reasons = []
@@ -389,7 +531,7 @@ def comparability(a: RunRecord, b: RunRecord) -> list[str]:
         reasons.append(f"hardware differs: {_hardware_key(a)} vs {_hardware_key(b)}")
     for key in _COMPARABILITY_WORKLOAD:
         va, vb = a.workload.get(key), b.workload.get(key)
-        if va != vb:
+        if _differ(va, vb):
             label = "quantization" if key == "quantization" else f"workload {key!r}"
             reasons.append(f"{label} differs: {va!r} vs {vb!r}")
     if a.hardware.get("device_type") == "cuda" or b.hardware.get("device_type") == "cuda":
@@ -398,10 +540,10 @@ def comparability(a: RunRecord, b: RunRecord) -> list[str]:
             if va != vb:
                 reasons.append(f"{'driver' if key == 'driver' else 'CUDA version'} differs: {va!r} vs {vb!r}")
     for key in _COMPARABILITY_RUNTIME:
-        if key in a.runtime and key in b.runtime and a.runtime[key] != b.runtime[key]:
+        if key in a.runtime and key in b.runtime and _differ(a.runtime[key], b.runtime[key]):
             reasons.append(f"runtime setting {key!r} differs: {a.runtime[key]!r} vs {b.runtime[key]!r}")
-    if a.topology != b.topology:
-        diff = sorted(k for k in set(a.topology) | set(b.topology) if a.topology.get(k) != b.topology.get(k))
+    if _differ(a.topology, b.topology):
+        diff = sorted(k for k in set(a.topology) | set(b.topology) if _differ(a.topology.get(k), b.topology.get(k)))
         reasons.append("topology differs: " + ", ".join(f"{k} {a.topology.get(k)!r} vs {b.topology.get(k)!r}" for k in diff))
     for op in sorted(set(a.backends) | set(b.backends)):
         ea, eb = a.backends.get(op), b.backends.get(op)
@@ -409,7 +551,7 @@ def comparability(a: RunRecord, b: RunRecord) -> list[str]:
             reasons.append(f"backend for {op!r} recorded on one side only")
         elif ea.get("backend") != eb.get("backend"):
             reasons.append(f"backend for {op!r} differs: {ea.get('backend')!r} vs {eb.get('backend')!r}")
-        elif ea.get("shapes") != eb.get("shapes"):
+        elif _differ(ea.get("shapes"), eb.get("shapes")):
             reasons.append(f"local shapes for {op!r} differ: {ea.get('shapes')} vs {eb.get('shapes')}")
     units_a = {_key(m): m["unit"] for m in a.measurements}
     for m in b.measurements:

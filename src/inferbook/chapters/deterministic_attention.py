@@ -54,6 +54,25 @@ PARAMETERS = {
     "e2e_layers": Param(int, help="decoder layers of the end-to-end model"),
 }
 
+def check_params(params: dict) -> None:
+    """Every knob before any work: non-empty positive batch lists, head shapes, the followed request
+    within the cache, the split size's rule."""
+    for name in ("batch_sizes", "mm_m_values", "time_batches"):
+        values = params[name]
+        if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values):
+            raise ValueError(f"{name}={values!r} must be a non-empty comma list of ints >= 1")
+    for name in ("heads", "kv_heads", "head_dim", "max_seqlen", "target_len", "split_size", "mm_k", "mm_n",
+                 "time_seqlen", "reps"):
+        if params[name] < 1:
+            raise ValueError(f"{name}={params[name]} must be >= 1")
+    if params["heads"] % params["kv_heads"]:
+        raise ValueError(f"heads={params['heads']} must be a multiple of kv_heads={params['kv_heads']}")
+    if params["target_len"] > params["max_seqlen"]:
+        raise ValueError(f"target_len={params['target_len']} must be <= max_seqlen={params['max_seqlen']}")
+    if params["split_size"] % 32:
+        raise ValueError(f"split_size={params['split_size']} must be a multiple of 32")
+
+
 PRESETS = {
     "smoke": dict(batch_sizes=(1, 2, 3, 5, 8), heads=4, kv_heads=2, head_dim=32, max_seqlen=128, target_len=120,
                   split_size=32, sms=8, mm_m_values=(1, 3, 17, 64), mm_k=128, mm_n=64, time_batches=(1, 8),

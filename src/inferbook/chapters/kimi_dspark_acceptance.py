@@ -80,11 +80,24 @@ def model_paths(root: Path) -> dict[str, Path]:
             PARALLEL: root / BLOCK_DRAFT_FILE}
 
 
-def ensure_models(ctx, retrain: bool, target_steps: int, draft_steps: int) -> tuple[dict[str, Path], str]:
-    """The committed weights, or (retrain=True, or none committed) freshly trained ones."""
+REBUILD_MODELS = ("python -m inferbook.serving.train all --out data/models --shards _build/dspark-shards "
+                  "(data/models/README.md), or run with -p retrain true")
+
+
+def committed_models() -> dict[str, Path]:
+    """The committed weights; a missing file is one UserError naming the command that rebuilds it
+    (never a silent retrain: that takes minutes and gives other weights)."""
     paths = model_paths(models_dir())
-    if not retrain and all(p.is_file() for p in paths.values()):
-        return paths, "committed (data/models, see its README)"
+    missing = [p.name for p in paths.values() if not p.is_file()]
+    if missing:
+        raise UserError(f"model file(s) {', '.join(missing)} missing from data/models; rebuild with {REBUILD_MODELS}")
+    return paths
+
+
+def ensure_models(ctx, retrain: bool, target_steps: int, draft_steps: int) -> tuple[dict[str, Path], str]:
+    """The committed weights, or (retrain=True) freshly trained ones."""
+    if not retrain:
+        return committed_models(), "committed (data/models, see its README)"
     from ..context import results_dir
 
     out = results_dir() / ctx.chapter.slug / "models"
@@ -192,6 +205,39 @@ def recommend(records: list[RunRecord], a: str = "small", b: str = "large") -> l
                      "hi": cmp.hi, "requests": f"{len(xb)} and {len(xa)}", "sentence": cmp.sentence(
                          f"the {b} draft", f"the {a} draft"), "_cmp": cmp})
     return rows
+
+
+def check_params(params: dict) -> None:
+    """Every knob, before any work: k, sizes, the held-out corpus (prompts per task), the committed
+    models (present, and the target's context holds prompt + output + k)."""
+    from ..serving.config import check_spec_tokens
+    from ..serving.weights import open_model_file
+
+    k = check_spec_tokens(params["num_spec_tokens"])
+    for name, low in (("prompts_per_task", 1), ("code_prompt_chars", 1), ("output_len", 2),
+                      ("target_steps", 1), ("draft_steps", 1)):
+        if params[name] < low:
+            raise UserError(f"{name}={params[name]} must be >= {low}")
+    t = params["temperature"]
+    if not (t == t and 0 <= t <= 100):
+        raise UserError(f"temperature={t!r} must be a number in [0, 100]")
+    for task in TASKS:
+        have = sum(1 for d in load_corpus(task, "test") if len(d) > 40)
+        if params["prompts_per_task"] > have:
+            raise UserError(f"prompts_per_task={params['prompts_per_task']}: task {task!r} has only {have} held-out "
+                            "prompts")
+    if params["retrain"]:
+        return
+    meta, _ = open_model_file(committed_models()["target"], kind="target", rebuild=REBUILD_MODELS)
+    try:
+        max_seq = int(meta.get("max_seq", 0))
+    except ValueError:
+        return  # the loader names the bad metadata
+    longest = max(len(p) for task in TASKS for p in task_prompts(task, params["prompts_per_task"],
+                                                                  params["code_prompt_chars"]))
+    if max_seq and longest + params["output_len"] + k > max_seq:
+        raise UserError(f"prompts of {longest} tokens + output_len={params['output_len']} + k={k} exceed the "
+                        f"target's context ({max_seq}); lower output_len to at most {max_seq - longest - k}")
 
 
 def measure(ctx, *, cpu_threads, **params) -> list[RunRecord]:
@@ -400,7 +446,7 @@ def sample_continuations(temperatures, max_tokens: int, code_chars: int, seed: i
 
     rows = []
     with torch_threads(torch.device(device), threads):
-        target = load_weights(model_paths(models_dir())["target"], device)
+        target = load_weights(committed_models()["target"], device)
         for task in TASKS:
             prompt = task_prompts(task, 1, code_chars)[0]
             for temp in temperatures:

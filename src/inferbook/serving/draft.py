@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import weakref
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -65,6 +65,9 @@ class DraftConfig:
     feature_layers: str = ""
 
     def __post_init__(self):
+        from .model import check_model_sizes
+
+        check_model_sizes(self, ("d_model", "vocab", "n_layers", "ffn", "n_heads", "n_kv_heads"))
         if not 1 <= self.n_layers <= MAX_DRAFT_LAYERS:
             raise UserError(f"draft n_layers={self.n_layers} not allowed; use 1 to {MAX_DRAFT_LAYERS}")
         if (self.n_heads < 1 or self.n_kv_heads < 1 or self.d_model % self.n_heads or self.n_heads % self.n_kv_heads
@@ -234,52 +237,42 @@ class HiddenStateDraft(nn.Module):
         return h_next, F.linear(h_next, self.lm_head_weight).float(), new_kv
 
 
+DRAFT_KIND = "draft"
+DRAFT_CONFIG_FIELDS = ("d_model", "vocab", "n_layers", "ffn", "n_heads", "n_kv_heads")
+
+
 def save_draft(draft: HiddenStateDraft, path: str | Path, extra: dict | None = None) -> str:
-    from safetensors.torch import save_file
+    """Save atomically with kind, role, config, digest and `draft_format` in the metadata
+    (`weights.save_model_file`); returns `record.tensors_revision` of the tensors."""
+    from .weights import save_model_file
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().contiguous().cpu() for k, v in draft.state_dict().items()}
-    meta = ({k: str(v) for k, v in asdict(draft.cfg).items()} | {"draft_format": DRAFT_FORMAT}
-            | {k: str(v) for k, v in (extra or {}).items()})
-    save_file(state, str(path), metadata=meta)
-    from ..record import tensors_revision
-
-    return tensors_revision(state)  # of the tensors, not the file: its header order may vary
+    return save_model_file(path, draft.state_dict(), draft.cfg, kind=DRAFT_KIND,
+                           extra={"draft_format": DRAFT_FORMAT, **(extra or {})})
 
 
-def load_draft(path: str | Path, target: TinyDecoder) -> HiddenStateDraft:
-    """The draft from its safetensors file, loaded strictly: missing, renamed, extra or wrongly
-    shaped tensors are refused with their names (a partly loaded draft would keep random layers
-    while its metadata still says how many steps it was trained). A draft of the earlier format
-    (MLP blocks without attention) is refused by name."""
-    from safetensors import safe_open
+def load_draft(path: str | Path, target: TinyDecoder, rebuild: str | None = None) -> HiddenStateDraft:
+    """The draft from its safetensors file, loaded strictly: missing, renamed, extra, wrongly shaped
+    or non-finite tensors, an impossible config, another kind or role, or tensors that do not match
+    the digest are refused with their names (a partly loaded draft would keep random layers while its
+    metadata still says how many steps it was trained). A draft of the earlier format (MLP blocks
+    without attention) is refused by name; a missing file names `rebuild`."""
+    from .weights import load_model_file, model_config, open_model_file, refuse_format
 
-    from .weights import config_from_metadata, load_strict, refuse_format
-
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            meta, names = f.metadata() or {}, list(f.keys())
-    except FileNotFoundError:
-        raise UserError(f"draft model file {path} does not exist") from None
-    except Exception as e:
-        raise UserError(f"draft model file {path} cannot be read as safetensors: {e}") from None
+    meta, names = open_model_file(path, kind=DRAFT_KIND, rebuild=rebuild)
     refuse_format(meta, names, path, "draft model", key="draft_format", expected=DRAFT_FORMAT,
                   old_markers=("fc.weight", "blocks."),
                   old_what="an MLP-only draft without attention (retrain it: data/models/README.md)")
-    cfg = config_from_metadata(DraftConfig, meta, path, "draft model",
-                               required=("d_model", "vocab", "n_layers", "ffn", "n_heads", "n_kv_heads"))
+    cfg = model_config(DraftConfig, meta, path, kind=DRAFT_KIND, required=DRAFT_CONFIG_FIELDS)
     p = next(target.parameters())
     draft = HiddenStateDraft(cfg, target)
-    load_strict(draft, path, "draft model")
+    load_model_file(draft, path, meta, kind=DRAFT_KIND)
     return draft.to(device=p.device, dtype=torch.float32).eval()
 
 
 def draft_metadata(path: str | Path) -> dict:
-    from safetensors import safe_open
+    from .weights import open_model_file
 
-    with safe_open(str(path), framework="pt") as f:
-        return dict(f.metadata() or {})
+    return open_model_file(path, kind=DRAFT_KIND)[0]
 
 
 class DraftKVCache:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -38,10 +38,14 @@ class TinyConfig:
     norm_eps: float = 1e-6
 
     def __post_init__(self):
+        check_model_sizes(self, ("vocab", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn", "max_seq"))
         if self.d_model % self.n_heads:
             raise UserError(f"d_model={self.d_model} must be a multiple of n_heads={self.n_heads}")
         if self.n_heads % self.n_kv_heads:
             raise UserError(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")
+        if self.head_dim % 2:
+            raise UserError(f"head dim d_model/n_heads = {self.d_model}/{self.n_heads} = {self.head_dim} must be even "
+                            "(RoPE rotates pairs of dimensions)")
 
     @property
     def head_dim(self) -> int:
@@ -51,6 +55,23 @@ class TinyConfig:
         d, f, kv = self.d_model, self.ffn, self.n_kv_heads * self.head_dim
         per_layer = d * d * 2 + d * kv * 2 + 3 * d * f + 2 * d
         return self.vocab * d * 2 + self.n_layers * per_layer + d
+
+
+def check_model_sizes(cfg, sizes: tuple[str, ...]) -> None:
+    """A model config's sizes are ints >= 1 and its rope_theta and norm_eps finite and > 0, else
+    one UserError naming the field (zero heads would divide by zero, a NaN eps poisons every norm)."""
+    import math
+
+    for k in sizes:
+        v = getattr(cfg, k)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise UserError(f"model config {k}={v!r} must be an int >= 1")
+    for k in ("rope_theta", "norm_eps"):
+        v = getattr(cfg, k, None)
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise UserError(f"model config {k}={v!r} must be a finite number > 0")
 
 
 class RMSNorm(nn.Module):
@@ -199,38 +220,30 @@ def quantize_int8_(model: TinyDecoder) -> TinyDecoder:
     return model
 
 
+TARGET_KIND = "target"
+TARGET_CONFIG_FIELDS = ("vocab", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn", "max_seq")
+
+
 def save_weights(model: TinyDecoder, path: str | Path) -> str:
-    """Save with safetensors; returns the 'model revision': `record.tensors_revision` of the weights."""
-    from safetensors.torch import save_file
+    """Save with safetensors (atomically; kind, role, config and digest in the metadata:
+    `weights.save_model_file`); returns the 'model revision': `record.tensors_revision` of the weights."""
+    from .weights import save_model_file
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-    meta = {k: str(v) for k, v in asdict(model.cfg).items()}
-    save_file(state, str(path), metadata=meta)
-    from ..record import tensors_revision
-
-    return tensors_revision(state)  # of the tensors, not the file: its header order may vary
+    return save_model_file(path, model.state_dict(), model.cfg, kind=TARGET_KIND)
 
 
-def load_weights(path: str | Path, device, dtype=torch.float32, attention: str = "sdpa") -> TinyDecoder:
+def load_weights(path: str | Path, device, dtype=torch.float32, attention: str = "sdpa",
+                 rebuild: str | None = None) -> TinyDecoder:
     """Build the model from a safetensors file's config metadata and load its weights strictly:
-    a file with missing, renamed, extra or wrongly shaped tensors is refused with their names."""
-    from safetensors import safe_open
+    a file with missing, renamed, extra, wrongly shaped or non-finite tensors, an impossible config,
+    another kind or role, or tensors that do not match its digest is refused by name. A missing
+    file names `rebuild`, the command that makes it."""
+    from .weights import load_model_file, model_config, open_model_file
 
-    from .weights import config_from_metadata, load_strict
-
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-    except FileNotFoundError:
-        raise UserError(f"target model file {path} does not exist") from None
-    except Exception as e:
-        raise UserError(f"target model file {path} cannot be read as safetensors: {e}") from None
-    cfg = config_from_metadata(TinyConfig, meta, path, "target model",
-                               required=("vocab", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn", "max_seq"))
+    meta, _ = open_model_file(path, kind=TARGET_KIND, rebuild=rebuild)
+    cfg = model_config(TinyConfig, meta, path, kind=TARGET_KIND, required=TARGET_CONFIG_FIELDS)
     model = TinyDecoder(cfg, attention)
-    load_strict(model, path, "target model")
+    load_model_file(model, path, meta, kind=TARGET_KIND)
     return model.to(device=device, dtype=dtype).eval()
 
 
