@@ -257,3 +257,38 @@ def test_varlen_equals_separate_sequences_and_fla_says_why_not():
     assert fns == {} and why
     with pytest.raises(ValueError, match="cu_seqlens"):
         gdn.recurrent(*args, cu_seqlens=[0, 5, 11])
+
+
+def test_harness_accepts_fla_precision_and_rejects_noise_dg_error_and_a_bf16_state():
+    """The BF16 baseline is the chunked form at fla's working precision (bf16 intermediates, fp32 sums
+    and state): fla's rounding (emulated op by op) passes, while 0.4 % noise on o, a 5 % error on dg
+    and a state kept in BF16 between steps fail. Against the old fp32-state baseline fla's own
+    precision failed (its S error ~1e3x the tolerance)."""
+    fns = {"fla": gdn.fla_precision, "noise": gdn.noisy_output(gdn.fla_precision, 0.004),
+           "dg": gdn.scaled_gradient(gdn.fla_precision, "g", 0.05), "bf16 state": gdn.bf16_state_recurrent}
+    rep = gdn.check_backends(fns, head_dims=(32,), lengths=(45,), gates=("random", "zero"), dtypes=(torch.bfloat16,))
+    assert rep["fla"].passed, rep["fla"].failures()
+    assert all(not r["passed"] and "o:" in r["reason"] for r in rep["noise"].rows), rep["noise"].rows
+    assert all(not r["passed"] and "dg:" in r["reason"] and "o:" not in r["reason"] for r in rep["dg"].rows)
+    assert all(not r["passed"] and r["nonfinite"] == "" for r in rep["bf16 state"].rows)
+    f = rep["fla"].rows[0]
+    inp = gdn.make_inputs(1, 45, 2, 32, 32, "random", seed=0)
+    b = [inp[n].bfloat16() for n in NAMES]
+    ref_S = gdn.recurrent(*(x.double() for x in b), initial_state=inp["h0"].bfloat16().double())[1]
+    fp32_state = _rel(gdn.recurrent(*b, initial_state=inp["h0"].bfloat16())[1], ref_S)   # the old baseline
+    assert f["err_S"] > 100 * (2 * fp32_state + gdn.FLOOR[torch.float32])
+    with pytest.raises(ValueError, match="name must be one of"):
+        gdn.scaled_gradient(gdn.chunked, "h")
+
+
+def test_working_precision_chunked_rounds_and_fla_precision_matches_the_recurrence():
+    inp = gdn.make_inputs(1, 70, 2, 16, 24, "random", seed=7)
+    b = [inp[n].bfloat16() for n in NAMES]
+    ref = gdn.recurrent(*(x.double() for x in b), initial_state=inp["h0"])
+    full = gdn.chunked(*b, chunk_size=64, initial_state=inp["h0"].float())
+    low = gdn.chunked(*b, chunk_size=64, initial_state=inp["h0"].float(), working_dtype=torch.bfloat16)
+    fla = gdn.fla_precision(*b, initial_state=inp["h0"].float())
+    e = {n: _rel(x[1], ref[1]) for n, x in (("full", full), ("low", low), ("fla", fla))}
+    assert e["full"] < 1e-5 < 1e-3 < e["low"] < 1e-2 and 1e-3 < e["fla"] < 1e-2, e
+    f32 = gdn.fla_precision(*(x.float() for x in b), initial_state=inp["h0"].float())   # no rounding in fp32
+    assert _rel(f32[0], ref[0]) < 1e-5 and _rel(f32[1], ref[1]) < 1e-5
