@@ -292,3 +292,57 @@ def test_working_precision_chunked_rounds_and_fla_precision_matches_the_recurren
     assert e["full"] < 1e-5 < 1e-3 < e["low"] < 1e-2 and 1e-3 < e["fla"] < 1e-2, e
     f32 = gdn.fla_precision(*(x.float() for x in b), initial_state=inp["h0"].float())   # no rounding in fp32
     assert _rel(f32[0], ref[0]) < 1e-5 and _rel(f32[1], ref[1]) < 1e-5
+
+
+# -- the chunked forward on tl.dot (numerics/gdn_chunk.py) -------------------------------------------------------
+from inferbook.numerics import gdn_chunk  # noqa: E402
+
+CHUNK_CASES = [  # (B, T, H, K, V, dtype, l2norm, cu_seqlens): odd T, K != V, varlen with 1 and 0 tokens, long T
+    (2, 70, 2, 32, 16, torch.float32, False, None),
+    (1, 45, 2, 64, 64, torch.bfloat16, False, None),
+    (1, 31, 2, 16, 24, torch.float32, True, [0, 1, 1, 9, 31]),
+    (1, 150, 1, 48, 40, torch.bfloat16, True, [0, 129, 150]),
+    (1, 200, 1, 16, 32, torch.float32, False, None),
+]
+
+
+@pytest.mark.parametrize("B,T,H,K,V,dtype,l2,cu", CHUNK_CASES, ids=lambda v: str(v))
+def test_chunked_triton_matches_the_recurrence(B, T, H, K, V, dtype, l2, cu):
+    n = len(cu) - 1 if cu else B
+    inp = gdn.make_inputs(B, T, H, K, V, "random", seed=K + T, n_states=n, normalize_k=not l2)
+    args = [inp[x].to(dtype) for x in NAMES]
+    with torch.no_grad():
+        o, S = gdn_chunk.chunked_triton(*(a.to(DEV) for a in args), initial_state=inp["h0"].float().to(DEV),
+                                        cu_seqlens=cu, use_qk_l2norm=l2)
+    o_r, S_r = gdn.recurrent(*(a.double() for a in args), initial_state=inp["h0"].float().double(), cu_seqlens=cu,
+                             use_qk_l2norm=l2)
+    assert o.dtype == dtype and S.dtype == torch.float32 and o.shape == o_r.shape and S.shape == S_r.shape
+    if cu and 0 in [b - a for a, b in zip(cu, cu[1:])]:   # an empty sequence keeps its initial state
+        i = [b - a for a, b in zip(cu, cu[1:])].index(0)
+        assert torch.equal(S[i].cpu(), inp["h0"][i].float())
+    tol = 1e-5 if dtype == torch.float32 else 6e-3      # bf16: the working precision's error (~3e-3)
+    assert gdn.rel_rms(o.cpu(), o_r) <= tol and gdn.rel_rms(S.cpu(), S_r) <= tol
+
+
+def test_chunked_triton_in_the_harness_and_a_misread_chunk_state_is_caught(monkeypatch):
+    kw = dict(head_dims=(16,), lengths=(67,), gates=("random",), device=DEV, heads=1,
+              dtypes=(torch.bfloat16, torch.float32), extra_cases=[dict(K=16, V=32, lengths=[1, 66, 5], varlen=True)])
+    rep = gdn.check_backend(gdn_chunk.chunked_triton, forward_only=True, **kw)
+    assert rep.passed and not rep.skipped, rep.failures()
+    real = gdn_chunk.chunk_tables
+
+    def reversed_chunks(lengths, chunk=gdn_chunk.CHUNK):   # the output kernel then reads another chunk's state
+        idx, offs = real(lengths, chunk)
+        pairs = [idx[i:i + 2] for i in range(0, len(idx), 2)][::-1]
+        return [x for p in pairs for x in p], offs
+
+    monkeypatch.setattr(gdn_chunk, "chunk_tables", reversed_chunks)
+    bad = gdn.check_backend(gdn_chunk.chunked_triton, forward_only=True, **{**kw, "extra_cases": [],
+                                                                          "dtypes": (torch.float32,)}, name="broken")
+    assert bad.rows and not any(r["passed"] for r in bad.rows)
+    with pytest.raises(ValueError, match="forward-only"):
+        inp = _inputs(1, 4, 1, 8, 8, h0=False)
+        gdn_chunk.chunked_triton(*(inp[n] for n in NAMES))
+    with pytest.raises(ValueError, match="K, V <= 256"):
+        gdn_chunk.chunked_triton(*(torch.zeros(1, 2, 1, 264),) * 2, torch.zeros(1, 2, 1, 8), torch.zeros(1, 2, 1),
+                                 torch.zeros(1, 2, 1))
