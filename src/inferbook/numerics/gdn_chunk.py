@@ -105,9 +105,10 @@ if triton is not None:
             b_kk = tl.dot(b_k, tl.trans(b_k), b_kk, input_precision=PRECISION)
         strict = (o_i[:, None] > o_i[None, :]) & m_t[:, None] & m_t[None, :]
         b_L = b_b[:, None] * b_kk * tl.exp(tl.where(strict, b_G[:, None] - b_G[None, :], float("-inf")))
-        # (I + L)^-1 by forward substitution, row by row: X_i = e_i - sum_j L_ij X_j
+        # (I + L)^-1 by forward substitution, row by row: X_i = e_i - sum_j L_ij X_j, over the chunk's
+        # valid rows only (a partial last chunk stops early, as fla's solve_tril does)
         b_Ai = tl.zeros([BT, BT], dtype=tl.float32)
-        for i in range(BT):
+        for i in range(tl.minimum(BT, T - i_t * BT)):
             l_i = tl.sum(tl.where(o_i[:, None] == i, b_L, 0.0), 0)        # row i of L, over j
             x_i = tl.where(o_i == i, 1.0, 0.0) - tl.sum(l_i[:, None] * b_Ai, 0)
             b_Ai = tl.where(o_i[:, None] == i, x_i[None, :], b_Ai)
