@@ -195,7 +195,7 @@ def test_pack_gqa_on_off_agree(hk, sq, sk):
 @pytest.mark.parametrize("make, match", [
     (lambda g: dict(q=rnd(g, 1, 4, 2, 64, dtype=torch.float32)), "dtype"),
     (lambda g: dict(q=rnd(g, 1, 4, 3, 64)), "multiple of the KV heads"),
-    (lambda g: dict(q=rnd(g, 1, 4, 2, 320), k=rnd(g, 1, 5, 2, 320), v=rnd(g, 1, 5, 2, 320)), "head dim 320"),
+    (lambda g: dict(q=rnd(g, 1, 4, 2, 640), k=rnd(g, 1, 5, 2, 640), v=rnd(g, 1, 5, 2, 64)), "head dim 640"),
     (lambda g: dict(softmax_scale=-1.0), "softmax_scale"),
     (lambda g: dict(causal=1), "causal"),
     (lambda g: dict(sinks=torch.zeros(3, device=DEV)), "sinks"),

@@ -257,3 +257,92 @@ def test_varlen_equals_separate_sequences_and_fla_says_why_not():
     assert fns == {} and why
     with pytest.raises(ValueError, match="cu_seqlens"):
         gdn.recurrent(*args, cu_seqlens=[0, 5, 11])
+
+
+def test_harness_accepts_fla_precision_and_rejects_noise_dg_error_and_a_bf16_state():
+    """The BF16 baseline is the chunked form at fla's working precision (bf16 intermediates, fp32 sums
+    and state): fla's rounding (emulated op by op) passes, while 0.4 % noise on o, a 5 % error on dg
+    and a state kept in BF16 between steps fail. Against the old fp32-state baseline fla's own
+    precision failed (its S error ~1e3x the tolerance)."""
+    fns = {"fla": gdn.fla_precision, "noise": gdn.noisy_output(gdn.fla_precision, 0.004),
+           "dg": gdn.scaled_gradient(gdn.fla_precision, "g", 0.05), "bf16 state": gdn.bf16_state_recurrent}
+    rep = gdn.check_backends(fns, head_dims=(32,), lengths=(45,), gates=("random", "zero"), dtypes=(torch.bfloat16,))
+    assert rep["fla"].passed, rep["fla"].failures()
+    assert all(not r["passed"] and "o:" in r["reason"] for r in rep["noise"].rows), rep["noise"].rows
+    assert all(not r["passed"] and "dg:" in r["reason"] and "o:" not in r["reason"] for r in rep["dg"].rows)
+    assert all(not r["passed"] and r["nonfinite"] == "" for r in rep["bf16 state"].rows)
+    f = rep["fla"].rows[0]
+    inp = gdn.make_inputs(1, 45, 2, 32, 32, "random", seed=0)
+    b = [inp[n].bfloat16() for n in NAMES]
+    ref_S = gdn.recurrent(*(x.double() for x in b), initial_state=inp["h0"].bfloat16().double())[1]
+    fp32_state = _rel(gdn.recurrent(*b, initial_state=inp["h0"].bfloat16())[1], ref_S)   # the old baseline
+    assert f["err_S"] > 100 * (2 * fp32_state + gdn.FLOOR[torch.float32])
+    with pytest.raises(ValueError, match="name must be one of"):
+        gdn.scaled_gradient(gdn.chunked, "h")
+
+
+def test_working_precision_chunked_rounds_and_fla_precision_matches_the_recurrence():
+    inp = gdn.make_inputs(1, 70, 2, 16, 24, "random", seed=7)
+    b = [inp[n].bfloat16() for n in NAMES]
+    ref = gdn.recurrent(*(x.double() for x in b), initial_state=inp["h0"])
+    full = gdn.chunked(*b, chunk_size=64, initial_state=inp["h0"].float())
+    low = gdn.chunked(*b, chunk_size=64, initial_state=inp["h0"].float(), working_dtype=torch.bfloat16)
+    fla = gdn.fla_precision(*b, initial_state=inp["h0"].float())
+    e = {n: _rel(x[1], ref[1]) for n, x in (("full", full), ("low", low), ("fla", fla))}
+    assert e["full"] < 1e-5 < 1e-3 < e["low"] < 1e-2 and 1e-3 < e["fla"] < 1e-2, e
+    f32 = gdn.fla_precision(*(x.float() for x in b), initial_state=inp["h0"].float())   # no rounding in fp32
+    assert _rel(f32[0], ref[0]) < 1e-5 and _rel(f32[1], ref[1]) < 1e-5
+
+
+# -- the chunked forward on tl.dot (numerics/gdn_chunk.py) -------------------------------------------------------
+from inferbook.numerics import gdn_chunk  # noqa: E402
+
+CHUNK_CASES = [  # (B, T, H, K, V, dtype, l2norm, cu_seqlens): odd T, K != V, varlen with 1 and 0 tokens, long T
+    (2, 70, 2, 32, 16, torch.float32, False, None),
+    (1, 45, 2, 64, 64, torch.bfloat16, False, None),
+    (1, 31, 2, 16, 24, torch.float32, True, [0, 1, 1, 9, 31]),
+    (1, 150, 1, 48, 40, torch.bfloat16, True, [0, 129, 150]),
+    (1, 200, 1, 16, 32, torch.float32, False, None),
+]
+
+
+@pytest.mark.parametrize("B,T,H,K,V,dtype,l2,cu", CHUNK_CASES, ids=lambda v: str(v))
+def test_chunked_triton_matches_the_recurrence(B, T, H, K, V, dtype, l2, cu):
+    n = len(cu) - 1 if cu else B
+    inp = gdn.make_inputs(B, T, H, K, V, "random", seed=K + T, n_states=n, normalize_k=not l2)
+    args = [inp[x].to(dtype) for x in NAMES]
+    with torch.no_grad():
+        o, S = gdn_chunk.chunked_triton(*(a.to(DEV) for a in args), initial_state=inp["h0"].float().to(DEV),
+                                        cu_seqlens=cu, use_qk_l2norm=l2)
+    o_r, S_r = gdn.recurrent(*(a.double() for a in args), initial_state=inp["h0"].float().double(), cu_seqlens=cu,
+                             use_qk_l2norm=l2)
+    assert o.dtype == dtype and S.dtype == torch.float32 and o.shape == o_r.shape and S.shape == S_r.shape
+    if cu and 0 in [b - a for a, b in zip(cu, cu[1:])]:   # an empty sequence keeps its initial state
+        i = [b - a for a, b in zip(cu, cu[1:])].index(0)
+        assert torch.equal(S[i].cpu(), inp["h0"][i].float())
+    tol = 1e-5 if dtype == torch.float32 else 6e-3      # bf16: the working precision's error (~3e-3)
+    assert gdn.rel_rms(o.cpu(), o_r) <= tol and gdn.rel_rms(S.cpu(), S_r) <= tol
+
+
+def test_chunked_triton_in_the_harness_and_a_misread_chunk_state_is_caught(monkeypatch):
+    kw = dict(head_dims=(16,), lengths=(67,), gates=("random",), device=DEV, heads=1,
+              dtypes=(torch.bfloat16, torch.float32), extra_cases=[dict(K=16, V=32, lengths=[1, 66, 5], varlen=True)])
+    rep = gdn.check_backend(gdn_chunk.chunked_triton, forward_only=True, **kw)
+    assert rep.passed and not rep.skipped, rep.failures()
+    real = gdn_chunk.chunk_tables
+
+    def reversed_chunks(lengths, chunk=gdn_chunk.CHUNK):   # the output kernel then reads another chunk's state
+        idx, offs = real(lengths, chunk)
+        pairs = [idx[i:i + 2] for i in range(0, len(idx), 2)][::-1]
+        return [x for p in pairs for x in p], offs
+
+    monkeypatch.setattr(gdn_chunk, "chunk_tables", reversed_chunks)
+    bad = gdn.check_backend(gdn_chunk.chunked_triton, forward_only=True, **{**kw, "extra_cases": [],
+                                                                          "dtypes": (torch.float32,)}, name="broken")
+    assert bad.rows and not any(r["passed"] for r in bad.rows)
+    with pytest.raises(ValueError, match="forward-only"):
+        inp = _inputs(1, 4, 1, 8, 8, h0=False)
+        gdn_chunk.chunked_triton(*(inp[n] for n in NAMES))
+    with pytest.raises(ValueError, match="K, V <= 256"):
+        gdn_chunk.chunked_triton(*(torch.zeros(1, 2, 1, 264),) * 2, torch.zeros(1, 2, 1, 8), torch.zeros(1, 2, 1),
+                                 torch.zeros(1, 2, 1))

@@ -43,7 +43,9 @@ except Exception:  # pragma: no cover - triton missing: only the references work
     tl = None
 
 HEAD_DIMS = (64, 96, 128, 192, 256)   # the head dims the matrix covers; any 1..256 runs
-MAX_HEAD_DIM = 256
+MAX_HEAD_DIM = 576     # forward: q/k head dims up to MLA's 576 (512 latent + 64 rope)
+MAX_HEAD_DIM_V = 512   # forward: value head dim up to MLA's 512
+MAX_HEAD_DIM_BWD = 256
 DTYPES = (torch.float16, torch.bfloat16)
 LOG2E = 1.4426950408889634
 
@@ -93,33 +95,67 @@ if triton is not None:
         return outer, inner
 
     @triton.jit
-    def _fwd_tiles(acc, l_i, m_i, q, K, V, lo, hi, offs_m, offs_d, d_ok, sq, sk, b, k_start, page_start, KV_INDICES,
-                   page_size, stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
-                   head_k, qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr, KV_MODE: tl.constexpr,
-                   DOT_FP32: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr):
+    def _keep(offs_m, offs_n, n_ok, sq, sk, wl, wr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
+        """Which (query, key) pairs of a tile are attended: keys inside the sequence, and with
+        CAUSAL / WINDOW, key j of query i (bottom-right aligned: i' = i + sk - sq) when
+        i' - wl <= j <= i' + wr (a negative wl or wr: unbounded on that side)."""
+        keep = n_ok[None, :] & (offs_m[:, None] >= 0)
+        shift = offs_m[:, None] + (sk - sq)
+        if CAUSAL:
+            keep = keep & (offs_n[None, :] <= shift)
+        if WINDOW:
+            keep = keep & ((wr < 0) | (offs_n[None, :] <= shift + wr)) & ((wl < 0) | (offs_n[None, :] >= shift - wl))
+        return keep
+
+    @triton.jit
+    def _logits(q, q2, kt, kt2, qk_scale, softcap_log2e, HAS_TAIL: tl.constexpr, SOFTCAP: tl.constexpr):
+        """Base-2 logits of a tile: q k^T (the head dim in two dots when it is split, e.g. MLA's
+        512 + 64), scaled; with SOFTCAP, softcap * tanh(s / softcap) (qk_scale is then
+        scale / softcap and softcap_log2e = softcap * log2 e). Also returns tanh (1 without a cap)
+        for the backward."""
+        s = tl.dot(q, kt)
+        if HAS_TAIL:
+            s = tl.dot(q2, kt2, s)
+        s = s * qk_scale
+        t = s * 0.0 + 1.0
+        if SOFTCAP:
+            t = 1.0 - 2.0 / (tl.exp(2.0 * s) + 1.0)     # tanh, finite for every finite s
+            s = t * softcap_log2e
+        return s, t
+
+    @triton.jit
+    def _fwd_tiles(acc, l_i, m_i, q, q2, K, V, lo, hi, offs_m, offs_d, d_ok, offs_d2, d2_ok, offs_dv, dv_ok, sq, sk,
+                   b, k_start, page_start, KV_INDICES, page_size, stride_kb, stride_ks, stride_kh, stride_kd,
+                   stride_vb, stride_vs, stride_vh, stride_vd, head_k, qk_scale, softcap_log2e, wl, wr,
+                   MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+                   KV_MODE: tl.constexpr, DOT_FP32: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr,
+                   EVEN_DV: tl.constexpr, HAS_TAIL: tl.constexpr, BLOCK_D: tl.constexpr):
         """The online softmax over key tiles [lo, hi). MASKED=False is the bulk of a long row — tiles
-        wholly inside the sequence and below the causal diagonal — with no mask on loads or scores;
-        MASKED=True takes the ragged tail and the diagonal."""
+        wholly inside the sequence and inside every row's causal / window band — with no mask on
+        loads or scores; MASKED=True takes the ragged ends and the band's edges."""
         for start_n in range(lo, hi, BLOCK_N):
             offs_n = start_n + tl.arange(0, BLOCK_N)
             n_ok = offs_n < sk
             kb, ks = _kv_rows(offs_n, n_ok, b, k_start, page_start, KV_INDICES, page_size, KV_MODE)
-            k_ptr = K + (kb * stride_kb + ks * stride_ks + head_k * stride_kh)[None, :] + offs_d[:, None] * stride_kd
-            v_ptr = V + (kb * stride_vb + ks * stride_vs + head_k * stride_vh)[:, None] + offs_d[None, :] * stride_vd
+            k_base = K + (kb * stride_kb + ks * stride_ks + head_k * stride_kh)[None, :]
+            k_ptr = k_base + offs_d[:, None] * stride_kd
+            v_ptr = V + (kb * stride_vb + ks * stride_vs + head_k * stride_vh)[:, None] + offs_dv[None, :] * stride_vd
             if MASKED:
                 kt = tl.load(k_ptr, mask=n_ok[None, :] & d_ok[:, None], other=0.0)
             elif EVEN_D:  # head dim == tile width: plain, vectorisable loads
                 kt = tl.load(k_ptr)
             else:
                 kt = tl.load(k_ptr, mask=d_ok[:, None], other=0.0)
+            kt2 = kt
+            if HAS_TAIL:  # the head dim's remainder (MLA: the 64 rope dims after 512)
+                kt2 = tl.load(k_base + (BLOCK_D + offs_d2)[:, None] * stride_kd,
+                              mask=n_ok[None, :] & d2_ok[:, None], other=0.0)
             if DOT_FP32:  # interpreter only: its bf16 tl.dot is wrong
                 kt = kt.to(tl.float32)
-            s = tl.dot(q, kt) * qk_scale
+                kt2 = kt2.to(tl.float32)
+            s, t = _logits(q, q2, kt, kt2, qk_scale, softcap_log2e, HAS_TAIL, SOFTCAP)
             if MASKED:
-                valid = n_ok[None, :]
-                if CAUSAL:
-                    valid = valid & (offs_n[None, :] <= offs_m[:, None] + (sk - sq))
-                s = tl.where(valid, s, float("-inf"))
+                s = tl.where(_keep(offs_m, offs_n, n_ok, sq, sk, wl, wr, CAUSAL, WINDOW), s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             # a row that has seen only masked keys keeps m = -inf; subtracting 0 instead of
             # -inf keeps exp2 at 0 rather than exp2(-inf - -inf) = NaN
@@ -128,11 +164,11 @@ if triton is not None:
             p = tl.exp2(s - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             if MASKED:
-                v = tl.load(v_ptr, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-            elif EVEN_D:
+                v = tl.load(v_ptr, mask=n_ok[:, None] & dv_ok[None, :], other=0.0)
+            elif EVEN_DV:
                 v = tl.load(v_ptr)
             else:
-                v = tl.load(v_ptr, mask=d_ok[None, :], other=0.0)
+                v = tl.load(v_ptr, mask=dv_ok[None, :], other=0.0)
             p_lo = p.to(V.dtype.element_ty)  # P is rounded to the input dtype, as on tensor cores
             if DOT_FP32:
                 v = v.to(tl.float32)
@@ -149,10 +185,12 @@ if triton is not None:
         stride_vb, stride_vs, stride_vh, stride_vd,
         stride_ob, stride_os, stride_oh,
         stride_lh,
-        seqlen_q, seqlen_k, head_dim, group, qk_scale, page_size,
+        seqlen_q, seqlen_k, head_dim, head_dim_v, group, qk_scale, softcap_log2e, window_left, window_right,
+        page_size,
         CAUSAL: tl.constexpr, VARLEN_Q: tl.constexpr, KV_MODE: tl.constexpr, PACK_GQA: tl.constexpr,
-        HAS_SINKS: tl.constexpr, DOT_FP32: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
+        HAS_SINKS: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, DOT_FP32: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_TAIL: tl.constexpr,
+        BLOCK_D2: tl.constexpr, BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
     ):
         # grid: (row blocks, batch, heads). With PACK_GQA the heads axis runs over KV heads and
         # the M rows of a tile are (query position, query head of the group) pairs, so one K/V
@@ -177,16 +215,26 @@ if triton is not None:
             return
         r_ok = offs_r < rows
         # head dims that are not powers of two (96, 192) are padded to BLOCK_D: the padded
-        # lanes are predicated off on every load and store (PackGQA's padded-head predication)
+        # lanes are predicated off on every load and store (PackGQA's padded-head predication);
+        # above 256 the head dim is split into BLOCK_D + a BLOCK_D2 tail (MLA's 576 = 512 + 64)
         offs_d = tl.arange(0, BLOCK_D)
         d_ok = offs_d < head_dim
+        offs_d2 = tl.arange(0, BLOCK_D2)
+        d2_ok = (BLOCK_D + offs_d2) < head_dim
+        offs_dv = tl.arange(0, BLOCK_DV)
+        dv_ok = offs_dv < head_dim_v
 
         q_row = (b.to(tl.int64) * stride_qb + (q_start + offs_m).to(tl.int64) * stride_qs
                  + head_q.to(tl.int64) * stride_qh)
         q = tl.load(Q + q_row[:, None] + offs_d[None, :] * stride_qd,
                     mask=r_ok[:, None] & d_ok[None, :], other=0.0)
+        q2 = q
+        if HAS_TAIL:
+            q2 = tl.load(Q + q_row[:, None] + (BLOCK_D + offs_d2)[None, :] * stride_qd,
+                         mask=r_ok[:, None] & d2_ok[None, :], other=0.0)
         if DOT_FP32:  # interpreter only: its bf16 tl.dot is wrong
             q = q.to(tl.float32)
+            q2 = q2.to(tl.float32)
 
         if HAS_SINKS:  # the sink is one more logit in the denominator, with no value vector
             m_i = tl.load(SINKS + head_q, mask=r_ok, other=0.0).to(tl.float32) * 1.4426950408889634
@@ -194,27 +242,52 @@ if triton is not None:
         else:
             m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
             l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
 
+        # The key range this row tile can see, [lo, hi), and inside it the tiles that every row sees
+        # whole, [lo_full, hi_full): those run with no mask; tiles outside [lo, hi) are never loaded
+        # (a sliding window visits only the tiles its band touches).
+        first_r = pid_m * BLOCK_M
+        last_r = tl.minimum(pid_m * BLOCK_M + BLOCK_M - 1, rows - 1)
+        if PACK_GQA:
+            first_r = first_r // group
+            last_r = last_r // group
+        first_s = first_r + sk - sq              # bottom-right aligned positions of the first / last row
+        last_s = last_r + sk - sq
+        wr = window_right
+        if CAUSAL:  # causal is the window (window_left, 0), as in FlashAttention
+            wr = window_right * 0
+        lo = first_s * 0
+        lo_full = lo
         hi = sk
-        # tiles below `hi_full` are entirely valid for every row of this tile: no mask at all
         hi_full = (sk // BLOCK_N) * BLOCK_N
-        if CAUSAL:  # keys past the last row's diagonal are never loaded
-            first_r = pid_m * BLOCK_M
-            last_r = tl.minimum(pid_m * BLOCK_M + BLOCK_M - 1, rows - 1)
-            if PACK_GQA:
-                first_r = first_r // group
-                last_r = last_r // group
-            hi = tl.minimum(sk, tl.maximum(last_r + 1 + sk - sq, 0))
-            hi_full = tl.minimum(hi_full, (tl.maximum(first_r + 1 + sk - sq, 0) // BLOCK_N) * BLOCK_N)
+        if CAUSAL or WINDOW:
+            bounded = wr >= 0
+            hi = tl.where(bounded, tl.minimum(sk, tl.maximum(last_s + wr + 1, 0)), hi)
+            hi_full = tl.where(bounded, tl.minimum(hi_full, (tl.maximum(first_s + wr + 1, 0) // BLOCK_N) * BLOCK_N),
+                               hi_full)
+            if WINDOW:
+                left = window_left >= 0
+                lo = tl.where(left, (tl.maximum(first_s - window_left, 0) // BLOCK_N) * BLOCK_N, lo)
+                lo_full = tl.where(left, tl.cdiv(tl.maximum(last_s - window_left, 0), BLOCK_N) * BLOCK_N, lo_full)
+        lo = tl.minimum(lo, hi)
+        mid_lo = tl.maximum(lo, tl.minimum(lo_full, hi))
+        mid_hi = tl.maximum(mid_lo, tl.minimum(hi_full, hi))
         acc, l_i, m_i = _fwd_tiles(
-            acc, l_i, m_i, q, K, V, 0, hi_full, offs_m, offs_d, d_ok, sq, sk, b, k_start, page_start, KV_INDICES,
-            page_size, stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
-            head_k, qk_scale, False, CAUSAL, KV_MODE, DOT_FP32, BLOCK_N, EVEN_D)
+            acc, l_i, m_i, q, q2, K, V, lo, mid_lo, offs_m, offs_d, d_ok, offs_d2, d2_ok, offs_dv, dv_ok, sq, sk,
+            b, k_start, page_start, KV_INDICES, page_size, stride_kb, stride_ks, stride_kh, stride_kd,
+            stride_vb, stride_vs, stride_vh, stride_vd, head_k, qk_scale, softcap_log2e, window_left, wr,
+            True, CAUSAL, WINDOW, SOFTCAP, KV_MODE, DOT_FP32, BLOCK_N, EVEN_D, EVEN_DV, HAS_TAIL, BLOCK_D)
         acc, l_i, m_i = _fwd_tiles(
-            acc, l_i, m_i, q, K, V, hi_full, hi, offs_m, offs_d, d_ok, sq, sk, b, k_start, page_start, KV_INDICES,
-            page_size, stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
-            head_k, qk_scale, True, CAUSAL, KV_MODE, DOT_FP32, BLOCK_N, EVEN_D)
+            acc, l_i, m_i, q, q2, K, V, mid_lo, mid_hi, offs_m, offs_d, d_ok, offs_d2, d2_ok, offs_dv, dv_ok, sq, sk,
+            b, k_start, page_start, KV_INDICES, page_size, stride_kb, stride_ks, stride_kh, stride_kd,
+            stride_vb, stride_vs, stride_vh, stride_vd, head_k, qk_scale, softcap_log2e, window_left, wr,
+            False, CAUSAL, WINDOW, SOFTCAP, KV_MODE, DOT_FP32, BLOCK_N, EVEN_D, EVEN_DV, HAS_TAIL, BLOCK_D)
+        acc, l_i, m_i = _fwd_tiles(
+            acc, l_i, m_i, q, q2, K, V, mid_hi, hi, offs_m, offs_d, d_ok, offs_d2, d2_ok, offs_dv, dv_ok, sq, sk,
+            b, k_start, page_start, KV_INDICES, page_size, stride_kb, stride_ks, stride_kh, stride_kd,
+            stride_vb, stride_vs, stride_vh, stride_vd, head_k, qk_scale, softcap_log2e, window_left, wr,
+            True, CAUSAL, WINDOW, SOFTCAP, KV_MODE, DOT_FP32, BLOCK_N, EVEN_D, EVEN_DV, HAS_TAIL, BLOCK_D)
 
         # no key and no sink: l = 0 -> out 0, lse -inf (the empty-K contract)
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -222,8 +295,8 @@ if triton is not None:
         lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)
         o_row = (b.to(tl.int64) * stride_ob + (q_start + offs_m).to(tl.int64) * stride_os
                  + head_q.to(tl.int64) * stride_oh)
-        tl.store(O + o_row[:, None] + offs_d[None, :], out.to(O.dtype.element_ty),
-                 mask=r_ok[:, None] & d_ok[None, :])
+        tl.store(O + o_row[:, None] + offs_dv[None, :], out.to(O.dtype.element_ty),
+                 mask=r_ok[:, None] & dv_ok[None, :])
         if VARLEN_Q:
             l_row = q_start + offs_m
         else:
@@ -238,10 +311,13 @@ if triton is not None:
         stride_vb, stride_vs, stride_vh, stride_vd,
         stride_dob, stride_dos, stride_doh, stride_dod,
         stride_gb, stride_gs, stride_gh,
+        stride_gvb, stride_gvs, stride_gvh,
         stride_lh,
-        seqlen_q, seqlen_k, head_dim, group, qk_scale, sm_scale,
-        CAUSAL: tl.constexpr, VARLEN: tl.constexpr, KV_MODE: tl.constexpr, DOT_FP32: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+        seqlen_q, seqlen_k, head_dim, head_dim_v, group, qk_scale, softcap_log2e, sm_scale, window_left,
+        window_right,
+        CAUSAL: tl.constexpr, VARLEN: tl.constexpr, KV_MODE: tl.constexpr, WINDOW: tl.constexpr,
+        SOFTCAP: tl.constexpr, DOT_FP32: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     ):
         # grid: (key blocks, batch, KV heads). One program owns a K/V tile and sums dK, dV over
         # every query block of every query head in its group: no atomics, GQA reduced in registers.
@@ -256,34 +332,46 @@ if triton is not None:
         n_ok = offs_n < sk
         offs_d = tl.arange(0, BLOCK_D)
         d_ok = offs_d < head_dim
+        offs_dv = tl.arange(0, BLOCK_DV)
+        dv_ok = offs_dv < head_dim_v
         nd_ok = n_ok[:, None] & d_ok[None, :]
+        ndv_ok = n_ok[:, None] & dv_ok[None, :]
         k_row = b.to(tl.int64) * stride_kb + (k_start + offs_n).to(tl.int64) * stride_ks + hk * stride_kh
         v_row = b.to(tl.int64) * stride_vb + (k_start + offs_n).to(tl.int64) * stride_vs + hk * stride_vh
         k = tl.load(K + k_row[:, None] + offs_d[None, :] * stride_kd, mask=nd_ok, other=0.0)
-        v = tl.load(V + v_row[:, None] + offs_d[None, :] * stride_vd, mask=nd_ok, other=0.0)
+        v = tl.load(V + v_row[:, None] + offs_dv[None, :] * stride_vd, mask=ndv_ok, other=0.0)
         if DOT_FP32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-        dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+        dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
 
-        lo = 0
-        if CAUSAL:  # queries above this tile's diagonal never see its keys
-            lo = tl.maximum(pid_n * BLOCK_N - (sk - sq), 0)
+        # the queries whose band reaches this key tile: i' - wl <= j <= i' + wr (i' = i + sk - sq)
+        wr = window_right
+        if CAUSAL:
+            wr = window_right * 0
+        lo = pid_n * 0
+        hi = sq
+        if CAUSAL or WINDOW:  # queries above this tile's diagonal (or band) never see its keys
+            lo = tl.where(wr >= 0, tl.maximum(pid_n * BLOCK_N - wr - (sk - sq), 0), lo)
             lo = (lo // BLOCK_M) * BLOCK_M
+            if WINDOW:
+                hi = tl.where(window_left >= 0,
+                              tl.minimum(sq, tl.maximum(pid_n * BLOCK_N + BLOCK_N + window_left - (sk - sq), 0)), hi)
         # a key no query attends (empty Q) runs no iteration: dK = dV = 0 exactly
         for g in range(0, group):
             hq = hk * group + g
-            for start_m in range(lo, sq, BLOCK_M):
+            for start_m in range(lo, hi, BLOCK_M):
                 offs_m = start_m + tl.arange(0, BLOCK_M)
                 m_ok = offs_m < sq
                 md_ok = m_ok[:, None] & d_ok[None, :]
+                mdv_ok = m_ok[:, None] & dv_ok[None, :]
                 q_row = (b.to(tl.int64) * stride_qb + (q_start + offs_m).to(tl.int64) * stride_qs
                          + hq * stride_qh)
                 do_row = (b.to(tl.int64) * stride_dob + (q_start + offs_m).to(tl.int64) * stride_dos
                           + hq * stride_doh)
                 q = tl.load(Q + q_row[:, None] + offs_d[None, :] * stride_qd, mask=md_ok, other=0.0)
-                do = tl.load(DO + do_row[:, None] + offs_d[None, :] * stride_dod, mask=md_ok, other=0.0)
+                do = tl.load(DO + do_row[:, None] + offs_dv[None, :] * stride_dod, mask=mdv_ok, other=0.0)
                 if VARLEN:
                     l_row = q_start + offs_m
                 else:
@@ -296,10 +384,8 @@ if triton is not None:
                 if DOT_FP32:
                     q = q.to(tl.float32)
                     do = do.to(tl.float32)
-                s = tl.dot(q, tl.trans(k)) * qk_scale
-                valid = m_ok[:, None] & n_ok[None, :]
-                if CAUSAL:
-                    valid = valid & (offs_n[None, :] <= offs_m[:, None] + (sk - sq))
+                s, t = _logits(q, q, tl.trans(k), k, qk_scale, softcap_log2e, False, SOFTCAP)
+                valid = m_ok[:, None] & _keep(offs_m, offs_n, n_ok, sq, sk, window_left, wr, CAUSAL, WINDOW)
                 s = tl.where(valid, s, float("-inf"))
                 p = tl.exp2(s - lse[:, None])
                 p_lo = p.to(Q.dtype.element_ty)
@@ -308,6 +394,8 @@ if triton is not None:
                 dv += tl.dot(tl.trans(p_lo), do)
                 dp = tl.dot(do, tl.trans(v))
                 ds = p * (dp - delta[:, None])
+                if SOFTCAP:  # d(softcap tanh(x / softcap)) / dx = 1 - tanh^2
+                    ds = ds * (1.0 - t * t)
                 ds_lo = ds.to(Q.dtype.element_ty)
                 if DOT_FP32:
                     ds_lo = ds_lo.to(tl.float32)
@@ -315,7 +403,8 @@ if triton is not None:
         dk = dk * sm_scale
         g_row = b.to(tl.int64) * stride_gb + (k_start + offs_n).to(tl.int64) * stride_gs + hk * stride_gh
         tl.store(DK + g_row[:, None] + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=nd_ok)
-        tl.store(DV + g_row[:, None] + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=nd_ok)
+        gv_row = b.to(tl.int64) * stride_gvb + (k_start + offs_n).to(tl.int64) * stride_gvs + hk * stride_gvh
+        tl.store(DV + gv_row[:, None] + offs_dv[None, :], dv.to(DV.dtype.element_ty), mask=ndv_ok)
 
     @triton.jit
     def _attn_bwd_dq_kernel(
@@ -326,9 +415,11 @@ if triton is not None:
         stride_dob, stride_dos, stride_doh, stride_dod,
         stride_gb, stride_gs, stride_gh,
         stride_lh,
-        seqlen_q, seqlen_k, head_dim, group, qk_scale, sm_scale,
-        CAUSAL: tl.constexpr, VARLEN: tl.constexpr, KV_MODE: tl.constexpr, DOT_FP32: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+        seqlen_q, seqlen_k, head_dim, head_dim_v, group, qk_scale, softcap_log2e, sm_scale, window_left,
+        window_right,
+        CAUSAL: tl.constexpr, VARLEN: tl.constexpr, KV_MODE: tl.constexpr, WINDOW: tl.constexpr,
+        SOFTCAP: tl.constexpr, DOT_FP32: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     ):
         # grid: (query blocks, batch, query heads); recomputes P from lse, as the forward left it
         pid_m = tl.program_id(0)
@@ -343,11 +434,14 @@ if triton is not None:
         m_ok = offs_m < sq
         offs_d = tl.arange(0, BLOCK_D)
         d_ok = offs_d < head_dim
+        offs_dv = tl.arange(0, BLOCK_DV)
+        dv_ok = offs_dv < head_dim_v
         md_ok = m_ok[:, None] & d_ok[None, :]
         q_row = b.to(tl.int64) * stride_qb + (q_start + offs_m).to(tl.int64) * stride_qs + hq * stride_qh
         do_row = b.to(tl.int64) * stride_dob + (q_start + offs_m).to(tl.int64) * stride_dos + hq * stride_doh
         q = tl.load(Q + q_row[:, None] + offs_d[None, :] * stride_qd, mask=md_ok, other=0.0)
-        do = tl.load(DO + do_row[:, None] + offs_d[None, :] * stride_dod, mask=md_ok, other=0.0)
+        do = tl.load(DO + do_row[:, None] + offs_dv[None, :] * stride_dod, mask=m_ok[:, None] & dv_ok[None, :],
+                     other=0.0)
         if DOT_FP32:
             q = q.to(tl.float32)
             do = do.to(tl.float32)
@@ -359,29 +453,38 @@ if triton is not None:
         lse = tl.where(lse == float("-inf"), 0.0, lse)
         delta = tl.load(DELTA + hq.to(tl.int64) * stride_lh + l_row, mask=m_ok, other=0.0)
         dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        hi = sk
+        # the keys this query tile's band reaches (tiles outside it are never loaded)
+        wr = window_right
         if CAUSAL:
+            wr = window_right * 0
+        lo = pid_m * 0
+        hi = sk
+        if CAUSAL or WINDOW:
             last_m = tl.minimum(pid_m * BLOCK_M + BLOCK_M - 1, sq - 1)
-            hi = tl.minimum(sk, tl.maximum(last_m + 1 + sk - sq, 0))
-        for start_n in range(0, hi, BLOCK_N):
+            hi = tl.where(wr >= 0, tl.minimum(sk, tl.maximum(last_m + wr + 1 + sk - sq, 0)), hi)
+            if WINDOW:
+                lo = tl.where(window_left >= 0,
+                              (tl.maximum(pid_m * BLOCK_M + sk - sq - window_left, 0) // BLOCK_N) * BLOCK_N, lo)
+        for start_n in range(lo, hi, BLOCK_N):
             offs_n = start_n + tl.arange(0, BLOCK_N)
             n_ok = offs_n < sk
             nd_ok = n_ok[:, None] & d_ok[None, :]
             k_row = b.to(tl.int64) * stride_kb + (k_start + offs_n).to(tl.int64) * stride_ks + hk * stride_kh
             v_row = b.to(tl.int64) * stride_vb + (k_start + offs_n).to(tl.int64) * stride_vs + hk * stride_vh
             k = tl.load(K + k_row[:, None] + offs_d[None, :] * stride_kd, mask=nd_ok, other=0.0)
-            v = tl.load(V + v_row[:, None] + offs_d[None, :] * stride_vd, mask=nd_ok, other=0.0)
+            v = tl.load(V + v_row[:, None] + offs_dv[None, :] * stride_vd, mask=n_ok[:, None] & dv_ok[None, :],
+                        other=0.0)
             if DOT_FP32:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
-            s = tl.dot(q, tl.trans(k)) * qk_scale
-            valid = m_ok[:, None] & n_ok[None, :]
-            if CAUSAL:
-                valid = valid & (offs_n[None, :] <= offs_m[:, None] + (sk - sq))
+            s, t = _logits(q, q, tl.trans(k), k, qk_scale, softcap_log2e, False, SOFTCAP)
+            valid = m_ok[:, None] & _keep(offs_m, offs_n, n_ok, sq, sk, window_left, wr, CAUSAL, WINDOW)
             s = tl.where(valid, s, float("-inf"))
             p = tl.exp2(s - lse[:, None])
             dp = tl.dot(do, tl.trans(v))
             ds = p * (dp - delta[:, None])
+            if SOFTCAP:
+                ds = ds * (1.0 - t * t)
             ds_lo = ds.to(Q.dtype.element_ty)
             if DOT_FP32:
                 ds_lo = ds_lo.to(tl.float32)
@@ -394,12 +497,29 @@ if triton is not None:
 # ---------------------------------------------------------------------------
 # Launch configuration
 
-def block_config(device: torch.device, head_dim: int, kind: str) -> dict:
+def head_tiles(head_dim: int, head_dim_v: int | None = None) -> dict:
+    """How the head dims map onto tiles: up to 256 the q/k head dim is padded to a power of two
+    (BLOCK_D, padded lanes predicated off); above 256 it is split into a power-of-two BLOCK_D and a
+    tail BLOCK_D2 (MLA's 576 = 512 + 64: two dots instead of a 1024-wide tile). BLOCK_DV pads the
+    value head dim (dv != d, up to 512)."""
+    dv = head_dim if head_dim_v is None else head_dim_v
+    if head_dim <= 256:
+        bd, tail = max(16, triton.next_power_of_2(head_dim)), 0
+    else:
+        bd = 1 << (head_dim.bit_length() - 1)
+        tail = max(16, triton.next_power_of_2(head_dim - bd)) if head_dim > bd else 0
+    return dict(BLOCK_D=bd, HAS_TAIL=tail > 0, BLOCK_D2=tail or 16, BLOCK_DV=max(16, triton.next_power_of_2(dv)),
+                EVEN_D=bd <= head_dim, EVEN_DV=triton.next_power_of_2(dv) == dv and dv >= 16)
+
+
+def block_config(device: torch.device, head_dim: int, kind: str, head_dim_v: int | None = None) -> dict:
     """Tile sizes and warps per kernel. Fixed, not autotuned (autotuning would add minutes of
     compilation per head dim and mask combination to every run of the matrix).
 
     GPU: 128x64 forward tiles up to D=128; D=192/256 pad to 256 and halve the tiles to keep the
-    fp32 accumulators in registers. Interpreter: 64x64 — each interpreted op costs far more than
+    fp32 accumulators in registers; MLA-sized heads (d or dv > 256) 32x32 with 8 warps (q [32, 576] and
+    the [32, 512] accumulator in registers: no spill on sm_90).
+    Backward at d 192/256: dK/dV 32x64 (wgmma on sm_90), dQ 32x16 (64-row dQ tiles spill). Interpreter: 64x64 — each interpreted op costs far more than
     its arithmetic, so fewer, larger tiles run fastest (measured: 32x32 is ~4x slower on the smoke
     matrix); the 113x203 shape still spans several tiles with ragged tails.
     """
@@ -407,6 +527,10 @@ def block_config(device: torch.device, head_dim: int, kind: str) -> dict:
     if device.type != "cuda":
         return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_D=block_d, num_warps=4, num_stages=1)
     if kind == "fwd":
+        widest = max(head_dim, head_dim_v or head_dim)
+        if widest > 256:   # MLA-sized heads (576/512): short tiles keep q and the accumulator in registers
+            return dict(BLOCK_M=32, BLOCK_N=32, BLOCK_D=block_d, num_warps=8, num_stages=1)
+        block_d = max(16, triton.next_power_of_2(widest))
         if block_d <= 64:
             return dict(BLOCK_M=128, BLOCK_N=64, BLOCK_D=block_d, num_warps=4, num_stages=3)
         if block_d <= 128:
@@ -415,7 +539,9 @@ def block_config(device: torch.device, head_dim: int, kind: str) -> dict:
     if kind == "dkdv":
         if block_d <= 128:
             return dict(BLOCK_M=32, BLOCK_N=64, BLOCK_D=block_d, num_warps=8, num_stages=2)
-        return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_D=block_d, num_warps=8, num_stages=1)
+        # d 192/256: 64 keys per program keep dK/dV's MMAs at wgmma's M = 64 on sm_90 (16x32 tiles were
+        # mma.sync) with no spill on sm_80/90/100; one stage so the K, V, dK, dV tiles fit shared memory
+        return dict(BLOCK_M=32, BLOCK_N=64, BLOCK_D=block_d, num_warps=8, num_stages=1)
     if block_d <= 128:  # dq
         return dict(BLOCK_M=64, BLOCK_N=32, BLOCK_D=block_d, num_warps=8, num_stages=2)
     return dict(BLOCK_M=32, BLOCK_N=16, BLOCK_D=block_d, num_warps=8, num_stages=1)
@@ -466,17 +592,29 @@ def _check_qkv(q, k, v, *, varlen: bool, paged: bool):
             _fail(f"k_cache must be [num_pages, page_size, Hk, D] (NHD), got shape {list(k.shape)}")
     elif k.dim() != want_q:
         _fail(f"k must be {'[total_k, Hk, D] (varlen)' if varlen else '[B, Sk, Hk, D]'}, got shape {list(k.shape)}")
-    if k.shape != v.shape:
-        _fail(f"k and v must have the same shape, got {list(k.shape)} and {list(v.shape)}")
-    D, H, Hk = q.shape[-1], q.shape[-2], k.shape[-2]
+    if k.shape[:-1] != v.shape[:-1]:
+        _fail(f"k and v must have the same shape but for the head dim, got {list(k.shape)} and {list(v.shape)}")
+    D, H, Hk, DV = q.shape[-1], q.shape[-2], k.shape[-2], v.shape[-1]
     if not 1 <= D <= MAX_HEAD_DIM:
         _fail(f"head dim {D} is not supported; allowed: 1..{MAX_HEAD_DIM} (the matrix covers {HEAD_DIMS})")
+    if not 1 <= DV <= MAX_HEAD_DIM_V:
+        _fail(f"value head dim {DV} is not supported; allowed: 1..{MAX_HEAD_DIM_V}")
     if k.shape[-1] != D:
         _fail(f"k has head dim {k.shape[-1]} but q has {D}")
     if Hk < 1 or H % Hk:
         _fail(f"q has {H} heads, k/v {Hk}: the query heads must be a multiple of the KV heads (GQA/MQA)")
     if not varlen and not paged and q.shape[0] != k.shape[0]:
         _fail(f"q has batch {q.shape[0]} but k has {k.shape[0]}")
+
+
+def _check_window_softcap(window_size, softcap) -> tuple[tuple[int, int], float]:
+    """FlashAttention's `window_size=(left, right)` (-1: unbounded) and `softcap` (0: none)."""
+    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
+            or not all(isinstance(w, int) and not isinstance(w, bool) and w >= -1 for w in window_size)):
+        _fail(f"window_size must be a pair (left, right) of ints >= -1 (-1: unbounded), got {window_size!r}")
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not math.isfinite(softcap) or softcap < 0:
+        _fail(f"softcap must be a finite number >= 0 (0: no cap), got {softcap!r}")
+    return (int(window_size[0]), int(window_size[1])), float(softcap)
 
 
 def _check_scale_sinks(softmax_scale, sinks, H, device):
@@ -510,6 +648,8 @@ class _Meta:
     cu_k: torch.Tensor | None
     pack_gqa: bool
     rows: int            # total query rows (B*Sq or total_q)
+    window: tuple = (-1, -1)   # (left, right) keys a query sees around its diagonal; -1: unbounded
+    softcap: float = 0.0       # > 0: logits s -> softcap * tanh(s / softcap)
 
 
 def _nonempty(t: torch.Tensor) -> torch.Tensor:
@@ -530,9 +670,10 @@ def _forward_launch(q, k, v, sinks, meta: _Meta, out, lse, *, kv_mode: int, page
     from ..compiled import Launch
 
     H, D = q.shape[-2], q.shape[-1]
-    Hk = k.shape[-2]
+    Hk, DV = k.shape[-2], v.shape[-1]
     group = H // Hk
-    cfg = block_config(device, D, "fwd")
+    cfg = block_config(device, D, "fwd", DV)
+    tiles = head_tiles(D, DV)
     pack = meta.pack_gqa and group > 1
     rows_per_seq = meta.max_seqlen_q * (group if pack else 1)
     grid = (triton.cdiv(rows_per_seq, cfg["BLOCK_M"]), meta.batch, Hk if pack else H)
@@ -550,16 +691,25 @@ def _forward_launch(q, k, v, sinks, meta: _Meta, out, lse, *, kv_mode: int, page
             meta.cu_q if meta.cu_q is not None else dummy, meta.cu_k if meta.cu_k is not None else dummy,
             indptr, _nonempty(indices), last,
             *sq_, *sk_, *sv_, so[0], so[1], so[2], lse.stride(0),
-            meta.seqlen_q, meta.seqlen_k, D, group, meta.scale * LOG2E, page_size]
+            meta.seqlen_q, meta.seqlen_k, D, DV, group, *_logit_scales(meta), int(meta.window[0]),
+            int(meta.window[1]), page_size]
     kwargs = dict(CAUSAL=meta.causal, VARLEN_Q=meta.varlen, KV_MODE=kv_mode, PACK_GQA=pack,
-                  HAS_SINKS=sinks is not None, DOT_FP32=_device.dot_needs_fp32(device),
-                  BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=cfg["BLOCK_D"], EVEN_D=cfg["BLOCK_D"] == D,
+                  HAS_SINKS=sinks is not None, WINDOW=tuple(meta.window) != (-1, -1), SOFTCAP=meta.softcap > 0,
+                  DOT_FP32=_device.dot_needs_fp32(device), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], **tiles,
                   num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return Launch("fwd", _attn_fwd_kernel, args, kwargs, "attention/flash.py:_forward", grid)
 
 
+def _logit_scales(meta: _Meta) -> tuple[float, float]:
+    """(qk_scale, softcap_log2e) the kernels take: scale * log2 e without a cap (base-2 logits);
+    with a cap, scale / softcap (the tanh argument) and softcap * log2 e."""
+    if meta.softcap > 0:
+        return meta.scale / meta.softcap, meta.softcap * LOG2E
+    return meta.scale * LOG2E, 0.0
+
+
 def _forward(q, k, v, sinks, meta: _Meta, *, kv_mode: int = 0, page_table=None, page_size: int = 1):
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    out = torch.empty((*q.shape[:-1], v.shape[-1]), dtype=q.dtype, device=q.device)
     lse = torch.empty((q.shape[-2], meta.rows), dtype=torch.float32, device=q.device)
     launch = _forward_launch(q, k, v, sinks, meta, out, lse, kv_mode=kv_mode, page_table=page_table,
                              page_size=page_size, device=q.device)
@@ -583,28 +733,33 @@ def _backward_launches(dout, q, k, v, lse, delta, dq, dk, dv, meta: _Meta, *, de
     common = (*_strides4(q, meta.varlen), *_strides4(k, meta.varlen), *_strides4(v, meta.varlen),
               *_strides4(dout, meta.varlen))
     dot_fp32 = _device.dot_needs_fp32(device)
+    DV = v.shape[-1]
+    scales, window = _logit_scales(meta), (int(meta.window[0]), int(meta.window[1]))
+    flags = dict(CAUSAL=meta.causal, VARLEN=meta.varlen, KV_MODE=1 if meta.varlen else 0,
+                 WINDOW=tuple(meta.window) != (-1, -1), SOFTCAP=meta.softcap > 0, DOT_FP32=dot_fp32)
+    block_dv = head_tiles(D, DV)["BLOCK_DV"]
     launches = []
-    cfg = block_config(device, D, "dkdv")
+    cfg = block_config(device, max(D, DV), "dkdv")
+    cfg["BLOCK_D"] = head_tiles(D)["BLOCK_D"]
     gk = _strides4(dk, meta.varlen)
     grid = (triton.cdiv(meta.max_seqlen_k, cfg["BLOCK_N"]), meta.batch, Hk)
     if grid[0] > 0:
         launches.append(Launch("bwd dkdv", _attn_bwd_dkdv_kernel, [
             _nonempty(q), k, v, _nonempty(dout), _nonempty(lse), _nonempty(delta), dk, dv, cu_q, cu_k,
-            *common, gk[0], gk[1], gk[2], lse.stride(0),
-            meta.seqlen_q, meta.seqlen_k, D, group, meta.scale * LOG2E, meta.scale],
-            dict(CAUSAL=meta.causal, VARLEN=meta.varlen, KV_MODE=1 if meta.varlen else 0, DOT_FP32=dot_fp32,
-                 BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=cfg["BLOCK_D"],
+            *common, gk[0], gk[1], gk[2], *_strides4(dv, meta.varlen)[:3], lse.stride(0),
+            meta.seqlen_q, meta.seqlen_k, D, DV, group, *scales, meta.scale, *window],
+            dict(**flags, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=cfg["BLOCK_D"], BLOCK_DV=block_dv,
                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]), "attention/flash.py:_backward", grid))
-    cfg = block_config(device, D, "dq")
+    cfg = block_config(device, max(D, DV), "dq")
+    cfg["BLOCK_D"] = head_tiles(D)["BLOCK_D"]
     gq = _strides4(dq, meta.varlen)
     grid = (triton.cdiv(meta.max_seqlen_q, cfg["BLOCK_M"]), meta.batch, H)
     if grid[0] > 0:
         launches.append(Launch("bwd dq", _attn_bwd_dq_kernel, [
             q, k, v, dout, lse, delta, dq, cu_q, cu_k,
             *common, gq[0], gq[1], gq[2], lse.stride(0),
-            meta.seqlen_q, meta.seqlen_k, D, group, meta.scale * LOG2E, meta.scale],
-            dict(CAUSAL=meta.causal, VARLEN=meta.varlen, KV_MODE=1 if meta.varlen else 0, DOT_FP32=dot_fp32,
-                 BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=cfg["BLOCK_D"],
+            meta.seqlen_q, meta.seqlen_k, D, DV, group, *scales, meta.scale, *window],
+            dict(**flags, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=cfg["BLOCK_D"], BLOCK_DV=block_dv,
                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]), "attention/flash.py:_backward", grid))
     return launches
 
@@ -628,7 +783,7 @@ def _backward(dout, q, k, v, out, lse, sinks, meta: _Meta):
 def attention_launches(q, k, v, *, causal: bool = False, seqlens_q: list[int] | None = None,
                        seqlens_k: list[int] | None = None, sinks: bool = False, pack_gqa: bool = True,
                        backward: bool = False, paged: bool = False, device: torch.device | None = None,
-                       name: str = "") -> list:
+                       name: str = "", window_size=(-1, -1), softcap: float = 0.0) -> list:
     """The launches `attention` / `paged_attention` (and, with `backward`, autograd's backward) make
     for q, k, v of these shapes, strides and dtype, without running them (`compiled.Launch` list).
 
@@ -653,7 +808,8 @@ def attention_launches(q, k, v, *, causal: bool = False, seqlens_q: list[int] | 
         Sk = 0 if paged else k.shape[1]
         lk = max(seqlens_k, default=0) if paged and seqlens_k is not None else Sk
         meta = _Meta(causal, 1.0 / math.sqrt(q.shape[-1]), False, B, Sq, Sk, Sq, lk, None, None, pack_gqa, B * Sq)
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    meta.window, meta.softcap = _check_window_softcap(window_size, softcap)
+    out = torch.empty((*q.shape[:-1], v.shape[-1]), dtype=q.dtype, device=q.device)
     lse = torch.empty((H, meta.rows), dtype=torch.float32, device=q.device)
     sk_t = torch.empty(H, dtype=torch.float32, device=q.device) if sinks else None
     page_table = None
@@ -668,7 +824,7 @@ def attention_launches(q, k, v, *, causal: bool = False, seqlens_q: list[int] | 
         launches.append(fwd)
     if backward and not paged:
         delta = torch.empty((H, meta.rows), dtype=torch.float32, device=q.device)
-        launches += _backward_launches(torch.empty(q.shape, dtype=q.dtype, device=q.device), q, k, v, lse, delta,
+        launches += _backward_launches(torch.empty(out.shape, dtype=q.dtype, device=q.device), q, k, v, lse, delta,
                                        torch.empty(q.shape, dtype=q.dtype, device=q.device),
                                        torch.empty(k.shape, dtype=k.dtype, device=k.device),
                                        torch.empty(v.shape, dtype=v.dtype, device=v.device), meta, device=dev)
@@ -701,13 +857,13 @@ def _lse_view(lse: torch.Tensor, meta: _Meta) -> torch.Tensor:
 
 
 def _meta_for(q, k, *, causal, softmax_scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-              pack_gqa) -> _Meta:
+              pack_gqa, v=None) -> _Meta:
     if not isinstance(causal, bool):
         _fail(f"causal must be True or False, got {causal!r}")
     if not isinstance(pack_gqa, bool):
         _fail(f"pack_gqa must be True or False, got {pack_gqa!r}")
     varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
-    _check_qkv(q, k, k, varlen=varlen, paged=False)
+    _check_qkv(q, k, k if v is None else v, varlen=varlen, paged=False)
     _check_scale_sinks(softmax_scale, None, q.shape[-2], q.device)
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if varlen:
@@ -731,12 +887,17 @@ def _meta_for(q, k, *, causal, softmax_scale, cu_seqlens_q, cu_seqlens_k, max_se
 def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
               cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q: int | None = None,
               max_seqlen_k: int | None = None, return_lse: bool = False, *, sinks=None,
-              pack_gqa: bool = True, backend: str = "auto"):
+              pack_gqa: bool = True, backend: str = "auto", window_size=(-1, -1), softcap: float = 0.0):
     """FlashAttention forward (and, through autograd, backward) with the Triton kernels.
 
     q [B, Sq, H, D] with k, v [B, Sk, Hk, D]; or packed varlen q [total_q, H, D], k, v
     [total_k, Hk, D] with int32 `cu_seqlens_q`/`cu_seqlens_k` [B+1]. float16 or bfloat16.
-    `sinks`: optional float32 [H] sink logits (learnable: they get a gradient).
+    `sinks`: optional float32 [H] sink logits (learnable: they get a gradient), as gpt-oss / FA3.
+    `window_size=(left, right)`: query i (bottom-right aligned) sees keys [i - left, i + right], -1
+    unbounded (FlashAttention's semantics; causal is (left, 0)); key tiles outside every row's band
+    are never loaded. `softcap` > 0: logits s -> softcap * tanh(s / softcap) before the softmax.
+    v may have its own head dim (dv != d); the forward takes d <= 576 and dv <= 512 (MLA), the
+    backward d, dv <= 256.
     `pack_gqa`: fold the query heads of a KV head into the tile's M rows (forward).
     `backend`: 'auto' (Triton where it can run, else the PyTorch reference), 'triton', 'torch'.
     Returns out (same layout and dtype as q), and lse (float32; [B, H, Sq] or [H, total_q])
@@ -746,9 +907,14 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
         _fail(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
     meta = _meta_for(q, k, causal=causal, softmax_scale=softmax_scale, cu_seqlens_q=cu_seqlens_q,
                      cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                     pack_gqa=pack_gqa)
+                     pack_gqa=pack_gqa, v=v)
     _check_qkv(q, k, v, varlen=meta.varlen, paged=False)
     _check_scale_sinks(softmax_scale, sinks, q.shape[-2], q.device)
+    meta.window, meta.softcap = _check_window_softcap(window_size, softcap)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks)) \
+            and max(q.shape[-1], v.shape[-1]) > MAX_HEAD_DIM_BWD:
+        _fail(f"the backward takes head dims up to {MAX_HEAD_DIM_BWD} (got d={q.shape[-1]}, dv={v.shape[-1]}); "
+              "MLA-sized heads are forward only: call under torch.no_grad()")
     chosen = backend
     if backend == "auto":
         chosen = select_backend(q.device)[0]
@@ -758,7 +924,8 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
             _fail(f"backend='triton' cannot run here: {why}")
     if chosen == "torch":
         out, lse = attention_reference(q, k, v, causal=causal, softmax_scale=meta.scale,
-                                       cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, sinks=sinks)
+                                       cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, sinks=sinks,
+                                       window_size=meta.window, softcap=meta.softcap)
         out = out.to(q.dtype)
         return (out, lse) if return_lse else out
     out, lse = _FlashAttention.apply(q, k, v, sinks.contiguous() if sinks is not None else None, meta)
@@ -768,7 +935,8 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
 
 def paged_attention(q, k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_len, causal: bool = False,
                     softmax_scale: float | None = None, cu_seqlens_q=None, max_seqlen_q: int | None = None,
-                    return_lse: bool = False, *, sinks=None, pack_gqa: bool = True):
+                    return_lse: bool = False, *, sinks=None, pack_gqa: bool = True, window_size=(-1, -1),
+                    softcap: float = 0.0):
     """Forward attention over a paged KV cache with a FlashInfer-style CSR page table.
 
     k_cache, v_cache [num_pages, page_size, Hk, D] (NHD). Sequence b owns the pages
@@ -776,6 +944,7 @@ def paged_attention(q, k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_len
     kv_last_page_len[b] slots (1..page_size; 0 allowed only for a sequence with no page).
     q [B, Sq, H, D], or varlen [total_q, H, D] with `cu_seqlens_q`. Forward only: inputs that
     require grad with grad mode on are refused (serving paths do not differentiate).
+    `window_size`, `softcap`, `sinks` and dv != d as in `attention`.
     """
     if not isinstance(causal, bool):
         _fail(f"causal must be True or False, got {causal!r}")
@@ -784,6 +953,7 @@ def paged_attention(q, k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_len
     varlen = cu_seqlens_q is not None
     _check_qkv(q, k_cache, v_cache, varlen=varlen, paged=True)
     _check_scale_sinks(softmax_scale, sinks, q.shape[-2], q.device)
+    window, cap = _check_window_softcap(window_size, softcap)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k_cache, v_cache, sinks)):
         _fail("paged_attention is forward-only (no backward through a page table); "
               "call it under torch.no_grad() or pass tensors that do not require grad")
@@ -835,9 +1005,10 @@ def paged_attention(q, k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_len
         qv = q if varlen else q.reshape(-1, *q.shape[2:])
         cq = cu_seqlens_q if varlen else torch.arange(B + 1, device=q.device, dtype=torch.int32) * q.shape[1]
         out, lse = attention_reference(qv, k, v, causal=causal, softmax_scale=scale, cu_seqlens_q=cq,
-                                       cu_seqlens_k=cu_k, sinks=sinks)
-        out = out.to(q.dtype).reshape(q.shape)
+                                       cu_seqlens_k=cu_k, sinks=sinks, window_size=window, softcap=cap)
+        out = out.to(q.dtype).reshape(*q.shape[:-1], v.shape[-1])
         return (out, lse if varlen else lse.view(-1, B, q.shape[1]).transpose(0, 1)) if return_lse else out
+    meta.window, meta.softcap = window, cap
     out, lse = _forward(q, k_cache, v_cache, sinks.contiguous() if sinks is not None else None, meta, kv_mode=2,
                         page_table=(kv_indptr.contiguous(), kv_indices.contiguous(), kv_last_page_len.contiguous()),
                         page_size=page_size)
@@ -873,7 +1044,7 @@ def paged_from_contiguous(k, v, cu_seqlens_k, page_size: int, *, generator: torc
     total_pages = sum(n_pages) + spare_pages
     Hk, D = k.shape[-2], k.shape[-1]
     kc = torch.full((total_pages, page_size, Hk, D), fill, dtype=k.dtype, device=k.device)
-    vc = torch.full_like(kc, fill)
+    vc = torch.full((total_pages, page_size, Hk, v.shape[-1]), fill, dtype=v.dtype, device=v.device)
     perm = torch.randperm(total_pages, generator=generator).tolist()
     indices, indptr, last = [], [0], []
     starts = cu_seqlens_k.tolist()
@@ -905,15 +1076,16 @@ def gather_paged_kv(k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_len):
         cu.append(cu[-1] + n)
     Hk, D = k_cache.shape[2], k_cache.shape[3]
     k = torch.cat(ks) if ks else k_cache.new_zeros((0, Hk, D))
-    v = torch.cat(vs) if vs else v_cache.new_zeros((0, Hk, D))
+    v = torch.cat(vs) if vs else v_cache.new_zeros((0, Hk, v_cache.shape[3]))
     return k, v, torch.tensor(cu, dtype=torch.int32, device=k_cache.device)
 
 
 # ---------------------------------------------------------------------------
 # PyTorch references
 
-def _reference_one(q, k, v, causal: bool, scale: float, sinks, upcast: bool):
-    """One sequence: q [Sq, H, D], k/v [Sk, Hk, D] -> out [Sq, H, D], lse [H, Sq] (float32).
+def _reference_one(q, k, v, causal: bool, scale: float, sinks, upcast: bool, window=(-1, -1), softcap: float = 0.0):
+    """One sequence: q [Sq, H, D], k [Sk, Hk, D], v [Sk, Hk, DV] -> out [Sq, H, DV], lse [H, Sq] (float32).
+    `window` (left, right) and `softcap` as `attention` takes them.
 
     upcast=True: everything in float32 (the "truth"). upcast=False: the matmuls in the input
     dtype, softmax in float32, P rounded to the input dtype — PyTorch's own error in that
@@ -927,10 +1099,20 @@ def _reference_one(q, k, v, causal: bool, scale: float, sinks, upcast: bool):
     k = k.repeat_interleave(H // Hk, dim=1)
     v = v.repeat_interleave(H // Hk, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q * scale, k).float()
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+    wl, wr = window
     if causal:
-        i = torch.arange(Sq, device=q.device)[:, None]
+        wr = 0
+    if wl >= 0 or wr >= 0:
+        i = torch.arange(Sq, device=q.device)[:, None] + (Sk - Sq)
         j = torch.arange(Sk, device=q.device)[None, :]
-        scores = scores.masked_fill(j > i + (Sk - Sq), float("-inf"))
+        keep = torch.ones(Sq, Sk, dtype=torch.bool, device=q.device)
+        if wr >= 0:
+            keep &= j <= i + wr
+        if wl >= 0:
+            keep &= j >= i - wl
+        scores = scores.masked_fill(~keep, float("-inf"))
     full = scores
     if sinks is not None:
         full = torch.cat([scores, sinks.float()[:, None, None].expand(H, Sq, 1)], dim=-1)
@@ -946,7 +1128,8 @@ def _reference_one(q, k, v, causal: bool, scale: float, sinks, upcast: bool):
 
 
 def attention_reference(q, k, v, *, causal: bool = False, softmax_scale: float | None = None,
-                        cu_seqlens_q=None, cu_seqlens_k=None, sinks=None, upcast: bool = True):
+                        cu_seqlens_q=None, cu_seqlens_k=None, sinks=None, upcast: bool = True,
+                        window_size=(-1, -1), softcap: float = 0.0):
     """PyTorch attention with the same layouts and contract as `attention` (differentiable).
 
     Returns (out, lse): out float32 when upcast else in q's dtype; lse float32 [B, H, Sq] or
@@ -957,17 +1140,19 @@ def attention_reference(q, k, v, *, causal: bool = False, softmax_scale: float |
         cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
         outs, lses = [], []
         for b in range(len(cq) - 1):
-            o, l = _reference_one(q[cq[b]:cq[b + 1]], k[ck[b]:ck[b + 1]], v[ck[b]:ck[b + 1]], causal, scale, sinks, upcast)
+            o, l = _reference_one(q[cq[b]:cq[b + 1]], k[ck[b]:ck[b + 1]], v[ck[b]:ck[b + 1]], causal, scale, sinks,
+                                  upcast, window_size, softcap)
             outs.append(o)
             lses.append(l)
         H = q.shape[1]
-        out = torch.cat(outs) if outs else q.new_zeros((0, H, q.shape[-1]), dtype=torch.float32 if upcast else q.dtype)
+        out = torch.cat(outs) if outs else q.new_zeros((0, H, v.shape[-1]), dtype=torch.float32 if upcast else q.dtype)
         lse = torch.cat(lses, dim=1) if lses else torch.zeros(H, 0, device=q.device)
         return out, lse
-    outs, lses = zip(*[_reference_one(q[b], k[b], v[b], causal, scale, sinks, upcast) for b in range(q.shape[0])]) \
-        if q.shape[0] else ((), ())
+    outs, lses = zip(*[_reference_one(q[b], k[b], v[b], causal, scale, sinks, upcast, window_size, softcap)
+                       for b in range(q.shape[0])]) if q.shape[0] else ((), ())
     if not outs:
-        return q.new_zeros(q.shape, dtype=torch.float32 if upcast else q.dtype), torch.zeros(0, q.shape[2], q.shape[1], device=q.device)
+        return (q.new_zeros((*q.shape[:-1], v.shape[-1]), dtype=torch.float32 if upcast else q.dtype),
+                torch.zeros(0, q.shape[2], q.shape[1], device=q.device))
     return torch.stack(outs), torch.stack(lses)
 
 

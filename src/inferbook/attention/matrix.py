@@ -11,7 +11,9 @@ NaN never passes; a query that sees no key must
 give exactly lse = -inf, and an empty tensor must come back empty.
 
 Axes: head dim x causal x layout (fixed / varlen) x KV (contiguous / paged with page size) x
-heads (MHA / GQA / MQA) x PackGQA x direction (fwd / bwd) x dtype x shape x sinks. The full
+heads (MHA / GQA / MQA) x PackGQA x direction (fwd / bwd) x dtype x shape x sinks x sliding window
+(none / left / two-sided band) x softcap x value head dim (same, half of d, or MLA's d 576 / dv 512,
+forward only) — every one of them in the main kernel (`flash`), so they meet each other. The full
 product is tens of thousands of cases; `run_matrix(..., mode="pairwise")` runs a covering
 array in which every pair of axis values meets in at least one case (a few dozen cases), and
 `mode="product"` the full product of whatever axes it is given.
@@ -37,7 +39,12 @@ AXES: dict[str, tuple] = {
     "dtype": ("bfloat16", "float16"),
     "shape": ("base", "113x203", "1023x1024", "q>k", "empty-q", "empty-k"),
     "sinks": (False, True),
+    "window": ("none", "left", "band"),
+    "softcap": (False, True),
+    "dv": ("same", "half", "mla"),
 }
+SOFTCAP = 2.0        # logits of N(0, 1) inputs scaled by 1/sqrt(d) are O(1): a cap of 2 bends them
+MLA_DIMS = (576, 512)  # DeepSeek's MLA decode: q/k 512 latent + 64 rope dims, v the 512 latent
 
 # (seqlen_q, seqlen_k) of the named shapes; "base" and "q>k" scale with the preset
 FIXED_SHAPES = {"113x203": (113, 203), "1023x1024": (1023, 1024)}
@@ -47,8 +54,10 @@ MATRIX_PRESETS = {
     "smoke": dict(batch=2, n_heads=4, base=(40, 56), mode="pairwise",
                   axes={"head_dim": (64, 96), "kv": ("contiguous", "paged-16"),
                         "shape": ("base", "q>k", "empty-q", "empty-k")}),
-    "cpu": dict(batch=2, n_heads=4, base=(64, 96), mode="pairwise",
-                axes={"shape": ("base", "113x203", "q>k", "empty-q", "empty-k")}),
+    # cpu: every head dim and axis value, sequences short enough for ~25 s on an idle 2-core machine
+    # (113x203 runs in the named window-band case and in the gpu preset)
+    "cpu": dict(batch=2, n_heads=4, base=(48, 64), mode="pairwise",
+                axes={"shape": ("base", "q>k", "empty-q", "empty-k")}),
     "gpu": dict(batch=2, n_heads=8, base=(512, 512), mode="pairwise", axes={}),
 }
 
@@ -67,18 +76,40 @@ class Case:
     dtype: str
     shape: str
     sinks: bool
+    window: str = "none"
+    softcap: bool = False
+    dv: str = "same"
+
+    @property
+    def dims(self) -> tuple[int, int]:
+        """(d, dv) of the case: MLA's (576, 512) overrides the head-dim axis."""
+        if self.dv == "mla":
+            return MLA_DIMS
+        return self.head_dim, (max(16, self.head_dim // 2) if self.dv == "half" else self.head_dim)
+
+    def window_size(self, seqlen_k: int) -> tuple[int, int]:
+        """FlashAttention's (left, right) for this case's keys: a left window of a quarter of them,
+        or a band of a fifth left and a seventh right (-1: unbounded)."""
+        return {"none": (-1, -1), "left": (max(seqlen_k // 4, 1), -1),
+                "band": (max(seqlen_k // 5, 1), max(seqlen_k // 7, 1))}[self.window]
 
     @property
     def label(self) -> str:
         heads = self.heads + ("+pack" if self.pack_gqa and self.heads != "MHA" else "")
+        d, dv = self.dims
+        dims = f"d{d}" + (f"/dv{dv}" if dv != d else "")
         return " · ".join([self.direction, self.dtype.replace("bfloat16", "bf16").replace("float16", "fp16"),
-                           f"d{self.head_dim}", "causal" if self.causal else "full", self.layout, self.kv,
-                           heads, self.shape] + (["sinks"] if self.sinks else []))
+                           dims, "causal" if self.causal else "full", self.layout, self.kv,
+                           heads, self.shape] + (["sinks"] if self.sinks else [])
+                          + ([f"window-{self.window}"] if self.window != "none" else [])
+                          + (["softcap"] if self.softcap else []))
 
 
 def valid(assign: dict) -> bool:
-    """Combinations that do not exist: paged KV is a forward-only (serving) path here."""
-    return not (assign.get("direction") == "bwd" and str(assign.get("kv", "")).startswith("paged"))
+    """Combinations that do not exist: paged KV is a forward-only (serving) path here, and so are
+    MLA-sized heads (the backward takes head dims up to 256)."""
+    bwd = assign.get("direction") == "bwd"
+    return not (bwd and (str(assign.get("kv", "")).startswith("paged") or assign.get("dv") == "mla"))
 
 
 def check_axes(axes: dict) -> dict[str, tuple]:
@@ -166,19 +197,19 @@ def make_inputs(case: Case, *, batch: int, n_heads: int, base: tuple[int, int], 
     packed sequences of different lengths."""
     dt = getattr(torch, case.dtype)
     H, Hk = _heads(case, n_heads)
-    D = case.head_dim
+    D, DV = case.dims
     sq, sk = shape_lengths(case, base)
 
     def randn(*shape):
         return torch.randn(*shape, generator=generator, device=device, dtype=torch.float32).to(dt)
 
-    out = {"H": H, "Hk": Hk}
+    out = {"H": H, "Hk": Hk, "seqlen_k": sk}
     if case.layout == "fixed":
         s = max(sq, sk)
         qkv = randn(batch, s, H + 2 * Hk, D)
         out["q"] = qkv[:, :sq, :H]
         out["k"] = qkv[:, :sk, H:H + Hk]
-        out["v"] = qkv[:, :sk, H + Hk:]
+        out["v"] = qkv[:, :sk, H + Hk:] if DV == D else randn(batch, s, Hk, DV)[:, :sk]
         out["cu_q"] = torch.arange(batch + 1, dtype=torch.int32, device=device) * sq
         out["cu_k"] = torch.arange(batch + 1, dtype=torch.int32, device=device) * sk
     else:
@@ -191,15 +222,15 @@ def make_inputs(case: Case, *, batch: int, n_heads: int, base: tuple[int, int], 
         ck = torch.tensor([0] + list(itertools.accumulate(lk)), dtype=torch.int32, device=device)
         out["q"] = randn(sum(lq), H, D)
         out["k"] = randn(sum(lk), Hk, D)
-        out["v"] = randn(sum(lk), Hk, D)
+        out["v"] = randn(sum(lk), Hk, DV)
         out["cu_q"], out["cu_k"] = cq, ck
-    out["do"] = randn(*out["q"].shape)
+    out["do"] = randn(*out["q"].shape[:-1], DV)
     out["sinks"] = (torch.randn(H, generator=generator, device=device) * 2).float() if case.sinks else None
     if case.kv.startswith("paged"):
         page = int(case.kv.split("-")[1])
         k, v = out["k"], out["v"]
         if case.layout == "fixed":
-            k, v = k.reshape(-1, Hk, D), v.reshape(-1, Hk, D)
+            k, v = k.reshape(-1, Hk, D), v.reshape(-1, Hk, DV)
         cpu_gen = torch.Generator().manual_seed(int(torch.randint(1 << 30, (1,), generator=generator, device=device)))
         out["paged"] = flash.paged_from_contiguous(k, v, out["cu_k"], page, generator=cpu_gen)
     return out
@@ -258,6 +289,8 @@ def _run(case: Case, inp: dict, impl: str):
     varlen = case.layout == "varlen"
     q, k, v = inp["q"], inp["k"], inp["v"]
     kw = dict(cu_seqlens_q=inp["cu_q"], cu_seqlens_k=inp["cu_k"]) if varlen else {}
+    # the window is sized from the case's own key length (the middle sequence of a varlen batch)
+    opts = dict(window_size=case.window_size(inp.get("seqlen_k", k.shape[-3])), softcap=SOFTCAP if case.softcap else 0.0)
     bwd = case.direction == "bwd"
     if impl != "kernel":
         upcast = impl == "ref32"
@@ -272,12 +305,12 @@ def _run(case: Case, inp: dict, impl: str):
                 out, lse = flash.paged_attention(q, pk.k_cache, pk.v_cache, pk.kv_indptr, pk.kv_indices,
                                                  pk.kv_last_page_len, causal=causal, return_lse=True,
                                                  sinks=sinks, pack_gqa=case.pack_gqa,
-                                                 cu_seqlens_q=inp["cu_q"] if varlen else None)
+                                                 cu_seqlens_q=inp["cu_q"] if varlen else None, **opts)
         elif impl == "kernel":
             out, lse = flash.attention(*leaves, causal=causal, return_lse=True, sinks=s_leaf,
-                                       pack_gqa=case.pack_gqa, backend="auto", **kw)
+                                       pack_gqa=case.pack_gqa, backend="auto", **kw, **opts)
         else:
-            out, lse = flash.attention_reference(*leaves, causal=causal, sinks=s_leaf, upcast=upcast, **kw)
+            out, lse = flash.attention_reference(*leaves, causal=causal, sinks=s_leaf, upcast=upcast, **kw, **opts)
         res = {"out": out.detach(), "lse": lse.detach()}
         if bwd:
             out.backward(inp["do"].to(out.dtype))
@@ -461,69 +494,33 @@ def split_kv_rows(*, head_dim: int, dtype: str, device, seed: int, split_size: i
     return rows
 
 
-def variant_specs(head_dim: int, seqlen_k: int) -> list[tuple[str, dict, int, int, str]]:
-    """The variant cases (name, `variants.attention` options, d, dv, dtype) for keys of `seqlen_k`."""
-    D, sk = head_dim, seqlen_k
+def variant_cases(axes: dict[str, tuple]) -> list[tuple[str, Case]]:
+    """(name, case) pairs for the variants FlashAttention's own tests cover on purpose (`window_size`,
+    `softcap`, `d != dv`, MLA), all through the main kernel and mixed with its other paths: a causal
+    left window backward (varlen, GQA, sinks), a two-sided band with softcap on paged KV with PackGQA,
+    softcap backward, dv = d / 2 backward, and MLA's 576 / 512 decode over paged KV with PackGQA."""
+    d0, d1 = _pick(axes["head_dim"], 0), _pick(axes["head_dim"], 1)
     return [
-        ("sliding window (causal, left)", dict(window=(max(sk // 4, 1), -1), causal=True), D, D, "bfloat16"),
-        ("sliding window (two-sided)", dict(window=(max(sk // 5, 1), max(sk // 7, 1))), D, D, "float16"),
-        ("softcap", dict(softcap=5.0), D, D, "bfloat16"),
-        ("softcap + causal", dict(softcap=2.0, causal=True), D, D, "float16"),
-        ("dv != d (MLA-like)", dict(causal=True), D, max(16, D // 2), "bfloat16"),
+        ("sliding window (causal, left), backward", Case(d0, True, "varlen", "contiguous", "GQA", False, "bwd",
+                                                         "bfloat16", "base", True, "left")),
+        ("window band + softcap, paged, PackGQA", Case(d1, False, "varlen", "paged-16", "GQA", True, "fwd",
+                                                        "float16", "113x203", False, "band", True)),
+        ("softcap + causal, backward", Case(d1, True, "fixed", "contiguous", "MHA", False, "bwd", "float16", "base",
+                                            False, "none", True)),
+        ("dv = d/2, backward", Case(d0, False, "fixed", "contiguous", "GQA", False, "bwd", "bfloat16", "q>k", True,
+                                    "band", False, "half")),
+        ("MLA 576/512 decode, paged, PackGQA", Case(d0, False, "varlen", "paged-1", "MQA", True, "fwd", "bfloat16",
+                                                    "q>k", False, "none", False, "mla")),
     ]
-
-
-def variant_rows(*, head_dim: int, base, batch: int, n_heads: int, device, seed: int = 0) -> list[dict]:
-    """Sliding window, softcap and dv != d, forward and backward, through `variants.attention`, each
-    against `variants.reference` with the same options (float32) and FlashAttention's rule (2x the
-    low-precision PyTorch error, 3x for gradients, plus the rounding floor)."""
-    from . import variants
-
-    sq, sk = base
-    specs = variant_specs(head_dim, sk)
-    g = torch.Generator().manual_seed(seed + 303)
-    backend = flash.select_backend(torch.device(device))[0]
-    rows = []
-    for name, kw, d, dv, dtype in specs:
-        dt = getattr(torch, dtype)
-        H, Hk = n_heads, max(n_heads // 2, 1)
-        q = torch.randn(batch, sq, H, d, generator=g).to(dt).to(device)
-        k = torch.randn(batch, sk, Hk, d, generator=g).to(dt).to(device)
-        v = torch.randn(batch, sk, Hk, dv, generator=g).to(dt).to(device)
-        do = torch.randn(batch, sq, H, dv, generator=g).to(dt).to(device)
-        res = {}
-        for impl in ("kernel", "ref32", "ref_lowp"):
-            leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
-            if impl == "kernel":
-                out, lse = variants.attention(*leaves, **kw)
-            else:
-                out, lse = variants.reference(*leaves, upcast=impl == "ref32", **kw)
-            out.backward(do.to(out.dtype))
-            res[impl] = {"out": out.detach(), "lse": lse.detach(), "dq": leaves[0].grad, "dk": leaves[1].grad,
-                         "dv": leaves[2].grad}
-        case = Case(d if d in flash.HEAD_DIMS else flash.HEAD_DIMS[0], bool(kw.get("causal")), "fixed", "contiguous",
-                    "GQA", False, "bwd", dtype, "base", False)
-        for check in ("out", "lse", "dq", "dk", "dv"):
-            ref = res["ref32"][check]
-            err, ref_err = _max_err(res["kernel"][check], ref), _max_err(res["ref_lowp"][check], ref)
-            if check == "lse":
-                fin = ref[torch.isfinite(ref)]
-                floor = max(_floor(ref, torch.float32),
-                            4 * torch.finfo(torch.float32).eps * (float(fin.abs().max()) if fin.numel() else 0.0))
-            else:
-                floor = _floor(ref, dt)
-            tol = FACTOR[check] * (ref_err if ref_err == ref_err and ref_err != float("inf") else 0.0) + floor
-            rows.append(_row(case, f"{name}, d={d} dv={dv}", check, err, ref_err, tol, err == err and err <= tol,
-                             (sq, sk), backend))
-    return rows
 
 
 def run_special(axes: dict[str, tuple], *, batch: int, n_heads: int, base, device, seed: int = 0,
                 progress=None) -> list[dict]:
-    """Every named case (`special_cases`), the deterministic-backward repeat and the split-KV combines."""
+    """Every named case (`special_cases`, `variant_cases`), the deterministic-backward repeat and the split-KV
+    combines."""
     g = torch.Generator(device=device).manual_seed(seed + 1)
     rows = []
-    named = special_cases(axes)
+    named = special_cases(axes) + variant_cases(axes)
     for i, (name, case) in enumerate(named):
         for r in run_case(case, batch=batch, n_heads=n_heads, base=base, device=device, generator=g):
             rows.append({**r, "label": f"{name}: {r['label']}", "special": name})
@@ -532,8 +529,6 @@ def run_special(axes: dict[str, tuple], *, batch: int, n_heads: int, base, devic
     det = Case(_pick(axes["head_dim"], 1), True, "varlen", "contiguous", "GQA", True, "bwd", "bfloat16", "base", True)
     rows += deterministic_backward_rows(det, batch=batch, n_heads=n_heads, base=base, device=device, generator=g)
     rows += split_kv_rows(head_dim=_pick(axes["head_dim"], 0), dtype="bfloat16", device=device, seed=seed)
-    rows += variant_rows(head_dim=_pick(axes["head_dim"], 0), base=base, batch=batch, n_heads=n_heads,
-                         device=device, seed=seed)
     return rows
 
 
@@ -548,41 +543,32 @@ def case_launches(case: Case, *, batch: int, n_heads: int, base: tuple[int, int]
 
     dt = getattr(torch, case.dtype)
     H, Hk = _heads(case, n_heads)
-    D = case.head_dim
+    D, DV = case.dims
     sq, sk = shape_lengths(case, base)
     paged = case.kv.startswith("paged")
+    opts = dict(window_size=case.window_size(sk), softcap=SOFTCAP if case.softcap else 0.0)
     seqlens_q = seqlens_k = None
     if case.layout == "fixed":
         qkv = meta((batch, max(sq, sk), H + 2 * Hk, D), dt)
         q, k, v = qkv[:, :sq, :H], qkv[:, :sk, H:H + Hk], qkv[:, :sk, H + Hk:]
+        if DV != D:
+            v = meta((batch, max(sq, sk), Hk, DV), dt)[:, :sk]
         lens_k = [sk] * batch
     else:
         bq, bk = base
         seqlens_q = [bq // 2 + 1, sq, max(bq // 3, 1)]
         lens_k = seqlens_k = [max(bk - 7, 1), sk, bk // 2 + 1]
-        q, k, v = meta((sum(seqlens_q), H, D), dt), meta((sum(lens_k), Hk, D), dt), meta((sum(lens_k), Hk, D), dt)
+        q, k, v = meta((sum(seqlens_q), H, D), dt), meta((sum(lens_k), Hk, D), dt), meta((sum(lens_k), Hk, DV), dt)
     if paged:
         page = int(case.kv.split("-")[1])
         pages = sum(-(-n // page) for n in lens_k) + 2          # paged_from_contiguous's pool (2 spare pages)
-        k = v = meta((pages, page, Hk, D), dt)
+        k, v = meta((pages, page, Hk, D), dt), meta((pages, page, Hk, DV), dt)
         return flash.attention_launches(q, k, v, causal=case.causal, seqlens_q=seqlens_q, seqlens_k=lens_k,
-                                        sinks=case.sinks, pack_gqa=case.pack_gqa, paged=True, name=case.label)
+                                        sinks=case.sinks, pack_gqa=case.pack_gqa, paged=True, name=case.label, **opts)
     q, k, v = q.clone(), k.clone(), v.clone()                   # _run's leaves: clones (contiguous)
     return flash.attention_launches(q, k, v, causal=case.causal, seqlens_q=seqlens_q, seqlens_k=seqlens_k,
                                     sinks=case.sinks, pack_gqa=case.pack_gqa, backward=case.direction == "bwd",
-                                    name=case.label)
-
-
-def variant_launches(*, head_dim: int, base: tuple[int, int], batch: int, n_heads: int) -> list:
-    """The Triton launches `variant_rows` makes on a GPU (forward and backward of each variant case)."""
-    from . import variants
-
-    sq, sk = base
-    launches = []
-    for name, kw, d, dv, dtype in variant_specs(head_dim, sk):
-        launches += variants.variant_launches(batch, sq, sk, n_heads, max(n_heads // 2, 1), d, dv,
-                                              dtype=getattr(torch, dtype), backward=True, name=name, **kw)
-    return launches
+                                    name=case.label, **opts)
 
 
 def split_kv_launches(*, head_dim: int, dtype: str, split_size: int = 32, ctas: int = 6) -> list:

@@ -233,8 +233,8 @@ def measure(ctx, *, mode, head_dims, kv, shapes, batch, n_heads, base_q, base_k,
 
 def gpu_launches(params: dict) -> list:
     """The Triton launches of this chapter at its gpu preset (`inferbook.compiled`): every case of
-    the matrix and of `run_special` (named cases, deterministic backward, split-KV decoding and the
-    variants kernel; one per distinct compiled kernel) and the d128 throughput runs, fwd and bwd."""
+    the matrix and of `run_special` (named cases with the window / softcap / dv != d / MLA variants,
+    deterministic backward, split-KV decoding; one per distinct compiled kernel) and the d128 throughput runs, fwd and bwd."""
     import torch
 
     from .. import compiled
@@ -246,17 +246,15 @@ def gpu_launches(params: dict) -> list:
         launches += matrix.case_launches(case, batch=params["batch"], n_heads=params["n_heads"],
                                          base=(params["base_q"], params["base_k"]))
     # run_special's cases: the named ones (head dim 256 paged, the backward cases), the deterministic
-    # backward repeat, split-KV decoding (fixed, adaptive, stream-K) and the variants kernel
+    # backward repeat and split-KV decoding (fixed, adaptive, stream-K)
     full = matrix.check_axes({**matrix.MATRIX_PRESETS["gpu"]["axes"], **axes})
     base, dims = (params["base_q"], params["base_k"]), full["head_dim"]
-    special = [case for _, case in matrix.special_cases(full)]
+    special = [case for _, case in matrix.special_cases(full) + matrix.variant_cases(full)]
     special.append(matrix.Case(matrix._pick(dims, 1), True, "varlen", "contiguous", "GQA", True, "bwd", "bfloat16",
                                "base", True))                     # as run_special's deterministic case
     for case in special:
         launches += matrix.case_launches(case, batch=params["batch"], n_heads=params["n_heads"], base=base)
     launches += matrix.split_kv_launches(head_dim=matrix._pick(dims, 0), dtype="bfloat16")
-    launches += matrix.variant_launches(head_dim=matrix._pick(dims, 0), base=base, batch=params["batch"],
-                                        n_heads=params["n_heads"])
     shape = (params["tp_batch"], params["tp_seqlen"], params["tp_heads"], 128)
     for causal in (False, True):
         q, k, v = (compiled.meta(shape, torch.bfloat16) for _ in range(3))
