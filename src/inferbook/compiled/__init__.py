@@ -44,10 +44,13 @@ import torch
 from ..errors import UserError, choices
 
 # Per-block opt-in shared-memory limits (CUDA programming guide, "Technical specifications per
-# compute capability"): A100 163 KB, H100/H200 and B200 227 KB.
-TARGETS = {"sm_80": 80, "sm_90": 90, "sm_100": 100}
-SMEM_LIMIT_KB = {80: 163, 90: 227, 100: 227}
-TARGET_GPUS = {"sm_80": "A100", "sm_90": "H100/H200", "sm_100": "B200"}
+# compute capability"): A100 163 KB, H100/H200 and B200 227 KB; LDS per workgroup on CDNA: 64 KB on
+# gfx942 (MI300X), 160 KB on gfx950 (MI355X) (AMD CDNA3 / CDNA4 ISA guides).
+TARGETS = {"sm_80": 80, "sm_90": 90, "sm_100": 100, "gfx942": "gfx942", "gfx950": "gfx950"}
+NVIDIA_TARGETS = ("sm_80", "sm_90", "sm_100")
+AMD_TARGETS = ("gfx942", "gfx950")
+SMEM_LIMIT_KB = {80: 163, 90: 227, 100: 227, "gfx942": 64, "gfx950": 160}
+TARGET_GPUS = {"sm_80": "A100", "sm_90": "H100/H200", "sm_100": "B200", "gfx942": "MI300X", "gfx950": "MI355X"}
 DATA_DIR = "data/compiled"
 
 
@@ -483,7 +486,7 @@ def _ptxas_log(ptx: str, arch: int, fp_fusion: bool) -> str:
 
 
 def compile_launch(launch: Launch, target: str) -> dict:
-    """Compile one launch for `target` ('sm_80' | 'sm_90' | 'sm_100') and describe the result.
+    """Compile one launch for `target` ('sm_80' | 'sm_90' | 'sm_100' | 'gfx942' | 'gfx950') and describe it.
 
     Must run where TRITON_INTERPRET=0 was set before Triton was imported (see `inspect`)."""
     import contextlib
@@ -500,6 +503,8 @@ def compile_launch(launch: Launch, target: str) -> dict:
            "smem_limit_kb": SMEM_LIMIT_KB[arch]}
     if not hasattr(launch.kernel, "run") or type(launch.kernel).__name__ == "InterpretedFunction":
         return {**row, "ok": False, "error": "the Triton interpreter is on in the compiling process"}
+    if target in AMD_TARGETS:
+        return _compile_hip(launch, target, row)
     knobs.nvidia.dump_ptxas_log = True
     driver.set_active(_AOTDriver(GPUTarget("cuda", arch, 32)))
     t0 = time.perf_counter()
@@ -530,6 +535,86 @@ def compile_launch(launch: Launch, target: str) -> dict:
                mma=mma_summary(mma), mma_family=mma["family"], mma_counts=mma["counts"], loads=loads,
                loads_summary=loads_summary(loads))
     row["smem_ok"] = row["shared_kb"] <= row["smem_limit_kb"]
+    return row
+
+
+_RE_MFMA = re.compile(r"\bv_(s?mfma|wmma)_(?:[a-z0-9]+_)?(\d+x\d+x\d+)(?:_?(\w+))?")
+_RE_AMD_LOAD = re.compile(r"\b(global|buffer)_load_(?:lds_)?(\w+)")
+
+
+def amd_metadata(asm: str) -> dict:
+    """VGPRs, AGPRs, spills, scratch bytes per lane and the compiler's occupancy (waves per SIMD) from
+    the AMDGCN assembly's metadata and its closing comments."""
+    def num(pattern, default=0):
+        m = re.search(pattern, asm)
+        return int(m.group(1)) if m else default
+    return {"vgprs": num(r"\.vgpr_count:\s+(\d+)"), "agprs": num(r"\.agpr_count:\s+(\d+)"),
+            "vgpr_spills": num(r"\.vgpr_spill_count:\s+(\d+)"), "sgpr_spills": num(r"\.sgpr_spill_count:\s+(\d+)"),
+            "scratch_bytes": num(r"\.private_segment_fixed_size:\s+(\d+)"),
+            "compiler_occupancy": num(r"; Occupancy: (\d+)", None)}
+
+
+def mfma_family(asm: str) -> dict:
+    """The matrix instructions in AMDGCN: {'family': 'mfma' | 'smfmac' | 'wmma' | '-', 'shapes':
+    ['32x32x8 bf16', ...], 'counts'}."""
+    counts: dict[str, int] = {}
+    shapes: list[str] = []
+    for fam, shape, ty in _RE_MFMA.findall(asm):
+        counts[fam] = counts.get(fam, 0) + 1
+        label = f"{shape} {ty}".strip()
+        if label not in shapes:
+            shapes.append(label)
+    return {"family": "+".join(counts) or "-", "shapes": shapes, "counts": counts}
+
+
+def amd_loads(asm: str) -> dict:
+    """Global loads in AMDGCN by bytes per lane: {'ld': {bytes: count}, 'st': {}, 'cp_async': {...} (loads
+    straight into LDS), 'tma': 0}, in the shape `loads_summary` reads."""
+    from .machine import _amd_global_bytes
+
+    ld: dict[int, int] = {}
+    lds: dict[int, int] = {}
+    for line in asm.splitlines():
+        s = line.strip()
+        if _RE_AMD_LOAD.match(s):
+            w = _amd_global_bytes(s)
+            target = lds if ("_lds_" in s.split()[0] or " lds" in s) else ld
+            target[w] = target.get(w, 0) + 1
+    return {"ld": dict(sorted(ld.items(), reverse=True)), "st": {}, "cp_async": dict(sorted(lds.items(), reverse=True)),
+            "tma": 0}
+
+
+def _compile_hip(launch: Launch, target: str, row: dict) -> dict:
+    """`compile_launch` for a CDNA target: HSACO through Triton's AMD backend (no GPU, no ROCm);
+    LDS from the kernel's metadata, VGPRs/AGPRs, spills and scratch from the AMDGCN."""
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime.driver import driver
+
+    driver.set_active(_AOTDriver(GPUTarget("hip", target, 64)))
+    t0 = time.perf_counter()
+    try:
+        ck = launch.kernel.run(*[_stand_in(a) for a in launch.args], grid=(1,), warmup=True, **dict(launch.kwargs))
+    except Exception as e:
+        msg = f"{type(e).__name__}: {e}".strip().splitlines()
+        return {**row, "ok": False, "error": " ".join(msg[:3])[:600], "compile_s": round(time.perf_counter() - t0, 2)}
+    asm = ck.asm.get("amdgcn", "")
+    md = ck.metadata
+    meta_ = amd_metadata(asm)
+    mma = mfma_family(asm)
+    loads = amd_loads(asm)
+    row.update(machine_facts(ck, launch, "amdgcn"))
+    spill = meta_["scratch_bytes"]
+    row.update(ok=True, compile_s=round(time.perf_counter() - t0, 2), shared_kb=round(int(md.shared) / 1024, 1),
+               num_warps=int(md.num_warps), num_stages=int(getattr(md, "num_stages", row["num_stages"]) or 0),
+               wave_size=int(getattr(md, "warp_size", 64) or 64), regs=meta_["vgprs"] + meta_["agprs"], **meta_,
+               spill_stores=meta_["vgpr_spills"] + meta_["sgpr_spills"], spill_loads=0, spill_bytes=spill,
+               mma=mma_summary(mma), mma_family=mma["family"], mma_counts=mma["counts"], loads=loads,
+               loads_summary=loads_summary(loads).replace("cp.async", "to LDS"))
+    row["smem_ok"] = row["shared_kb"] <= row["smem_limit_kb"]
+    from .cost import residency
+
+    occ = residency(row)
+    row["waves_per_simd"] = occ["ctas_per_sm"] * -(-row["num_warps"] // 4)
     return row
 
 
@@ -685,10 +770,17 @@ def save_table(slug: str, rows: list[dict], root: Path | None = None) -> Path:
     path = record_path(slug, root)
     path.parent.mkdir(parents=True, exist_ok=True)
     keep = [{k: v for k, v in r.items() if k not in ("compile_s",)} for r in rows if r["slug"] == slug]
+    done = {r["target"] for r in keep}
+    old = load_table(slug, root)
+    if old is not None:        # targets not compiled this time keep their rows
+        keep += [r for r in old["rows"] if r["target"] not in done]
+    tix = {t: n for n, t in enumerate(TARGETS)}
+    keep.sort(key=lambda r: (r.get("index", 0), tix.get(r["target"], 99)))
     doc = {"chapter": slug, "triton": triton.__version__, "torch": torch.__version__,
            "git": git_state().get("commit", "unknown"), "targets": sorted({r["target"] for r in keep}, key=list(TARGETS).index),
-           "note": "ahead-of-time compile for NVIDIA targets on a CPU machine (no GPU, no driver); "
-                   "registers and spills from ptxas -v, MMA and load widths from the PTX",
+           "note": "ahead-of-time compile on a CPU machine (no GPU, no driver); NVIDIA: registers and spills from "
+                   "ptxas -v, MMA and load widths from the PTX, the main loop from nvdisasm's SASS; AMD: VGPRs, AGPRs, "
+                   "scratch, MFMA and loads from the AMDGCN; trips and dot FLOPs from the Triton IR",
            "rows": keep}
     path.write_text(_dump(doc))
     return path

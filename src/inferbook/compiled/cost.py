@@ -29,7 +29,8 @@ The model, and every assumption it makes (the pages' "How the prediction is made
      `mma.sync` on sm_90/sm_100 at 2/3 of it (warp-level MMA does not reach wgmma/tcgen05 rates).
    - `latency`: each loop iteration waits one DRAM latency (600 ns NVIDIA, 800 ns CDNA, loaded
      HBM, assumed) divided by the iterations in flight (`num_stages − 1` when the loop's loads are
-     asynchronous copies, else 1), plus one latency; resident CTAs overlap. Little's law is
+     asynchronous copies — cp.async, TMA, loads into LDS — or, on CDNA, when the loop has MFMA, which
+     Triton's stream pipeliner prefetches; else 1), plus one latency; resident CTAs overlap. Little's law is
      reported beside it: bytes in flight per SM vs latency × (bandwidth / SMs).
    - `waves`: the issue, compute and latency bounds recomputed for the *busiest* SM (ceil(grid /
      SMs) CTAs, in rounds of the resident count): wave quantization. It binds only when it exceeds
@@ -175,7 +176,10 @@ def predict(row: dict, card: str, *, copy_gbps: float | None = None) -> dict:
     resident = min(occ, busiest)
     slots = min(lim["issue"], resident * warps if lim["vendor"] == "nvidia" else lim["issue"]) * clock
     sm_flops = _dot_rate(row, c) / sms
-    async_depth = max(1, int(row.get("num_stages") or 1) - 1) if loop.get("async") else 1
+    # loads in flight per loop: the pipeline's depth when the loop's loads are asynchronous copies, or on
+    # CDNA when the loop has MFMA (Triton's stream pipeliner prefetches the next iterations into registers)
+    pipelined = loop.get("async") or (lim["vendor"] == "amd" and loop.get("mma"))
+    async_depth = max(1, int(row.get("num_stages") or 1) - 1) if pipelined else 1
     lat = LATENCY_NS[c["vendor"]] * 1e-9
     # one CTA's chain of dependent latencies: the loop's, or (straight-line code) one load and one store
     chain = (trips / async_depth + 1) * lat if loop["instrs"] else 2 * lat
