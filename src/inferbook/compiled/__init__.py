@@ -689,7 +689,7 @@ def default_cache_dir() -> Path:
 
 
 def inspect(slugs: list[str], targets: list[str], *, jobs: int = 2, cache_dir: str | Path | None = None,
-            timeout_s: float = 1800) -> list[dict]:
+            timeout_s: float = 7200) -> list[dict]:
     """Compile every gpu-preset launch of `slugs` for `targets` in `jobs` subprocesses with the
     interpreter off; returns one row per (launch, target), in launch order."""
     for t in targets:
