@@ -246,3 +246,29 @@ def chapter_section(slug: str, work: list[dict] | None = None, glue=None, claim:
         for k, v in sec.glue.items():
             glue(k, v)
     return sec
+
+
+def targets_sentence(slug: str, targets=("sm_90", "gfx950"), root: Path | None = None) -> str:
+    """'Predicted (not measured), datasheet ceilings: all 21 launches take 1.2 ms on H200 (sm_90) and
+    0.9 ms on MI355X (gfx950)', or a sentence saying which target's table is missing."""
+    from . import TARGET_CARD, predict_launches
+    from ..errors import UserError
+
+    parts, missing = [], []
+    for t in targets:
+        try:
+            preds = predict_launches(slug, t, TARGET_CARD[t], root)
+        except UserError:
+            preds = []
+        if not preds:
+            missing.append(t)
+            continue
+        ceil = "measured" if all(p["ceiling"] == "measured" for p in preds) else "datasheet"
+        parts.append(f"{_us(sum(p['seconds'] for p in preds))} on {TARGET_CARD[t]} ({t}, {ceil} ceiling)")
+    out = ""
+    if parts:
+        out = f"Predicted, not measured: this chapter's gpu-preset launches take " + " and ".join(parts) + " in all"
+    if missing:
+        out += ("; " if out else "") + f"not compiled with machine-code facts for {', '.join(missing)} yet " \
+               f"(`inferbook inspect {slug} --target {missing[0]} --save`)"
+    return out + "."
