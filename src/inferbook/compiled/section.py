@@ -226,6 +226,11 @@ class CompilerSection:
         if len(pred):
             table += (f"<details><summary>Predicted time per launch (predicted, not measured)</summary>"
                       f"{pred.to_html(index=False, escape=True)}</details>")
+        from . import cost
+
+        model = cost.__doc__.split("The model, and every assumption it makes", 1)[-1].split("\n", 1)[-1]
+        table += (f"<details><summary>How the prediction is made (the model's assumptions)</summary>"
+                  f"<pre style='white-space: pre-wrap'>{html.escape(model.strip())}</pre></details>")
         if self.roofline is not None:
             table += ("<details><summary>Ideal roofline floor of the chapter's own byte and flop counts (a floor, "
                       "not a prediction)</summary>" + self.roofline.to_html(index=False, escape=True) + "</details>")
