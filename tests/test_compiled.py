@@ -678,3 +678,10 @@ def test_peer_launches_at_our_shapes():
     assert ours and [la.name for la in built] == [f"liger rmsnorm T{T} H{H}" for T, H in ours]
     assert all(la.grid == (T,) for la, (T, _) in zip(built, ours))
     assert peers.available()["liger-kernel"] == "ok"
+
+
+def test_the_page_sets_ours_beside_the_committed_peer():
+    """data/compiled/peers/sglang-fused-comm.json (liger's RMSNorm compiled at our shape, sm_90): the
+    section's third line gives ours / peer from the same model."""
+    sec = compiled.CompilerSection("sglang-fused-comm")
+    assert "ours / liger-kernel = T" in sec.lines[2] and "predicted" in sec.lines[2]

@@ -130,8 +130,35 @@ class CompilerSection:
         return ("What it means for this chapter: a GPU run of these launches should take about the predicted total, "
                 "not the roofline floor: " + "; ".join(parts) + ".")
 
+    def _peers(self) -> str:
+        """'Beside liger-kernel (same shape, same model): ours / peer predicted T2048 H7168 1.05×' from
+        data/compiled/peers/<slug>.json (compiled by `inferbook.compiled.peers`), or ''."""
+        from . import DATA_DIR, repo_root
+        from .peers import compare
+
+        path = (self.root or repo_root()) / DATA_DIR / "peers" / f"{self.slug}.json"
+        if not path.is_file():
+            return ""
+        import json
+
+        rows = json.loads(path.read_text())["rows"]
+        try:
+            pairs = compare(self.slug, rows, "sm_90", "H200")
+        except Exception:
+            return ""
+        if not pairs:
+            return ""
+        peer = rows[0].get("peer", "the peer")
+        return (f"Beside {peer} (same shape, same model, H200, predicted): ours / {peer} = "
+                + "; ".join(f"{q['shape']} {q['ours_over_peer']:.2f}× ({q['ours_bound']} / {q['peer_bound']}-bound)"
+                            for q in pairs) + ".")
+
     def _lines(self) -> list[str]:
-        return [x for x in (self._binds(), self._resources(), self._meaning()) if x]
+        lines = [x for x in (self._binds(), self._resources(), self._meaning()) if x]
+        peer = self._peers()
+        if peer and len(lines) == 3:
+            lines[2] += " " + peer
+        return lines
 
     # -- tables -------------------------------------------------------------------------------------
     def _table(self):
