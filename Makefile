@@ -5,10 +5,14 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 # torch: on a machine without an NVIDIA driver we ask for the small CPU build;
-# with one, pip's default (CUDA) build. Override: `make book TORCH=torch==2.11.0`,
+# with one, pip's default (CUDA) build; with AMD's (`rocm-smi` on PATH, no nvidia-smi) the ROCm
+# build from PyTorch's ROCm index (ROCM_INDEX). Override: `make book TORCH=torch==2.11.0`,
 # and TORCH_INDEX=<url> to take it from another package index.
-TORCH       ?= $(if $(shell command -v nvidia-smi 2>/dev/null),torch,torch==2.13.0)
-TORCH_INDEX ?=
+HAS_NVIDIA  := $(shell command -v nvidia-smi 2>/dev/null)
+HAS_ROCM    := $(if $(HAS_NVIDIA),,$(shell command -v rocm-smi 2>/dev/null))
+ROCM_INDEX  ?= https://download.pytorch.org/whl/rocm7.0
+TORCH       ?= $(if $(HAS_NVIDIA)$(HAS_ROCM),torch,torch==2.13.0)
+TORCH_INDEX ?= $(if $(HAS_ROCM),$(ROCM_INDEX),)
 PIP_FLAGS   ?= -q
 
 # The optional peers' wheels for a GPU run with no network (scripts/gpu_measure.sh installs them offline
@@ -26,6 +30,7 @@ $(BIN)/python:
 	$(BIN)/python -m pip install $(PIP_FLAGS) --upgrade pip
 
 $(VENV)/.torch: | $(BIN)/python
+	$(if $(HAS_ROCM),@echo "rocm-smi found (no nvidia-smi): installing PyTorch's ROCm build from $(TORCH_INDEX)")
 	$(BIN)/python -c "import torch" 2>/dev/null || \
 	  $(BIN)/python -m pip install $(PIP_FLAGS) "$(TORCH)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	touch $@

@@ -87,7 +87,17 @@ declare -A TIMEOUT=()
 while read -r slug m c t; do [ "${slug:0:1}" = "#" ] || TIMEOUT[$slug]=$t; done \
   < <("$PY" -m inferbook.cli budgets --table --preset "$PRESET" 2>/dev/null)
 
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 || echo "no nvidia-smi"; } > "$LOG_DIR/nvidia-smi.txt"
+# The GPU as its vendor's tool sees it: nvidia-smi on NVIDIA, rocm-smi on AMD (a ROCm build of PyTorch
+# runs the same chapters through torch.cuda; the records name the gfx architecture).
+if command -v nvidia-smi >/dev/null 2>&1; then
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$LOG_DIR/gpu-smi.txt" 2>&1
+elif command -v rocm-smi >/dev/null 2>&1; then
+  { rocm-smi --showproductname --showmeminfo vram --showdriverversion 2>&1; } > "$LOG_DIR/gpu-smi.txt"
+else
+  echo "neither nvidia-smi nor rocm-smi on PATH" > "$LOG_DIR/gpu-smi.txt"
+fi
+"$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'hip', getattr(torch.version, 'hip', None))" \
+  >> "$LOG_DIR/gpu-smi.txt" 2>&1
 timeout -s INT -k 3 "${CEILINGS_TIMEOUT:-20}" "$PY" -m inferbook.cli ceilings --device "$DEVICE" --save-reference \
   > "$LOG_DIR/ceilings.log" 2>&1
 echo "ceilings: exit $? ($(tail -n 1 "$LOG_DIR/ceilings.log")) at $(elapsed) s"

@@ -7,7 +7,7 @@
     inferbook results [--chapter C] [--compare A B]
     inferbook ceilings [--device D] [--save-reference]
     inferbook budgets [--preset P] [--part K/N] [--table] [--dry-run [--save]]
-    inferbook inspect CHAPTER|--all [--target sm_80|sm_90|sm_100|all] [--save] [--jobs N]
+    inferbook inspect CHAPTER|--all [--target sm_80|sm_90|sm_100|gfx942|gfx950|all] [--save] [--jobs N]
     inferbook workflow run FILE.json [--output-dir D] [--input-dir D] [--device D] [--no-cache]
     inferbook workflow validate FILE.json
 
@@ -330,7 +330,7 @@ class _OneLineParser(argparse.ArgumentParser):
 
 
 def cmd_inspect(args) -> int:
-    """Compile a chapter's gpu-preset launches ahead of time for NVIDIA targets (no GPU needed) and
+    """Compile a chapter's gpu-preset launches ahead of time for NVIDIA and AMD targets (no GPU needed) and
     print one line per launch; the table is saved as a record (data/compiled/<slug>.json with
     --save, else _build/compiled/<slug>.json)."""
     from . import compiled, toc
@@ -380,10 +380,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto")
     p.add_argument("--save-reference", action="store_true")
     p.set_defaults(fn=cmd_ceilings)
-    p = sub.add_parser("inspect", help="compile a chapter's gpu-preset Triton launches for sm_80/90/100 (no GPU)")
+    p = sub.add_parser("inspect", help="compile a chapter's gpu-preset Triton launches for sm_80/90/100 and gfx942/950 (no GPU), with predicted times")
     p.add_argument("chapter", nargs="?")
     p.add_argument("--all", action="store_true", help="every chapter with Triton launches")
-    p.add_argument("--target", default="sm_90", help="sm_80, sm_90 (default), sm_100 or all")
+    p.add_argument("--target", default="sm_90", help="sm_80, sm_90 (default), sm_100, gfx942, gfx950 or all")
     p.add_argument("--save", action="store_true", help="write data/compiled/<slug>.json (commit it)")
     p.add_argument("--jobs", type=int, default=2, help="compiling processes (default 2)")
     p.set_defaults(fn=cmd_inspect)

@@ -133,6 +133,7 @@ def package_versions() -> dict:
     import numpy
 
     out = {"python": platform.python_version(), "torch": torch.__version__, "torch_cuda": torch.version.cuda,
+           "torch_hip": getattr(torch.version, "hip", None),
            "triton": _device.triton_version(), "numpy": numpy.__version__}
     for name in ("safetensors", "av"):
         try:

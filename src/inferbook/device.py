@@ -93,8 +93,9 @@ def resolve_device(name: str | torch.device = "auto") -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if base == "cuda":
         if not torch.cuda.is_available():
-            raise UserError(f"device {name!r} was asked for but this machine has no usable CUDA GPU "
-                            f"(torch {torch.__version__}, cuda build: {torch.version.cuda}); use 'cpu' or 'auto'")
+            raise UserError(f"device {name!r} was asked for but this machine has no usable CUDA GPU (nor ROCm) "
+                            f"(torch {torch.__version__}, cuda build: {torch.version.cuda}, hip build: "
+                            f"{getattr(torch.version, 'hip', None)}); use 'cpu' or 'auto'")
         n = torch.cuda.device_count()
         if index and int(index) >= n:
             raise UserError(f"device {name!r} does not exist: this machine has {n} CUDA device(s)")
@@ -107,7 +108,10 @@ def triton_backend_for(device: torch.device) -> tuple[bool, str]:
     if triton_version() is None:
         return False, "triton is not installed"
     if device.type == "cuda":
-        return True, f"triton {triton_version()} compiled for {torch.cuda.get_device_name(device)}"
+        where = torch.cuda.get_device_name(device)
+        if gpu_vendor() == "rocm":
+            where += f" ({gcn_arch(device) or 'HIP'})"
+        return True, f"triton {triton_version()} compiled for {where}"
     if triton_interpreted():
         return True, f"triton {triton_version()} interpreter (correctness only, never timed)"
     return False, "CPU tensors while TRITON_INTERPRET is off (a CUDA machine running device='cpu')"
@@ -157,6 +161,38 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def gpu_vendor() -> str | None:
+    """'rocm' on a ROCm build of PyTorch (it reports HIP devices through `torch.cuda`), 'cuda' on a
+    CUDA build, None on a CPU-only build."""
+    if getattr(torch.version, "hip", None):
+        return "rocm"
+    if getattr(torch.version, "cuda", None):
+        return "cuda"
+    return None
+
+
+def gcn_arch(device: torch.device) -> str | None:
+    """The gfx architecture of a HIP device ('gfx942' on MI300X, 'gfx950' on MI355X), from the device
+    properties' gcnArchName ('gfx942:sramecc+:xnack-' -> 'gfx942'); None on CUDA."""
+    if gpu_vendor() != "rocm":
+        return None
+    props = torch.cuda.get_device_properties(device)
+    name = str(getattr(props, "gcnArchName", "") or "")
+    return name.split(":")[0] or None
+
+
+def _rocm_driver() -> str | None:
+    """The driver version `rocm-smi` reports, or None where it is absent."""
+    try:
+        out = subprocess.run(["rocm-smi", "--showdriverversion"], capture_output=True, text=True, timeout=10)
+        if out.returncode != 0:
+            return None
+        m = re.search(r"Driver version:\s*(\S+)", out.stdout)
+        return m.group(1) if m else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
 def _nvidia_driver() -> str | None:
     try:
         out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
@@ -184,9 +220,12 @@ def _hardware_info(device_str: str) -> dict:
             "gpu_memory_gib": round(props.total_memory / 2**30, 1),
             "gpu_sms": props.multi_processor_count,
             "gpu_capability": f"{props.major}.{props.minor}",
-            "cuda_runtime": torch.version.cuda,
-            "driver": _nvidia_driver(),
         })
+        if gpu_vendor() == "rocm":       # a ROCm build: HIP through torch.cuda; CUs in multi_processor_count
+            info.update({"gpu_vendor": "amd", "gpu_arch": gcn_arch(device), "hip_runtime": torch.version.hip,
+                         "driver": _rocm_driver()})
+        else:
+            info.update({"gpu_vendor": "nvidia", "cuda_runtime": torch.version.cuda, "driver": _nvidia_driver()})
     return info
 
 
@@ -201,10 +240,13 @@ def _slug(text: str) -> str:
 
 
 def hardware_label(info: dict) -> str:
-    """Human label for charts and tables, e.g. 'NVIDIA H200' or 'CPU: AMD EPYC 9B14 (2 cores)'."""
+    """Human label for charts and tables, e.g. 'NVIDIA H200', 'AMD Instinct MI300X (gfx942)' or
+    'CPU: AMD EPYC 9B14 (2 cores)'."""
     info = info or {}
     if info.get("device_type") == "cuda":
-        return str(info.get("gpu_name") or "").strip() or "unnamed CUDA GPU"
+        name = str(info.get("gpu_name") or "").strip() or "unnamed CUDA GPU"
+        arch = info.get("gpu_arch")
+        return f"{name} ({arch})" if arch and arch not in name else name
     return f"CPU: {info.get('cpu_model') or 'unknown model'} ({info.get('cpu_cores', '?')} cores)"
 
 
@@ -215,6 +257,8 @@ def hardware_slug(info: dict) -> str:
     info = info or {}
     if info.get("device_type") == "cuda":
         slug = _slug(str(info.get("gpu_name") or ""))
+        if info.get("gpu_arch") and slug and info["gpu_arch"] not in slug:
+            slug = f"{slug}-{info['gpu_arch']}"        # 'amd-instinct-mi300x-gfx942'
         if not slug:
             cap = _slug(str(info.get("gpu_capability") or "")).replace("-", "")
             slug = "gpu-unnamed" + (f"-sm{cap}" if cap else "")

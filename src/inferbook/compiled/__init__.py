@@ -41,13 +41,16 @@ from typing import Any
 
 import torch
 
-from .errors import UserError, choices
+from ..errors import UserError, choices
 
 # Per-block opt-in shared-memory limits (CUDA programming guide, "Technical specifications per
-# compute capability"): A100 163 KB, H100/H200 and B200 227 KB.
-TARGETS = {"sm_80": 80, "sm_90": 90, "sm_100": 100}
-SMEM_LIMIT_KB = {80: 163, 90: 227, 100: 227}
-TARGET_GPUS = {"sm_80": "A100", "sm_90": "H100/H200", "sm_100": "B200"}
+# compute capability"): A100 163 KB, H100/H200 and B200 227 KB; LDS per workgroup on CDNA: 64 KB on
+# gfx942 (MI300X), 160 KB on gfx950 (MI355X) (AMD CDNA3 / CDNA4 ISA guides).
+TARGETS = {"sm_80": 80, "sm_90": 90, "sm_100": 100, "gfx942": "gfx942", "gfx950": "gfx950"}
+NVIDIA_TARGETS = ("sm_80", "sm_90", "sm_100")
+AMD_TARGETS = ("gfx942", "gfx950")
+SMEM_LIMIT_KB = {80: 163, 90: 227, 100: 227, "gfx942": 64, "gfx950": 160}
+TARGET_GPUS = {"sm_80": "A100", "sm_90": "H100/H200", "sm_100": "B200", "gfx942": "MI300X", "gfx950": "MI355X"}
 DATA_DIR = "data/compiled"
 
 
@@ -58,7 +61,29 @@ class Launch:
     args: list         # positional arguments as the launcher passes them
     kwargs: dict = field(default_factory=dict)  # constexprs + num_warps / num_stages
     source: str = ""   # where the launch happens, e.g. "moe/fused_moe.py:moe_gemm"
-    grid: tuple = ()   # the launch grid the launcher would use (informational; compiling ignores it)
+    grid: tuple = ()   # the launch grid the launcher would use (the cost model's CTA count; compiling ignores it)
+    dram_bytes: float | None = None   # DRAM bytes the launch moves, when not every tensor argument once
+
+
+def launch_shape_facts(launch: Launch) -> dict:
+    """What the cost model needs from the launch itself: the grid and its CTA count (a grid the
+    launcher computes from a callable is not known: 1), the DRAM bytes (`Launch.dram_bytes`, else
+    every tensor argument's extent once; `ptr` stand-ins count one element) and the integer
+    arguments by parameter name (the Triton IR's loop bounds are evaluated on them)."""
+    grid = tuple(int(g) for g in launch.grid) if launch.grid and all(isinstance(g, int) for g in launch.grid) else ()
+    seen, nbytes = set(), 0
+    for a in list(launch.args) + list(launch.kwargs.values()):
+        if isinstance(a, torch.Tensor) and id(a) not in seen:
+            seen.add(id(a))
+            if a.numel():
+                extent = 1 + sum((s - 1) * abs(st) for s, st in zip(a.shape, a.stride()))
+                nbytes += extent * a.element_size()
+    names = list(getattr(launch.kernel, "arg_names", []) or [])
+    ints = {n: int(a) for n, a in zip(names, launch.args) if isinstance(a, int) and not isinstance(a, bool)}
+    ints.update({k: int(v) for k, v in launch.kwargs.items() if isinstance(v, int) and not isinstance(v, bool)})
+    return {"grid": list(grid), "ctas": math.prod(grid) if grid else 1,
+            "dram_bytes": float(launch.dram_bytes) if launch.dram_bytes is not None else float(nbytes),
+            "dram_from": "builder" if launch.dram_bytes is not None else "tensor arguments", "int_args": ints}
 
 
 def ptr(dtype: torch.dtype) -> torch.Tensor:
@@ -184,7 +209,7 @@ class recording:
         self._undo: list[tuple[Any, str, Any]] = []
 
     def __enter__(self) -> list[Launch]:
-        from . import device as _device
+        from .. import device as _device
 
         current = {name: getattr(_device, name) for name in self._FLAGS}
         for mod in [m for n, m in list(sys.modules.items()) if n == "inferbook" or n.startswith("inferbook.")]:
@@ -361,8 +386,8 @@ def problems(row: dict) -> list[str]:
 
 def gpu_params(slug: str) -> dict:
     """The resolved `gpu` preset of a chapter."""
-    from . import toc
-    from .presets import resolve_params
+    from .. import toc
+    from ..presets import resolve_params
 
     info = toc.get_chapter(slug)
     mod = toc.load_module(info)
@@ -370,15 +395,22 @@ def gpu_params(slug: str) -> dict:
 
 
 def has_launches(slug: str) -> bool:
-    from . import toc
+    from .. import toc
 
     return hasattr(toc.load_module(toc.get_chapter(slug)), "gpu_launches")
 
 
 def launches_for(slug: str) -> list[Launch]:
-    """The Triton launches chapter `slug` makes at its gpu preset ([] for chapters without kernels)."""
-    from . import toc
+    """The Triton launches chapter `slug` makes at its gpu preset ([] for chapters without kernels).
+    `py:package.module:function` names a function returning launches instead (the cost model's
+    hand-checked kernels: `py:inferbook.compiled.calibration:launches`)."""
+    from .. import toc
 
+    if slug.startswith("py:"):
+        import importlib
+
+        mod_name, fn_name = slug[3:].split(":")
+        return list(getattr(importlib.import_module(mod_name), fn_name)({}))
     mod = toc.load_module(toc.get_chapter(slug))
     fn = getattr(mod, "gpu_launches", None)
     if fn is None:
@@ -388,7 +420,7 @@ def launches_for(slug: str) -> list[Launch]:
 
 def kernel_chapters() -> list[str]:
     """Slugs of the chapters whose modules declare `gpu_launches`."""
-    from . import toc
+    from .. import toc
 
     out = []
     for slug in toc.CHAPTERS:
@@ -454,7 +486,7 @@ def _ptxas_log(ptx: str, arch: int, fp_fusion: bool) -> str:
 
 
 def compile_launch(launch: Launch, target: str) -> dict:
-    """Compile one launch for `target` ('sm_80' | 'sm_90' | 'sm_100') and describe the result.
+    """Compile one launch for `target` ('sm_80' | 'sm_90' | 'sm_100' | 'gfx942' | 'gfx950') and describe it.
 
     Must run where TRITON_INTERPRET=0 was set before Triton was imported (see `inspect`)."""
     import contextlib
@@ -471,6 +503,8 @@ def compile_launch(launch: Launch, target: str) -> dict:
            "smem_limit_kb": SMEM_LIMIT_KB[arch]}
     if not hasattr(launch.kernel, "run") or type(launch.kernel).__name__ == "InterpretedFunction":
         return {**row, "ok": False, "error": "the Triton interpreter is on in the compiling process"}
+    if target in AMD_TARGETS:
+        return _compile_hip(launch, target, row)
     knobs.nvidia.dump_ptxas_log = True
     driver.set_active(_AOTDriver(GPUTarget("cuda", arch, 32)))
     t0 = time.perf_counter()
@@ -493,6 +527,7 @@ def compile_launch(launch: Launch, target: str) -> dict:
         log = _ptxas_log(ptx, arch, kw.get("enable_fp_fusion", True))
         facts.write_text(log)
     md = ck.metadata
+    row.update(machine_facts(ck, launch, "sass"))
     mma = mma_family(ptx)
     loads = global_loads(ptx)
     row.update(ok=True, compile_s=round(time.perf_counter() - t0, 2), shared_kb=round(int(md.shared) / 1024, 1),
@@ -503,9 +538,121 @@ def compile_launch(launch: Launch, target: str) -> dict:
     return row
 
 
+_RE_MFMA = re.compile(r"\bv_(s?mfma|wmma)_(?:[a-z0-9]+_)?(\d+x\d+x\d+)(?:_?(\w+))?")
+_RE_AMD_LOAD = re.compile(r"\b(global|buffer)_load_(?:lds_)?(\w+)")
+
+
+def amd_metadata(asm: str) -> dict:
+    """VGPRs, AGPRs, spills, scratch bytes per lane and the compiler's occupancy (waves per SIMD) from
+    the AMDGCN assembly's metadata and its closing comments."""
+    def num(pattern, default=0):
+        m = re.search(pattern, asm)
+        return int(m.group(1)) if m else default
+    return {"vgprs": num(r"\.vgpr_count:\s+(\d+)"), "agprs": num(r"\.agpr_count:\s+(\d+)"),
+            "vgpr_spills": num(r"\.vgpr_spill_count:\s+(\d+)"), "sgpr_spills": num(r"\.sgpr_spill_count:\s+(\d+)"),
+            "scratch_bytes": num(r"\.private_segment_fixed_size:\s+(\d+)"),
+            "compiler_occupancy": num(r"; Occupancy: (\d+)", None)}
+
+
+def mfma_family(asm: str) -> dict:
+    """The matrix instructions in AMDGCN: {'family': 'mfma' | 'smfmac' | 'wmma' | '-', 'shapes':
+    ['32x32x8 bf16', ...], 'counts'}."""
+    counts: dict[str, int] = {}
+    shapes: list[str] = []
+    for fam, shape, ty in _RE_MFMA.findall(asm):
+        counts[fam] = counts.get(fam, 0) + 1
+        label = f"{shape} {ty}".strip()
+        if label not in shapes:
+            shapes.append(label)
+    return {"family": "+".join(counts) or "-", "shapes": shapes, "counts": counts}
+
+
+def amd_loads(asm: str) -> dict:
+    """Global loads in AMDGCN by bytes per lane: {'ld': {bytes: count}, 'st': {}, 'cp_async': {...} (loads
+    straight into LDS), 'tma': 0}, in the shape `loads_summary` reads."""
+    from .machine import _amd_global_bytes
+
+    ld: dict[int, int] = {}
+    lds: dict[int, int] = {}
+    for line in asm.splitlines():
+        s = line.strip()
+        if _RE_AMD_LOAD.match(s):
+            w = _amd_global_bytes(s)
+            target = lds if ("_lds_" in s.split()[0] or " lds" in s) else ld
+            target[w] = target.get(w, 0) + 1
+    return {"ld": dict(sorted(ld.items(), reverse=True)), "st": {}, "cp_async": dict(sorted(lds.items(), reverse=True)),
+            "tma": 0}
+
+
+def _compile_hip(launch: Launch, target: str, row: dict) -> dict:
+    """`compile_launch` for a CDNA target: HSACO through Triton's AMD backend (no GPU, no ROCm);
+    LDS from the kernel's metadata, VGPRs/AGPRs, spills and scratch from the AMDGCN."""
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime.driver import driver
+
+    driver.set_active(_AOTDriver(GPUTarget("hip", target, 64)))
+    t0 = time.perf_counter()
+    try:
+        ck = launch.kernel.run(*[_stand_in(a) for a in launch.args], grid=(1,), warmup=True, **dict(launch.kwargs))
+    except Exception as e:
+        msg = f"{type(e).__name__}: {e}".strip().splitlines()
+        return {**row, "ok": False, "error": " ".join(msg[:3])[:600], "compile_s": round(time.perf_counter() - t0, 2)}
+    asm = ck.asm.get("amdgcn", "")
+    md = ck.metadata
+    meta_ = amd_metadata(asm)
+    mma = mfma_family(asm)
+    loads = amd_loads(asm)
+    row.update(machine_facts(ck, launch, "amdgcn"))
+    spill = meta_["scratch_bytes"]
+    row.update(ok=True, compile_s=round(time.perf_counter() - t0, 2), shared_kb=round(int(md.shared) / 1024, 1),
+               num_warps=int(md.num_warps), num_stages=int(getattr(md, "num_stages", row["num_stages"]) or 0),
+               wave_size=int(getattr(md, "warp_size", 64) or 64), regs=meta_["vgprs"] + meta_["agprs"], **meta_,
+               spill_stores=meta_["vgpr_spills"] + meta_["sgpr_spills"], spill_loads=0, spill_bytes=spill,
+               mma=mma_summary(mma), mma_family=mma["family"], mma_counts=mma["counts"], loads=loads,
+               loads_summary=loads_summary(loads).replace("cp.async", "to LDS"))
+    row["smem_ok"] = row["shared_kb"] <= row["smem_limit_kb"]
+    from .cost import residency
+
+    occ = residency(row)
+    row["waves_per_simd"] = occ["ctas_per_sm"] * -(-row["num_warps"] // 4)
+    return row
+
+
+def _nvdisasm(cubin: bytes) -> str:
+    """The SASS listing of a cubin from Triton's bundled nvdisasm (labels and branch targets kept)."""
+    from triton.backends.nvidia import compiler as nvc
+
+    tool = Path(nvc.get_ptxas(90).path).with_name("nvdisasm")
+    with tempfile.TemporaryDirectory() as d:
+        src = Path(d) / "k.cubin"
+        src.write_bytes(cubin)
+        r = subprocess.run([str(tool), "-c", str(src)], capture_output=True, text=True, timeout=600)
+        if r.returncode != 0:
+            raise RuntimeError(f"nvdisasm failed: {r.stderr[:300]}")
+        return r.stdout
+
+
+def machine_facts(ck, launch: Launch, isa: str) -> dict:
+    """The cost model's inputs from a compiled kernel: the launch's grid, DRAM bytes and integer
+    arguments, the main loop of its machine code (`machine.main_loop`), and the trips and dot FLOPs
+    of its Triton IR (`machine.ttir_loops`)."""
+    from . import machine
+
+    shape = launch_shape_facts(launch)
+    if isa == "sass":
+        loop = machine.main_loop(machine.sass_instructions(_nvdisasm(ck.asm["cubin"])), "sass")
+    else:
+        loop = machine.main_loop(machine.amdgcn_instructions(ck.asm.get("amdgcn", "")), "amdgcn")
+    ir = machine.ttir_loops(ck.asm.get("ttir", ""), shape["int_args"], shape["grid"] or (1,))
+    key = "sass" if isa == "sass" else "isa_loop"
+    return {"grid": shape["grid"], "ctas": shape["ctas"], "dram_bytes": shape["dram_bytes"], "dram_from": shape["dram_from"],
+            key: loop, "trips": ir["main_trips"], "trips_known": ir["trips_known"],
+            "flops_per_cta": ir["flops_per_cta"], "dots": ir["dots"]}
+
+
 def _worker(out_path: str, slugs: list[str], targets: list[str], shard: int, shards: int) -> None:
     """Compile every shards-th (launch, target) job of `slugs`, starting at `shard`; one JSON row per line."""
-    from . import device
+    from .. import device
 
     assert not device.triton_interpreted(), "the Triton interpreter is on in the compiling process"
     jobs = []
@@ -533,7 +680,7 @@ def _worker(out_path: str, slugs: list[str], targets: list[str], shard: int, sha
 
 
 def repo_root() -> Path:
-    return Path(__file__).resolve().parents[2]
+    return Path(__file__).resolve().parents[3]
 
 
 def default_cache_dir() -> Path:
@@ -542,7 +689,7 @@ def default_cache_dir() -> Path:
 
 
 def inspect(slugs: list[str], targets: list[str], *, jobs: int = 2, cache_dir: str | Path | None = None,
-            timeout_s: float = 1800) -> list[dict]:
+            timeout_s: float = 7200) -> list[dict]:
     """Compile every gpu-preset launch of `slugs` for `targets` in `jobs` subprocesses with the
     interpreter off; returns one row per (launch, target), in launch order."""
     for t in targets:
@@ -579,19 +726,35 @@ def inspect(slugs: list[str], targets: list[str], *, jobs: int = 2, cache_dir: s
 # ---------------------------------------------------------------------------------------------------
 # The table: printed by `inferbook inspect`, kept in data/compiled/<slug>.json, shown on the pages
 
-def format_row(r: dict) -> str:
-    name = r["launch"][:64]
+def format_row(r: dict, prediction: dict | None = None) -> str:
+    name = r["launch"][:60]
     if not r.get("ok"):
-        return f"{name:64s} {r['target']:6s} ERROR {r.get('error', '')[:200]}"
+        return f"{name:60s} {r['target']:6s} ERROR {r.get('error', '')[:200]}"
     flag = "" if r["shared_kb"] <= r["smem_limit_kb"] else "  <-- over the shared-memory limit"
-    return (f"{name:64s} {r['target']:6s} ok    {r['shared_kb']:6.1f}/{r['smem_limit_kb']:<3d} "
-            f"{r['regs'] or 0:4d} {r['spill_bytes']:6d}  {r['mma']:34s} {r['loads_summary']}{flag}")
+    regs = r.get("regs") if r.get("regs") is not None else (r.get("vgprs") or 0) + (r.get("agprs") or 0)
+    pred = "-"
+    if prediction is not None:
+        from ..measure import significant
+
+        pred = f"{significant(prediction['seconds'] * 1e6)} µs {prediction['bound']}"
+    return (f"{name:60s} {r['target']:6s} {pred:>20s}  {r['shared_kb']:6.1f}/{r['smem_limit_kb']:<3d} "
+            f"{regs or 0:4d} {r['spill_bytes']:6d}  {r['mma']:30s} {r['loads_summary']}{flag}")
 
 
 def format_table(rows: list[dict]) -> str:
-    head = (f"{'launch':64s} {'target':6s} {'':5s} {'smem KB':>10s} {'regs':>4s} {'spill':>6s}  "
-            f"{'MMA':34s} global loads (PTX instructions by width)")
-    return "\n".join([head] + [format_row(r) for r in rows])
+    """One line per row with the cost model's predicted time and binding bound on the target's default
+    card (`TARGET_CARD`; '-' for a row without machine-code facts), then the resources."""
+    preds = {}
+    for t in {r["target"] for r in rows}:
+        tr = [r for r in rows if r["target"] == t and r.get("ok") and ("sass" in r or "isa_loop" in r)]
+        for r, p in zip(tr, predict_rows(tr, TARGET_CARD[t])):
+            preds[id(r)] = p
+    head = (f"{'launch':60s} {'target':6s} {'predicted, bound':>20s}  {'smem KB':>10s} {'regs':>4s} {'spill':>6s}  "
+            f"{'MMA':30s} global loads (PTX instructions by width)")
+    cards = ", ".join(f"{t} on {TARGET_CARD[t]}" for t in sorted({r["target"] for r in rows}))
+    foot = (f"predicted (not measured) by the cost model of inferbook.compiled.cost ({cards}); the ideal roofline "
+            f"is only the floor")
+    return "\n".join([head] + [format_row(r, preds.get(id(r))) for r in rows] + [foot])
 
 
 def record_path(slug: str, root: Path | None = None) -> Path:
@@ -602,15 +765,22 @@ def save_table(slug: str, rows: list[dict], root: Path | None = None) -> Path:
     """Write data/compiled/<slug>.json: the rows plus the versions that made them."""
     import triton
 
-    from .context import git_state
+    from ..context import git_state
 
     path = record_path(slug, root)
     path.parent.mkdir(parents=True, exist_ok=True)
     keep = [{k: v for k, v in r.items() if k not in ("compile_s",)} for r in rows if r["slug"] == slug]
+    done = {r["target"] for r in keep}
+    old = load_table(slug, root)
+    if old is not None:        # targets not compiled this time keep their rows
+        keep += [r for r in old["rows"] if r["target"] not in done]
+    tix = {t: n for n, t in enumerate(TARGETS)}
+    keep.sort(key=lambda r: (r.get("index", 0), tix.get(r["target"], 99)))
     doc = {"chapter": slug, "triton": triton.__version__, "torch": torch.__version__,
            "git": git_state().get("commit", "unknown"), "targets": sorted({r["target"] for r in keep}, key=list(TARGETS).index),
-           "note": "ahead-of-time compile for NVIDIA targets on a CPU machine (no GPU, no driver); "
-                   "registers and spills from ptxas -v, MMA and load widths from the PTX",
+           "note": "ahead-of-time compile on a CPU machine (no GPU, no driver); NVIDIA: registers and spills from "
+                   "ptxas -v, MMA and load widths from the PTX, the main loop from nvdisasm's SASS; AMD: VGPRs, AGPRs, "
+                   "scratch, MFMA and loads from the AMDGCN; trips and dot FLOPs from the Triton IR",
            "rows": keep}
     path.write_text(_dump(doc))
     return path
@@ -679,23 +849,72 @@ def table_facts(slug: str, root: Path | None = None) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Predicted roofline time on three cards
+# Predicted time: the cost model (compiled/cost.py) on the committed tables
 
-# Published dense (no sparsity) BF16 tensor-core rates and HBM bandwidths, SXM parts:
-# H100 SXM5: 3.35 TB/s, 989 TFLOP/s (NVIDIA H100 datasheet); H200 SXM: 4.8 TB/s, 989 TFLOP/s
-# (NVIDIA H200 datasheet: the H100's compute with more, faster HBM3e); B200: 8 TB/s,
-# 2.25 PFLOP/s dense BF16 (NVIDIA DGX B200 / HGX B200 datasheet: 4.5 PFLOP/s is with sparsity).
-CARDS = {
-    "H100 SXM": {"bandwidth_TBps": 3.35, "bf16_TFLOPs": 989.0, "source": "NVIDIA H100 datasheet"},
-    "H200 SXM": {"bandwidth_TBps": 4.8, "bf16_TFLOPs": 989.0, "source": "NVIDIA H200 datasheet"},
-    "B200": {"bandwidth_TBps": 8.0, "bf16_TFLOPs": 2250.0, "source": "NVIDIA HGX B200 datasheet (dense)"},
-}
-_CARD_MATCH = {"H100 SXM": ("h100",), "H200 SXM": ("h200",), "B200": ("b200",)}
+from . import machine  # noqa: E402,F401
+from .cost import CARDS, SM_LIMITS, bound_sentence, measured_copy_gbps, predict, residency  # noqa: E402,F401
 
+# The card each target's table is predicted on by default (inspect, the pages).
+TARGET_CARD = {"sm_80": "A100", "sm_90": "H200", "sm_100": "B200", "gfx942": "MI300X", "gfx950": "MI355X"}
+
+
+def _check_card(target: str, card: str) -> None:
+    if card not in CARDS:
+        raise UserError(f"unknown card {card!r}; choose {choices(CARDS)}")
+    if target not in SM_LIMITS:
+        raise UserError(f"unknown target {target!r}; choose {choices(SM_LIMITS)}")
+    if CARDS[card]["vendor"] != SM_LIMITS[target]["vendor"]:
+        raise UserError(f"card {card} cannot run {target} code; {target} runs on "
+                        f"{', '.join(c for c, v in CARDS.items() if v['vendor'] == SM_LIMITS[target]['vendor'])}")
+
+
+def predict_rows(rows: list[dict], card: str, root: Path | None = None) -> list[dict]:
+    """`cost.predict` for each compiled row (a row without machine-code facts or that did not compile
+    is skipped), at the measured copy ceiling of `card` where a committed record has one."""
+    measured = measured_copy_gbps(card, root)
+    out = []
+    for r in rows:
+        if not r.get("ok") or ("sass" not in r and "isa_loop" not in r):
+            continue
+        p = predict(r, card, copy_gbps=measured[0] if measured else None)
+        if measured:
+            p["ceiling_record"] = measured[1]
+        out.append(p)
+    return out
+
+
+def predict_launches(slug: str, target: str = "sm_90", card: str = "H200", root: Path | None = None) -> list[dict]:
+    """The cost model's prediction for every gpu-preset launch of chapter `slug` compiled for `target`,
+    read from the committed table (data/compiled/<slug>.json; nothing is compiled): one dict per
+    launch, in launch order, with at least {'kernel', 'launch', 'seconds', 'bound', 'ceiling'
+    ('measured'|'datasheet'), 'bounds': {name: seconds}} (see `cost.predict`)."""
+    _check_card(target, card)
+    doc = load_table(slug, root)
+    if doc is None:
+        raise UserError(f"no compile table for {slug!r}: run `inferbook inspect {slug} --target all --save`")
+    rows = sorted((r for r in doc["rows"] if r["target"] == target), key=lambda r: r["index"])
+    if not rows:
+        raise UserError(f"the compile table of {slug!r} has no {target} rows: run `inferbook inspect {slug} "
+                        f"--target {target} --save`")
+    return predict_rows(rows, card, (root / "data" / "results") if root is not None else None)
+
+
+def predicted_seconds(slug: str, target: str = "sm_90", card: str = "H200", root: Path | None = None) -> float:
+    """Sum of `predict_launches`' seconds: the chapter's gpu-preset launches, one after another."""
+    return sum(p["seconds"] for p in predict_launches(slug, target, card, root))
+
+
+def occupancy(row: dict) -> dict:
+    """CTAs per SM a launch can keep resident, and what bounds it (`cost.residency`)."""
+    return residency(row)
+
+
+# The ideal roofline, kept only as the floor no kernel beats: max(bytes / datasheet bandwidth,
+# flops / dense BF16 rate) for a chapter's own byte and flop counts.
 
 def _si(x: float, unit: str) -> str:
     """16537600 B -> '16.5 MB' (decimal prefixes, 3 significant figures)."""
-    from .measure import significant
+    from ..measure import significant
 
     if not x:
         return "0"
@@ -705,41 +924,40 @@ def _si(x: float, unit: str) -> str:
     return f"{significant(x, 3)} {unit}"
 
 
-def roofline_bound(bytes_moved: float, flops: float, card: str) -> str:
-    """'memory' when moving the bytes takes longer than the flops at `card`'s published rates."""
-    c = CARDS[card]
-    return "memory" if bytes_moved / c["bandwidth_TBps"] >= flops / c["bf16_TFLOPs"] else "compute"
+FLOOR_CARDS = ("H100", "H200", "B200", "MI300X", "MI355X")
 
 
 def roofline_seconds(bytes_moved: float, flops: float, card: str) -> float:
-    """max(bytes / bandwidth, flops / BF16 rate): the time no kernel on `card` can beat."""
+    """max(bytes / datasheet bandwidth, flops / dense BF16 rate): the floor no kernel on `card` beats."""
     c = CARDS[card]
-    return max(bytes_moved / (c["bandwidth_TBps"] * 1e12), flops / (c["bf16_TFLOPs"] * 1e12))
+    return max(bytes_moved / (c["hbm_tbps"] * 1e12), flops / (c["bf16_tflops"] * 1e12))
+
+
+def roofline_bound(bytes_moved: float, flops: float, card: str) -> str:
+    c = CARDS[card]
+    return "memory" if bytes_moved / c["hbm_tbps"] >= flops / c["bf16_tflops"] else "compute"
 
 
 def predicted_roofline(chapter: str, work: list[dict], measured: dict | None = None):
     """A DataFrame: for each workload {'name', 'bytes', 'flops'} (the chapter's own counts at the gpu
-    preset) the roofline time on H100, H200 and B200, each labelled *predicted, not measured*;
-    where `measured` ({(name, card): seconds}, e.g. from a reference run in data/results/) has a
-    value, that measurement is shown instead and labelled measured."""
+    preset) the ideal roofline floor on each card, labelled *floor, not a prediction*; where `measured`
+    ({(name, card): seconds}, from a reference run in data/results/) has a value, it is shown instead."""
     import pandas as pd
 
-    from .measure import significant
+    from ..measure import significant
 
     measured = measured or {}
     rows = []
     for w in work:
         row = {"workload": w["name"], "bytes": _si(w["bytes"], "B"), "flops": _si(w["flops"], "FLOP")}
-        for card in CARDS:
+        for card in FLOOR_CARDS:
             m = measured.get((w["name"], card))
             if m is not None:
                 row[card] = f"{significant(m * 1e6, 3)} µs (measured)"
             else:
-                c = CARDS[card]
-                t_mem = w["bytes"] / (c["bandwidth_TBps"] * 1e12)
-                t_flop = w["flops"] / (c["bf16_TFLOPs"] * 1e12)
-                bound = "memory" if t_mem >= t_flop else "compute"
-                row[card] = f"{significant(max(t_mem, t_flop) * 1e6, 3)} µs ({bound}-bound, predicted, not measured)"
+                t = roofline_seconds(w["bytes"], w["flops"], card)
+                row[card] = (f"{significant(t * 1e6, 3)} µs ({roofline_bound(w['bytes'], w['flops'], card)} floor, "
+                             f"not a prediction)")
         rows.append(row)
     return pd.DataFrame(rows)
 
@@ -748,7 +966,8 @@ def reference_times(chapter: str, work: list[dict]) -> dict:
     """{(workload, card): seconds} from committed reference runs (data/results/<hw>/<chapter>.json):
     each workload may name the record and measurement holding its measured time ('record', optional
     'variant', 'metric', and 'match': extra fields the measurement must carry, e.g. {'batch': 1})."""
-    from .context import reference_records
+    from ..context import reference_records
+    from .cost import _CARD_KEYS
 
     out = {}
     try:
@@ -758,7 +977,7 @@ def reference_times(chapter: str, work: list[dict]) -> dict:
     for _slug, records in refs.items():
         for r in records:
             label = " ".join(str(v) for v in (r.hardware or {}).values()).lower()
-            card = next((c for c, keys in _CARD_MATCH.items() if any(k in label for k in keys)), None)
+            card = next((c for c, keys in _CARD_KEYS.items() if any(k in label for k in keys)), None)
             if card is None:
                 continue
             for w in work:
@@ -769,21 +988,6 @@ def reference_times(chapter: str, work: list[dict]) -> dict:
                             all(m.get(k) == v for k, v in (w.get("match") or {}).items()):
                         out[(w["name"], card)] = float(m["value"])
     return out
-
-
-REGS_PER_SM, SMEM_PER_SM_KB, MAX_WARPS_PER_SM = 65536, {80: 164, 90: 228, 100: 228}, 64
-
-
-def occupancy(row: dict) -> dict:
-    """CTAs per SM a launch can keep resident, and what bounds it (registers, shared memory, warps)."""
-    warps = row["num_warps"]
-    regs = max(row["regs"] or 1, 1)
-    per_warp = -(-regs * 32 // 256) * 256                       # allocation granularity: 256 registers a warp
-    by = {"registers": REGS_PER_SM // (per_warp * warps), "warps": MAX_WARPS_PER_SM // warps,
-          "shared memory": int(SMEM_PER_SM_KB[TARGETS[row["target"]]] // (row["shared_kb"] + 1))
-          if row["shared_kb"] else 32}
-    limit = min(by, key=by.get)
-    return {"ctas_per_sm": min(by[limit], 32), "limit": limit, "warps_per_sm": min(by[limit], 32) * warps}
 
 
 def launch_row(slug: str, prefix: str, target: str, root: Path | None = None) -> dict | None:
@@ -802,81 +1006,7 @@ def launch_mma(slug: str, prefix: str, target: str, root: Path | None = None) ->
     return "no MMA instruction" if r["mma"] == "-" else r["mma"]
 
 
-class CompilerSection:
-    """What a chapter's "What the compiler made of it" cell shows and glues: the compile table for
-    the three targets (from data/compiled/<slug>.json; nothing is compiled here) and the predicted
-    roofline time of the chapter's gpu-preset workloads on H100, H200 and B200."""
-
-    def __init__(self, slug: str, work: list[dict] | None = None, root: Path | None = None):
-        self.slug = slug
-        self.root = root
-        self.table = compile_table(slug, root)
-        self.work = work or []
-        self.roofline = predicted_roofline(slug, self.work, reference_times(slug, self.work)) if self.work else None
-        self.facts = table_facts(slug, root)
-        self.glue = self._glue_values()
-
-    def _glue_values(self) -> dict[str, str]:
-        f = self.facts
-        p = "cc_" + self.slug.replace("-", "_")
-        out = {f"{p}_launches": str(f["launches"])}
-        doc = load_table(self.slug, self.root) or {"rows": []}
-        for t in TARGETS:
-            short = t.replace("_", "")
-            tf = f["targets"].get(t)
-            if tf is None:
-                for k in ("mma", "max_smem", "max_regs", "spills", "limit"):
-                    out[f"{p}_{short}_{k}"] = "not compiled"
-                continue
-            out[f"{p}_{short}_mma"] = ", ".join(tf["mma_families"]) or "no MMA instruction"
-            out[f"{p}_{short}_max_smem"] = f"{tf['max_shared_kb']:.1f} KB ({tf['max_shared_launch']})"
-            out[f"{p}_{short}_max_regs"] = f"{tf['max_regs']} ({tf['max_regs_launch']})"
-            sp = tf["spilling"]
-            out[f"{p}_{short}_spills"] = ("no launch spills" if not sp else
-                                          f"{len(sp)} launch(es) spill, most {max(b for _, b in sp)} B "
-                                          f"({max(sp, key=lambda x: x[1])[0]})")
-            ok = [r for r in doc["rows"] if r["target"] == t and r.get("ok")]
-            out[f"{p}_{short}_limit"] = "not compiled"
-            if ok:
-                worst = min(ok, key=lambda r: occupancy(r)["warps_per_sm"])
-                occ = occupancy(worst)
-                out[f"{p}_{short}_limit"] = (f"{worst['launch']}: {occ['ctas_per_sm']} CTA(s) of {worst['num_warps']} "
-                                             f"warps per SM, bounded by {occ['limit']}")
-        out[f"{p}_failures"] = ("none" if not f["failures"] else
-                                f"{len(f['failures'])}: " + "; ".join(f["failures"][:4]) +
-                                (" …" if len(f["failures"]) > 4 else ""))
-        return out
-
-    def _repr_html_(self) -> str:
-        doc = load_table(self.slug, self.root) or {}
-        head = (f"<p><b>Compiled ahead of time</b> for sm_80 (A100), sm_90 (H100/H200) and sm_100 (B200) with "
-                f"Triton {doc.get('triton', '?')} on a machine without a GPU (<code>inferbook inspect {self.slug} "
-                f"--target all</code>): shared memory per CTA against the per-block limit, registers per thread and "
-                f"spilled bytes from ptxas, the MMA instructions and the global-load widths in the PTX "
-                f"(instruction counts, not executions).</p>")
-        html = head + self.table.to_html(index=False, escape=True)
-        if self.roofline is not None:
-            cards = "; ".join(f"{c} {v['bandwidth_TBps']} TB/s and {v['bf16_TFLOPs']:g} TFLOP/s dense BF16 "
-                              f"({v['source']})" for c, v in CARDS.items())
-            html += (f"<p><b>Roofline time, predicted, not measured</b> unless marked measured (a committed reference "
-                     f"run): max(bytes / bandwidth, flops / BF16 rate) for this chapter's own byte and flop counts at "
-                     f"the gpu preset. Cards: {cards}.</p>" + self.roofline.to_html(index=False, escape=True))
-        return html
-
-    def __repr__(self) -> str:
-        out = self.table.to_string(index=False)
-        if self.roofline is not None:
-            out += "\n\nroofline (predicted, not measured):\n" + self.roofline.to_string(index=False)
-        return out
-
-
-def chapter_section(slug: str, work: list[dict] | None = None, glue=None) -> CompilerSection:
-    """Build the section and glue its facts (`glue(name, value)`, e.g. `notebook.glue`)."""
-    sec = CompilerSection(slug, work)
-    if glue is not None:
-        for k, v in sec.glue.items():
-            glue(k, v)
-    return sec
+from .section import CompilerSection, chapter_section  # noqa: E402,F401
 
 
 def _main(argv: list[str]) -> int:

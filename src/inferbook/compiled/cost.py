@@ -1,0 +1,220 @@
+"""A kernel's predicted time on a card, from what the compiler made of it (one compile-table row).
+
+The model, and every assumption it makes (the pages' "How the prediction is made" repeats this):
+
+1. **Work.** One CTA (workgroup) executes `kernel_instrs − loop_instrs + loop_instrs × trips`
+   warp-instructions per warp (wave-instructions on AMD) and `flops_per_cta` tensor-core FLOPs
+   (2·M·N·K of each `tt.dot`, times the trips of the loops around it). The main loop is the
+   innermost backward branch of the machine code moving the most global bytes per iteration
+   (`machine.main_loop`); `trips` is the Triton IR's bound of the loop nest around it, evaluated on
+   the launch's integer arguments for the program in the middle of the grid. Where a bound depends
+   on memory (a persistent or routed kernel), `trips` = the launch's DRAM bytes per CTA over the
+   loop's bytes per iteration (said in the row: `trips_from`). Other loops are counted once.
+2. **DRAM bytes** = every tensor argument's extent moved once (re-reads hit L2), unless the builder
+   states `Launch.dram_bytes` (e.g. only the routed experts' weights).
+3. **Residency.** CTAs per SM (CU) = the least of: registers (65536 per SM, allocated per warp in
+   units of 256), shared memory (the SM's capacity, 1 KB reserved per CTA), 64 warps, 32 CTAs; on
+   CDNA, waves per SIMD from VGPRs+AGPRs (512 per lane, granule 8, at most 8 waves) and LDS per CU,
+   a workgroup's waves spread over the CU's 4 SIMDs.
+4. **Bounds** (seconds; the prediction is the largest, and that one is named):
+   - `memory`: DRAM bytes / the copy ceiling — the *measured* one of a committed `ceilings` record
+     for that card (data/results/<card>/device-ceilings.json) if one exists, else the datasheet's
+     HBM bandwidth; `ceiling` says which.
+   - `issue`: the average SM's warp-instructions / (issue slots per cycle × clock): 4 per SM on
+     NVIDIA (one per scheduler, and only as many schedulers as resident warps), 1 per CU on CDNA
+     (4 SIMDs, a wave64 vector instruction every 4 cycles each). No dependency stalls are counted:
+     this is the best the instruction stream allows.
+   - `compute`: the average SM's FLOPs / its share of the datasheet's dense tensor rate for the dot's
+     operand type (bf16/f16; fp8 and int8 twice that; fp32 operands at the TF32 rate, half);
+     `mma.sync` on sm_90/sm_100 at 2/3 of it (warp-level MMA does not reach wgmma/tcgen05 rates).
+   - `latency`: each loop iteration waits one DRAM latency (600 ns NVIDIA, 800 ns CDNA, loaded
+     HBM, assumed) divided by the iterations in flight (`num_stages − 1` when the loop's loads are
+     asynchronous copies — cp.async, TMA, loads into LDS — or, on CDNA, when the loop has MFMA, which
+     Triton's stream pipeliner prefetches; else 1), plus one latency; resident CTAs overlap. Little's law is
+     reported beside it: bytes in flight per SM vs latency × (bandwidth / SMs).
+   - `waves`: the issue, compute and latency bounds recomputed for the *busiest* SM (ceil(grid /
+     SMs) CTAs, in rounds of the resident count): wave quantization. It binds only when it exceeds
+     every other bound by more than 2 %.
+   - `floor`: the old ideal roofline, max(DRAM bytes / datasheet bandwidth, FLOPs / peak) — shown as
+     the floor, never as the prediction.
+Not modelled: L2 and shared-memory bandwidth, bank conflicts, launch overhead, clocks below boost,
+atomics, inter-CTA synchronisation. Every number is labelled *predicted* wherever it is shown.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+# Published figures (dense, no sparsity). NVIDIA: A100 SXM4 80 GB, H100 SXM5, H200 SXM and HGX B200
+# datasheets (SMs and boost clocks from the architecture whitepapers); AMD: Instinct MI300X and MI355X
+# data sheets (CUs, peak engine clock, HBM bandwidth, MFMA rates).
+CARDS = {
+    "A100": dict(vendor="nvidia", target="sm_80", sms=108, clock_ghz=1.41, hbm_tbps=2.039, bf16_tflops=312.0,
+                 fp8_tflops=624.0, source="NVIDIA A100 SXM4 80GB datasheet (int8 rate for 8-bit)"),
+    "H100": dict(vendor="nvidia", target="sm_90", sms=132, clock_ghz=1.98, hbm_tbps=3.35, bf16_tflops=989.4,
+                 fp8_tflops=1978.9, source="NVIDIA H100 SXM5 datasheet"),
+    "H200": dict(vendor="nvidia", target="sm_90", sms=132, clock_ghz=1.98, hbm_tbps=4.8, bf16_tflops=989.4,
+                 fp8_tflops=1978.9, source="NVIDIA H200 SXM datasheet"),
+    "B200": dict(vendor="nvidia", target="sm_100", sms=148, clock_ghz=1.965, hbm_tbps=8.0, bf16_tflops=2250.0,
+                 fp8_tflops=4500.0, source="NVIDIA HGX B200 datasheet (dense)"),
+    "MI300X": dict(vendor="amd", target="gfx942", sms=304, clock_ghz=2.1, hbm_tbps=5.3, bf16_tflops=1307.4,
+                   fp8_tflops=2614.9, source="AMD Instinct MI300X data sheet"),
+    "MI355X": dict(vendor="amd", target="gfx950", sms=256, clock_ghz=2.4, hbm_tbps=8.0, bf16_tflops=2516.6,
+                   fp8_tflops=5033.2, source="AMD Instinct MI355X data sheet"),
+}
+
+# Per-SM (per-CU) limits of each target. NVIDIA: CUDA programming guide, "Technical specifications
+# per compute capability"; AMD: CDNA3/CDNA4 ISA guides (512 VGPRs+AGPRs per lane per SIMD on gfx90a+).
+SM_LIMITS = {
+    "sm_80": dict(vendor="nvidia", regs=65536, smem_kb=164, warps=64, ctas=32, issue=4, lanes=32),
+    "sm_90": dict(vendor="nvidia", regs=65536, smem_kb=228, warps=64, ctas=32, issue=4, lanes=32),
+    "sm_100": dict(vendor="nvidia", regs=65536, smem_kb=228, warps=64, ctas=32, issue=4, lanes=32),
+    "gfx942": dict(vendor="amd", vgprs=512, lds_kb=64, waves_per_simd=8, simds=4, issue=1, lanes=64),
+    "gfx950": dict(vendor="amd", vgprs=512, lds_kb=160, waves_per_simd=8, simds=4, issue=1, lanes=64),
+}
+
+LATENCY_NS = {"nvidia": 600.0, "amd": 800.0}     # loaded DRAM latency, assumed (see the docstring)
+MMA_SYNC_FRACTION = 2 / 3                          # mma.sync on sm_90 / sm_100 against the wgmma / tcgen05 rate
+BOUND_ORDER = ("memory", "compute", "issue", "latency", "waves")
+WAVES_MARGIN = 1.02
+_CARD_KEYS = {"A100": ("a100",), "H100": ("h100",), "H200": ("h200",), "B200": ("b200",),
+              "MI300X": ("mi300x", "mi300"), "MI355X": ("mi355x", "mi355", "mi350")}
+
+
+def measured_copy_gbps(card: str, root: Path | None = None) -> tuple[float, str] | None:
+    """(GB/s, record path) of the committed `ceilings` record for `card`
+    (data/results/<hardware>/device-ceilings.json whose folder or GPU name names the card), or None."""
+    from ..context import reference_dir
+    from ..record import load_records
+
+    base = Path(root) if root is not None else reference_dir()
+    keys = _CARD_KEYS[card]
+    for path in sorted(base.glob("*/device-ceilings.json")):
+        try:
+            records = load_records(path)
+        except Exception:
+            continue
+        for r in records:
+            label = (path.parent.name + " " + " ".join(str(v) for v in (r.hardware or {}).values())).lower()
+            if not any(k in label for k in keys):
+                continue
+            for m in r.measurements:
+                if m["name"] == "copy_bandwidth" and m.get("value"):
+                    return float(m["value"]), str(path)
+    return None
+
+
+def residency(row: dict) -> dict:
+    """CTAs (workgroups) per SM (CU) and what bounds it; warps (waves) resident per SM."""
+    lim = SM_LIMITS[row["target"]]
+    warps = max(int(row.get("num_warps") or 4), 1)
+    if lim["vendor"] == "nvidia":
+        regs = max(int(row.get("regs") or 1), 1)
+        per_warp = -(-regs * 32 // 256) * 256
+        smem = float(row.get("shared_kb") or 0.0)
+        by = {"registers": lim["regs"] // (per_warp * warps), "warps": lim["warps"] // warps,
+              "shared memory": int(lim["smem_kb"] // (smem + 1)) if smem else lim["ctas"], "CTAs": lim["ctas"]}
+    else:
+        vg = int(row.get("vgprs") or 0) + int(row.get("agprs") or 0)
+        alloc = max(-(-max(vg, 1) // 8) * 8, 8)
+        waves_simd = min(lim["waves_per_simd"], lim["vgprs"] // alloc)
+        per_simd = -(-warps // lim["simds"])      # a workgroup's waves over the CU's SIMDs
+        lds = float(row.get("shared_kb") or 0.0)
+        by = {"registers": waves_simd // per_simd, "shared memory": int(lim["lds_kb"] // lds) if lds else 32,
+              "warps": lim["waves_per_simd"] // per_simd}
+    limit = min(by, key=lambda k: (by[k], list(by).index(k)))
+    ctas = max(by[limit], 0)
+    return {"ctas_per_sm": ctas, "limit": limit, "warps_per_sm": ctas * warps, "by": by}
+
+
+def _dot_rate(row: dict, card: dict) -> float:
+    """FLOP/s of the whole card for this row's dots."""
+    dts = {d[3] for d in row.get("dots") or []}
+    rate = card["bf16_tflops"]
+    if dts and all(dt.startswith(("f8", "i8", "f4", "i4")) for dt in dts):
+        rate = card["fp8_tflops"]
+    elif dts and all(dt == "f32" for dt in dts):
+        rate = card["bf16_tflops"] / 2
+    if row.get("mma_family") == "mma.sync" and row["target"] in ("sm_90", "sm_100"):
+        rate *= MMA_SYNC_FRACTION
+    return rate * 1e12
+
+
+def predict(row: dict, card: str, *, copy_gbps: float | None = None) -> dict:
+    """The model of the module docstring for one compile-table row on `card`: {'seconds', 'bound',
+    'ceiling' ('measured'|'datasheet'), 'bounds': {name: seconds}, and what went into it}.
+    `copy_gbps`: a measured copy ceiling (else the datasheet bandwidth)."""
+    c = CARDS[card]
+    if not row.get("ok"):
+        raise ValueError(f"{row.get('launch')} on {row.get('target')} did not compile")
+    if "sass" not in row and "isa_loop" not in row:
+        raise ValueError(f"{row.get('launch')} on {row.get('target')}: the compile table has no machine-code "
+                         f"facts (regenerate it with `inferbook inspect SLUG --target all --save`)")
+    lim = SM_LIMITS[row["target"]]
+    loop = row.get("sass") or row.get("isa_loop")
+    warps = max(int(row.get("num_warps") or 4), 1)
+    grid = max(int(row.get("ctas") or 1), 1)
+    dram = float(row.get("dram_bytes") or 0.0)
+    sms = c["sms"]
+    clock = c["clock_ghz"] * 1e9
+    bw = (copy_gbps * 1e9) if copy_gbps else c["hbm_tbps"] * 1e12
+    bytes_iter_cta = loop["global_bytes_per_warp"] * warps
+    trips, trips_from = row.get("trips"), "ttir"
+    if trips is None or not row.get("trips_known", True):
+        trips = math.ceil(dram / grid / bytes_iter_cta) if bytes_iter_cta and loop["instrs"] else (1 if loop["instrs"] else 0)
+        trips_from = "bytes"
+    trips = max(int(trips), 1 if loop["instrs"] else 0)
+    instr_cta = (loop["kernel_instrs"] - loop["instrs"] + loop["instrs"] * trips) * warps
+    # dots whose loop trips the IR could not evaluate run once per main-loop trip
+    flops_cta = float(sum(2 * d[0] * d[1] * d[2] * (d[4] if d[4] is not None else trips)
+                          for d in row.get("dots") or [])) or float(row.get("flops_per_cta") or 0.0)
+    res = residency(row)
+    occ = max(res["ctas_per_sm"], 1)
+    used = min(grid, sms)
+    avg = grid / used                           # CTAs on the average SM in use
+    busiest = math.ceil(grid / sms)             # CTAs on the busiest SM
+    resident = min(occ, busiest)
+    slots = min(lim["issue"], resident * warps if lim["vendor"] == "nvidia" else lim["issue"]) * clock
+    sm_flops = _dot_rate(row, c) / sms
+    # loads in flight per loop: the pipeline's depth when the loop's loads are asynchronous copies, or on
+    # CDNA when the loop has MFMA (Triton's stream pipeliner prefetches the next iterations into registers)
+    pipelined = loop.get("async") or (lim["vendor"] == "amd" and loop.get("mma"))
+    async_depth = max(1, int(row.get("num_stages") or 1) - 1) if pipelined else 1
+    lat = LATENCY_NS[c["vendor"]] * 1e-9
+    # one CTA's chain of dependent latencies: the loop's, or (straight-line code) one load and one store
+    chain = (trips / async_depth + 1) * lat if loop["instrs"] else 2 * lat
+    bounds = {
+        "memory": dram / bw,
+        "compute": avg * flops_cta / sm_flops if sm_flops else 0.0,
+        "issue": avg * instr_cta / slots,
+        "latency": max(1.0, avg / occ) * chain,
+    }
+    bounds["waves"] = max(busiest * flops_cta / sm_flops if sm_flops else 0.0, busiest * instr_cta / slots,
+                          math.ceil(busiest / occ) * chain)
+    pick = [b for b in BOUND_ORDER if b != "waves"]
+    bound = max(pick, key=lambda b: (bounds[b], -BOUND_ORDER.index(b)))
+    if bounds["waves"] > WAVES_MARGIN * bounds[bound]:
+        bound = "waves"
+    seconds = bounds[bound]
+    total_flops = flops_cta * grid
+    floor = max(dram / (c["hbm_tbps"] * 1e12), total_flops / (c["bf16_tflops"] * 1e12))
+    in_flight = resident * bytes_iter_cta * async_depth
+    return {
+        "kernel": row.get("kernel", ""), "launch": row.get("launch", ""), "target": row["target"], "card": card,
+        "seconds": seconds, "bound": bound, "ceiling": "measured" if copy_gbps else "datasheet",
+        "bounds": bounds, "floor_s": floor, "ctas": grid, "ctas_per_sm": res["ctas_per_sm"],
+        "residency_limit": res["limit"], "warps_per_sm": res["warps_per_sm"],
+        "waves": math.ceil(grid / (sms * occ)), "trips": trips, "trips_from": trips_from,
+        "loop_instrs": loop["instrs"], "instr_per_byte": (instr_cta * grid / dram) if dram else None,
+        "bytes_in_flight_per_sm": in_flight, "bytes_in_flight_needed": lat * bw / sms,
+        "dram_bytes": dram, "flops": total_flops, "frac_of_copy": (dram / bw) / seconds if seconds else None,
+    }
+
+
+def bound_sentence(p: dict) -> str:
+    """'issue-bound: 8.22 µs predicted, 42 % of the datasheet copy ceiling' for prose."""
+    from ..measure import significant
+
+    frac = p.get("frac_of_copy")
+    return (f"{p['bound']}-bound: {significant(p['seconds'] * 1e6)} µs predicted"
+            + (f", {significant(100 * frac, 2)} % of the {p['ceiling']} copy ceiling" if frac is not None else ""))

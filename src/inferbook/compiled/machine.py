@@ -1,0 +1,305 @@
+"""What the machine code of one compiled kernel does per CTA: its main loop and trip count.
+
+Pure functions on text, unit-tested on fixed listings (tests/test_compiled.py):
+
+- `sass_instructions(text)` / `amdgcn_instructions(text)`: a disassembly as a list of
+  `(kind, text)` items, kind "label" or "insn" (nvdisasm of the cubin; the AMDGCN assembly).
+- `main_loop(items, isa)`: how the main loop is found — every backward branch (a branch to a label
+  earlier in the listing) closes a loop whose body runs from the label to the branch; the innermost
+  loops (no other loop inside) are candidates, and the main loop is the candidate that moves the
+  most global-memory bytes per iteration (ties: the most matrix instructions, then the longest). It
+  returns that body's instruction count, global bytes per warp (wave) per iteration, matrix
+  instructions, whether its loads are asynchronous copies (cp.async / TMA / direct-to-LDS, which let
+  `num_stages` iterations be in flight) and the whole kernel's instruction count.
+- `ttir_loops(ttir, ints, grid)`: the trip counts of the kernel's `scf.for` loops, evaluated from the
+  Triton IR's loop bounds with the launch's own integer arguments and the program in the middle of
+  the grid (None where a bound depends on memory, e.g. routing counts loaded in the kernel), and the
+  tensor-core FLOPs one CTA executes (`tt.dot` / `tt.dot_scaled`: 2·M·N·K each, times the trips of
+  the loops around it).
+"""
+from __future__ import annotations
+
+import re
+
+# ---------------------------------------------------------------------------------------------------
+# Disassembly -> items
+
+_SASS_INSN = re.compile(r"^\s*/\*[0-9a-f]+\*/\s+(.*?)\s*;?\s*(?:/\*.*)?$")
+_LABEL = re.compile(r"^\s*([.\w$]+):\s*(?:;.*|//.*)?$")
+
+
+def sass_instructions(text: str) -> list[tuple[str, str]]:
+    """nvdisasm's listing (`nvdisasm -c k.cubin`) as ('label', name) / ('insn', text) items."""
+    out = []
+    for line in text.splitlines():
+        m = _SASS_INSN.match(line)
+        if m:
+            out.append(("insn", m.group(1).rstrip(" ;")))
+            continue
+        m = _LABEL.match(line)
+        if m and not line.lstrip().startswith("."+"section"):
+            out.append(("label", m.group(1)))
+    return out
+
+
+def amdgcn_instructions(text: str) -> list[tuple[str, str]]:
+    """The AMDGCN assembly (Triton's `amdgcn` stage) of the kernel's body: items as above.
+    Directives (lines starting with '.') and comments are dropped."""
+    out = []
+    in_body = False
+    for raw in text.splitlines():
+        line = raw.split(";")[0].split("//")[0].rstrip()
+        if not line.strip():
+            continue
+        m = _LABEL.match(line)
+        if m:
+            name = m.group(1)
+            if not name.startswith("."):
+                in_body = True          # the kernel's symbol opens its body
+            out.append(("label", name))
+            continue
+        s = line.strip()
+        if s.startswith("."):
+            if s.startswith(".end_amdgpu_metadata") or s.startswith(".section"):
+                in_body = in_body and not s.startswith(".section")
+            continue
+        if in_body and re.match(r"^[sv]_|^buffer_|^global_|^flat_|^ds_|^scratch_", s):
+            out.append(("insn", s))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# What one instruction does
+
+_SASS_BRANCH = re.compile(r"\bBRA(?:\.[A-Z]+)*\s+`?\(?([.\w$]+)\)?")
+_AMD_BRANCH = re.compile(r"^s_(?:cbranch_\w+|branch)\s+([.\w$]+)")
+_SASS_MMA = re.compile(r"\b(?:HMMA|HGMMA|IMMA|QGMMA|UTC\w*MMA\w*|DMMA|OMMA)\b")
+_AMD_MMA = re.compile(r"^v_(?:s?mfma|wmma)\w*")
+
+
+def _sass_global_bytes(insn: str) -> int:
+    """Bytes one thread moves from global memory in one SASS instruction (0 for anything else):
+    LDG / LDGSTS with their width suffix (.U8/.S8 1, .U16/.S16 2, none 4, .64 8, .128 16)."""
+    op = insn.split()[0] if not insn.startswith("@") else insn.split()[1]
+    if not (op.startswith("LDG.") or op == "LDG" or op.startswith("LDGSTS")):
+        return 0
+    if op.startswith("LDGDEPBAR"):
+        return 0
+    for suffix, n in ((".128", 16), (".64", 8), (".U16", 2), (".S16", 2), (".U8", 1), (".S8", 1)):
+        if suffix in op:
+            return n
+    return 4
+
+
+def _amd_global_bytes(insn: str) -> int:
+    """Bytes one lane moves from global memory in one AMDGCN load (global_/buffer_load_*)."""
+    m = re.match(r"^(?:global|buffer|flat)_load_(?:lds_)?(\w+)", insn)
+    if not m:
+        return 0
+    kind = m.group(1)
+    widths = {"dwordx4": 16, "b128": 16, "dwordx3": 12, "b96": 12, "dwordx2": 8, "b64": 8, "dword": 4, "b32": 4,
+              "ushort": 2, "sshort": 2, "u16": 2, "i16": 2, "short_d16": 2, "short_d16_hi": 2, "ubyte": 1, "sbyte": 1,
+              "u8": 1, "i8": 1}
+    return widths.get(kind, 4)
+
+
+def _is_tma(insn: str) -> bool:
+    return "UTMALDG" in insn or "UBLKCP" in insn
+
+
+def _is_async(insn: str, isa: str) -> bool:
+    if isa == "sass":
+        return "LDGSTS" in insn or _is_tma(insn)
+    return bool(re.match(r"^(?:global|buffer)_load_lds_|^(?:global|buffer)_load_\w+.*\blds\b", insn))
+
+
+# ---------------------------------------------------------------------------------------------------
+# The main loop
+
+def loops(items: list[tuple[str, str]], isa: str = "sass") -> list[tuple[int, int]]:
+    """(start, end) index pairs into `items`, one per backward branch: the body from the label to
+    the branch instruction, inclusive."""
+    where = {}
+    out = []
+    branch = _SASS_BRANCH if isa == "sass" else _AMD_BRANCH
+    for i, (kind, text) in enumerate(items):
+        if kind == "label":
+            where[text] = i
+            continue
+        m = branch.search(text)
+        if m and m.group(1) in where:            # the label is above: a backward branch
+            out.append((where[m.group(1)], i))
+    return out
+
+
+def body_facts(items: list[tuple[str, str]], isa: str = "sass") -> dict:
+    """Counts over a list of items: instructions, global bytes per warp, matrix instructions,
+    async-copy loads, TMA loads."""
+    lanes = 32 if isa == "sass" else 64
+    n = gb = mma = asy = tma = 0
+    for kind, text in items:
+        if kind != "insn":
+            continue
+        n += 1
+        if isa == "sass":
+            b = _sass_global_bytes(text)
+            mma += bool(_SASS_MMA.search(text))
+            tma += _is_tma(text)
+        else:
+            b = _amd_global_bytes(text)
+            mma += bool(_AMD_MMA.match(text))
+        gb += b * lanes
+        asy += _is_async(text, isa) and (b > 0 or _is_tma(text))
+    return {"instrs": n, "global_bytes_per_warp": gb, "mma": mma, "async_loads": asy, "tma_loads": tma}
+
+
+def main_loop(items: list[tuple[str, str]], isa: str = "sass") -> dict:
+    """The kernel's main loop, found as the module docstring says: {'instrs', 'global_bytes_per_warp',
+    'mma', 'async', 'tma_loads', 'kernel_instrs', 'loops'} ('instrs' 0 when the kernel has no loop)."""
+    spans = loops(items, isa)
+    spans = [(a, b) for a, b in spans if sum(k == "insn" for k, _ in items[a:b + 1]) > 1]   # not `BRA self` (the trap after EXIT)
+    inner = [(a, b) for a, b in spans if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in spans)]
+    whole = body_facts(items, isa)
+    best, best_key = None, None
+    for a, b in inner:
+        f = body_facts(items[a:b + 1], isa)
+        key = (f["global_bytes_per_warp"] + 1e6 * f["tma_loads"], f["mma"], f["instrs"])
+        if best_key is None or key > best_key:
+            best, best_key = f, key
+    if best is None:
+        return {"instrs": 0, "global_bytes_per_warp": 0, "mma": 0, "async": False, "tma_loads": 0,
+                "kernel_instrs": whole["instrs"], "loops": 0}
+    return {"instrs": best["instrs"], "global_bytes_per_warp": best["global_bytes_per_warp"], "mma": best["mma"],
+            "async": best["async_loads"] > 0 or best["tma_loads"] > 0, "tma_loads": best["tma_loads"],
+            "kernel_instrs": whole["instrs"], "loops": len(spans)}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Trip counts and FLOPs from the Triton IR
+
+_TT_ARG = re.compile(r"%([\w$.-]+): (?:i1|i8|i16|i32|i64|f32|f16|bf16|!tt\.ptr<[^>]*>)")
+_TT_DEF = re.compile(r"^\s*%([\w$.-]+)(?::\d+)? = ([\w.]+)(.*)$")
+_TT_FOR = re.compile(r"scf\.for %([\w$.-]+) = %([\w$.-]+) to %([\w$.-]+) step %([\w$.-]+)")
+_TT_DOT = re.compile(r"tt\.dot(?:_scaled)?\b.*?: tensor<(\d+)x(\d+)x(\w+)>.*?\* tensor<(\d+)x(\d+)x")
+_INT = re.compile(r"^\s*(-?\d+)")
+
+
+def _int_binop(op: str, a: int, b: int) -> int | None:
+    if op == "arith.addi":
+        return a + b
+    if op == "arith.subi":
+        return a - b
+    if op == "arith.muli":
+        return a * b
+    if op in ("arith.divsi", "arith.divui"):
+        return int(a / b) if b else None
+    if op == "arith.ceildivsi":
+        return -(-a // b) if b else None
+    if op == "arith.floordivsi":
+        return a // b if b else None
+    if op in ("arith.remsi", "arith.remui"):
+        return a - b * int(a / b) if b else None
+    if op in ("arith.minsi", "arith.minui"):
+        return min(a, b)
+    if op in ("arith.maxsi", "arith.maxui"):
+        return max(a, b)
+    if op == "arith.shli":
+        return a << b
+    if op in ("arith.shrsi", "arith.shrui"):
+        return a >> b
+    if op == "arith.andi":
+        return a & b
+    if op == "arith.ori":
+        return a | b
+    return None
+
+
+_CMP = {"slt": lambda a, b: a < b, "sle": lambda a, b: a <= b, "sgt": lambda a, b: a > b,
+        "sge": lambda a, b: a >= b, "eq": lambda a, b: a == b, "ne": lambda a, b: a != b,
+        "ult": lambda a, b: a < b, "ule": lambda a, b: a <= b, "ugt": lambda a, b: a > b, "uge": lambda a, b: a >= b}
+
+
+def ttir_loops(ttir: str, ints: dict[str, int], grid: tuple | list = ()) -> dict:
+    """{'loops': [{'trips', 'depth'}...], 'main_trips', 'flops_per_cta', 'dots'}: every `scf.for`
+    with its trip count (None when a bound is not a function of the integer arguments and the program
+    id), 'main_trips' the largest product of trips along a loop nest (the main loop's), and the FLOPs
+    of one CTA's `tt.dot`s (operand element type kept in 'dots': [(M, N, K, dtype, executions)])."""
+    grid = tuple(int(g) for g in grid) + (1, 1, 1)
+    env: dict[str, int | None] = {}
+    for name, value in ints.items():
+        env[name] = int(value)
+    body = ttir
+    m = re.search(r"tt\.func public @\w+\((.*?)\)\s*(?:attributes|\{)", ttir, re.S)
+    if m:
+        for a in _TT_ARG.finditer(m.group(1)):
+            env.setdefault(a.group(1), None)
+    stack: list[int | None] = []          # trips of the enclosing loops (None = unknown)
+    opened: list[bool] = []               # for each open '{': whether it opened an scf.for
+    loop_rows, dots = [], []
+    for line in body.splitlines():
+        f = _TT_FOR.search(line)
+        d = _TT_DEF.match(line)
+        if d and not f:
+            name, op, rest = d.groups()
+            args = re.findall(r"%([\w$.-]+)", rest)
+            val = None
+            if op == "arith.constant":
+                c = _INT.match(rest.replace("true", "1").replace("false", "0"))
+                val = int(c.group(1)) if c and ":" in rest and "tensor" not in rest.split(":")[-1] else None
+            elif op == "tt.get_program_id":
+                axis = "xyz".index(rest.split()[0]) if rest.split() and rest.split()[0] in "xyz" else 0
+                val = (grid[axis] - 1) // 2
+            elif op == "tt.get_num_programs":
+                axis = "xyz".index(rest.split()[0]) if rest.split() and rest.split()[0] in "xyz" else 0
+                val = grid[axis]
+            elif op in ("arith.extsi", "arith.extui", "arith.trunci", "arith.index_cast", "arith.bitcast") and args:
+                val = env.get(args[0])
+            elif op == "arith.cmpi" and len(args) >= 2:
+                pred = rest.split(",")[0].split()[-1]
+                a, b = env.get(args[0]), env.get(args[1])
+                val = int(_CMP[pred](a, b)) if pred in _CMP and a is not None and b is not None else None
+            elif op == "arith.select" and len(args) >= 3:
+                c = env.get(args[0])
+                val = None if c is None else env.get(args[1] if c else args[2])
+            elif op.startswith("arith.") and len(args) >= 2:
+                a, b = env.get(args[0]), env.get(args[1])
+                val = _int_binop(op, a, b) if a is not None and b is not None else None
+            if "tensor<" in rest.split(":")[-1] if ":" in rest else False:
+                val = None
+            env[name] = val
+        if f:
+            iv, lb, ub, st = f.groups()
+            lo, hi, step = env.get(lb), env.get(ub), env.get(st)
+            trips = max(0, -(-(hi - lo) // step)) if None not in (lo, hi, step) and step else None
+            loop_rows.append({"trips": trips, "depth": len(stack)})
+            stack.append(trips)
+            env[iv] = lo                      # the first iteration's value (inner bounds rarely use it)
+        g = _TT_DOT.search(line)
+        if g:
+            M, K, dt, K2, N = int(g.group(1)), int(g.group(2)), g.group(3), int(g.group(4)), int(g.group(5))
+            execs = 1
+            for t in stack:
+                execs = execs * t if (t is not None and execs is not None) else None
+            dots.append((M, N, K, dt, execs))
+        opens, closes = line.count("{"), line.count("}")
+        # attribute dicts ({axis = 1 : i32}) open and close on one line; count only the net change
+        for _ in range(max(0, opens - closes)):
+            opened.append(bool(f))
+            f = None
+        for _ in range(max(0, closes - opens)):
+            if opened and opened.pop():
+                stack.pop()
+    best = None
+    nest: list = []
+    for r in loop_rows:
+        nest = nest[:r["depth"]] + [r["trips"]]
+        prod = 1
+        for t in nest:
+            prod = prod * t if (t is not None and prod is not None) else None
+        if prod is not None and (best is None or prod > best):
+            best = prod
+    unknown = any(r["trips"] is None for r in loop_rows)
+    flops = sum(2 * M * N * K * (e if e is not None else 0) for M, N, K, _dt, e in dots)
+    return {"loops": loop_rows, "main_trips": best, "trips_known": bool(loop_rows) and not unknown,
+            "flops_per_cta": flops, "flops_known": all(e is not None for *_, e in dots),
+            "dots": [list(x) for x in dots]}

@@ -1,0 +1,81 @@
+"""The ROCm path of the device layer, with a faked ROCm build of PyTorch (`torch.version.hip` set,
+HIP device properties as torch.cuda reports them on MI300X). Nothing here runs on a GPU or claims
+that a run happened: only what the records and the set-up would say on such a machine."""
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from inferbook import device as dev
+
+MI300X = SimpleNamespace(name="AMD Instinct MI300X", total_memory=192 * 2**30, multi_processor_count=304,
+                         major=9, minor=4, gcnArchName="gfx942:sramecc+:xnack-", L2_cache_size=4 * 2**20)
+
+
+@pytest.fixture
+def rocm(monkeypatch):
+    monkeypatch.setattr(torch.version, "hip", "7.0.51831", raising=False)
+    monkeypatch.setattr(torch.version, "cuda", None)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d=None: MI300X)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: MI300X.name)
+    monkeypatch.setattr(dev, "_rocm_driver", lambda: "6.10.5")
+    monkeypatch.setattr(dev, "_nvidia_driver", lambda: pytest.fail("nvidia-smi asked on a ROCm build"))
+
+
+def test_a_rocm_build_reports_hip_and_the_gfx_arch(rocm):
+    assert dev.gpu_vendor() == "rocm"
+    assert dev.gcn_arch(torch.device("cuda")) == "gfx942"
+    info = dev._hardware_info.__wrapped__("cuda")
+    assert info["gpu_vendor"] == "amd" and info["gpu_arch"] == "gfx942" and info["hip_runtime"] == "7.0.51831"
+    assert info["gpu_sms"] == 304 and info["driver"] == "6.10.5" and "cuda_runtime" not in info
+    assert dev.hardware_label(info) == "AMD Instinct MI300X (gfx942)"
+    assert dev.hardware_slug(info) == "amd-instinct-mi300x-gfx942"
+
+
+def test_a_cuda_build_is_not_mistaken_for_rocm(monkeypatch):
+    monkeypatch.setattr(torch.version, "hip", None, raising=False)
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    assert dev.gpu_vendor() == "cuda" and dev.gcn_arch(torch.device("cuda")) is None
+    assert dev.hardware_slug({"device_type": "cuda", "gpu_name": "NVIDIA H200"}) == "nvidia-h200"
+
+
+def test_the_cost_model_takes_a_committed_mi300x_ceiling(tmp_path):
+    from inferbook.compiled import cost
+    from inferbook.record import RunRecord, save_records
+
+    assert cost.measured_copy_gbps("MI300X", tmp_path) is None          # datasheet until a record exists
+    r = RunRecord(chapter="device-ceilings", name="ceilings",
+                  hardware={"device_type": "cuda", "gpu_name": "AMD Instinct MI300X", "gpu_arch": "gfx942"})
+    r.add("copy_bandwidth", 4300.0, "GB/s (read+write)")
+    save_records(tmp_path / "amd-instinct-mi300x-gfx942" / "device-ceilings.json", [r])
+    gbps, path = cost.measured_copy_gbps("MI300X", tmp_path)
+    assert gbps == 4300.0 and "gfx942" in path
+    assert cost.measured_copy_gbps("MI355X", tmp_path) is None
+
+
+@pytest.mark.parametrize("tool, index", [("rocm-smi", "download.pytorch.org/whl/rocm"), ("nvidia-smi", None),
+                                         (None, None)])
+def test_setup_picks_the_rocm_wheel_when_rocm_smi_is_on_path(tmp_path, tool, index):
+    """`make setup`'s torch step, dry-run (-n) with only `tool` on PATH: the ROCm index and a line
+    saying so when rocm-smi is there; never with nvidia-smi."""
+    make = subprocess.run(["which", "make"], capture_output=True, text=True).stdout.strip()
+    if not make:
+        pytest.skip("make is not installed")
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    if tool:
+        (bindir / tool).write_text("#!/bin/sh\nexit 0\n")
+        (bindir / tool).chmod(0o755)
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PATH": f"{bindir}:/usr/bin:/bin"}
+    out = subprocess.run([make, "-n", "-B", "-C", str(root), "VENV=" + str(tmp_path / "venv"),
+                          str(tmp_path / "venv" / ".torch")], capture_output=True, text=True, env=env).stdout
+    if index:
+        assert index in out and "rocm-smi found" in out
+    else:
+        assert "whl/rocm" not in out and "rocm-smi found" not in out
