@@ -652,6 +652,7 @@ def gpu_launches(params: dict) -> list:
     for m in parse_ints(p["m_sweep"], "m_sweep"):
         launches += W.linear_launches(m, p["gemm_n"], p["gemm_k"], "indexed", name=f"decode sweep M{m} N{p['gemm_n']} "
                                       f"K{p['gemm_k']} cfg {'x'.join(str(v) for v in list(W.linear_config(m, False).values())[:3])}")
+    launches += [la for la in decode_cost_launches(p) if la.kernel is W.w4a16_decode_kernel]
     for layout in W.LAYOUTS:                                   # check_dense: x [37, hidden], w [2*inter + 3, hidden]
         launches += W.linear_launches(37, 2 * p["inter"] + 3, p["hidden"], layout)
     for layout in W.LAYOUTS:                                   # wrong_layout_numbers: each spec's kernel, [4, 128] x [64, 128]
@@ -669,6 +670,20 @@ def gpu_launches(params: dict) -> list:
             launches += FM.fused_moe_launches(p["prefill_tokens"], p["top_k"], p["prefill_experts"], p["hidden"],
                                               p["inter"], layout, name="prefill")
     return compiled.dedupe(launches)
+
+
+def decode_cost_launches(params: dict) -> list:
+    """The W4A16 launches at M <= 16 whose main loop `moe.loop_cost` counts: the decode kernel at each
+    M of the sweep (dense N x K), and the tiled kernel it replaces at M = 1 (the before)."""
+    p = params
+    n, k = p["gemm_n"], p["gemm_k"]
+    out = []
+    for m in parse_ints(p["m_sweep"], "m_sweep"):
+        if m <= W.DECODE_MAX_M:
+            out += W.decode_launches(m, n, k, name=f"decode kernel M{m} N{n} K{k}")
+    out += W.linear_launches(1, n, k, "indexed", name=f"tiled kernel (before) M1 N{n} K{k} cfg "
+                             f"{'x'.join(str(v) for v in list(W.linear_config(1, False).values())[:3])}")
+    return out
 
 
 def roofline_work(params: dict) -> list[dict]:

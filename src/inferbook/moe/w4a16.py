@@ -832,7 +832,8 @@ if triton is not None:
     @triton.jit
     def w4a16_decode_kernel(x_ptr, qw_ptr, s_ptr, out_ptr, M, N, K, stride_xm, RUNS_PER_SPLIT,
                             GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            ASM: tl.constexpr, DOT_FP32: tl.constexpr, ATOMIC: tl.constexpr):
+                            ASM: tl.constexpr, DOT_FP32: tl.constexpr, ATOMIC: tl.constexpr,
+                            EVEN_N: tl.constexpr = False, EVEN_K: tl.constexpr = False):
         """out[pid_k, m, n] (fp32) = Σ over this split's runs of x[m, k] W[n, k]; ATOMIC adds into out[m, n].
         x bf16 [M, K]; qw int32 [Kp/8, N] and s bf16 [Kp/GROUP, N] from `pack_decode`."""
         pid_n = tl.program_id(0)
@@ -851,13 +852,22 @@ if triton is not None:
         else:
             neg = tl.full((32, BLOCK_N), -136.0, tl.bfloat16)
         for r in range(r0, r1):
-            words = tl.load(qw_ptr + (r * 32 + offs_j)[:, None] * N + offs_n[None, :], mask=n_ok[None, :], other=0)
+            if EVEN_N:  # N a multiple of BLOCK_N: no column mask in the loop
+                words = tl.load(qw_ptr + (r * 32 + offs_j)[:, None] * N + offs_n[None, :])
+            else:
+                words = tl.load(qw_ptr + (r * 32 + offs_j)[:, None] * N + offs_n[None, :], mask=n_ok[None, :], other=0)
             for i in tl.static_range(8):
                 k = r * 256 + 32 * i
-                a = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k + offs_j)[None, :],
-                            mask=m_ok[:, None] & ((k + offs_j)[None, :] < K), other=0.0)
+                if EVEN_K:  # K a multiple of 256: only the rows beyond M are masked
+                    a = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k + offs_j)[None, :], mask=m_ok[:, None], other=0.0)
+                else:
+                    a = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k + offs_j)[None, :],
+                                mask=m_ok[:, None] & ((k + offs_j)[None, :] < K), other=0.0)
                 b = nibble_bf16(words, i, ASM)                     # 128 + u, exact in bf16
-                s = tl.load(s_ptr + (k // GROUP) * N + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+                if EVEN_N:
+                    s = tl.load(s_ptr + (k // GROUP) * N + offs_n).to(tl.float32)
+                else:
+                    s = tl.load(s_ptr + (k // GROUP) * N + offs_n, mask=n_ok, other=0.0).to(tl.float32)
                 if DOT_FP32:  # the interpreter: its bf16 dot is wrong (device.dot_needs_fp32)
                     part = tl.dot(a.to(tl.float32), neg, tl.dot(a.to(tl.float32), b.to(tl.float32)))
                 else:
@@ -902,7 +912,8 @@ def _decode_launch(x2, qweight, scales, out, n: int, k: int, group_size: int, cf
     return Launch(f"w4a16 decode M{M} N{n} K{k} cfg {cfg['BLOCK_M']}x{cfg['BLOCK_N']}x256 split{cfg['SPLIT_K']}"
                   f"{' atomic' if atomic else ''}", w4a16_decode_kernel,
                   [x2, qweight, scales, out, M, n, k, x2.stride(0), per],
-                  dict(GROUP=group_size, ASM=not emu, DOT_FP32=emu, ATOMIC=atomic, **kw),
+                  dict(GROUP=group_size, ASM=not emu, DOT_FP32=emu, ATOMIC=atomic, EVEN_N=n % cfg["BLOCK_N"] == 0,
+                       EVEN_K=k % RUN == 0, **kw),
                   "moe/w4a16.py:decode_linear", (triton.cdiv(n, cfg["BLOCK_N"]), cfg["SPLIT_K"]))
 
 
