@@ -121,3 +121,48 @@ def test_decode_bad_input():
         W.pack_decode(W.quantize(torch.randn(16, 256), 16))
     with pytest.raises(ValueError, match="bfloat16"):
         W.decode_linear(torch.randn(1, 256), d)
+
+
+# ---------------------------------------------------------------------------
+# The MoE layer on the decode kernel (masked rows, at most 16 per expert)
+
+def _moe(E, H, I, T, k, layout="indexed", seed=3):
+    from inferbook.moe import fused_moe as FM  # noqa: F401
+    g = torch.Generator().manual_seed(seed)
+    w13 = W.quantize(torch.randn(E, 2 * I, H, generator=g) / H ** 0.5, layout=layout)
+    w2 = W.quantize(torch.randn(E, H, I, generator=g) / I ** 0.5, layout=layout)
+    x = torch.randn(T, H, generator=g).bfloat16()
+    logits = torch.randn(T, E, generator=g)
+    logits[:, 0] = -1e4                           # expert 0 gets no rows: its programs load nothing
+    tw, ids = logits.softmax(-1).topk(k)
+    return w13, w2, x, tw / tw.sum(-1, keepdim=True), ids.to(torch.int32)
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 16], ids=["T1", "T3", "T16"])
+def test_moe_decode_matches_fp32_reference(tokens):
+    from inferbook.moe import fused_moe as FM
+    w13, w2, x, tw, ids = _moe(4, 256, 64, tokens, 2)
+    out = FM.fused_moe_decode(x, W.pack_decode(w13), W.pack_decode(w2), tw, ids)
+    assert out.shape == (tokens, 256) and out.dtype == torch.bfloat16
+    err, tol, ok = FM.within_tolerance(out, FM.fused_moe_reference(x, w13, w2, tw, ids),
+                                       FM.fused_moe_torch(x, w13, w2, tw, ids))
+    assert ok, (err, tol)
+
+
+def test_moe_decode_from_every_layout_and_its_refusals():
+    from inferbook.moe import fused_moe as FM
+    w13, w2, x, tw, ids = _moe(4, 256, 64, 3, 2, layout="grouped_masked")
+    d13, d2 = W.pack_decode(w13), W.pack_decode(w2)
+    ref = FM.fused_moe_reference(x, w13, w2, tw, ids)
+    err, tol, ok = FM.within_tolerance(FM.fused_moe_decode(x, d13, d2, tw, ids, block="gpu"), ref,
+                                       FM.fused_moe_torch(x, w13, w2, tw, ids))
+    assert ok, (err, tol)
+    # planted bug: gate and up halves swapped in the repacked table -> caught
+    bad = W.DecodeW4(torch.roll(d13.qweight, 64, dims=-1), torch.roll(d13.scales, 64, dims=-1), d13.shape, 32)
+    _, _, ok = FM.within_tolerance(FM.fused_moe_decode(x, bad, d2, tw, ids), ref, FM.fused_moe_torch(x, w13, w2, tw, ids))
+    assert not ok
+    with pytest.raises(ValueError, match="DecodeW4"):
+        FM.fused_moe_decode(x, w13, d2, tw, ids)
+    big_ids = torch.ones((17, 1), dtype=torch.int32)
+    with pytest.raises(ValueError, match="at most 16 rows"):
+        FM.fused_moe_decode(torch.zeros(17, 256, dtype=torch.bfloat16), d13, d2, torch.ones(17, 1), big_ids)

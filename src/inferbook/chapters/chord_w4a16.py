@@ -652,7 +652,7 @@ def gpu_launches(params: dict) -> list:
     for m in parse_ints(p["m_sweep"], "m_sweep"):
         launches += W.linear_launches(m, p["gemm_n"], p["gemm_k"], "indexed", name=f"decode sweep M{m} N{p['gemm_n']} "
                                       f"K{p['gemm_k']} cfg {'x'.join(str(v) for v in list(W.linear_config(m, False).values())[:3])}")
-    launches += [la for la in decode_cost_launches(p) if la.kernel is W.w4a16_decode_kernel]
+    launches += [la for la in decode_cost_launches(p) if la.kernel in (W.w4a16_decode_kernel, FM.moe_decode_kernel)]
     for layout in W.LAYOUTS:                                   # check_dense: x [37, hidden], w [2*inter + 3, hidden]
         launches += W.linear_launches(37, 2 * p["inter"] + 3, p["hidden"], layout)
     for layout in W.LAYOUTS:                                   # wrong_layout_numbers: each spec's kernel, [4, 128] x [64, 128]
@@ -683,6 +683,12 @@ def decode_cost_launches(params: dict) -> list:
             out += W.decode_launches(m, n, k, name=f"decode kernel M{m} N{n} K{k}")
     out += W.linear_launches(1, n, k, "indexed", name=f"tiled kernel (before) M1 N{n} K{k} cfg "
                              f"{'x'.join(str(v) for v in list(W.linear_config(1, False).values())[:3])}")
+    E, H, I = p["decode_experts"], p["decode_hidden"], p["decode_inter"]
+    kk = min(p["top_k"], E)
+    for m in parse_ints(p["decode_m"], "decode_m"):
+        if m <= FM.DECODE_MAX_ROWS:
+            out += [la for la in FM.fused_moe_decode_launches(-(-E * m // kk), kk, E, H, I, max_m=m, name=f"decode M{m}")
+                    if la.kernel is FM.moe_decode_kernel]
     return out
 
 

@@ -87,7 +87,7 @@ def iteration_bytes(launch) -> tuple[int, int]:
     group = kw["GROUP"]
     name = getattr(launch.kernel, "__name__", "") or getattr(getattr(launch.kernel, "fn", None), "__name__", "")
     bn = kw["BLOCK_N"]
-    if name == "w4a16_decode_kernel":
+    if name in ("w4a16_decode_kernel", "moe_decode_kernel"):   # one pass = one run of 256 K values
         bk = 256
     else:
         bk = kw["BLOCK_K"]

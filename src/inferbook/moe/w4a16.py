@@ -705,9 +705,10 @@ RUN_WORDS = RUN // 8
 
 @dataclass(frozen=True)
 class DecodeW4:
-    """INT4 weights repacked for `decode_linear`: qweight int32 [Kp/8, N] (Kp = K rounded up to 256;
-    runs of 256 K values, word j of a run holding K offset 32 i + j in nibble i, +8 offset, pad
-    value 0), scales bf16 [Kp/g, N] (pad 0). `shape` is the logical (N, K)."""
+    """INT4 weights repacked for the decode kernels: qweight int32 [Kp/8, N] (Kp = K rounded up to
+    256; runs of 256 K values, word j of a run holding K offset 32 i + j in nibble i, +8 offset, pad
+    value 0), scales bf16 [Kp/g rounded up, N] (pad 0); [E, ...] in front for E experts. `shape` is
+    the logical (N, K) or (E, N, K)."""
 
     qweight: torch.Tensor
     scales: torch.Tensor
@@ -716,15 +717,15 @@ class DecodeW4:
 
     @property
     def n(self) -> int:
-        return self.shape[0]
+        return self.shape[-2]
 
     @property
     def k(self) -> int:
-        return self.shape[1]
+        return self.shape[-1]
 
     @property
     def k_padded(self) -> int:
-        return self.qweight.shape[0] * 8
+        return self.qweight.shape[-2] * 8
 
     @property
     def device(self) -> torch.device:
@@ -736,38 +737,50 @@ class DecodeW4:
 
 
 def pack_decode(q: PackedW4) -> DecodeW4:
-    """Repack a 2-D INT4 weight (any layout) for the decode kernel (offline, once). The group size
-    must be a multiple of 32 (one group per nibble tile)."""
-    if not isinstance(q, PackedW4) or len(q.shape) != 2:
-        raise ValueError(f"pack_decode needs a 2-D PackedW4 [N, K], got {getattr(q, 'shape', type(q).__name__)}")
+    """Repack an INT4 weight [N, K] or [E, N, K] (any layout) for the decode kernels (offline, once, as
+    Marlin's repack is). The group size must be a multiple of 32 (one group per nibble tile)."""
+    if not isinstance(q, PackedW4) or len(q.shape) not in (2, 3):
+        raise ValueError(f"pack_decode needs a PackedW4 [N, K] or [E, N, K], got {getattr(q, 'shape', type(q).__name__)}")
     if q.group_size % 32:
         raise ValueError(f"the decode kernel needs a group size that is a multiple of 32, got {q.group_size}")
-    vals, s = unpack(q)
-    vals, s = vals[0], s[0]                                        # [N, K] int8, [N, K/g]
-    N, K = vals.shape
+    vals, s = unpack(q)                                            # [E, N, K] int8, [E, N, K/g]
+    E, N, K = vals.shape
     Kp = -(-K // RUN) * RUN
     if Kp != K:  # pad value 0 (stored 8) and scale 0: the padding contributes nothing
-        vals = torch.cat([vals, torch.zeros((N, Kp - K), dtype=vals.dtype, device=vals.device)], 1)
+        vals = torch.cat([vals, torch.zeros((E, N, Kp - K), dtype=vals.dtype, device=vals.device)], -1)
     groups_p = -(-Kp // q.group_size)
-    if groups_p != s.shape[1]:
-        s = torch.cat([s, torch.zeros((N, groups_p - s.shape[1]), dtype=s.dtype, device=s.device)], 1)
-    # [N, runs, nibble i, word j] -> word j's nibble i holds K offset 32 i + j
-    u = (vals.to(torch.int64) + OFFSET).reshape(N, Kp // RUN, 8, RUN_WORDS)
-    shifts = (torch.arange(8, device=u.device, dtype=torch.int64) * 4).reshape(1, 1, 8, 1)
-    word = (u << shifts).sum(2)                                    # [N, runs, 32]
+    if groups_p != s.shape[-1]:
+        s = torch.cat([s, torch.zeros((E, N, groups_p - s.shape[-1]), dtype=s.dtype, device=s.device)], -1)
+    # [E, N, runs, nibble i, word j] -> word j's nibble i holds K offset 32 i + j
+    u = (vals.to(torch.int64) + OFFSET).reshape(E, N, Kp // RUN, 8, RUN_WORDS)
+    shifts = (torch.arange(8, device=u.device, dtype=torch.int64) * 4).reshape(1, 1, 1, 8, 1)
+    word = (u << shifts).sum(3)                                    # [E, N, runs, 32]
     word = torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
-    qweight = word.reshape(N, Kp // 8).T.contiguous()              # [Kp/8, N]
-    return DecodeW4(qweight, s.T.contiguous(), (N, K), q.group_size)
+    qweight = word.reshape(E, N, Kp // 8).transpose(1, 2).contiguous()   # [E, Kp/8, N]
+    scales = s.transpose(1, 2).contiguous()
+    if len(q.shape) == 2:
+        qweight, scales = qweight[0], scales[0]
+    return DecodeW4(qweight, scales, tuple(q.shape), q.group_size)
 
 
 def unpack_decode(d: DecodeW4) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int8 values [N, K], bf16 scales [N, K/g]) of a decode-packed weight (inverse of `pack_decode`)."""
-    N, K = d.shape
+    """(int8 values, bf16 scales) in the logical shape ([N, K] and [N, K/g], or with E in front):
+    the inverse of `pack_decode`."""
+    E, N, K = _as3d(d.shape)
     Kp = d.k_padded
-    word = d.qweight.T.reshape(N, Kp // RUN, 1, RUN_WORDS).to(torch.int64) & 0xFFFFFFFF
-    shifts = (torch.arange(8, device=word.device, dtype=torch.int64) * 4).reshape(1, 1, 8, 1)
-    vals = (((word >> shifts) & 0xF) - OFFSET).reshape(N, Kp)[:, :K].to(torch.int8)
-    return vals, d.scales.T[:, :K // d.group_size].contiguous()
+    word = d.qweight.reshape(E, Kp // 8, N).transpose(1, 2).reshape(E, N, Kp // RUN, 1, RUN_WORDS)
+    word = word.to(torch.int64) & 0xFFFFFFFF
+    shifts = (torch.arange(8, device=word.device, dtype=torch.int64) * 4).reshape(1, 1, 1, 8, 1)
+    vals = (((word >> shifts) & 0xF) - OFFSET).reshape(E, N, Kp)[..., :K].to(torch.int8)
+    s = d.scales.reshape(E, -1, N).transpose(1, 2)[..., :K // d.group_size].contiguous()
+    return vals.reshape(*d.shape), s.reshape(*d.shape[:-1], K // d.group_size)
+
+
+def dequantize_decode(d: DecodeW4, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The weights of a decode-packed buffer in the logical shape (q * scale in fp32, then `dtype`)."""
+    vals, s = unpack_decode(d)
+    w = vals.float().reshape(*vals.shape[:-1], -1, d.group_size) * s.float().unsqueeze(-1)
+    return w.reshape(vals.shape).to(dtype)
 
 
 def nibble_asm_model(w0: int, w1: int, i: int) -> int:
@@ -830,6 +843,46 @@ if triton is not None:
             return (((words >> (4 * I)) & 0xF) + 128).to(tl.float32).to(tl.bfloat16)
 
     @triton.jit
+    def decode_run(acc, x_ptr, stride_xm, offs_m, m_ok, qw_ptr, s_ptr, row_stride, offs_n, n_ok, K, r, neg,
+                   GROUP: tl.constexpr, ASM: tl.constexpr, DOT_FP32: tl.constexpr, EVEN_N: tl.constexpr,
+                   EVEN_K: tl.constexpr):
+        """acc [BLOCK_M, BLOCK_N] fp32 += x[offs_m, run r] @ W[offs_n, run r].T for one run of 256 K values:
+        one [32, BLOCK_N] word tile (row stride `row_stride` words), eight nibble tiles of one group each,
+        each through two MMAs (128 + u, then the constant -136) and its column scale."""
+        offs_j = tl.arange(0, 32)
+        if EVEN_N:  # N a multiple of BLOCK_N: no column mask in the loop
+            words = tl.load(qw_ptr + (r * 32 + offs_j)[:, None] * row_stride + offs_n[None, :])
+        else:
+            words = tl.load(qw_ptr + (r * 32 + offs_j)[:, None] * row_stride + offs_n[None, :], mask=n_ok[None, :],
+                            other=0)
+        for i in tl.static_range(8):
+            k = r * 256 + 32 * i
+            if EVEN_K:  # K a multiple of 256: only the rows beyond M are masked
+                a = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k + offs_j)[None, :], mask=m_ok[:, None], other=0.0)
+            else:
+                a = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k + offs_j)[None, :],
+                            mask=m_ok[:, None] & ((k + offs_j)[None, :] < K), other=0.0)
+            b = nibble_bf16(words, i, ASM)                         # 128 + u, exact in bf16
+            if EVEN_N:
+                s = tl.load(s_ptr + (k // GROUP) * row_stride + offs_n).to(tl.float32)
+            else:
+                s = tl.load(s_ptr + (k // GROUP) * row_stride + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+            if DOT_FP32:  # the interpreter: its bf16 dot is wrong (device.dot_needs_fp32)
+                part = tl.dot(a.to(tl.float32), neg, tl.dot(a.to(tl.float32), b.to(tl.float32)))
+            else:
+                part = tl.dot(a, neg, tl.dot(a, b))                # Σ a (128 + u) - 136 Σ a = Σ a (u - 8)
+            acc += part * s[None, :]
+        return acc
+
+    @triton.jit
+    def decode_neg(BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr):
+        """The constant B tile of -136 (bf16, or fp32 in the interpreter)."""
+        if DOT_FP32:
+            return tl.full((32, BLOCK_N), -136.0, tl.float32)
+        else:
+            return tl.full((32, BLOCK_N), -136.0, tl.bfloat16)
+
+    @triton.jit
     def w4a16_decode_kernel(x_ptr, qw_ptr, s_ptr, out_ptr, M, N, K, stride_xm, RUNS_PER_SPLIT,
                             GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                             ASM: tl.constexpr, DOT_FP32: tl.constexpr, ATOMIC: tl.constexpr,
@@ -840,39 +893,16 @@ if triton is not None:
         pid_k = tl.program_id(1)
         offs_m = tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_j = tl.arange(0, 32)
         n_ok = offs_n < N
         m_ok = offs_m < M
         runs = (K + 255) // 256
         r0 = pid_k * RUNS_PER_SPLIT
         r1 = tl.minimum(r0 + RUNS_PER_SPLIT, runs)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if DOT_FP32:
-            neg = tl.full((32, BLOCK_N), -136.0, tl.float32)
-        else:
-            neg = tl.full((32, BLOCK_N), -136.0, tl.bfloat16)
+        neg = decode_neg(BLOCK_N, DOT_FP32)
         for r in range(r0, r1):
-            if EVEN_N:  # N a multiple of BLOCK_N: no column mask in the loop
-                words = tl.load(qw_ptr + (r * 32 + offs_j)[:, None] * N + offs_n[None, :])
-            else:
-                words = tl.load(qw_ptr + (r * 32 + offs_j)[:, None] * N + offs_n[None, :], mask=n_ok[None, :], other=0)
-            for i in tl.static_range(8):
-                k = r * 256 + 32 * i
-                if EVEN_K:  # K a multiple of 256: only the rows beyond M are masked
-                    a = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k + offs_j)[None, :], mask=m_ok[:, None], other=0.0)
-                else:
-                    a = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k + offs_j)[None, :],
-                                mask=m_ok[:, None] & ((k + offs_j)[None, :] < K), other=0.0)
-                b = nibble_bf16(words, i, ASM)                     # 128 + u, exact in bf16
-                if EVEN_N:
-                    s = tl.load(s_ptr + (k // GROUP) * N + offs_n).to(tl.float32)
-                else:
-                    s = tl.load(s_ptr + (k // GROUP) * N + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-                if DOT_FP32:  # the interpreter: its bf16 dot is wrong (device.dot_needs_fp32)
-                    part = tl.dot(a.to(tl.float32), neg, tl.dot(a.to(tl.float32), b.to(tl.float32)))
-                else:
-                    part = tl.dot(a, neg, tl.dot(a, b))            # Σ a (128 + u) - 136 Σ a = Σ a (u - 8)
-                acc += part * s[None, :]
+            acc = decode_run(acc, x_ptr, stride_xm, offs_m, m_ok, qw_ptr, s_ptr, N, offs_n, n_ok, K, r, neg,
+                             GROUP, ASM, DOT_FP32, EVEN_N, EVEN_K)
         mask = m_ok[:, None] & n_ok[None, :]
         if ATOMIC:
             tl.atomic_add(out_ptr + offs_m[:, None] * N + offs_n[None, :], acc, mask=mask, sem="relaxed")
@@ -923,8 +953,8 @@ def decode_linear(x: torch.Tensor, d: DecodeW4, *, deterministic: bool = True, b
     `[..., N]`. deterministic=True: the split-K partials go to fp32 [SPLIT, M, N] and are summed in
     split order; False: atomically added into a zeroed fp32 [M, N] (order varies run to run).
     `block`: None = `decode_config` for this device, "gpu" = the GPU's tiles (also in the interpreter)."""
-    if not isinstance(d, DecodeW4):
-        raise ValueError(f"decode_linear needs a DecodeW4 from pack_decode(), got {type(d).__name__}")
+    if not isinstance(d, DecodeW4) or len(d.shape) != 2:
+        raise ValueError(f"decode_linear needs a 2-D DecodeW4 from pack_decode(), got {getattr(d, 'shape', type(d).__name__)}")
     N, K = d.shape
     _check_activations(x, K, "decode_linear")
     if x.device != d.device:
@@ -936,9 +966,7 @@ def decode_linear(x: torch.Tensor, d: DecodeW4, *, deterministic: bool = True, b
         raise ValueError(f"decode_linear takes at most {DECODE_MAX_M} rows, got {M}; use linear() for larger M")
     ok, _ = triton_backend_for(x.device)
     if M == 0 or N == 0 or not ok:
-        vals, s = unpack_decode(d)
-        w = (vals.float().reshape(N, -1, d.group_size) * s.float().unsqueeze(-1)).reshape(N, K)
-        out = (x2 @ w.to(torch.bfloat16).T) if M and N else torch.empty((M, N), dtype=torch.bfloat16, device=x.device)
+        out = (x2 @ dequantize_decode(d, torch.bfloat16).T) if M and N else torch.empty((M, N), dtype=torch.bfloat16, device=x.device)
         return (out.reshape(*lead, N), None) if return_kernel else out.reshape(*lead, N)
     interp = x.device.type != "cuda"
     cfg = dict(decode_config(M, N, K) if block == "gpu" else (block or decode_config(M, N, K, interpreted=interp)))
@@ -954,10 +982,7 @@ def decode_linear(x: torch.Tensor, d: DecodeW4, *, deterministic: bool = True, b
 
 def decode_reference(x: torch.Tensor, d: DecodeW4) -> torch.Tensor:
     """fp32 reference for `decode_linear`: dequantize, x @ W.T in fp32. Returns fp32 [..., N]."""
-    vals, s = unpack_decode(d)
-    N, K = d.shape
-    w = (vals.float().reshape(N, -1, d.group_size) * s.float().unsqueeze(-1)).reshape(N, K)
-    return x.float() @ w.T
+    return x.float() @ dequantize_decode(d, torch.float32).T
 
 
 def decode_launches(m: int, n: int, k: int, *, group_size: int = GROUP_SIZE, deterministic: bool = True,
