@@ -96,11 +96,38 @@ def iteration_bytes(launch) -> tuple[int, int]:
     return weights, weights // 2 + 2 * weights // group
 
 
-def sass_of(launch, target: str = "sm_90") -> str:
-    """Compile `launch` for `target` (the interpreter must be off in this process) and disassemble it."""
+def residency(regs: int, shared_bytes: int, warps: int, grid_ctas: int, bytes_per_pass_cta: int, stages: int,
+              sms: int = H200["sms"]) -> dict:
+    """CTAs an SM can hold (registers: 64K per SM, allocated per warp in 256s; shared memory 228 KB,
+    1 KB reserved per CTA; 32 CTAs, 64 warps), how many the grid gives it, its warps, and its bytes in
+    flight (stages - 1 passes of weights and scales per CTA under cp.async) against Little's law
+    (copy bytes per cycle per SM x ~800 ns DRAM latency)."""
+    regs_per_warp = -(-max(regs, 1) * 32 // 256) * 256
+    by_regs = 65536 // (regs_per_warp * warps)
+    by_smem = (228 * 1024) // (shared_bytes + 1024) if shared_bytes else 32
+    resident = max(0, min(by_regs, by_smem, 32, 64 // warps))
+    per_sm = min(resident, -(-grid_ctas // sms))
+    need = COPY_B_PER_CYCLE_SM * 800e-9 * H200["clock_ghz"] * 1e9
+    in_flight = per_sm * max(stages - 1, 1) * bytes_per_pass_cta
+    return {"ctas_resident_max": resident, "ctas_per_sm": per_sm, "warps_per_sm": per_sm * warps,
+            "bytes_in_flight_per_sm": in_flight, "bytes_in_flight_needed": round(need),
+            "latency_cover": round(min(1.0, in_flight / need), 3)}
+
+
+def compile_facts(launch, target: str = "sm_90") -> tuple[str, dict]:
+    """(SASS, {regs, spill_bytes, shared_bytes}) of `launch` compiled for `target`."""
+    from .. import compiled
+
+    ck = _compile(launch, target)
+    log = compiled._ptxas_log(ck.asm["ptx"], compiled.TARGETS[target], launch.kwargs.get("enable_fp_fusion", True))
+    facts = compiled.parse_ptxas(log)
+    return _disassemble(ck), {"regs": facts["regs"], "spill_bytes": facts["spill_bytes"],
+                              "shared_bytes": int(ck.metadata.shared)}
+
+
+def _compile(launch, target: str):
     import torch
     from triton.backends.compiler import GPUTarget
-    from triton.backends.nvidia import compiler as nvc
     from triton.runtime.driver import driver
 
     from .. import compiled
@@ -108,12 +135,22 @@ def sass_of(launch, target: str = "sm_90") -> str:
     arch = compiled.TARGETS[target]
     driver.set_active(compiled._AOTDriver(GPUTarget("cuda", arch, 32)))
     args = [compiled.ptr(a.dtype) if isinstance(a, torch.Tensor) else a for a in launch.args]
-    ck = launch.kernel.run(*args, grid=(1,), warmup=True, **launch.kwargs)
+    return launch.kernel.run(*args, grid=(1,), warmup=True, **launch.kwargs)
+
+
+def _disassemble(ck) -> str:
+    from triton.backends.nvidia import compiler as nvc
+
     with tempfile.TemporaryDirectory() as d:
         p = Path(d) / "k.cubin"
         p.write_bytes(ck.asm["cubin"])
         tool = Path(nvc.__file__).parent / "bin" / "cuobjdump"
         return subprocess.run([str(tool), "-sass", str(p)], capture_output=True, text=True, check=True).stdout
+
+
+def sass_of(launch, target: str = "sm_90") -> str:
+    """Compile `launch` for `target` (the interpreter must be off in this process) and disassemble it."""
+    return _disassemble(_compile(launch, target))
 
 
 def decode_launches(params: dict | None = None) -> list:
@@ -126,12 +163,33 @@ def decode_launches(params: dict | None = None) -> list:
 def measure(target: str = "sm_90", params: dict | None = None) -> list[dict]:
     rows = []
     for la in decode_launches(params):
-        loop = main_loop(sass_of(la, target))
+        sass, facts = compile_facts(la, target)
+        loop = main_loop(sass)
         weights, dram = iteration_bytes(la)
-        rows.append({"launch": la.name, "target": target, "num_warps": la.kwargs.get("num_warps", 4),
-                     **loop_cost(loop["instructions"], weights, dram, la.kwargs.get("num_warps", 4)),
+        warps = la.kwargs.get("num_warps", 4)
+        ctas = 1
+        for g in la.grid:
+            ctas *= g
+        rows.append({"launch": la.name, "target": target, "num_warps": warps, "grid_ctas": ctas, **facts,
+                     **loop_cost(loop["instructions"], weights, dram, warps),
+                     **residency(facts["regs"] or 255, facts["shared_bytes"], warps, ctas, dram,
+                                 la.kwargs.get("num_stages", 3)),
                      "opcodes": loop["opcodes"]})
     return rows
+
+
+def source_hash() -> str:
+    """12 hex digits over the sources of the decode kernels and their helpers: the saved rows are
+    stale when it changes (a test compares)."""
+    import hashlib
+    import inspect
+
+    from . import fused_moe as FM, w4a16 as W
+
+    fns = (W.w4a16_decode_kernel, W.decode_run, W.nibble_bf16, W._nibble_pairs, W.decode_neg, FM.moe_decode_kernel)
+    src = "".join(inspect.getsource(getattr(f, "fn", f)) for f in fns)
+    return hashlib.sha256((src + repr(W.decode_config(1, 4096, 7168)) + repr(FM.moe_decode_config(False, True))
+                           + repr(FM.moe_decode_config(False, False))).encode()).hexdigest()[:12]
 
 
 def load_saved(root: Path | None = None) -> list[dict]:
@@ -155,11 +213,13 @@ if __name__ == "__main__":
     os.environ.setdefault("TRITON_CACHE_DIR", str(Path(tempfile.gettempdir()) / "inferbook-loop-cost"))
     rows = measure(a.target)
     for r in rows:
-        print(f"{r['launch']:<70} {r['instructions_per_pass']:>5} instr/pass  "
-              f"{r['instructions_per_64_weights_per_thread']:>6} per 64 w/thread  {r['warp_instructions_per_byte']:.3f}/B  "
-              f"issue bound {r['issue_bound_vs_copy_ceiling']:.2f}x copy")
+        print(f"{r['launch']:<70} {r['instructions_per_64_weights_per_thread']:>6} per 64 w/thread  "
+              f"{r['warp_instructions_per_byte']:.3f}/B  issue bound {r['issue_bound_vs_copy_ceiling']:.2f}x copy  "
+              f"regs {r['regs']} smem {r['shared_bytes']} warps/SM {r['warps_per_sm']} "
+              f"in flight {r['bytes_in_flight_per_sm']}/{r['bytes_in_flight_needed']} B")
     if a.save:
         from ..compiled import repo_root
 
         (repo_root() / LOOPS_FILE).write_text(json.dumps({"target": a.target, "copy_b_per_cycle_sm": COPY_B_PER_CYCLE_SM,
-                                                          "issue_per_cycle": ISSUE_PER_CYCLE, "rows": rows}, indent=1) + "\n")
+                                                          "issue_per_cycle": ISSUE_PER_CYCLE,
+                                                          "source_hash": source_hash(), "rows": rows}, indent=1) + "\n")
