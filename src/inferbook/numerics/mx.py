@@ -852,12 +852,14 @@ def quantize_launches(shape, dtype=torch.bfloat16, fmt: str = "e4m3", axis: int 
 # as `quantize` stores them. On sm_100 Triton lowers it to `tcgen05.mma ... kind::mxf8f6f4.block_scale`
 # (the scales go to tensor memory, the tensor core applies them); on sm_90 and sm_80, which have no
 # block-scaled MMA, it upcasts both operands to BF16 in registers (code * 2**(scale - 127), exact for
-# E4M3/E5M2 unless the scale underflows BF16) and runs a BF16 MMA. The interpreter has no
-# `dot_scaled`: EMULATE decodes the same bits with `tl` ops and runs an fp32 `tl.dot`.
+# E4M3/E5M2 unless the scale underflows BF16) and runs a BF16 MMA. sm_80 has no FP8 types: there
+# (chosen at compile time, `cuda_capability_geq`) the kernel decodes the codes in integer ops and runs
+# a BF16 `mma.sync`. The interpreter has no `dot_scaled`: EMULATE takes the same decode, fp32 `tl.dot`.
 
 MX_GEMM_FORMATS = ("e4m3", "e5m2")
 
 if triton is not None:
+    from triton.language.target_info import cuda_capability_geq
 
     @triton.jit
     def _mx_decode_f32(codes, scales, EBITS: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr,
@@ -909,7 +911,7 @@ if triton is not None:
             b = tl.load(b_ptr + offs_n[:, None] * stride_bn + (k0 + offs_k)[None, :], mask=n_ok[:, None], other=0)
             sa = tl.load(as_ptr + offs_m[:, None] * KG + (k0 // 32 + offs_g)[None, :], mask=m_ok[:, None], other=0)
             sb = tl.load(bs_ptr + offs_n[:, None] * KG + (k0 // 32 + offs_g)[None, :], mask=n_ok[:, None], other=0)
-            if EMULATE:
+            if EMULATE or not cuda_capability_geq(8, 9):   # the interpreter, or no FP8 types (sm_80)
                 av = _mx_decode_f32(a, sa, EA, MA, BA, FMT_A == "e4m3", BLOCK_K)
                 bv = tl.trans(_mx_decode_f32(b, sb, EB, MB, BB, FMT_B == "e4m3", BLOCK_K))
                 if DOT_FP32:  # the interpreter (its bf16 dot is wrong): fp32, exact products
@@ -921,15 +923,13 @@ if triton is not None:
         tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :], acc, mask=m_ok[:, None] & n_ok[None, :])
 
 
-def mx_gemm_config(interpreted: bool, fp8: bool = True) -> dict:
-    """Tiles: 128 x 128 x 128 (4 warps, 3 stages) on a GPU with FP8 -- the tile tcgen05's block-scaled
-    MMA wants; 128 x 128 x 64, 8 warps, 2 stages where the operands are decoded in registers (sm_80);
-    one 32 x 32 x 64 program per tile in the interpreter."""
+def mx_gemm_config(interpreted: bool) -> dict:
+    """Tiles: 128 x 128 x 128, 4 warps, 2 stages on a GPU (the tile tcgen05's block-scaled MMA wants; two
+    stages keep sm_80's register-decode path inside its shared memory); one 32 x 32 x 64 program per
+    tile in the interpreter."""
     if interpreted:
         return dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=64)
-    if not fp8:
-        return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=2)
-    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=3)
+    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=2)
 
 
 def _check_gemm_operand(t, name: str, k: int | None = None) -> None:
@@ -960,15 +960,14 @@ def mx_gemm(a: MXTensor, b: MXTensor, *, block: dict | str | None = None) -> tor
     N = b.elements.shape[0]
     ok = triton is not None and (a.elements.device.type == "cuda" or _interpreted())
     on_gpu = a.elements.device.type == "cuda"
-    fp8 = on_gpu and torch.cuda.get_device_capability(a.elements.device) >= (8, 9)
-    cfg = dict(mx_gemm_config(False) if block == "gpu" else (block or mx_gemm_config(not on_gpu, fp8 or not on_gpu)))
+    cfg = dict(mx_gemm_config(False) if block == "gpu" else (block or mx_gemm_config(not on_gpu)))
     if K % cfg["BLOCK_K"]:
         raise ValueError(f"mx_gemm: K = {K} must be a multiple of BLOCK_K = {cfg['BLOCK_K']}")
     if not ok:
         return mx_gemm_reference(a, b)
     c = torch.empty((M, N), dtype=torch.float32, device=a.elements.device)
     la = _mx_gemm_launch(a.elements.contiguous(), a.scales.contiguous(), b.elements.contiguous(), b.scales.contiguous(),
-                         c, a.fmt, b.fmt, cfg, emulate=not fp8, dot_fp32=not on_gpu)
+                         c, a.fmt, b.fmt, cfg, emulate=not on_gpu, dot_fp32=not on_gpu)
     la.kernel[la.grid](*la.args, **la.kwargs)
     return c
 
@@ -992,15 +991,14 @@ def _mx_gemm_launch(a, sa, b, sb, c, fmt_a: str, fmt_b: str, cfg: dict, *, emula
                   (triton.cdiv(M, cfg["BLOCK_M"]), triton.cdiv(N, cfg["BLOCK_N"])))
 
 
-def mx_gemm_launches(m: int, n: int, k: int, fmt_a: str = "e4m3", fmt_b: str = "e4m3", name: str = "",
-                     emulate: bool = False) -> list:
-    """The launch `mx_gemm` makes on a GPU for a [m, k] x [n, k] MX product (`meta` stand-ins);
-    emulate=True: the path it takes on GPUs without FP8 (sm_80: integer decode, fp32 dot)."""
+def mx_gemm_launches(m: int, n: int, k: int, fmt_a: str = "e4m3", fmt_b: str = "e4m3", name: str = "") -> list:
+    """The launch `mx_gemm` makes on a GPU for a [m, k] x [n, k] MX product (`meta` stand-ins); the
+    kernel picks its path from the target it is compiled for (dot_scaled from sm_89, decode on sm_80)."""
     from ..compiled import meta
 
     u8 = torch.uint8
     la = _mx_gemm_launch(meta((m, k), u8), meta((m, k // 32), u8), meta((n, k), u8), meta((n, k // 32), u8),
-                         meta((m, n), torch.float32), fmt_a, fmt_b, mx_gemm_config(False, not emulate), emulate=emulate)
+                         meta((m, n), torch.float32), fmt_a, fmt_b, mx_gemm_config(False), emulate=False)
     if name:
         la.name = name
     return [la]
