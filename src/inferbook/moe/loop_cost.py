@@ -15,7 +15,7 @@ in it (the latency bound is separate). Activations are L2-resident across CTAs a
 DRAM bytes; weights and scales are.
 
 `python -m inferbook.moe.loop_cost [--save]` compiles the chord-w4a16 decode launches for sm_90 and
-prints (or saves to data/compiled/chord-w4a16-loops.json) one row per launch.
+prints (or saves to data/compiled/loops/chord-w4a16.json) one row per launch.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from pathlib import Path
 ISSUE_PER_CYCLE = 4                  # warp-instructions an SM issues per cycle (4 schedulers)
 H200 = dict(sms=132, clock_ghz=1.98, hbm_tb_s=4.8)
 COPY_B_PER_CYCLE_SM = H200["hbm_tb_s"] * 1e12 / H200["sms"] / (H200["clock_ghz"] * 1e9)   # ~18.4
-LOOPS_FILE = "data/compiled/chord-w4a16-loops.json"
+LOOPS_FILE = "data/compiled/loops/chord-w4a16.json"
 
 _INS = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", re.M)
 _BRA = re.compile(r"\bBRA\b[^;]*?(0x[0-9a-f]+)")
@@ -193,7 +193,7 @@ def source_hash() -> str:
 
 
 def load_saved(root: Path | None = None) -> list[dict]:
-    """The committed rows (data/compiled/chord-w4a16-loops.json), [] if absent."""
+    """The committed rows (data/compiled/loops/chord-w4a16.json), [] if absent."""
     from ..compiled import repo_root
 
     p = (root or repo_root()) / LOOPS_FILE
