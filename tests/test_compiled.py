@@ -693,3 +693,35 @@ def test_the_page_sets_ours_beside_the_committed_peer():
     section's third line gives ours / peer from the same model."""
     sec = compiled.CompilerSection("sglang-fused-comm")
     assert "ours / liger-kernel = T" in sec.lines[2] and "predicted" in sec.lines[2]
+
+
+def test_decode_and_mx_gemm_builders_match_launchers(recorded, monkeypatch):
+    from inferbook.moe import fused_moe as FM, w4a16 as W
+    from inferbook.numerics import mx
+
+    monkeypatch.setattr(W, "dot_needs_fp32", lambda d: False)      # what a GPU passes
+    monkeypatch.setattr(FM, "dot_needs_fp32", lambda d: False)
+    g = torch.Generator().manual_seed(5)
+    d = W.pack_decode(W.quantize(torch.randn(256, 512, generator=g)))
+    for deterministic in (True, False):
+        recorded.clear()
+        W.decode_linear(torch.randn(3, 512, generator=g).bfloat16(), d, deterministic=deterministic, block="gpu")
+        (launch,) = W.decode_launches(3, 256, 512, deterministic=deterministic)
+        _same(recorded[0], launch)
+    E, H, I, T, k = 4, 256, 64, 4, 2
+    ids = (torch.arange(T * k, dtype=torch.int32) % E).reshape(T, k)
+    d13 = W.pack_decode(W.quantize(torch.randn(E, 2 * I, H, generator=g)))
+    d2 = W.pack_decode(W.quantize(torch.randn(E, H, I, generator=g)))
+    recorded.clear()
+    FM.fused_moe_decode(torch.randn(T, H, generator=g).bfloat16(), d13, d2, torch.rand(T, k, generator=g), ids,
+                        max_m=2, block="gpu")
+    built = FM.fused_moe_decode_launches(T, k, E, H, I, max_m=2)
+    assert len(recorded) == len(built) == 3
+    for call, launch in zip(recorded, built):
+        _same(call, launch)
+    recorded.clear()
+    a, b = mx.quantize(torch.randn(32, 256, generator=g), "e4m3"), mx.quantize(torch.randn(48, 256, generator=g), "e4m3")
+    monkeypatch.setattr(mx, "_interpreted", lambda: True)
+    mx.mx_gemm(a, b, block="gpu")
+    (launch,) = mx.mx_gemm_launches(32, 48, 256)
+    _same(recorded[0], launch, skip=("EMULATE", "DOT_FP32"))       # the CPU run decodes; the GPU launch does not

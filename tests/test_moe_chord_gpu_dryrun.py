@@ -23,6 +23,10 @@ def test_gpu_branch_dry_run(monkeypatch):
         assert len(dec.get("decode_m1")["samples_s"]) >= 2
         assert recs[f"gpu-prefill-{layout}"].value("fused_moe") > 0
     assert "rotated over 2 copies" in recs["gpu-w4a16-triton"].get("gemm_m1")["how"]
+    # the decode kernels: dense (split-K) and the MoE layer on decode-packed experts, at M <= 16
+    assert recs["gpu-w4a16-decode"].value("gemm_m1") > 0
+    packed = recs["gpu-decode-decode-packed"]
+    assert [m["m"] for m in packed.measurements if m["name"].startswith("frac_copy")] == [1, 2]
 
 
 def test_even_routing_gives_every_expert_m_rows():

@@ -216,6 +216,41 @@ def check_dense(ctx, hidden, inter) -> list[dict]:
     return rows
 
 
+def check_decode(ctx, hidden, inter, experts, top_k, tokens) -> list[dict]:
+    """The decode kernels (Marlin-style repack, `pack_decode`) against the fp32 reference: the dense
+    GEMM at M = 1 and 16 on an odd N, and the MoE layer (four experts) with at most 16 rows per expert."""
+    g = torch.Generator().manual_seed(ctx.seed + 26)
+    w = torch.randn(2 * inter + 3, hidden, generator=g).to(ctx.device)
+    q = W.quantize(w)
+    d = W.pack_decode(q)
+    rows = []
+    for m in (1, 16):
+        x = torch.randn(m, hidden, generator=g).bfloat16().to(ctx.device)
+        err, tol, ok = FM.within_tolerance(W.decode_linear(x, d), W.decode_reference(x, d), W.linear_torch(x, q))
+        rows.append({"kernel": f"decode_linear M={m}", "error": err, "tolerance": tol, "passed": ok})
+    e = min(experts, 4)                                            # a few experts: the interpreter is slow
+    w13, w2, x, tw, ids = make_moe(ctx, hidden, inter, e, min(top_k, e - 1), min(tokens, 8))
+    if int(R.tokens_per_expert(ids, e).max()) <= FM.DECODE_MAX_ROWS:
+        out = FM.fused_moe_decode(x, W.pack_decode(w13), W.pack_decode(w2), tw, ids)
+        err, tol, ok = FM.within_tolerance(out, FM.fused_moe_reference(x, w13, w2, tw, ids),
+                                           FM.fused_moe_torch(x, w13, w2, tw, ids))
+        rows.append({"kernel": f"fused_moe_decode T={x.shape[0]}", "error": err, "tolerance": tol, "passed": ok})
+    return rows
+
+
+def loop_rows() -> list[dict]:
+    """The committed sm_90 main-loop counts of the W4A16 launches at M <= 16 (`moe.loop_cost`, read from
+    the SASS), one row per launch, for the page."""
+    from ..moe import loop_cost as LC
+
+    return [{"launch": r["launch"], "warp-instr / 64 weights / thread": r["instructions_per_64_weights_per_thread"],
+             "warp-instr / DRAM byte": r["warp_instructions_per_byte"],
+             "issue bound / copy ceiling": r["issue_bound_vs_copy_ceiling"], "regs": r["regs"],
+             "warps / SM": r["warps_per_sm"], "bytes in flight / needed": round(r["bytes_in_flight_per_sm"] /
+                                                                              r["bytes_in_flight_needed"], 2)}
+            for r in LC.load_saved()]
+
+
 def check_round_trip(ctx, hidden, inter) -> bool:
     from safetensors.torch import load, save
 
@@ -482,6 +517,28 @@ def gpu_decode_sweep(ctx, experts, hidden, inter, top_k, ms, reps, ceil, why) ->
                     achieved_gbps=r["achieved_gbps"], bytes=tr["bytes"], target=0.7 if m <= 16 else None)
         rec.add("copy_ceiling", ceil.copy_gbps, "GB/s", phase="ceiling")
         recs.append(rec)
+        if layout == "grouped_masked":   # the same experts repacked for the decode kernel (M <= 16)
+            d13, d2 = W.pack_decode(w13), W.pack_decode(w2)
+            del w13, w2
+            rec = ctx.new_record("gpu-decode-decode-packed", variant="triton fused MoE decode kernel", workload={
+                "model": f"Kimi-K2 EP8 local MoE: {experts} experts, H{hidden}, I{inter}, top-{top_k}",
+                "quantization": "w4a16 g32 (decode repack)", "dtype": "bfloat16"}, topology={"ep": KIMI_K2["ep"], "rank": 0})
+            for m in [m for m in ms if m <= FM.DECODE_MAX_ROWS]:
+                tw, ids = even_routing(experts, top_k, m, ctx.device)
+                T = ids.shape[0]
+                x = torch.randn(T, hidden, device=ctx.device).bfloat16()
+                rec.set_backend(f"fused_moe_m{m}", "triton decode kernel (masked rows)", reason=why,
+                                shapes={"x": [T, hidden], "rows_per_expert": m, "block": FM.moe_decode_config(False, True)})
+                t, how = gpu_time(lambda: FM.fused_moe_decode(x, d13, d2, tw, ids, max_m=m, check=False), ctx.device,
+                                  label=f"decode-packed M={m}", reps=reps, inner=5)
+                tr = decode_traffic(T, top_k, experts, hidden, inter)
+                r = roofline(bytes_moved=tr["bytes"], flops=tr["flops"], seconds=t.median_s, ceil=ceil)
+                rec.add_timing(f"decode_m{m}", t, phase="decode", m=m, how=how, tokens=T)
+                rec.add(f"frac_copy_m{m}", r["frac_copy"], "fraction of measured copy GB/s", phase="decode", m=m,
+                        achieved_gbps=r["achieved_gbps"], bytes=tr["bytes"], target=0.8)
+            rec.add("copy_ceiling", ceil.copy_gbps, "GB/s", phase="ceiling")
+            recs.append(rec)
+            del d13, d2
     return recs
 
 
@@ -563,6 +620,22 @@ def gpu_timings(ctx, gemm_n, gemm_k, ms, reps, prefill_tokens, prefill_experts, 
         ref.add(f"frac_copy_m{m}", rb["frac_copy"], "fraction of measured copy GB/s", m=m,
                 achieved_gbps=rb["achieved_gbps"], intensity=rb["intensity_flop_per_byte"])
     ref.set_backend("gemm", "torch bf16 matmul (cuBLAS)", shapes={"w": [gemm_n, gemm_k]})
+    dec = ctx.new_record("gpu-w4a16-decode", variant="triton w4a16 decode kernel", workload={
+        "model": f"dense GEMM [{gemm_n}, {gemm_k}]", "quantization": "w4a16 g32 (decode repack)", "dtype": "bfloat16"})
+    ds = [W.pack_decode(qq) for qq in qs]
+    for m in [m for m in ms if m <= W.DECODE_MAX_M]:
+        x = torch.randn(m, gemm_k, device=ctx.device).bfloat16()
+        dec.set_backend(f"gemm_m{m}", "triton w4a16 decode (split-K, ordered reduction)", reason=why,
+                        shapes={"x": [m, gemm_k], "block": W.decode_config(m, gemm_n, gemm_k)})
+        turn_d = iter(range(1 << 30))
+        t, how = gpu_time(lambda: W.decode_linear(x, ds[next(turn_d) % n_rot]), ctx.device, label=f"decode M={m}",
+                          reps=reps, inner=n_rot)
+        r = roofline(bytes_moved=gemm_traffic(m, gemm_n, gemm_k, "w4a16")["bytes"], flops=2 * m * gemm_n * gemm_k,
+                     seconds=t.median_s, ceil=ceil)
+        dec.add_timing(f"gemm_m{m}", t, m=m, how=how + f"; weights rotated over {n_rot} copies (> L2)")
+        dec.add(f"frac_copy_m{m}", r["frac_copy"], "fraction of measured copy GB/s", m=m,
+                achieved_gbps=r["achieved_gbps"], target=0.8)
+    recs.append(dec)
     for rec in (tri, ref):
         rec.add("copy_ceiling", ceil.copy_gbps, "GB/s", phase="ceiling")
         rec.add("matmul_ceiling", ceil.matmul_tflops, "TFLOP/s", phase="ceiling")
@@ -622,6 +695,8 @@ def measure(ctx, *, route_tokens, skew, hidden, inter, experts, top_k, tokens, g
     for row in check_dense(ctx, hidden, inter):
         checks.add_check(f"linear[{row['layout']}] vs fp32", row["passed"], error=row["max |out - fp32 ref|"],
                          tolerance=row["tolerance"])
+    for row in check_decode(ctx, hidden, inter, experts, top_k, tokens):
+        checks.add_check(f"{row['kernel']} vs fp32", row["passed"], error=row["error"], tolerance=row["tolerance"])
     checks.add_check("compressed-tensors round trip", check_round_trip(ctx, hidden, inter), error=0.0, tolerance=0.0)
     checks.add_check("wrong layout refused", bool(check_wrong_layout(ctx, hidden, inter, experts, top_k, tokens)))
     if not on_gpu(ctx):  # the decode sweep's routing and kernels, at this preset's small shapes
@@ -652,6 +727,7 @@ def gpu_launches(params: dict) -> list:
     for m in parse_ints(p["m_sweep"], "m_sweep"):
         launches += W.linear_launches(m, p["gemm_n"], p["gemm_k"], "indexed", name=f"decode sweep M{m} N{p['gemm_n']} "
                                       f"K{p['gemm_k']} cfg {'x'.join(str(v) for v in list(W.linear_config(m, False).values())[:3])}")
+    launches += [la for la in decode_cost_launches(p) if la.kernel in (W.w4a16_decode_kernel, FM.moe_decode_kernel)]
     for layout in W.LAYOUTS:                                   # check_dense: x [37, hidden], w [2*inter + 3, hidden]
         launches += W.linear_launches(37, 2 * p["inter"] + 3, p["hidden"], layout)
     for layout in W.LAYOUTS:                                   # wrong_layout_numbers: each spec's kernel, [4, 128] x [64, 128]
@@ -669,6 +745,26 @@ def gpu_launches(params: dict) -> list:
             launches += FM.fused_moe_launches(p["prefill_tokens"], p["top_k"], p["prefill_experts"], p["hidden"],
                                               p["inter"], layout, name="prefill")
     return compiled.dedupe(launches)
+
+
+def decode_cost_launches(params: dict) -> list:
+    """The W4A16 launches at M <= 16 whose main loop `moe.loop_cost` counts: the decode kernel at each
+    M of the sweep (dense N x K), and the tiled kernel it replaces at M = 1 (the before)."""
+    p = params
+    n, k = p["gemm_n"], p["gemm_k"]
+    out = []
+    for m in parse_ints(p["m_sweep"], "m_sweep"):
+        if m <= W.DECODE_MAX_M:
+            out += W.decode_launches(m, n, k, name=f"decode kernel M{m} N{n} K{k}")
+    out += W.linear_launches(1, n, k, "indexed", name=f"tiled kernel (before) M1 N{n} K{k} cfg "
+                             f"{'x'.join(str(v) for v in list(W.linear_config(1, False).values())[:3])}")
+    E, H, I = p["decode_experts"], p["decode_hidden"], p["decode_inter"]
+    kk = min(p["top_k"], E)
+    for m in parse_ints(p["decode_m"], "decode_m"):
+        if m <= FM.DECODE_MAX_ROWS:
+            out += [la for la in FM.fused_moe_decode_launches(-(-E * m // kk), kk, E, H, I, max_m=m, name=f"decode M{m}")
+                    if la.kernel is FM.moe_decode_kernel]
+    return out
 
 
 def roofline_work(params: dict) -> list[dict]:

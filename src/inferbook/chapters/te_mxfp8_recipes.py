@@ -347,8 +347,9 @@ def mx_gemm_support(device: torch.device) -> dict:
     cap = torch.cuda.get_device_capability(device)
     native = cap[0] >= 10
     return {"capability": f"sm_{cap[0]}{cap[1]}", "mx_tensor_core_gemm": native,
-            "runs_here": ("quantize; a native MX GEMM is possible on this device (not built in this chapter)"
-                          if native else "quantize and dequantize + BF16 GEMM; MX tensor-core GEMMs need sm_100")}
+            "runs_here": ("quantize; mx_gemm's tl.dot_scaled compiles to tcgen05.mma kind::mxf8f6f4.block_scale here"
+                          if native else "quantize; mx_gemm upcasts the MX operands to BF16 in registers (MX "
+                          "tensor-core GEMMs need sm_100)")}
 
 
 def gemm_paths(ctx, m: int, k: int, n: int) -> RunRecord:
@@ -378,9 +379,26 @@ def gemm_paths(ctx, m: int, k: int, n: int) -> RunRecord:
         "quantize x and W (MXFP8)": (lambda: (fn(x, "e4m3"), fn(w, "e4m3")), chosen == "triton"),
         "dequantize + GEMM": (lambda: mx.dequantize(qx).to(gemm_dtype) @ mx.dequantize(qw).to(gemm_dtype).T, False),
     }
+    if is_gpu and k % mx.mx_gemm_config(False)["BLOCK_K"] == 0:   # the block-scaled GEMM on the codes themselves
+        paths["MX GEMM (tl.dot_scaled)"] = (lambda: mx.mx_gemm(qx, qw), True)
     for name, (f, uses_triton) in paths.items():
         t = benchmark(f, ctx.device, label=name, uses_triton=uses_triton, **reps)
         rec.add_timing(name, t, flops=2.0 * m * n * k)
+    # correctness on the recipe's own codes and scales: the first rows of x and W (whole K blocks)
+    r = 64
+    sub = lambda q: mx.MXTensor(q.elements[:r].contiguous(), q.scales[:r].contiguous(), q.fmt, q.axis, q.block,
+                                q.scale_rounding, q.dtype, q.backend)
+    sx, sw = sub(qx), sub(qw)
+    cfg = mx.mx_gemm_config(not is_gpu)
+    if k % cfg["BLOCK_K"] == 0:
+        c, ref = mx.mx_gemm(sx, sw), mx.mx_gemm_reference(sx, sw)
+        bound = k * 2.0 ** -24 * (mx.dequantize(sx).abs().double() @ mx.dequantize(sw).abs().double().T).float()
+        if is_gpu:  # tensor-core fp32 accumulation may round each addition less finely than IEEE fp32
+            bound = 4 * bound
+        err = float((c - ref).abs().max())
+        rec.add_check("mx_gemm (tl.dot_scaled on the codes and E8M0 scales) vs dequantize-then-matmul",
+                      bool(torch.isfinite(c).all()) and bool(((c - ref).abs() <= bound + 1e-30).all()),
+                      error=err, tolerance=float(bound.max()))
     rec.add("mx_tensor_core_gemm", float(support["mx_tensor_core_gemm"]), "bool", phase="derived",
             capability=support["capability"], runs_here=support["runs_here"])
     return rec
@@ -477,6 +495,9 @@ def gpu_launches(params: dict) -> list:
     launches += mx.quantize_rowcol_launches((params["quant_m"], params["quant_k"]), torch.bfloat16, "e4m3",
                                             name=f"rowcol one pass e4m3 floor bf16 {params['quant_m']}x{params['quant_k']}")
     launches += mx.quantize_rowcol_launches((67, 133), torch.float32, "e4m3", name="rowcol bit-exact e4m3 floor fp32 67x133")
+    launches += mx.mx_gemm_launches(params["m"], params["n"], params["k"], name=f"mx_gemm e4m3 x e4m3 "
+                                    f"M{params['m']} N{params['n']} K{params['k']} (gemm_paths, timed)")
+    launches += mx.mx_gemm_launches(64, 64, params["k"], name=f"mx_gemm e4m3 x e4m3 M64 N64 K{params['k']} (check)")
     for K, N in ((64, 48), (33, 70), (256, 200)):          # grouped_record's GPU shapes
         for skip in (False, True):
             launches += grouped.grouped_gemm_launches(params["max_rows"], params["n_groups"], N, K, torch.bfloat16,

@@ -24,13 +24,14 @@ import torch.nn.functional as F
 from ..device import dot_needs_fp32, triton_backend_for
 from . import mxfp4 as MXF, routing
 from .mxfp4 import PackedMXFP4
-from .w4a16 import LAYOUT_CODE, LAYOUTS, PackedW4, cat_experts, check_block_k, dequantize, expert, linear, triton
+from .w4a16 import (LAYOUT_CODE, LAYOUTS, DecodeW4, PackedW4, cat_experts, check_block_k, dequantize, dequantize_decode,
+                    expert, linear, triton)
 
 if triton is not None:
     import triton.language as tl
 
     from .mxfp4 import mxfp4_tile
-    from .w4a16 import round_bf16, w4_tile
+    from .w4a16 import decode_neg, decode_run, round_bf16, w4_tile
 
     @triton.jit
     def moe_gemm_kernel(a_ptr, qw_ptr, s_ptr, c_ptr, rows_ptr, block_expert_ptr, counts_ptr, dest_ptr, roww_ptr,
@@ -176,6 +177,59 @@ if triton is not None:
                     tl.store(out_ptr + slot * N + offs_n, y, mask=offs_n < N)
         if FUSED:
             tl.store(out_ptr + t.to(tl.int64) * N + offs_n, round_bf16(acc, EMULATE), mask=offs_n < N)
+
+
+    @triton.jit
+    def moe_decode_kernel(a_ptr, qw_ptr, s_ptr, c_ptr, counts_ptr, dest_ptr, roww_ptr, N, K, max_m,
+                          q_expert_stride, s_expert_stride, stride_am, stride_cm,
+                          GATED: tl.constexpr, SCATTER: tl.constexpr, MUL_ROW_WEIGHT: tl.constexpr,
+                          GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ASM: tl.constexpr,
+                          DOT_FP32: tl.constexpr, OUT_BF16: tl.constexpr = True, EVEN_N: tl.constexpr = False,
+                          EVEN_K: tl.constexpr = False):
+        """Decode MoE GEMM over the masked layout (`routing.to_masked`), weights from `pack_decode`:
+        program (column block, expert e) computes C[rows of e] = A[rows of e] @ W[e].T for its at most
+        BLOCK_M (>= max_m) rows, with `decode_run`'s Marlin-style main loop. GATED: gate rows [0, N),
+        up rows [N, 2N), out = SiLU(gate) * up. SCATTER: row r is written at dest[r] (its slot),
+        times the slot's router weight (MUL_ROW_WEIGHT). An expert without rows loads nothing."""
+        pid_n = tl.program_id(0)
+        e = tl.program_id(1)
+        count = tl.load(counts_ptr + e)
+        offs_m = tl.arange(0, BLOCK_M)
+        m_ok = offs_m < count
+        rows = e * max_m + offs_m
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
+        if GATED:
+            NW = 2 * N
+        else:
+            NW = N
+        qw = qw_ptr + e.to(tl.int64) * q_expert_stride
+        sc = s_ptr + e.to(tl.int64) * s_expert_stride
+        a_rows = a_ptr + (e * max_m).to(tl.int64) * stride_am
+        runs = tl.where(count > 0, (K + 255) // 256, 0)
+        neg = decode_neg(BLOCK_N, DOT_FP32)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for r in range(0, runs):
+            acc = decode_run(acc, a_rows, stride_am, offs_m, m_ok, qw, sc, NW, offs_n, n_ok, K, r, neg,
+                             GROUP, ASM, DOT_FP32, EVEN_N, EVEN_K)
+            if GATED:
+                acc_up = decode_run(acc_up, a_rows, stride_am, offs_m, m_ok, qw, sc, NW, offs_n + N, n_ok, K, r, neg,
+                                    GROUP, ASM, DOT_FP32, EVEN_N, EVEN_K)
+        if GATED:
+            acc = acc * tl.sigmoid(acc) * acc_up
+        c_row = rows
+        valid = m_ok
+        if SCATTER:
+            c_row = tl.load(dest_ptr + rows, mask=m_ok, other=-1)
+            valid = m_ok & (c_row >= 0)
+        if MUL_ROW_WEIGHT:
+            acc = acc * tl.load(roww_ptr + c_row, mask=valid, other=0.0)[:, None]
+        ptrs = c_ptr + c_row[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
+        if OUT_BF16:
+            tl.store(ptrs, round_bf16(acc, DOT_FP32), mask=valid[:, None] & n_ok[None, :])
+        else:
+            tl.store(ptrs, acc, mask=valid[:, None] & n_ok[None, :])
 
 
 # ---------------------------------------------------------------------------
@@ -351,6 +405,105 @@ def fused_moe(x, w13: PackedW4, w2: PackedW4, topk_weights, topk_ids, layout: st
         gemm(act, w2, y, dummy, dummy, m.counts, m.dest, E * m.max_m, H, I, (mb, triton.cdiv(H, BN), E),
              ROWS=2, A_DIV=1, SCATTER=True, GATED=False, MUL_ROW_WEIGHT=True, m_max=m.max_m)
     return combine(y, k, out_dtype, block="gpu" if gpu_cfg else None)
+
+
+DECODE_MAX_ROWS = 16   # rows per expert the decode path takes (one m16 MMA tile)
+
+
+def moe_decode_config(interpreted: bool, gated: bool = False) -> dict:
+    """Tiles of `moe_decode_kernel`: BLOCK_N 128, 4 warps; the gated launch keeps two word tiles and two
+    accumulators, so two stages (smem) instead of three. The interpreter: BLOCK_N 64."""
+    if interpreted:
+        return dict(BLOCK_M=16, BLOCK_N=64)
+    return dict(BLOCK_M=16, BLOCK_N=64 if gated else 128, num_warps=4, num_stages=3)
+
+
+def _decode_gemm_launch(name, a, qw, qs, c, counts, dest, roww, N, K, max_m, q_es, s_es, *, gated: bool, scatter: bool,
+                        group: int, cfg: dict, device, source: str = "moe/fused_moe.py:fused_moe_decode"):
+    """One `moe_decode_kernel` launch (`compiled.Launch`): a [E * max_m, K] bf16 rows, decode-packed
+    weights qw / scales qs (q_es, s_es elements per expert), c out rows; grid (column blocks, E)."""
+    from ..compiled import Launch
+
+    E = counts.shape[0]
+    emu = dot_needs_fp32(device)
+    kw = dict(GATED=gated, SCATTER=scatter, MUL_ROW_WEIGHT=scatter, GROUP=group, ASM=not emu, DOT_FP32=emu,
+              OUT_BF16=c.dtype == torch.bfloat16, EVEN_N=N % cfg["BLOCK_N"] == 0, EVEN_K=K % 256 == 0, **cfg)
+    return Launch(name, moe_decode_kernel, [a, qw, qs, c, counts, dest, roww, N, K, max_m, q_es, s_es, a.stride(0),
+                                            c.stride(0)], kw, source, (triton.cdiv(N, cfg["BLOCK_N"]), E))
+
+
+def fused_moe_decode(x, d13: DecodeW4, d2: DecodeW4, topk_weights, topk_ids, *, max_m: int | None = None,
+                     inter_dtype=torch.bfloat16, out_dtype=torch.bfloat16, check: bool = True,
+                     block: dict | str | None = None) -> torch.Tensor:
+    """The MoE layer at decode (at most 16 rows per expert) with experts repacked by `pack_decode`:
+    rows in the masked layout, gate/up with SiLU-and-mul in its epilogue and down with the router
+    weight and the scatter to [T*k, H] in its, both on the Marlin-style decode loop; then `combine`.
+    x bf16 [T, H]; d13 [E, 2I, H], d2 [E, H, I]; returns [T, H] in `out_dtype`."""
+    for name, d in (("d13", d13), ("d2", d2)):
+        if not isinstance(d, DecodeW4) or len(d.shape) != 3:
+            raise ValueError(f"{name} must be a 3-D DecodeW4 from pack_decode(), got {type(d).__name__}")
+    E, two_i, H = d13.shape
+    I = two_i // 2
+    if two_i % 2 or d2.shape != (E, H, I):
+        raise ValueError(f"d13 must be [E, 2I, H] and d2 [E, H, I]; got {d13.shape} and {d2.shape}")
+    if not isinstance(x, torch.Tensor) or x.ndim != 2 or x.shape[1] != H or x.dtype != torch.bfloat16:
+        raise ValueError(f"x must be bfloat16 [T, {H}], got {getattr(x, 'dtype', None)} {tuple(getattr(x, 'shape', ()))}")
+    T, k = topk_ids.shape
+    if T == 0:
+        return torch.empty((0, H), dtype=out_dtype, device=x.device)
+    m = routing.to_masked(x, topk_ids, E, max_m, check=check)
+    if m.max_m > DECODE_MAX_ROWS:
+        raise ValueError(f"fused_moe_decode takes at most {DECODE_MAX_ROWS} rows per expert, got max_m = {m.max_m}; "
+                         f"use fused_moe for larger batches")
+    ok, _ = triton_backend_for(x.device)
+    if not ok:
+        W13, W2 = dequantize_decode(d13, torch.bfloat16), dequantize_decode(d2, torch.bfloat16)
+        flat = topk_ids.flatten().long()
+        out = torch.zeros((T, H), dtype=torch.float32, device=x.device)
+        for e in torch.unique(flat).tolist():
+            slots = (flat == e).nonzero().flatten()
+            h = x[slots // k] @ W13[e].T
+            y = (F.silu(h[:, :I]) * h[:, I:]) @ W2[e].T
+            out.index_add_(0, slots // k, topk_weights.flatten()[slots].float()[:, None] * y.float())
+        return out.to(out_dtype)
+    interp = x.device.type != "cuda"
+    gpu = block == "gpu"
+    xm = m.x.reshape(E * m.max_m, H)
+    act = torch.empty((E * m.max_m, I), dtype=torch.bfloat16, device=x.device)
+    y = torch.empty((T * k, H), dtype=inter_dtype, device=x.device)
+    roww = topk_weights.float().contiguous().flatten()
+    for (a, d, c, N, K, gated) in ((xm, d13, act, I, H, True), (act, d2, y, H, I, False)):
+        cfg = dict(moe_decode_config(False, gated) if gpu else (block or moe_decode_config(interp, gated)))
+        _run(_decode_gemm_launch("", a, d.qweight, d.scales, c, m.counts, m.dest, roww, N, K, m.max_m,
+                                 d.qweight[0].numel(), d.scales[0].numel(), gated=gated, scatter=not gated,
+                                 group=d.group_size, cfg=cfg, device=x.device))
+    return combine(y, k, out_dtype, block="gpu" if gpu else None)
+
+
+def fused_moe_decode_launches(tokens: int, top_k: int, experts: int, hidden: int, inter: int, *, max_m: int,
+                              group_size: int = 32, inter_dtype=torch.bfloat16, name: str = "") -> list:
+    """`fused_moe_decode`'s gate/up and down launches plus its combine on a GPU (meta tensors)."""
+    from ..compiled import meta
+    from .w4a16 import RUN
+
+    T, k, E, H, I = tokens, top_k, experts, hidden, inter
+    i32, bf16, f32 = torch.int32, torch.bfloat16, torch.float32
+    dev = torch.device("cuda")
+    counts, dest, roww = meta((E,), i32), meta((E * max_m,), i32), meta((T * k,), f32)
+    act = meta((E * max_m, I), bf16)
+    out = []
+    for stage, a, c, N, K, gated in (("gate_up", meta((E * max_m, H), bf16), act, I, H, True),
+                                     ("down", act, meta((T * k, H), inter_dtype), H, I, False)):
+        rows = 2 * N if gated else N
+        Kp = -(-K // RUN) * RUN
+        q_es, s_es = Kp // 8 * rows, -(-Kp // group_size) * rows
+        cfg = moe_decode_config(False, gated)
+        out.append(_decode_gemm_launch(f"{name} {stage} decode-packed T{T} k{k} E{E} H{H} I{I} M{max_m} cfg 16x{cfg['BLOCK_N']}x256"
+                                       .strip(), a, meta((E, q_es), i32), meta((E, s_es), bf16), c, counts, dest, roww,
+                                       N, K, max_m, q_es, s_es, gated=gated, scatter=not gated, group=group_size,
+                                       cfg=cfg, device=dev))
+    out += combine_launches(T, k, H, inter_dtype, torch.bfloat16, name=name)
+    return out
 
 
 def combine_config(interpreted: bool) -> dict:

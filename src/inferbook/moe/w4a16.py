@@ -674,3 +674,326 @@ def linear_launches(m: int, n: int, k: int, layout: str = "indexed", *, group_si
     if name:
         launch.name = name
     return [launch]
+
+
+# ---------------------------------------------------------------------------
+# Decode (M <= 16): Marlin's cost structure in Triton
+#
+# The weights are repacked once, offline (`pack_decode`, as vLLM's `gptq_marlin_repack` does for
+# Marlin), so that the B operand of each `tl.dot` is an *elementwise* function of the loaded words:
+# K is cut into runs of 256; in a run, word j (0..31) of column n holds, in nibble i (0..7), the
+# weight at K offset 32 i + j. Nibble i of a [32, BLOCK_N] word tile is then the [32, BLOCK_N]
+# B tile of K offsets 32 i .. 32 i + 31 -- one whole group of 32, so its scale is one number per
+# column and is applied to the dot's fp32 result (no per-weight scale multiply). Because the chain
+# load -> shift -> inline asm -> dot is elementwise, Triton's HoistLayoutConversion puts the words
+# (4 bits a weight) into the MMA operand layout straight from the cp.async stage in shared memory:
+# no shared-memory round trip of the dequantized tile, no register permute.
+#
+# The dequantize: nibble -> bf16 (128 + u) with the magic-number trick (0x4300 is bf16 128.0; OR-ing
+# a 4-bit u into the low mantissa bits gives 128 + u exactly): per pair of weights one `prmt` (byte
+# i//2 of two words into the two halves of one register), one shift for odd nibbles, one
+# `lop3` (mask and OR the magic in one instruction). The bias 136 = 128 + 8 is removed by a second
+# MMA against a constant tile of -136 in the same fp32 accumulator (cheaper than a bf16x2 subtract
+# per pair). `prmt` makes the asm correct for whichever two elements Triton hands it (`pack=2`
+# leaves the pairing unspecified); Marlin, which owns its registers, needs neither.
+# Split-K over runs fills the SMs at M = 1; the partial sums go to an fp32 [SPLIT, M, N] buffer
+# summed in a fixed order (deterministic), or are added atomically into a zeroed fp32 [M, N].
+
+RUN = 256          # K values per run of the decode packing
+RUN_WORDS = RUN // 8
+
+
+@dataclass(frozen=True)
+class DecodeW4:
+    """INT4 weights repacked for the decode kernels: qweight int32 [Kp/8, N] (Kp = K rounded up to
+    256; runs of 256 K values, word j of a run holding K offset 32 i + j in nibble i, +8 offset, pad
+    value 0), scales bf16 [Kp/g rounded up, N] (pad 0); [E, ...] in front for E experts. `shape` is
+    the logical (N, K) or (E, N, K)."""
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    shape: tuple
+    group_size: int
+
+    @property
+    def n(self) -> int:
+        return self.shape[-2]
+
+    @property
+    def k(self) -> int:
+        return self.shape[-1]
+
+    @property
+    def k_padded(self) -> int:
+        return self.qweight.shape[-2] * 8
+
+    @property
+    def device(self) -> torch.device:
+        return self.qweight.device
+
+    @property
+    def nbytes(self) -> int:
+        return self.qweight.numel() * 4 + self.scales.numel() * 2
+
+
+def pack_decode(q: PackedW4) -> DecodeW4:
+    """Repack an INT4 weight [N, K] or [E, N, K] (any layout) for the decode kernels (offline, once, as
+    Marlin's repack is). The group size must be a multiple of 32 (one group per nibble tile)."""
+    if not isinstance(q, PackedW4) or len(q.shape) not in (2, 3):
+        raise ValueError(f"pack_decode needs a PackedW4 [N, K] or [E, N, K], got {getattr(q, 'shape', type(q).__name__)}")
+    if q.group_size % 32:
+        raise ValueError(f"the decode kernel needs a group size that is a multiple of 32, got {q.group_size}")
+    vals, s = unpack(q)                                            # [E, N, K] int8, [E, N, K/g]
+    E, N, K = vals.shape
+    Kp = -(-K // RUN) * RUN
+    if Kp != K:  # pad value 0 (stored 8) and scale 0: the padding contributes nothing
+        vals = torch.cat([vals, torch.zeros((E, N, Kp - K), dtype=vals.dtype, device=vals.device)], -1)
+    groups_p = -(-Kp // q.group_size)
+    if groups_p != s.shape[-1]:
+        s = torch.cat([s, torch.zeros((E, N, groups_p - s.shape[-1]), dtype=s.dtype, device=s.device)], -1)
+    # [E, N, runs, nibble i, word j] -> word j's nibble i holds K offset 32 i + j
+    u = (vals.to(torch.int64) + OFFSET).reshape(E, N, Kp // RUN, 8, RUN_WORDS)
+    shifts = (torch.arange(8, device=u.device, dtype=torch.int64) * 4).reshape(1, 1, 1, 8, 1)
+    word = (u << shifts).sum(3)                                    # [E, N, runs, 32]
+    word = torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
+    qweight = word.reshape(E, N, Kp // 8).transpose(1, 2).contiguous()   # [E, Kp/8, N]
+    scales = s.transpose(1, 2).contiguous()
+    if len(q.shape) == 2:
+        qweight, scales = qweight[0], scales[0]
+    return DecodeW4(qweight, scales, tuple(q.shape), q.group_size)
+
+
+def unpack_decode(d: DecodeW4) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 values, bf16 scales) in the logical shape ([N, K] and [N, K/g], or with E in front):
+    the inverse of `pack_decode`."""
+    E, N, K = _as3d(d.shape)
+    Kp = d.k_padded
+    word = d.qweight.reshape(E, Kp // 8, N).transpose(1, 2).reshape(E, N, Kp // RUN, 1, RUN_WORDS)
+    word = word.to(torch.int64) & 0xFFFFFFFF
+    shifts = (torch.arange(8, device=word.device, dtype=torch.int64) * 4).reshape(1, 1, 1, 8, 1)
+    vals = (((word >> shifts) & 0xF) - OFFSET).reshape(E, N, Kp)[..., :K].to(torch.int8)
+    s = d.scales.reshape(E, -1, N).transpose(1, 2)[..., :K // d.group_size].contiguous()
+    return vals.reshape(*d.shape), s.reshape(*d.shape[:-1], K // d.group_size)
+
+
+def dequantize_decode(d: DecodeW4, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The weights of a decode-packed buffer in the logical shape (q * scale in fp32, then `dtype`)."""
+    vals, s = unpack_decode(d)
+    w = vals.float().reshape(*vals.shape[:-1], -1, d.group_size) * s.float().unsqueeze(-1)
+    return w.reshape(vals.shape).to(dtype)
+
+
+def nibble_asm_model(w0: int, w1: int, i: int) -> int:
+    """What the decode kernel's inline asm computes for nibble `i` of two words, in Python (the
+    interpreter cannot run PTX; tests check the asm's bit logic through this model): prmt selects
+    byte i//2 of w0 into byte 0 and of w1 into byte 2, odd i shifts right by 4, lop3 keeps bits
+    0x000F000F and ORs 0x43004300. Returns the 32-bit register: two bf16 values 128 + u."""
+    b = i // 2
+    sel = NIBBLE_PRMT[b]
+    src = [(w0 >> (8 * k)) & 0xFF for k in range(4)] + [(w1 >> (8 * k)) & 0xFF for k in range(4)]
+    t = sum(src[(sel >> (4 * d)) & 0x7] << (8 * d) for d in range(4))   # prmt, default mode
+    if i % 2:
+        t >>= 4
+    lut = 0xEA                                                     # (a & b) | c
+    a, bb, c = t, 0x000F000F, 0x43004300
+    return sum((((lut >> ((((a >> k) & 1) << 2) | (((bb >> k) & 1) << 1) | ((c >> k) & 1))) & 1) << k)
+               for k in range(32))
+
+
+NIBBLE_PRMT = (0x4400, 0x5511, 0x6622, 0x7733)   # prmt selectors: byte b of each word into bytes 0 and 2
+
+
+if triton is not None:
+
+    @triton.jit
+    def _nibble_pairs(words, SEL: tl.constexpr, ODD: tl.constexpr):
+        """bf16 128 + u for one nibble of each word, two words per asm (see `nibble_asm_model`)."""
+        if ODD:
+            return tl.inline_asm_elementwise(
+                "{ .reg .b32 t; prmt.b32 t, $1, $2, " + SEL + "; shr.u32 t, t, 4; "
+                "lop3.b32 $0, t, 0x000F000F, 0x43004300, 0xEA; }",
+                "=r,r,r", [words], dtype=tl.bfloat16, is_pure=True, pack=2)
+        else:
+            return tl.inline_asm_elementwise(
+                "{ .reg .b32 t; prmt.b32 t, $1, $2, " + SEL + "; lop3.b32 $0, t, 0x000F000F, 0x43004300, 0xEA; }",
+                "=r,r,r", [words], dtype=tl.bfloat16, is_pure=True, pack=2)
+
+    @triton.jit
+    def nibble_bf16(words, I: tl.constexpr, ASM: tl.constexpr):
+        """[32, BN] int32 words -> [32, BN] bf16 128 + u (u = nibble I, 0..15), exact. ASM: the PTX
+        path (GPU); else plain tl ops (the interpreter, and any backend without PTX)."""
+        if ASM:
+            if I == 0:
+                return _nibble_pairs(words, "0x4400", False)
+            elif I == 1:
+                return _nibble_pairs(words, "0x4400", True)
+            elif I == 2:
+                return _nibble_pairs(words, "0x5511", False)
+            elif I == 3:
+                return _nibble_pairs(words, "0x5511", True)
+            elif I == 4:
+                return _nibble_pairs(words, "0x6622", False)
+            elif I == 5:
+                return _nibble_pairs(words, "0x6622", True)
+            elif I == 6:
+                return _nibble_pairs(words, "0x7733", False)
+            else:
+                return _nibble_pairs(words, "0x7733", True)
+        else:
+            return (((words >> (4 * I)) & 0xF) + 128).to(tl.float32).to(tl.bfloat16)
+
+    @triton.jit
+    def decode_run(acc, x_ptr, stride_xm, offs_m, m_ok, qw_ptr, s_ptr, row_stride, offs_n, n_ok, K, r, neg,
+                   GROUP: tl.constexpr, ASM: tl.constexpr, DOT_FP32: tl.constexpr, EVEN_N: tl.constexpr,
+                   EVEN_K: tl.constexpr):
+        """acc [BLOCK_M, BLOCK_N] fp32 += x[offs_m, run r] @ W[offs_n, run r].T for one run of 256 K values:
+        one [32, BLOCK_N] word tile (row stride `row_stride` words), eight nibble tiles of one group each,
+        each through two MMAs (128 + u, then the constant -136) and its column scale."""
+        offs_j = tl.arange(0, 32)
+        if EVEN_N:  # N a multiple of BLOCK_N: no column mask in the loop
+            words = tl.load(qw_ptr + (r * 32 + offs_j)[:, None] * row_stride + offs_n[None, :])
+        else:
+            words = tl.load(qw_ptr + (r * 32 + offs_j)[:, None] * row_stride + offs_n[None, :], mask=n_ok[None, :],
+                            other=0)
+        for i in tl.static_range(8):
+            k = r * 256 + 32 * i
+            if EVEN_K:  # K a multiple of 256: only the rows beyond M are masked
+                a = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k + offs_j)[None, :], mask=m_ok[:, None], other=0.0)
+            else:
+                a = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k + offs_j)[None, :],
+                            mask=m_ok[:, None] & ((k + offs_j)[None, :] < K), other=0.0)
+            b = nibble_bf16(words, i, ASM)                         # 128 + u, exact in bf16
+            if EVEN_N:
+                s = tl.load(s_ptr + (k // GROUP) * row_stride + offs_n).to(tl.float32)
+            else:
+                s = tl.load(s_ptr + (k // GROUP) * row_stride + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+            if DOT_FP32:  # the interpreter: its bf16 dot is wrong (device.dot_needs_fp32)
+                part = tl.dot(a.to(tl.float32), neg, tl.dot(a.to(tl.float32), b.to(tl.float32)))
+            else:
+                part = tl.dot(a, neg, tl.dot(a, b))                # Σ a (128 + u) - 136 Σ a = Σ a (u - 8)
+            acc += part * s[None, :]
+        return acc
+
+    @triton.jit
+    def decode_neg(BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr):
+        """The constant B tile of -136 (bf16, or fp32 in the interpreter)."""
+        if DOT_FP32:
+            return tl.full((32, BLOCK_N), -136.0, tl.float32)
+        else:
+            return tl.full((32, BLOCK_N), -136.0, tl.bfloat16)
+
+    @triton.jit
+    def w4a16_decode_kernel(x_ptr, qw_ptr, s_ptr, out_ptr, M, N, K, stride_xm, RUNS_PER_SPLIT,
+                            GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                            ASM: tl.constexpr, DOT_FP32: tl.constexpr, ATOMIC: tl.constexpr,
+                            EVEN_N: tl.constexpr = False, EVEN_K: tl.constexpr = False):
+        """out[pid_k, m, n] (fp32) = Σ over this split's runs of x[m, k] W[n, k]; ATOMIC adds into out[m, n].
+        x bf16 [M, K]; qw int32 [Kp/8, N] and s bf16 [Kp/GROUP, N] from `pack_decode`."""
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
+        m_ok = offs_m < M
+        runs = (K + 255) // 256
+        r0 = pid_k * RUNS_PER_SPLIT
+        r1 = tl.minimum(r0 + RUNS_PER_SPLIT, runs)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        neg = decode_neg(BLOCK_N, DOT_FP32)
+        for r in range(r0, r1):
+            acc = decode_run(acc, x_ptr, stride_xm, offs_m, m_ok, qw_ptr, s_ptr, N, offs_n, n_ok, K, r, neg,
+                             GROUP, ASM, DOT_FP32, EVEN_N, EVEN_K)
+        mask = m_ok[:, None] & n_ok[None, :]
+        if ATOMIC:
+            tl.atomic_add(out_ptr + offs_m[:, None] * N + offs_n[None, :], acc, mask=mask, sem="relaxed")
+        else:
+            tl.store(out_ptr + (pid_k * M + offs_m[:, None]) * N + offs_n[None, :], acc, mask=mask)
+
+
+DECODE_MAX_M = 16
+H200_SMS = 132
+
+
+def decode_config(m: int, n: int, k: int, *, sms: int = H200_SMS, interpreted: bool = False) -> dict:
+    """Tiles and split-K of the decode kernel. BLOCK_N 128 (4 warps, one m16 x 32 MMA strip per
+    warp); split K over runs so the grid holds about 4 CTAs (16 warps) per SM, each split >= 1 run.
+    The interpreter: one wide program per split (its cost is per program)."""
+    if m > DECODE_MAX_M:
+        raise ValueError(f"the decode kernel takes M <= {DECODE_MAX_M} rows, got {m}")
+    runs = max(1, -(-k // RUN))
+    if interpreted:
+        return dict(BLOCK_M=16, BLOCK_N=64, SPLIT_K=min(2, runs))
+    bn = 128
+    n_blocks = -(-n // bn)
+    split = max(1, min(runs, -(-4 * sms // n_blocks)))
+    per = -(-runs // split)
+    split = -(-runs // per)                                        # no empty split
+    return dict(BLOCK_M=16, BLOCK_N=bn, SPLIT_K=split, num_warps=4, num_stages=3)
+
+
+def _decode_launch(x2, qweight, scales, out, n: int, k: int, group_size: int, cfg: dict, *, device, atomic: bool):
+    from ..compiled import Launch
+
+    M = x2.shape[0]
+    runs = max(1, -(-k // RUN))
+    per = -(-runs // cfg["SPLIT_K"])
+    kw = {key: v for key, v in cfg.items() if key != "SPLIT_K"}
+    emu = dot_needs_fp32(device)
+    return Launch(f"w4a16 decode M{M} N{n} K{k} cfg {cfg['BLOCK_M']}x{cfg['BLOCK_N']}x256 split{cfg['SPLIT_K']}"
+                  f"{' atomic' if atomic else ''}", w4a16_decode_kernel,
+                  [x2, qweight, scales, out, M, n, k, x2.stride(0), per],
+                  dict(GROUP=group_size, ASM=not emu, DOT_FP32=emu, ATOMIC=atomic, EVEN_N=n % cfg["BLOCK_N"] == 0,
+                       EVEN_K=k % RUN == 0, **kw),
+                  "moe/w4a16.py:decode_linear", (triton.cdiv(n, cfg["BLOCK_N"]), cfg["SPLIT_K"]))
+
+
+def decode_linear(x: torch.Tensor, d: DecodeW4, *, deterministic: bool = True, block: dict | str | None = None,
+                  return_kernel: bool = False):
+    """W4A16 GEMM for decode: `x [..., K]` BF16 (at most 16 rows) times a `pack_decode` weight -> BF16
+    `[..., N]`. deterministic=True: the split-K partials go to fp32 [SPLIT, M, N] and are summed in
+    split order; False: atomically added into a zeroed fp32 [M, N] (order varies run to run).
+    `block`: None = `decode_config` for this device, "gpu" = the GPU's tiles (also in the interpreter)."""
+    if not isinstance(d, DecodeW4) or len(d.shape) != 2:
+        raise ValueError(f"decode_linear needs a 2-D DecodeW4 from pack_decode(), got {getattr(d, 'shape', type(d).__name__)}")
+    N, K = d.shape
+    _check_activations(x, K, "decode_linear")
+    if x.device != d.device:
+        raise ValueError(f"decode_linear: activations on {x.device} but weights on {d.device}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, K).contiguous()
+    M = x2.shape[0]
+    if M > DECODE_MAX_M:
+        raise ValueError(f"decode_linear takes at most {DECODE_MAX_M} rows, got {M}; use linear() for larger M")
+    ok, _ = triton_backend_for(x.device)
+    if M == 0 or N == 0 or not ok:
+        out = (x2 @ dequantize_decode(d, torch.bfloat16).T) if M and N else torch.empty((M, N), dtype=torch.bfloat16, device=x.device)
+        return (out.reshape(*lead, N), None) if return_kernel else out.reshape(*lead, N)
+    interp = x.device.type != "cuda"
+    cfg = dict(decode_config(M, N, K) if block == "gpu" else (block or decode_config(M, N, K, interpreted=interp)))
+    if deterministic:
+        part = torch.empty((cfg["SPLIT_K"], M, N), dtype=torch.float32, device=x.device)
+    else:
+        part = torch.zeros((M, N), dtype=torch.float32, device=x.device)
+    la = _decode_launch(x2, d.qweight, d.scales, part, N, K, d.group_size, cfg, device=x.device, atomic=not deterministic)
+    kernel = la.kernel[la.grid](*la.args, **la.kwargs)
+    out = (part.sum(0) if deterministic else part).to(torch.bfloat16)
+    return (out.reshape(*lead, N), kernel) if return_kernel else out.reshape(*lead, N)
+
+
+def decode_reference(x: torch.Tensor, d: DecodeW4) -> torch.Tensor:
+    """fp32 reference for `decode_linear`: dequantize, x @ W.T in fp32. Returns fp32 [..., N]."""
+    return x.float() @ dequantize_decode(d, torch.float32).T
+
+
+def decode_launches(m: int, n: int, k: int, *, group_size: int = GROUP_SIZE, deterministic: bool = True,
+                    name: str = "") -> list:
+    """The launch `decode_linear(x [m, k], pack_decode(q [n, k]))` makes on a GPU (`compiled.Launch`)."""
+    from ..compiled import meta
+
+    cfg = decode_config(m, n, k)
+    out = meta((cfg["SPLIT_K"], m, n) if deterministic else (m, n), torch.float32)
+    la = _decode_launch(meta((m, k), torch.bfloat16), meta((1,), torch.int32), meta((1,), torch.bfloat16), out, n, k,
+                        group_size, cfg, device=torch.device("cuda"), atomic=not deterministic)
+    if name:
+        la.name = name
+    return [la]

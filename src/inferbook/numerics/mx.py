@@ -843,3 +843,162 @@ def quantize_launches(shape, dtype=torch.bfloat16, fmt: str = "e4m3", axis: int 
     if name:
         launch.name = name
     return [launch]
+
+
+# ---------------------------------------------------------------------------
+# A block-scaled GEMM on the MX codes and scales: C = dequantize(x) @ dequantize(W).T
+#
+# `tl.dot_scaled` takes the E4M3/E5M2 codes (uint8) and the E8M0 scales (uint8, one per 32 along K)
+# as `quantize` stores them. On sm_100 Triton lowers it to `tcgen05.mma ... kind::mxf8f6f4.block_scale`
+# (the scales go to tensor memory, the tensor core applies them); on sm_90 and sm_80, which have no
+# block-scaled MMA, it upcasts both operands to BF16 in registers (code * 2**(scale - 127), exact for
+# E4M3/E5M2 unless the scale underflows BF16) and runs a BF16 MMA. sm_80 has no FP8 types: there
+# (chosen at compile time, `cuda_capability_geq`) the kernel decodes the codes in integer ops and runs
+# a BF16 `mma.sync`. The interpreter has no `dot_scaled`: EMULATE takes the same decode, fp32 `tl.dot`.
+
+MX_GEMM_FORMATS = ("e4m3", "e5m2")
+
+if triton is not None:
+    from triton.language.target_info import cuda_capability_geq
+
+    @triton.jit
+    def _mx_decode_f32(codes, scales, EBITS: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr,
+                       NAN_ALL_ONES: tl.constexpr, BLOCK_K: tl.constexpr):
+        """[R, BLOCK_K] uint8 FP8 codes and [R, BLOCK_K/32] E8M0 bytes -> fp32 values, in integer ops (no
+        fp8 types: sm_80 has none, and the interpreter checks the same code). NAN_ALL_ONES: E4M3's
+        NaN is S.1111.111 only (no infinities); else (E5M2) exponent all ones is Inf / NaN."""
+        c = codes.to(tl.int32)
+        sign = (c >> 7) << 31
+        e = (c >> MBITS) & ((1 << EBITS) - 1)
+        m = c & ((1 << MBITS) - 1)
+        normal = (sign | ((e - BIAS + 127) << 23) | (m << (23 - MBITS))).to(tl.float32, bitcast=True)
+        sub = m.to(tl.float32) * (2.0 ** (1 - BIAS - MBITS))
+        sub = tl.where(sign != 0, -sub, sub)
+        v = tl.where(e == 0, sub, normal)
+        if NAN_ALL_ONES:
+            v = tl.where((e == (1 << EBITS) - 1) & (m == (1 << MBITS) - 1), float("nan"), v)
+        else:
+            top = e == (1 << EBITS) - 1
+            v = tl.where(top & (m != 0), float("nan"), tl.where(top, tl.where(sign != 0, -float("inf"), float("inf")), v))
+        sc = scales.to(tl.int32)
+        s = (sc << 23).to(tl.float32, bitcast=True)                          # 2**(e - 127) for e >= 1
+        s = tl.where(sc == 0, 5.877471754111438e-39, s)                      # e = 0: 2**-127, an fp32 subnormal
+        s = tl.where(sc == 255, float("nan"), s)
+        v = tl.reshape(v, (v.shape[0], BLOCK_K // 32, 32)) * s[:, :, None]
+        return tl.reshape(v, (v.shape[0], BLOCK_K))
+
+    @triton.jit
+    def mx_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, stride_am, stride_bn, stride_cm,
+                       FMT_A: tl.constexpr, FMT_B: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, EMULATE: tl.constexpr, EA: tl.constexpr = 4, MA: tl.constexpr = 3,
+                       BA: tl.constexpr = 7, EB: tl.constexpr = 4, MB: tl.constexpr = 3, BB: tl.constexpr = 7,
+                       DOT_FP32: tl.constexpr = True):
+        """C[M, N] fp32 = Σ_k A[m, k] 2**(sa[m, k/32] - 127) · B[n, k] 2**(sb[n, k/32] - 127).
+        A uint8 codes [M, K], sa uint8 [M, K/32]; B uint8 codes [N, K] (row-wise along K), sb [N, K/32].
+        K a multiple of BLOCK_K (a multiple of 32)."""
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        offs_g = tl.arange(0, BLOCK_K // 32)
+        m_ok = offs_m < M
+        n_ok = offs_n < N
+        KG = K // 32
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            a = tl.load(a_ptr + offs_m[:, None] * stride_am + (k0 + offs_k)[None, :], mask=m_ok[:, None], other=0)
+            b = tl.load(b_ptr + offs_n[:, None] * stride_bn + (k0 + offs_k)[None, :], mask=n_ok[:, None], other=0)
+            sa = tl.load(as_ptr + offs_m[:, None] * KG + (k0 // 32 + offs_g)[None, :], mask=m_ok[:, None], other=0)
+            sb = tl.load(bs_ptr + offs_n[:, None] * KG + (k0 // 32 + offs_g)[None, :], mask=n_ok[:, None], other=0)
+            if EMULATE or not cuda_capability_geq(8, 9):   # the interpreter, or no FP8 types (sm_80)
+                av = _mx_decode_f32(a, sa, EA, MA, BA, FMT_A == "e4m3", BLOCK_K)
+                bv = tl.trans(_mx_decode_f32(b, sb, EB, MB, BB, FMT_B == "e4m3", BLOCK_K))
+                if DOT_FP32:  # the interpreter (its bf16 dot is wrong): fp32, exact products
+                    acc = tl.dot(av, bv, acc, input_precision="ieee")
+                else:         # sm_80: the decoded values are exact in BF16 (8 exponent bits), BF16 MMA
+                    acc = tl.dot(av.to(tl.bfloat16), bv.to(tl.bfloat16), acc)
+            else:
+                acc = tl.dot_scaled(a, sa, FMT_A, tl.trans(b), sb, FMT_B, acc)
+        tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :], acc, mask=m_ok[:, None] & n_ok[None, :])
+
+
+def mx_gemm_config(interpreted: bool) -> dict:
+    """Tiles: 128 x 128 x 128, 8 warps (no spills on sm_90 and sm_100), 2 stages on a GPU (the tile tcgen05's block-scaled MMA wants; two
+    stages keep sm_80's register-decode path inside its shared memory); one 32 x 32 x 64 program per
+    tile in the interpreter."""
+    if interpreted:
+        return dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=64)
+    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=2)
+
+
+def _check_gemm_operand(t, name: str, k: int | None = None) -> None:
+    if not isinstance(t, MXTensor):
+        raise ValueError(f"mx_gemm: {name} must be an MXTensor from quantize(), got {type(t).__name__}")
+    if t.fmt not in MX_GEMM_FORMATS:
+        raise ValueError(f"mx_gemm: {name} is {t.fmt}; the block-scaled GEMM takes {', '.join(MX_GEMM_FORMATS)}")
+    if t.elements.ndim != 2 or t.axis not in (-1, 1) or t.block != 32:
+        raise ValueError(f"mx_gemm: {name} must be 2-D with 32-element blocks along its last axis (K), got "
+                         f"shape {tuple(t.elements.shape)}, axis {t.axis}, block {t.block}")
+    if k is not None and t.elements.shape[1] != k:
+        raise ValueError(f"mx_gemm: {name} has K = {t.elements.shape[1]}, expected {k}")
+
+
+def mx_gemm_reference(a: MXTensor, b: MXTensor) -> torch.Tensor:
+    """fp32 [M, N]: dequantize both, then a matmul in fp32 (float64 accumulation, rounded once)."""
+    return (dequantize(a).double() @ dequantize(b).double().T).float()
+
+
+def mx_gemm(a: MXTensor, b: MXTensor, *, block: dict | str | None = None) -> torch.Tensor:
+    """Block-scaled GEMM C = dequantize(a) @ dequantize(b).T in fp32 from the MX codes and scales.
+    a: [M, K] quantized along K; b: [N, K] quantized along K (a weight as a Linear stores it); both
+    E4M3 or E5M2 with 32-element blocks, K a multiple of the tile's BLOCK_K (pad with zeros otherwise).
+    `block="gpu"`: the GPU's tiles, also in the interpreter."""
+    _check_gemm_operand(a, "a")
+    M, K = a.elements.shape
+    _check_gemm_operand(b, "b", K)
+    N = b.elements.shape[0]
+    ok = triton is not None and (a.elements.device.type == "cuda" or _interpreted())
+    on_gpu = a.elements.device.type == "cuda"
+    cfg = dict(mx_gemm_config(False) if block == "gpu" else (block or mx_gemm_config(not on_gpu)))
+    if K % cfg["BLOCK_K"]:
+        raise ValueError(f"mx_gemm: K = {K} must be a multiple of BLOCK_K = {cfg['BLOCK_K']}")
+    if not ok:
+        return mx_gemm_reference(a, b)
+    c = torch.empty((M, N), dtype=torch.float32, device=a.elements.device)
+    la = _mx_gemm_launch(a.elements.contiguous(), a.scales.contiguous(), b.elements.contiguous(), b.scales.contiguous(),
+                         c, a.fmt, b.fmt, cfg, emulate=not on_gpu, dot_fp32=not on_gpu)
+    la.kernel[la.grid](*la.args, **la.kwargs)
+    return c
+
+
+def _interpreted() -> bool:
+    import os
+
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _mx_gemm_launch(a, sa, b, sb, c, fmt_a: str, fmt_b: str, cfg: dict, *, emulate: bool, dot_fp32: bool = False):
+    from ..compiled import Launch
+
+    M, K = a.shape
+    N = b.shape[0]
+    return Launch(f"mx_gemm {fmt_a} x {fmt_b} M{M} N{N} K{K} cfg {cfg['BLOCK_M']}x{cfg['BLOCK_N']}x{cfg['BLOCK_K']}",
+                  mx_gemm_kernel, [a, sa, b, sb, c, M, N, K, a.stride(0), b.stride(0), c.stride(0)],
+                  dict(FMT_A=fmt_a, FMT_B=fmt_b, EMULATE=emulate, EA=FORMATS[fmt_a].ebits, MA=FORMATS[fmt_a].mbits,
+                       BA=FORMATS[fmt_a].bias, EB=FORMATS[fmt_b].ebits, MB=FORMATS[fmt_b].mbits, BB=FORMATS[fmt_b].bias,
+                       DOT_FP32=dot_fp32, **cfg), "numerics/mx.py:mx_gemm",
+                  (triton.cdiv(M, cfg["BLOCK_M"]), triton.cdiv(N, cfg["BLOCK_N"])))
+
+
+def mx_gemm_launches(m: int, n: int, k: int, fmt_a: str = "e4m3", fmt_b: str = "e4m3", name: str = "") -> list:
+    """The launch `mx_gemm` makes on a GPU for a [m, k] x [n, k] MX product (`meta` stand-ins); the
+    kernel picks its path from the target it is compiled for (dot_scaled from sm_89, decode on sm_80)."""
+    from ..compiled import meta
+
+    u8 = torch.uint8
+    la = _mx_gemm_launch(meta((m, k), u8), meta((m, k // 32), u8), meta((n, k), u8), meta((n, k // 32), u8),
+                         meta((m, n), torch.float32), fmt_a, fmt_b, mx_gemm_config(False), emulate=False)
+    if name:
+        la.name = name
+    return [la]

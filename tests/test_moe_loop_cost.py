@@ -1,0 +1,62 @@
+"""The main-loop instruction count read from SASS: the parser on a hand-made listing, the arithmetic
+on numbers checked by hand, and the committed sm_90 counts of the W4A16 decode launches (not stale,
+not instruction-bound, at least 8 warps per SM) against the tiled kernel they replace."""
+import pytest
+
+from inferbook.moe import loop_cost as LC
+
+SASS = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;                 /* 0x00000a0000017a02 */
+        /*0010*/                   IADD3 R2, R2, 0x1, RZ ;                /* 0x0000000102027810 */
+        /*0020*/               @P0 LDG.E.128 R4, desc[UR4][R2.64] ;     /* 0x0000000402040981 */
+        /*0030*/                   HMMA.16816.F32.BF16 R8, R4, R6, R8 ;   /* 0x000000060408723c */
+        /*0040*/                   ISETP.NE.AND P0, PT, R2, 0x10, PT ;    /* 0x000000100200780c */
+        /*0050*/              @!P0 BRA 0x10 ;                            /* 0xfffffffc00008947 */
+        /*0060*/                   LOP3.LUT R3, R3, 0xf, RZ, 0xc0, !PT ;  /* 0x0000000f03037812 */
+        /*0070*/                   BRA 0x60 ;                             /* 0xfffffffc00007947 */
+        /*0080*/                   EXIT ;                                 /* 0x000000000000794d */
+"""
+
+
+def test_loops_are_found_by_backward_branches():
+    ls = LC.loops(SASS)
+    assert [(l["start"], l["end"], len(l["body"])) for l in ls] == [(0x10, 0x50, 5), (0x60, 0x70, 2)]
+    main = LC.main_loop(SASS)
+    assert main["instructions"] == 5
+    assert main["opcodes"] == {"IADD3": 1, "LDG": 1, "HMMA": 1, "ISETP": 1, "BRA": 1}
+    with pytest.raises(ValueError, match="no loop"):
+        LC.main_loop("        /*0000*/                   EXIT ;")
+
+
+def test_loop_cost_arithmetic():
+    # 4 warps, 4608 B per pass (4096 weights: 2048 B + 128 scales... any numbers): checked by hand
+    c = LC.loop_cost(900, 128 * 256, 128 * 256 // 2 + 2 * 128 * 8, 4)
+    assert c["weights_per_thread_per_pass"] == 256
+    assert c["instructions_per_64_weights_per_thread"] == 225.0
+    assert c["warp_instructions_per_byte"] == pytest.approx(900 * 4 / 18432, abs=1e-4)
+    assert c["issue_bound_vs_copy_ceiling"] == pytest.approx(4 / (900 * 4 / 18432) / LC.COPY_B_PER_CYCLE_SM, abs=1e-3)
+
+
+def test_residency_by_hand():
+    # 128 regs x 128 threads = 16K regs per CTA: 4 CTAs by registers; 40 KB smem: 5 by smem
+    r = LC.residency(128, 40 * 1024, 4, 10 * 132, 4608, 3)
+    assert r["ctas_resident_max"] == 4 and r["ctas_per_sm"] == 4 and r["warps_per_sm"] == 16
+    assert r["bytes_in_flight_per_sm"] == 4 * 2 * 4608
+
+
+def test_committed_decode_counts():
+    rows = LC.load_saved()
+    if not rows:
+        pytest.skip("no committed loop counts (python -m inferbook.moe.loop_cost --save)")
+    import json
+
+    from inferbook.compiled import repo_root
+    saved = json.loads((repo_root() / LC.LOOPS_FILE).read_text())
+    assert saved["source_hash"] == LC.source_hash(), "decode kernels changed: rerun python -m inferbook.moe.loop_cost --save"
+    before = [r for r in rows if r["launch"].startswith("tiled kernel")]
+    decode = [r for r in rows if not r["launch"].startswith("tiled kernel")]
+    assert before and decode
+    for r in decode:     # issue bound >= 0.9 of the copy ceiling, >= 8 warps per SM, no spills
+        assert r["issue_bound_vs_copy_ceiling"] >= 0.9, r["launch"]
+        assert r["warps_per_sm"] >= 8 and r["spill_bytes"] == 0, r["launch"]
+    assert before[0]["issue_bound_vs_copy_ceiling"] < 0.5   # the 580-instruction loop it replaces

@@ -1,0 +1,168 @@
+"""The W4A16 decode kernel (M <= 16): its offline repack, the inline asm's bit logic (through a
+Python model: the interpreter runs the pure-tl path), split-K with both reductions, GPU tiles in the
+interpreter, against the fp32 reference with a tolerance set by PyTorch's own BF16 error."""
+import pytest
+import torch
+
+import inferbook  # noqa: F401  (turns the Triton interpreter on first)
+from inferbook.moe import w4a16 as W
+from inferbook.moe.fused_moe import within_tolerance
+
+
+def _case(n, k, group, layout="indexed", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = W.quantize(torch.randn(n, k, generator=g) * 0.05, group, layout=layout)
+    return q, W.pack_decode(q)
+
+
+def _x(m, k, seed=1):
+    return torch.randn(m, k, generator=torch.Generator().manual_seed(seed)).bfloat16()
+
+
+@pytest.mark.parametrize("layout", W.LAYOUTS)
+@pytest.mark.parametrize("n, k, group", [(73, 288, 32), (40, 384, 128), (16, 512, 64)],
+                         ids=["odd-n-k-tail", "group128-tail", "group64-two-runs"])
+def test_repack_round_trip(layout, n, k, group):
+    q, d = _case(n, k, group, layout)
+    vals, s = W.unpack(q)
+    dv, ds = W.unpack_decode(d)
+    assert torch.equal(dv, vals[0]) and torch.equal(ds, s[0])
+    assert d.qweight.shape == (d.k_padded // 8, n) and d.k_padded % W.RUN == 0
+
+
+def test_word_holds_one_group_per_nibble():
+    # word j of a run holds K offset 32 i + j in nibble i: nibble i of the 32 words is group i
+    k = torch.arange(256)
+    q = W.PackedW4(W._pack_nibbles_int32(((k % 16) - 8).to(torch.int8)[None]),
+                   torch.ones(1, 8, dtype=torch.bfloat16), (1, 256), 32, "indexed")
+    d = W.pack_decode(q)
+    words = d.qweight[:, 0].to(torch.int64) & 0xFFFFFFFF
+    for i in range(8):
+        nib = (words >> (4 * i)) & 0xF
+        assert torch.equal(nib - 8, ((32 * i + torch.arange(32)) % 16) - 8)
+
+
+def _bf16_bits(v):
+    return int(torch.tensor(float(v), dtype=torch.bfloat16).view(torch.int16)) & 0xFFFF
+
+
+@pytest.mark.parametrize("i", range(8))
+def test_inline_asm_bit_logic(i):
+    # the asm's prmt / shr / lop3 model gives bf16 (128 + u) of nibble i for both words of the pair
+    g = torch.Generator().manual_seed(i)
+    for w0, w1 in torch.randint(0, 2**32, (64, 2), generator=g, dtype=torch.int64).tolist():
+        reg = W.nibble_asm_model(w0, w1, i)
+        u0, u1 = (w0 >> (4 * i)) & 0xF, (w1 >> (4 * i)) & 0xF
+        assert reg & 0xFFFF == _bf16_bits(128 + u0) and reg >> 16 == _bf16_bits(128 + u1)
+
+
+def test_inline_asm_model_can_fail(monkeypatch):
+    monkeypatch.setattr(W, "NIBBLE_PRMT", (0x4400, 0x4400, 0x6622, 0x7733))   # planted: byte 1 never read
+    w0, w1 = 0x76543210, 0xFEDCBA98
+    reg = W.nibble_asm_model(w0, w1, 2)
+    assert reg & 0xFFFF != _bf16_bits(128 + 2)
+
+
+# M 1, 2, 3, 7, 16; N odd; K with a tail run; both split-K reductions
+@pytest.mark.parametrize("m", [1, 2, 3, 7, 16])
+@pytest.mark.parametrize("deterministic", [True, False], ids=["ordered", "atomic"])
+def test_decode_matches_fp32_reference(m, deterministic):
+    q, d = _case(73, 544, 32)
+    x = _x(m, 544)
+    out = W.decode_linear(x, d, deterministic=deterministic)
+    assert out.shape == (m, 73) and out.dtype == torch.bfloat16
+    err, tol, ok = within_tolerance(out, W.decode_reference(x, d), W.linear_torch(x, q))
+    assert ok, (err, tol)
+
+
+@pytest.mark.parametrize("layout", W.LAYOUTS)
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_decode_every_layout_and_group(layout, group):
+    q, d = _case(40, 384, group, layout, seed=group)
+    x = _x(3, 384)
+    err, tol, ok = within_tolerance(W.decode_linear(x, d), W.decode_reference(x, d), W.linear_torch(x, q))
+    assert ok, (err, tol)
+
+
+def test_decode_gpu_tiles_in_the_interpreter():
+    # the GPU's exact tile constexprs (BLOCK_N 128, split-K over runs) run here too
+    q, d = _case(200, 1024, 32)
+    cfg = W.decode_config(1, 200, 1024)
+    assert cfg["BLOCK_N"] == 128 and cfg["SPLIT_K"] == 4
+    x = _x(1, 1024)
+    err, tol, ok = within_tolerance(W.decode_linear(x, d, block="gpu"), W.decode_reference(x, d), W.linear_torch(x, q))
+    assert ok, (err, tol)
+
+
+def test_decode_config_fills_the_sms():
+    # N 4096, K 7168 at M = 1: 32 column blocks x split-K >= 2 CTAs of 4 warps (8 warps) on each of 132 SMs
+    cfg = W.decode_config(1, 4096, 7168)
+    ctas = -(-4096 // cfg["BLOCK_N"]) * cfg["SPLIT_K"]
+    assert ctas * cfg["num_warps"] >= 8 * W.H200_SMS
+    assert cfg["SPLIT_K"] <= 7168 // W.RUN
+
+
+def test_decode_can_fail():
+    # a planted bug -- the words shifted by one column -- is caught by the same tolerance
+    q, d = _case(40, 512, 32)
+    bad = W.DecodeW4(torch.roll(d.qweight, 1, dims=1), d.scales, d.shape, d.group_size)
+    x = _x(2, 512)
+    _, _, ok = within_tolerance(W.decode_linear(x, bad), W.decode_reference(x, d), W.linear_torch(x, q))
+    assert not ok
+
+
+def test_decode_bad_input():
+    q, d = _case(16, 256, 32)
+    with pytest.raises(ValueError, match="DecodeW4"):
+        W.decode_linear(_x(1, 256), q)
+    with pytest.raises(ValueError, match="at most 16 rows"):
+        W.decode_linear(_x(17, 256), d)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        W.pack_decode(W.quantize(torch.randn(16, 256), 16))
+    with pytest.raises(ValueError, match="bfloat16"):
+        W.decode_linear(torch.randn(1, 256), d)
+
+
+# ---------------------------------------------------------------------------
+# The MoE layer on the decode kernel (masked rows, at most 16 per expert)
+
+def _moe(E, H, I, T, k, layout="indexed", seed=3):
+    from inferbook.moe import fused_moe as FM  # noqa: F401
+    g = torch.Generator().manual_seed(seed)
+    w13 = W.quantize(torch.randn(E, 2 * I, H, generator=g) / H ** 0.5, layout=layout)
+    w2 = W.quantize(torch.randn(E, H, I, generator=g) / I ** 0.5, layout=layout)
+    x = torch.randn(T, H, generator=g).bfloat16()
+    logits = torch.randn(T, E, generator=g)
+    logits[:, 0] = -1e4                           # expert 0 gets no rows: its programs load nothing
+    tw, ids = logits.softmax(-1).topk(k)
+    return w13, w2, x, tw / tw.sum(-1, keepdim=True), ids.to(torch.int32)
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 16], ids=["T1", "T3", "T16"])
+def test_moe_decode_matches_fp32_reference(tokens):
+    from inferbook.moe import fused_moe as FM
+    w13, w2, x, tw, ids = _moe(4, 256, 64, tokens, 2)
+    out = FM.fused_moe_decode(x, W.pack_decode(w13), W.pack_decode(w2), tw, ids)
+    assert out.shape == (tokens, 256) and out.dtype == torch.bfloat16
+    err, tol, ok = FM.within_tolerance(out, FM.fused_moe_reference(x, w13, w2, tw, ids),
+                                       FM.fused_moe_torch(x, w13, w2, tw, ids))
+    assert ok, (err, tol)
+
+
+def test_moe_decode_from_every_layout_and_its_refusals():
+    from inferbook.moe import fused_moe as FM
+    w13, w2, x, tw, ids = _moe(4, 256, 64, 3, 2, layout="grouped_masked")
+    d13, d2 = W.pack_decode(w13), W.pack_decode(w2)
+    ref = FM.fused_moe_reference(x, w13, w2, tw, ids)
+    err, tol, ok = FM.within_tolerance(FM.fused_moe_decode(x, d13, d2, tw, ids, block="gpu"), ref,
+                                       FM.fused_moe_torch(x, w13, w2, tw, ids))
+    assert ok, (err, tol)
+    # planted bug: gate and up halves swapped in the repacked table -> caught
+    bad = W.DecodeW4(torch.roll(d13.qweight, 64, dims=-1), torch.roll(d13.scales, 64, dims=-1), d13.shape, 32)
+    _, _, ok = FM.within_tolerance(FM.fused_moe_decode(x, bad, d2, tw, ids), ref, FM.fused_moe_torch(x, w13, w2, tw, ids))
+    assert not ok
+    with pytest.raises(ValueError, match="DecodeW4"):
+        FM.fused_moe_decode(x, w13, d2, tw, ids)
+    big_ids = torch.ones((17, 1), dtype=torch.int32)
+    with pytest.raises(ValueError, match="at most 16 rows"):
+        FM.fused_moe_decode(torch.zeros(17, 256, dtype=torch.bfloat16), d13, d2, torch.ones(17, 1), big_ids)

@@ -1,0 +1,50 @@
+"""The block-scaled MX GEMM (`mx.mx_gemm`, `tl.dot_scaled` on a GPU; the interpreter decodes the same
+bits in integer ops) against dequantize-then-matmul, with a bound from fp32 summation only."""
+import pytest
+import torch
+
+import inferbook  # noqa: F401  (turns the Triton interpreter on first)
+from inferbook.numerics import mx
+
+
+def _bound(a, b):
+    # products of decoded values are exact in fp32 (<= 8-bit significands); only the K-term fp32 sum rounds
+    mag = mx.dequantize(a).abs().double() @ mx.dequantize(b).abs().double().T
+    return (a.elements.shape[1] * 2.0 ** -24 * mag).float() + 1e-30
+
+
+@pytest.mark.parametrize("fa, fb", [("e4m3", "e4m3"), ("e5m2", "e4m3"), ("e4m3", "e5m2")])
+def test_mx_gemm_matches_dequantize_then_matmul(fa, fb):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(37, 128, generator=g) * 3
+    w = torch.randn(45, 128, generator=g) * 0.02
+    x[0, :32] = 0.0                    # an all-zero block: scale byte 0 (2**-127)
+    w[1, 32:64] *= 1e-30               # tiny block: subnormal codes
+    a, b = mx.quantize(x, fa), mx.quantize(w, fb)
+    c, ref = mx.mx_gemm(a, b), mx.mx_gemm_reference(a, b)
+    assert c.shape == (37, 45) and torch.isfinite(c).all()
+    assert ((c - ref).abs() <= _bound(a, b)).all()
+
+
+def test_mx_gemm_nan_block_and_gpu_tiles():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(16, 128, generator=g)
+    x[3, 70] = float("nan")            # its block's scale is 0xFF: the whole row of C is NaN
+    a, b = mx.quantize(x, "e4m3"), mx.quantize(torch.randn(8, 128, generator=g), "e4m3")
+    c = mx.mx_gemm(a, b, block=dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=128))
+    assert torch.isnan(c[3]).all() and torch.isfinite(c[torch.arange(16) != 3]).all()
+    assert mx.mx_gemm_config(False)["BLOCK_K"] == 128
+
+
+def test_mx_gemm_can_fail_and_refuses_bad_input():
+    g = torch.Generator().manual_seed(2)
+    a = mx.quantize(torch.randn(32, 128, generator=g), "e4m3")
+    b = mx.quantize(torch.randn(32, 128, generator=g), "e4m3")
+    bad = mx.MXTensor(b.elements, torch.flip(b.scales, (1,)), b.fmt, b.axis, b.block, b.scale_rounding)  # planted
+    assert not ((mx.mx_gemm(a, bad) - mx.mx_gemm_reference(a, b)).abs() <= _bound(a, b)).all()
+    with pytest.raises(ValueError, match="takes e4m3, e5m2"):
+        mx.mx_gemm(mx.quantize(torch.randn(32, 128), "e2m1"), b)
+    with pytest.raises(ValueError, match="last axis"):
+        mx.mx_gemm(mx.quantize(torch.randn(128, 32), "e4m3", axis=0), b)
+    with pytest.raises(ValueError, match="K = 96"):
+        mx.mx_gemm(a, mx.quantize(torch.randn(32, 96), "e4m3"))
