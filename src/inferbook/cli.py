@@ -20,6 +20,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from .words import count
+
 
 def _params(pairs) -> dict:
     """`-p NAME VALUE` pairs; a name given twice is refused (which one was meant is unknowable)."""
@@ -353,7 +355,7 @@ def cmd_inspect(args) -> int:
     root = compiled.repo_root() if args.save else compiled.repo_root() / "_build"
     for slug in slugs:
         print(f"  record: {compiled.save_table(slug, rows, root=root)}")
-    print(f"{len(rows)} compiles, {len(bad)} problem(s)" + "".join(f"\n  {b}" for b in bad))
+    print(f"{len(rows)} compiles, {count(len(bad), 'problem')}" + "".join(f"\n  {b}" for b in bad))
     return 1 if bad else 0
 
 

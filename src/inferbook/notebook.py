@@ -19,6 +19,7 @@ from typing import Any, Iterable
 
 from .device import hardware_label
 from .record import RunRecord
+from .words import count  # noqa: F401  (pages glue counts: nb.count(3, 'launch'))
 
 
 class _Markdown:
@@ -79,17 +80,6 @@ def glue(name: str, value: Any, fmt: str | None = None, *, display: bool = False
     except ImportError:
         return None
     _glue(name, shown, display=display)
-
-
-def count(n: int, noun: str, plural: str | None = None) -> str:
-    """'1 launch', '3 launches', '0 tokens': a count with its noun agreeing, for glued prose (never
-    'launch(es)'). `plural` where adding -s/-es is wrong ('1 matrix', '2 matrices')."""
-    n = int(n)
-    if n == 1:
-        return f"1 {noun}"
-    if plural is None:
-        plural = noun + ("es" if noun.endswith(("s", "x", "z", "ch", "sh")) else "s")
-    return f"{n} {plural}"
 
 
 def verdict(comparison, a: str, b: str, *, digits: int = 3) -> _Markdown:

@@ -180,7 +180,7 @@ class RunRecord:
         known = {f.name for f in fields(cls)}
         missing = {"chapter", "name"} - d.keys()
         if missing:
-            raise UserError(f"{at}run record lacks required field(s) {sorted(missing)}")
+            raise UserError(f"{at}run record lacks required {'field' if len(missing) == 1 else 'fields'} {sorted(missing)}")
         _validate(d, at)
         return cls(**{k: v for k, v in d.items() if k in known})
 

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import device as _device
+from ..words import count
 
 try:
     import triton
@@ -982,7 +983,7 @@ def paged_attention(q, k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_len
         lo = 1 if n else 0
         if not lo <= lasts[b] <= (page_size if n else 0):
             _fail(f"kv_last_page_len[{b}]={lasts[b]} must be in 1..{page_size} for a sequence with pages "
-                  f"(0 for one with none); sequence {b} has {n} page(s)")
+                  f"(0 for one with none); sequence {b} has {count(n, 'page')}")
         seqlens_k.append((n - 1) * page_size + lasts[b] if n else 0)
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if varlen:

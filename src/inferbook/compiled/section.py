@@ -13,13 +13,14 @@ from __future__ import annotations
 import html
 from pathlib import Path
 
+from ..words import count
 from . import (TARGET_CARD, TARGETS, load_table, occupancy, predict_rows, predicted_roofline, reference_times,
                table_facts)
 
 
 def plural(n: int, one: str, many: str | None = None) -> str:
-    """'1 launch', '3 launches' (never 'launch(es)')."""
-    return f"{n} {one if n == 1 else (many or one + 's')}"
+    """'1 launch', '3 launches' (never 'launch(es)'): `words.count`."""
+    return count(n, one, many)
 
 
 def _us(seconds: float) -> str:

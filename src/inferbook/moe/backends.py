@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Callable
 
+from ..words import count
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -76,7 +78,7 @@ def select_backends(cfg: ModelConfig, tp: int, ep: int = 1) -> dict:
     refused = []
     for b in REGISTRY:
         if b.accepts(local):
-            reason = f"accepts {b.requirement}; this rank has {local['kv_heads']} KV head(s)"
+            reason = f"accepts {b.requirement}; this rank has {count(local['kv_heads'], 'KV head')}"
             return {"tp": tp, "ep": ep, "attention": b.name, "reason": reason, "refused": refused, "local": local,
                     "config": asdict(cfg)}
         refused.append(f"{b.name}: requires {b.requirement}, rank has {local['kv_heads']} KV heads")
