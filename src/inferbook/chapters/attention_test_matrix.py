@@ -24,7 +24,7 @@ from ..record import RunRecord
 from ..attention import flash, matrix
 
 # The results page's headline: (record name prefix, measurement).
-HEADLINE = ('matrix', 'failed_checks')
+HEADLINE = ('matrix', 'failed_checks', 'Checks of the acceptance matrix that failed in this run')
 
 PARAMETERS = {
     "mode": Param(str, help="pairwise (every pair of axis values) or product (every combination)",

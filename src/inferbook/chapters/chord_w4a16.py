@@ -38,7 +38,7 @@ KIMI_K2 = dict(hidden=7168, moe_inter=2048, experts=384, top_k=8, ep=8)
 SEED_SOURCE = "quoted: seed §三 (Novita Chord engineering report, 2026-09-15)"
 
 # The results page's headline: (record name prefix, measurement).
-HEADLINE = ('routing', 'tokens_per_expert_median')
+HEADLINE = ('routing', 'tokens_per_expert_median', "Median tokens an expert receives at the preset's decode batch")
 
 PARAMETERS = {
     "route_tokens": Param(int, help="tokens routed at Kimi-K2 shapes for the histogram"),

@@ -36,7 +36,7 @@ from ..workflow.executor import Executor
 REQUIRES = {"av": "PyAV: the workflow's SaveVideo node writes and probes MP4 files"}
 
 # The results page's headline: (record name prefix, measurement).
-HEADLINE = ('cache-on', 'wall_same')
+HEADLINE = ('cache-on', 'wall_same', 'Wall time of a re-run with iteration caching on and nothing changed')
 
 PARAMETERS = {
     "width": Param(int, help="frame width (multiple of 4)"),

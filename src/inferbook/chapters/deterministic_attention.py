@@ -31,7 +31,7 @@ from ..record import RunRecord
 from ..attention import decode, lean
 
 # The results page's headline: (record name prefix, measurement).
-HEADLINE = ('engine-determinism', 'distinct_completions')
+HEADLINE = ('engine-determinism', 'distinct_completions', 'Distinct hidden-state patterns of one request across batch sizes, engine as built')
 
 PARAMETERS = {
     "batch_sizes": Param(tuple, help="batch sizes the same request is placed in (comma list)"),

@@ -21,7 +21,7 @@ from ..record import RunRecord
 from ..numerics import gdn, gdn_chunk, small_op_threads
 
 # The results page's headline: (record name prefix, measurement).
-HEADLINE = ('harness:recurrent', 'cases passed')
+HEADLINE = ('harness:recurrent', 'cases passed', 'Harness cases the recurrent reference passes')
 
 PARAMETERS = {
     "head_dims": Param(str, help="comma-separated head dims swept by the harness"),

@@ -42,7 +42,7 @@ from ..serving.train import BLOCK_DRAFT_FILE, DRAFTS, TARGET_FILE, draft_file, r
 PARALLEL = "parallel"   # the DSpark-style block draft (one forward per round), beside the chain drafts
 
 # The results page's headline: (record name prefix, measurement).
-HEADLINE = ('small-math', 'mean_acceptance_length')
+HEADLINE = ('small-math', 'mean_acceptance_length', 'Mean acceptance length of the small draft on math prompts')
 
 PARAMETERS = {
     "num_spec_tokens": Param(int, 8, help="draft positions per round, k (the seed: 8)"),

@@ -49,7 +49,7 @@ VARIANTS = {  # record variant -> (moe_tail kernel, fused)
 QUANT_LABEL = {"bf16": "none (bf16)", "w4a16": "w4a16 g32", "mxfp4": MXF.LABEL}
 
 # The results page's headline: (record name prefix, measurement).
-HEADLINE = ('cpu-bf16', 'combine_share')
+HEADLINE = ('cpu-bf16', 'combine_share', "The top-k combine's share of the MoE tail's time (PyTorch, bf16)")
 
 PARAMETERS = {
     "hidden": Param(int, help="output size of the down projection (model hidden)"),

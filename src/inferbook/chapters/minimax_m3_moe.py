@@ -36,7 +36,7 @@ SEED_SOURCE = "quoted: seed §四 (vLLM blog on MiniMax M3 / AMD MI355X, 2026-09
 SEED_PR_SOURCE = "quoted: seed §四 (the shared-expert fusion PR, as cited by the vLLM blog)"
 
 # The results page's headline: (record name prefix, measurement).
-HEADLINE = ('shared-fused-c1', 'gain_vs_separate')
+HEADLINE = ('shared-fused-c1', 'gain_vs_separate', 'Gain of the fused shared expert over the separate path at concurrency 1')
 
 PARAMETERS = {
     "hidden": Param(int, help="hidden size of the MoE used for the shared-expert runs"),

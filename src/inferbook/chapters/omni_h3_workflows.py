@@ -38,7 +38,7 @@ from ..workflow.references import check_service_mapping
 REQUIRES = {"av": "PyAV: the workflows write, read and probe MP4 video and audio"}
 
 # The results page's headline: (record name prefix, measurement).
-HEADLINE = ('t2va', 'request')
+HEADLINE = ('t2va', 'request', 'Time of one text-to-video+audio request')
 
 PARAMETERS = {
     "model": Param(str, help="toy served model (size)", choices=("toy-h3-tiny", "toy-h3-small", "toy-h3-base")),

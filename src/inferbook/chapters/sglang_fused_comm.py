@@ -26,7 +26,7 @@ from ..record import RunRecord
 from ..comm import allreduce as ar, tail, vocab_greedy as vg, workers
 
 # The results page's headline: (record name prefix, measurement).
-HEADLINE = ('tail', 'naive_bits_differ_out')
+HEADLINE = ('tail', 'naive_bits_differ_out', 'Output elements of the naive tail whose bits differ from the fixed-rounding one')
 
 PARAMETERS = {
     "world_size": Param(int, help="ranks (processes) for the distributed parts, 2-8"),

@@ -31,7 +31,7 @@ from ..record import RunRecord
 from ..numerics import graphs, grouped, mx, small_op_threads
 
 # The results page's headline: (record name prefix, measurement).
-HEADLINE = ('recipe:mxfp8', 'sqnr input (row-wise)')
+HEADLINE = ('recipe:mxfp8', 'sqnr input (row-wise)', "Signal-to-quantization-noise ratio of MXFP8's row-wise input copy")
 
 PARAMETERS = {
     "m": Param(int, help="tokens (rows of x) in the SQNR GEMMs"),

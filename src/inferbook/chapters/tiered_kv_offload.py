@@ -43,7 +43,7 @@ from ..serving.model_runner import observed_paged_kernels, paged_kernels_label
 from ..serving.model import TinyConfig, TinyDecoder, init_weights
 
 # The results page's headline: (record name prefix, measurement).
-HEADLINE = ('restore-host', 'first_token_time')
+HEADLINE = ('restore-host', 'first_token_time', 'Time to first token when the shared prefix is restored from the host tier')
 
 PARAMETERS = {
     "d_model": Param(int, help="model width"),
