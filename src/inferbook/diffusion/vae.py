@@ -238,6 +238,9 @@ def int8_quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.clamp(torch.round(w.float() / scale), -127, 127).to(torch.int8), scale
 
 
+INT8_GEMM = "torch._int_mm"   # the label int_mm returns only when the INT8 GEMM itself returned
+
+
 def int_mm(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, str]:
     """int8 [M, K] @ int8 [K, N] -> int32 [M, N] with `torch._int_mm` (cuBLAS INT8 GEMM on CUDA, oneDNN on a
     CPU). CUDA wants M > 16 and K, N multiples of 8: the operands are zero-padded to that (exact), and the
@@ -252,7 +255,7 @@ def int_mm(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, str]:
         if pk or pn:
             b = F.pad(b, (0, pn, 0, pk))
     try:
-        return torch._int_mm(a.contiguous(), b)[:M, :N], "torch._int_mm"
+        return torch._int_mm(a.contiguous(), b)[:M, :N], INT8_GEMM
     except RuntimeError as e:  # a build without the INT8 GEMM for this layout
         acc = torch.float32 if K * 127 * 127 < 2 ** 24 else torch.float64
         out = (a.to(acc) @ b.to(acc))[:M, :N].round().to(torch.int32)
@@ -316,7 +319,7 @@ class ViTBlock(nn.Module):
                 xf = x.float()
                 xin = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + kw["eps"]) * kw["norm_weight"].float()).to(x.dtype)
             y, how = int8_linear(xin, wq, ws, bias)
-            ops.log.note(f"{name}[int8]", f"W8A8 {how}", "model quantized by quantize_decoder_int8()",
+            ops.log.note(f"{name}[int8]", f"W8A8: {how}", "model quantized by quantize_decoder_int8()",
                          {"x": tuple(x.shape)}, x.dtype)
             if kw.get("residual") is not None:
                 y = torch.addcmul(kw["residual"], y, kw["residual_scale"])
@@ -333,7 +336,7 @@ class ViTBlock(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if self.quantization == "int8":
             o, how = int8_attention(q, k, v)
-            ops.log.note("attention", f"int8 QK^T ({how}, per-token scales)",
+            ops.log.note("attention", f"int8 QK^T, per-token scales: {how}",
                          "model quantized by quantize_decoder_int8()", {"q": tuple(q.shape)}, x.dtype)
         else:
             ops.log.note("attention", "torch sdpa", "model not quantized: attention keeps the activation dtype",
@@ -405,6 +408,16 @@ def init_h3(cfg: H3Config, seed: int, *, device="cpu", dtype=torch.float32) -> t
     _init_params(dec, seed + 1)
     mk = lambda m: m.to(device=device, dtype=dtype).eval().requires_grad_(False)  # noqa: E731
     return mk(enc), mk(dec)
+
+
+def int8_ops_report(log) -> dict:
+    """From a BackendLog of a quantized decoder's run: {op: backend} of every INT8 op, and whether each of
+    them reported the INT8 GEMM (`INT8_GEMM`) and nothing else. A float fallback inside `int_mm` reports its
+    own label, so an INT8 path that silently ran in float fails here."""
+    ops = {op: e["backend"] for op, e in log.ops.items() if op.endswith("[int8]") or
+           (op == "attention" and e["backend"].startswith("int8"))}
+    ran = bool(ops) and all(" + " not in b and b.rsplit(": ", 1)[-1] == INT8_GEMM for b in ops.values())
+    return {"ops": ops, "all_int8_gemm": ran}
 
 
 def quantize_decoder_int8(decoder: ViT3DDecoder) -> ViT3DDecoder:
