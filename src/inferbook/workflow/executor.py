@@ -65,8 +65,9 @@ class WorkflowError(UserError):
 
 
 def _where(node_id: str, class_type: str | None = None, input: str | None = None) -> str:
-    s = f"node {node_id!r}" + (f" ({class_type})" if class_type else "")
-    return s + (f" input {input!r}" if input else "")
+    # ascii(): a name with a newline, an escape sequence or non-ASCII text prints escaped, under any locale
+    s = f"node {ascii(node_id)}" + (f" ({class_type})" if class_type else "")
+    return s + (f" input {ascii(input)}" if input else "")
 
 
 def _describe(value: Any) -> str:
@@ -119,7 +120,22 @@ class Input:
 INT_BOUND = 2 ** 63 - 1
 # JSON nesting deeper than this is refused (Python's json would raise RecursionError near 1000).
 MAX_JSON_DEPTH = 64
+# What one workflow may ask for. Each is checked before the work it bounds: the file's size and kind before it
+# is read, the node count when it is parsed, every value a node produces before the next node sees it, and the
+# declared work of a node (frames x steps) before it runs and, from literals, before the run starts.
+MAX_FILE_BYTES = 4 * 2 ** 20        # a workflow file (ours are a few kB; ComfyUI's API files rarely pass 1 MB)
+MAX_NODES = 10_000                  # nodes in a workflow file
+MAX_STRING_CHARS = 1_000_000        # characters of one string value
+MAX_VALUE_ITEMS = 100_000           # items of one value, nested lists counted as often as they appear
+MAX_TENSOR_ELEMENTS = 2 ** 28       # elements of one tensor value (1 GiB of float32)
+MAX_NODE_WORK = 100_000             # declared work units (frames x denoising steps) of one node
+MAX_WORKFLOW_WORK = 1_000_000       # the same, summed over one run (loop iterations multiply)
 _VARIADIC = Input("ANY", optional=True)
+
+
+def ascii_index(text: str) -> bool:
+    """Is `text` a non-empty run of ASCII digits? (`str.isdigit` also accepts '²', which int() refuses.)"""
+    return bool(text) and text.isascii() and text.isdigit()
 
 
 @dataclass(frozen=True)
@@ -135,6 +151,7 @@ class NodeClass:
     context: bool = False                   # fn also receives `run=` (a RunContext: output folder, events)
     help: str = ""
     variadic: str | None = None             # inputs named <variadic><k> (k = 0, 1, ...) are accepted as optional ANY
+    work: Callable[[dict], int | None] | None = None   # declared work (frames x steps) from its inputs; None: unknown
 
     def required(self) -> list[str]:
         return [k for k, i in self.inputs.items() if i.default is None and not i.optional]
@@ -143,7 +160,7 @@ class NodeClass:
         """The declared input `name`, or the variadic ANY input it names, or None."""
         if name in self.inputs:
             return self.inputs[name]
-        if self.variadic and name.startswith(self.variadic) and name[len(self.variadic):].isdigit():
+        if self.variadic and name.startswith(self.variadic) and ascii_index(name[len(self.variadic):]):
             return _VARIADIC
         return None
 
@@ -152,9 +169,12 @@ REGISTRY: dict[str, NodeClass] = {}
 
 
 def node(name: str, *, inputs: dict[str, Input | str], outputs: tuple = (), side_effect: bool = False,
-         internal: bool = False, context: bool = False, registry: dict | None = None, variadic: str | None = None):
+         internal: bool = False, context: bool = False, registry: dict | None = None, variadic: str | None = None,
+         work: Callable[[dict], int | None] | None = None):
     """Register `fn` as node class `name`. `inputs`: name -> Input or a bare type name;
-    `outputs`: (name, type) pairs. `fn(**inputs)` returns a tuple with one value per output."""
+    `outputs`: (name, type) pairs. `fn(**inputs)` returns a tuple with one value per output.
+    `work(inputs)` declares what a call costs (frames x steps; None while an input is unknown, i.e. linked):
+    checked against MAX_NODE_WORK and MAX_WORKFLOW_WORK before the run and again before the node runs."""
     reg = REGISTRY if registry is None else registry
     ins = {k: (v if isinstance(v, Input) else Input(v)) for k, v in inputs.items()}
     for k, i in ins.items():
@@ -166,7 +186,7 @@ def node(name: str, *, inputs: dict[str, Input | str], outputs: tuple = (), side
 
     def deco(fn):
         reg[name] = NodeClass(name=name, inputs=ins, outputs=tuple(outputs), fn=fn, side_effect=side_effect,
-                              internal=internal, context=context, variadic=variadic,
+                              internal=internal, context=context, variadic=variadic, work=work,
                               help=(fn.__doc__ or "").strip().splitlines()[0] if fn.__doc__ else "")
         return fn
     return deco
@@ -216,8 +236,17 @@ def parse_workflow(text: str, *, source: str = "workflow") -> dict[str, Spec]:
     depth = json_depth(text)
     if depth > MAX_JSON_DEPTH:
         raise WorkflowError(f"{source} nests JSON {depth} levels deep; at most {MAX_JSON_DEPTH} are allowed")
+    def no_duplicates(pairs):  # json keeps the last of two equal keys; a second node "3" would silently win
+        seen = set()
+        for k, _ in pairs:
+            if k in seen:
+                raise WorkflowError(f"{source} has the key {k!r} twice in one object (a node id or input name must "
+                                    "be unique)")
+            seen.add(k)
+        return dict(pairs)
+
     try:
-        data = json.loads(text, parse_constant=no_constant)
+        data = json.loads(text, parse_constant=no_constant, object_pairs_hook=no_duplicates)
     except json.JSONDecodeError as e:
         raise WorkflowError(f"{source} is not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}") from None
     except RecursionError:
@@ -261,14 +290,38 @@ def value_depth(value: Any, limit: int = MAX_JSON_DEPTH) -> int:
 
 
 def load_workflow(path: str | Path) -> dict[str, Spec]:
+    """Read a workflow file defensively: a regular file only (a FIFO or device would block or never end),
+    at most MAX_FILE_BYTES (checked before reading, and again while reading), UTF-8."""
+    import os
+    import stat
+
     path = Path(path)
+    name = ascii(str(path))
     try:
-        text = path.read_text(encoding="utf-8")
+        st = os.stat(path)
     except FileNotFoundError:
-        raise WorkflowError(f"no workflow file at {str(path)!r}") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise WorkflowError(f"cannot read workflow file {str(path)!r}: {e}") from None
-    return parse_workflow(text, source=f"workflow file {str(path)!r}")
+        raise WorkflowError(f"no workflow file at {name}") from None
+    except OSError as e:
+        raise WorkflowError(f"cannot read workflow file {name}: {e.strerror}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise WorkflowError(f"workflow file {name} is not a regular file (a FIFO, device or folder); give a .json file")
+    if st.st_size > MAX_FILE_BYTES:
+        raise WorkflowError(f"workflow file {name} is {st.st_size} bytes; at most {MAX_FILE_BYTES} are allowed")
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # replaced by a FIFO since stat: no hang
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise WorkflowError(f"workflow file {name} is not a regular file")
+            raw = f.read(MAX_FILE_BYTES + 1)
+    except OSError as e:
+        raise WorkflowError(f"cannot read workflow file {name}: {e.strerror}") from None
+    if len(raw) > MAX_FILE_BYTES:
+        raise WorkflowError(f"workflow file {name} is over {MAX_FILE_BYTES} bytes; at most {MAX_FILE_BYTES} are allowed")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise WorkflowError(f"workflow file {name} is not UTF-8 text (byte {e.start})") from None
+    return parse_workflow(text, source=f"workflow file {name}")
 
 
 def workflow_from_dict(data: Any, *, source: str = "workflow") -> dict[str, Spec]:
@@ -279,6 +332,8 @@ def workflow_from_dict(data: Any, *, source: str = "workflow") -> dict[str, Spec
         raise WorkflowError(f"{source} must be a JSON object of node id -> node, got {type(data).__name__}")
     if not data:
         raise WorkflowError(f"{source} has no nodes")
+    if len(data) > MAX_NODES:
+        raise WorkflowError(f"{source} has {len(data)} nodes; at most {MAX_NODES} are allowed")
     depth = value_depth(data)
     if depth > MAX_JSON_DEPTH:
         raise WorkflowError(f"{source} nests values more than {MAX_JSON_DEPTH} levels deep")
@@ -429,6 +484,112 @@ def find_cycle(graph: dict[str, Spec]) -> list[str]:
     return []
 
 
+def value_size(value: Any) -> dict:
+    """{"items", "chars", "elements", "depth"} of a value a node produced: list/tuple/dict items (a sub-list
+    shared by several parents counted once per parent, as anything that walks the value would see it), string
+    characters, tensor/array elements and nesting depth. Each container is measured once (memoised by
+    identity), so 60 levels of a list holding the previous one twice cost 60 steps, not 2^60."""
+    memo: dict[int, tuple[int, int, int, int]] = {}
+    keep = []   # containers measured, kept alive so their ids stay unique
+    todo = [(value, False)]
+    out = (0, 0, 0, 0)
+
+    def leaf(v) -> tuple[int, int, int, int]:
+        if isinstance(v, str):
+            return 0, len(v), 0, 0
+        numel = getattr(v, "numel", None)
+        if callable(numel):
+            return 0, 0, int(numel()), 0
+        size = getattr(v, "size", None)
+        if isinstance(size, int) and hasattr(v, "dtype"):
+            return 0, 0, size, 0
+        return 0, 0, 0, 0
+
+    while todo:
+        v, done = todo.pop()
+        if not isinstance(v, (list, tuple, dict)):
+            continue
+        key = id(v)
+        if key in memo and not done:
+            continue
+        kids = list(v.items()) if isinstance(v, dict) else list(v)
+        kids = [x for kv in kids for x in (kv if isinstance(v, dict) else (kv,))]
+        if not done:
+            memo[key] = None  # in progress
+            keep.append(v)
+            todo.append((v, True))
+            todo.extend((k, False) for k in kids if isinstance(k, (list, tuple, dict)) and id(k) not in memo)
+            continue
+        items, chars, elements, depth = len(v), 0, 0, 0
+        for k in kids:
+            sub = memo.get(id(k)) if isinstance(k, (list, tuple, dict)) else leaf(k)
+            if sub is None:   # a container inside itself: refuse rather than loop
+                raise WorkflowError("a value contains itself")
+            items, chars, elements = items + sub[0], chars + sub[1], elements + sub[2]
+            depth = max(depth, sub[3])
+        memo[key] = (min(items, 2 ** 62), min(chars, 2 ** 62), min(elements, 2 ** 62), depth + 1)
+    out = memo.get(id(value)) if isinstance(value, (list, tuple, dict)) else leaf(value)
+    return dict(zip(("items", "chars", "elements", "depth"), out))
+
+
+def check_value(value: Any, nid: str, cls_name: str, what: str) -> None:
+    """Refuse a value over the per-value bounds (one line naming the node, the size and the bound)."""
+    size = value_size(value)
+    for key, cap, unit in (("chars", MAX_STRING_CHARS, "characters"), ("items", MAX_VALUE_ITEMS, "list items"),
+                           ("elements", MAX_TENSOR_ELEMENTS, "tensor elements"), ("depth", MAX_JSON_DEPTH, "levels")):
+        if size[key] > cap:
+            raise WorkflowError(f"{_where(nid, cls_name)} {what} holds {size[key]} {unit}; at most {cap} are allowed",
+                                node=nid)
+
+
+def declared_work(cls: "NodeClass", values: dict) -> int | None:
+    """The work `cls` declares for these inputs (None: not declared, or an input is not known yet)."""
+    if cls.work is None:
+        return None
+    try:
+        return cls.work(values)
+    except (TypeError, ValueError):
+        return None
+
+
+def check_work(graph: dict[str, Spec], plan, registry: dict[str, NodeClass], *, per_node: int = MAX_NODE_WORK,
+               per_workflow: int = MAX_WORKFLOW_WORK) -> int:
+    """Before the run: each node's declared work from its literal inputs, times the literal iteration counts of
+    the loops around it, against the per-node and per-workflow caps. Returns the total known."""
+    inside: dict[str, int] = {}
+    for lp in getattr(plan, "loops", {}).values():
+        for n in lp.body:
+            inside[n] = inside.get(n, 1) * (lp.count if lp.count is not None else 1)
+    total = 0
+    for nid, spec in graph.items():
+        cls = registry[spec.class_type]
+        w = declared_work(cls, {k: (None if is_link(v) else v) for k, v in
+                                {**{k: i.default for k, i in cls.inputs.items()}, **spec.inputs}.items()})
+        if w is None:
+            continue
+        if w > per_node:
+            raise WorkflowError(f"{_where(nid, cls.name)} asks for {w} work units (frames x steps); at most {per_node} "
+                                "per node", node=nid)
+        total += w * inside.get(nid, 1)
+        if total > per_workflow:
+            raise WorkflowError(f"{_where(nid, cls.name)} brings the workflow to {total} work units (frames x steps, "
+                                f"loop iterations multiply); at most {per_workflow} per workflow", node=nid)
+    return total
+
+
+def preflight(graph: dict[str, Spec], registry: dict[str, NodeClass] | None = None, *, max_iterations: int = 1000,
+              max_total_iterations: int = 10_000, max_work: int = MAX_WORKFLOW_WORK):
+    """Every check a run makes before its first node: `validate`, the loop schedule and iteration limits, the
+    declared work. `Executor.run`, `Executor.validate` and `inferbook workflow validate` all call this, so a
+    workflow that validates is one that starts."""
+    reg = REGISTRY if registry is None else registry
+    plan = validate(graph, reg)
+    plan.apply_schedule(graph)
+    plan.check_total(max_total_iterations, max_iterations, graph)
+    check_work(graph, plan, reg, per_workflow=max_work)
+    return plan
+
+
 # ---------------------------------------------------------------------------
 # Signatures: the cache key of a node's outputs
 
@@ -552,7 +713,7 @@ class Executor:
                  max_iterations: int = 1000, max_total_iterations: int = 10_000,
                  max_projected_nodes: int = 200_000, sync: Callable[[], None] | None = None,
                  output_dir: str | Path | None = None, input_dir: str | Path | None = None,
-                 device: Any = "cpu", dtype: Any = None):
+                 device: Any = "cpu", dtype: Any = None, max_work: int = MAX_WORKFLOW_WORK):
         from . import nodes  # noqa: F401  (registers the built-in node classes)
 
         self.registry = REGISTRY if registry is None else registry
@@ -561,6 +722,7 @@ class Executor:
         self.max_iterations = max_iterations
         self.max_total_iterations = max_total_iterations
         self.max_projected_nodes = max_projected_nodes
+        self.max_work = max_work
         self.sync = sync or (lambda: None)
         self.output_dir = Path(output_dir) if output_dir is not None else None
         self.input_dir = Path(input_dir) if input_dir is not None else Path.cwd()
@@ -572,18 +734,22 @@ class Executor:
         self.cache.clear()
 
     def validate(self, workflow) -> dict[str, Spec]:
+        """Every check `run` makes before its first node (`preflight`), with this executor's limits."""
         graph = as_graph(workflow)
-        validate(graph, self.registry)
+        self.preflight(graph)
         return graph
+
+    def preflight(self, graph: dict[str, Spec]):
+        return preflight(graph, self.registry, max_iterations=self.max_iterations,
+                         max_total_iterations=self.max_total_iterations, max_work=self.max_work)
 
     def run(self, workflow) -> RunResult:
         from .loops import expand
 
         t_start = time.perf_counter()
         graph = as_graph(workflow)
-        plan = validate(graph, self.registry)
-        plan.apply_schedule(graph)
-        plan.check_total(self.max_total_iterations, self.max_iterations, graph)
+        self.preflight(graph)
+        work_done = 0
 
         order = {nid: i for i, nid in enumerate(graph)}   # file order breaks ties
         seq = len(order)
@@ -670,6 +836,15 @@ class Executor:
             for name, inp in cls.inputs.items():
                 if name not in values:
                     values[name] = inp.default
+            w = declared_work(cls, values)
+            if w is not None:   # before the node runs: its own cap, and the run's so far
+                if w > MAX_NODE_WORK:
+                    raise WorkflowError(f"{_where(nid, cls.name)} asks for {w} work units (frames x steps); at most "
+                                        f"{MAX_NODE_WORK} per node", node=nid)
+                work_done += w
+                if work_done > self.max_work:
+                    raise WorkflowError(f"{_where(nid, cls.name)} brings this run to {work_done} work units (frames x "
+                                        f"steps); at most {self.max_work} per workflow", node=nid)
             # Output (side-effect) nodes are cached like any other node, as in ComfyUI's executor: an
             # unchanged SaveVideo or Preview is not run again; what it showed is re-emitted from the cache.
             use_cache = self.use_cache and spec.cache
@@ -696,6 +871,8 @@ class Executor:
                     raise TypeError(f"node class {cls.name} returned {type(outs).__name__} "
                                     f"of length {len(outs) if hasattr(outs, '__len__') else '?'}, "
                                     f"expected a tuple of {len(cls.outputs)}")
+                for k, v in enumerate(outs):   # bounded before any other node sees it
+                    check_value(v, nid, cls.name, f"output {k}")
                 status = "side_effect" if cls.side_effect else "ran"
                 if use_cache:
                     self.cache[sig] = (outs, [dict(e) for e in run_ctx.events[first_event:]])

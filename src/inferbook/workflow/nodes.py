@@ -22,7 +22,7 @@ import torch
 
 from . import loops as _loops  # noqa: F401  (registers StartLoop / EndLoop)
 from . import segments
-from .executor import Input, node
+from .executor import MAX_STRING_CHARS, Input, node
 
 # ---------------------------------------------------------------------------
 # Values and lists
@@ -54,8 +54,13 @@ def add_int(a, b):
 
 @node("FormatText", inputs={"template": "STRING", "value": Input("ANY", optional=True)}, outputs=(("text", "STRING"),))
 def format_text(template, value):
-    """`template` with every '{}' replaced by `value` (no other formatting: nothing is evaluated)."""
-    return (template.replace("{}", str(value)),)
+    """`template` with every '{}' replaced by `value` (no other formatting: nothing is evaluated). The result's
+    length is known before it is built, and refused beyond MAX_STRING_CHARS (a chain of doublings stops there)."""
+    text = str(value)
+    n = len(template) + template.count("{}") * (len(text) - 2)
+    if n > MAX_STRING_CHARS:
+        raise ValueError(f"the text would be {n} characters; at most {MAX_STRING_CHARS} are allowed")
+    return (template.replace("{}", text),)
 
 
 @node("MakeList", inputs={"a": Input("ANY", optional=True), "b": Input("ANY", optional=True),
@@ -347,7 +352,7 @@ def toy_scene(width, height, prompt, seed, run):
     "index": Input("INT", default=0), "steps": Input("INT", default=8, min=1, max=10_000),
     "fps": Input("INT", default=24, min=1, max=240), "sample_rate": Input("INT", default=32000, min=1, max=384_000),
     "audio_offset": Input("INT", optional=True)},
-    outputs=(("images", "IMAGE"), ("audio", "AUDIO")))
+    outputs=(("images", "IMAGE"), ("audio", "AUDIO")), work=lambda v: v["frames"] * v["steps"])
 def generate_segment(context, prompt, frames, seed, index, steps, fps, sample_rate, audio_offset):
     """A segment continuing from the last frame of `context` (`segments.generate_segment`); the pan
     continues only when `context` holds two frames or more, the audio phase only when
@@ -402,7 +407,7 @@ def omni_remote_lora(local_path, name, scale):
     "steps": Input("INT", default=5, min=1, max=10_000), "seed": Input("INT", default=0),
     "references": Input("REFS", optional=True), "lora": Input("LORA", optional=True),
     "reference_strength": Input("FLOAT", default=0.5),
-}, outputs=(("images", "IMAGE"), ("audio", "AUDIO")), context=True)
+}, outputs=(("images", "IMAGE"), ("audio", "AUDIO")), context=True, work=lambda v: v["frames"] * v["steps"])
 def omni_generate_video(url, model, prompt, width, height, frames, fps, steps, seed, references, lora,
                         reference_strength, run):
     """`VLLMOmniGenerateVideo`: one request to the (toy, in-process) server, T2VA without references and
