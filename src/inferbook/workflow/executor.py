@@ -21,10 +21,13 @@ typed inputs and outputs. `Executor.run(workflow)`:
    (ComfyUI re-sends the cached UI output). A node whose spec is `fresh` (ComfyUI: a
    `fingerprint_inputs` of NaN) gets a new signature every run, so it and its descendants run.
 
-A `StartLoop` node is not run (and is always fresh): when its own inputs are ready the queue hands
-it to `loops.expand`, which projects every iteration into ordinary nodes with deterministic ids
-and puts them on the same queue (see `loops.py`). Bounds: integers fit in 64 bits, JSON nests at
-most `MAX_JSON_DEPTH` levels, one loop runs at most `max_iterations` and all loops of a run together
+A node class with an `expand` hook (`StartLoop`) is not run (and is always fresh): when its own inputs
+are ready the queue hands it to the hook (`loops.expand`), which projects every iteration into ordinary
+nodes with deterministic ids and puts them on the same queue; its `plan` hook (`loops.plan_loops`) checks
+the structure before the run. The executor sits below the node classes it runs: it imports none of them
+(`loops.py`, `nodes.py` and the server import it; the package's `__init__` registers the classes).
+
+Bounds: integers fit in 64 bits, JSON nests at most `MAX_JSON_DEPTH` levels, one loop runs at most `max_iterations` and all loops of a run together
 at most `max_total_iterations` (checked from literals before anything runs, and again as loops expand).
 
 Nothing here evaluates code from a workflow: it is parsed with `json` and dispatched by
@@ -152,6 +155,11 @@ class NodeClass:
     help: str = ""
     variadic: str | None = None             # inputs named <variadic><k> (k = 0, 1, ...) are accepted as optional ANY
     work: Callable[[dict], int | None] | None = None   # declared work (frames x steps) from its inputs; None: unknown
+    # A node class that opens a structure (StartLoop): `plan(graph, registry)` checks the structure before the run
+    # and returns its plan; `expand(graph, nid, values, registry, max_iterations=, budget=)` projects it into
+    # ordinary nodes instead of running. The executor calls these hooks and never imports the classes.
+    plan: Callable | None = None
+    expand: Callable | None = None
 
     def required(self) -> list[str]:
         return [k for k, i in self.inputs.items() if i.default is None and not i.optional]
@@ -170,7 +178,8 @@ REGISTRY: dict[str, NodeClass] = {}
 
 def node(name: str, *, inputs: dict[str, Input | str], outputs: tuple = (), side_effect: bool = False,
          internal: bool = False, context: bool = False, registry: dict | None = None, variadic: str | None = None,
-         work: Callable[[dict], int | None] | None = None):
+         work: Callable[[dict], int | None] | None = None, plan: Callable | None = None,
+         expand: Callable | None = None):
     """Register `fn` as node class `name`. `inputs`: name -> Input or a bare type name;
     `outputs`: (name, type) pairs. `fn(**inputs)` returns a tuple with one value per output.
     `work(inputs)` declares what a call costs (frames x steps; None while an input is unknown, i.e. linked):
@@ -187,7 +196,7 @@ def node(name: str, *, inputs: dict[str, Input | str], outputs: tuple = (), side
     def deco(fn):
         reg[name] = NodeClass(name=name, inputs=ins, outputs=tuple(outputs), fn=fn, side_effect=side_effect,
                               internal=internal, context=context, variadic=variadic, work=work,
-                              help=(fn.__doc__ or "").strip().splitlines()[0] if fn.__doc__ else "")
+                              plan=plan, expand=expand, help=(fn.__doc__ or "").strip().splitlines()[0] if fn.__doc__ else "")
         return fn
     return deco
 
@@ -383,13 +392,24 @@ def as_graph(workflow) -> dict[str, Spec]:
 # Validation (before any node runs)
 
 
-def validate(graph: dict[str, Spec], registry: dict[str, NodeClass] | None = None) -> "LoopPlan":
-    """Check every node, input and link, then the graph (cycles) and the loops.
+class NoStructure:
+    """The plan of a workflow with no structure-opening node (no loop): nothing to schedule or bound."""
 
-    Returns the loop structure (`loops.LoopPlan`). Raises `WorkflowError` at the first problem,
-    naming the node id, its class and the input."""
-    from .loops import plan_loops
+    loops: dict = {}
 
+    def apply_schedule(self, graph) -> None:
+        pass
+
+    def check_total(self, limit, per_loop, graph) -> None:
+        pass
+
+
+def validate(graph: dict[str, Spec], registry: dict[str, NodeClass] | None = None):
+    """Check every node, input and link, then the graph (cycles) and the structures (loops) through their
+    classes' `plan` hook.
+
+    Returns the structure's plan (`loops.LoopPlan` when the workflow has loops, else `NoStructure`). Raises
+    `WorkflowError` at the first problem, naming the node id, its class and the input."""
     reg = REGISTRY if registry is None else registry
     for nid, spec in graph.items():
         cls = reg.get(spec.class_type)
@@ -441,7 +461,14 @@ def validate(graph: dict[str, Spec], registry: dict[str, NodeClass] | None = Non
     if cycle:
         raise WorkflowError("the workflow has a cycle: " + " -> ".join(cycle + [cycle[0]]) +
                             " (a node cannot depend on its own output; use StartLoop/EndLoop to iterate)", node=cycle[0])
-    return plan_loops(graph, reg)
+    planners = []
+    for spec in graph.values():
+        fn = reg[spec.class_type].plan
+        if fn is not None and fn not in planners:
+            planners.append(fn)
+    if len(planners) > 1:
+        raise TypeError(f"node classes with {len(planners)} different structure planners in one registry")
+    return planners[0](graph, reg) if planners else NoStructure()
 
 
 def check_bounds(want: Input, value: Any, nid: str, cls_name: str, name: str) -> None:
@@ -714,8 +741,6 @@ class Executor:
                  max_projected_nodes: int = 200_000, sync: Callable[[], None] | None = None,
                  output_dir: str | Path | None = None, input_dir: str | Path | None = None,
                  device: Any = "cpu", dtype: Any = None, max_work: int = MAX_WORKFLOW_WORK):
-        from . import nodes  # noqa: F401  (registers the built-in node classes)
-
         self.registry = REGISTRY if registry is None else registry
         self.use_cache = cache
         self.cache: dict[str, tuple] = {}
@@ -744,8 +769,6 @@ class Executor:
                          max_total_iterations=self.max_total_iterations, max_work=self.max_work)
 
     def run(self, workflow) -> RunResult:
-        from .loops import expand
-
         t_start = time.perf_counter()
         graph = as_graph(workflow)
         self.preflight(graph)
@@ -813,12 +836,12 @@ class Executor:
                     values[name] = v
             # ComfyUI's StartLoop (and LoopIteration with cache_iterations off) fingerprint as NaN: a key
             # that never equals an earlier one, so they and everything downstream of them run again.
-            sig = uuid.uuid4().hex if (spec.fresh or spec.class_type == "StartLoop") else signature(spec, input_sigs)
+            sig = uuid.uuid4().hex if (spec.fresh or cls.expand is not None) else signature(spec, input_sigs)
 
-            if spec.class_type == "StartLoop":
-                # The loop is not run but projected: new ordinary nodes go on this queue.
-                new_ids, removed, info = expand(graph, nid, values, self.registry, max_iterations=self.max_iterations,
-                                                budget=budget)
+            if cls.expand is not None:
+                # A loop is not run but projected: new ordinary nodes go on this queue.
+                new_ids, removed, info = cls.expand(graph, nid, values, self.registry,
+                                                    max_iterations=self.max_iterations, budget=budget)
                 loops_log.append(info)
                 for k in removed:           # the body as written: replaced by its copies
                     waiting.pop(k, None)

@@ -46,6 +46,16 @@ INDEX, IS_FIRST, IS_LAST, ITEM, VALUE, HANDLE = range(6)
 MAX_TERMINATIONS = 50          # ComfyUI's Autogrow max for EndLoop terminations
 
 
+def _plan(graph, registry):
+    """The executor's `plan` hook of StartLoop and EndLoop (one function: the executor calls it once)."""
+    return plan_loops(graph, registry)
+
+
+def _expand(graph, sid, values, registry, **kw):
+    """The executor's `expand` hook of StartLoop."""
+    return expand(graph, sid, values, registry, **kw)
+
+
 @node("StartLoop", inputs={
     "mode": Input("STRING", default="simple", choices=MODES, help="simple, For or List (ComfyUI's names)"),
     "num_iterations": Input("INT", default=4, min=0, help="simple mode: number of iterations"),
@@ -58,7 +68,7 @@ MAX_TERMINATIONS = 50          # ComfyUI's Autogrow max for EndLoop terminations
     "initial_iteration_value": Input("ANY", optional=True, help="current_iteration_value on the first iteration"),
     "max_iterations": Input("INT", optional=True, min=0, help="refuse loops longer than this (ours, not ComfyUI's)"),
 }, outputs=(("iteration_index", "INT"), ("is_first", "BOOLEAN"), ("is_last", "BOOLEAN"), ("list_item", "ANY"),
-            ("current_iteration_value", "ANY"), ("loop", "LOOP")))
+            ("current_iteration_value", "ANY"), ("loop", "LOOP")), plan=_plan, expand=_expand)
 def start_loop(**_):
     """Opens a loop. Never run: the executor projects it (see `expand`)."""
     raise RuntimeError("StartLoop is projected by the executor, never run")
@@ -69,7 +79,7 @@ def start_loop(**_):
     "output_value": Input("ANY", optional=True, help="returned: the last iteration's, or all with accumulate"),
     "next_iteration_value": Input("ANY", optional=True, help="carried into the next iteration"),
     "accumulate": Input("BOOLEAN", default=False, help="return output_value of every iteration (a list)"),
-}, outputs=(("outputs", "ANY"),), variadic="termination")
+}, outputs=(("outputs", "ANY"),), variadic="termination", plan=_plan)
 def end_loop(**_):
     """Closes the loop whose handle it receives. termination0, termination1, ...: side effects that
     must run on every iteration (their values are not returned)."""
@@ -496,3 +506,4 @@ def expand(graph: dict[str, Spec], sid: str, values: dict, registry, *, max_iter
     info = {"start": sid, "end": eid, "iterations": n, "body": sorted(body), "cache_iterations": flag,
             "projected_nodes": len(new)}
     return new, list(body_order), info
+
