@@ -53,7 +53,7 @@ from ..errors import UserError, choices
 # Value types a node input or output can have. ANY accepts and produces anything; LOOP is the
 # handle from StartLoop to its EndLoop and only those two nodes use it.
 TYPES = ("INT", "FLOAT", "STRING", "BOOLEAN", "LIST", "IMAGE", "AUDIO", "LATENT", "REFS", "MODEL", "LORA", "LOOP",
-         "ANY")
+         "SAMPLING_PARAMS", "VIDEO_PARAMS", "ANY")
 # Types a literal in the JSON may have (the others must come from a link).
 LITERAL_TYPES = ("INT", "FLOAT", "STRING", "BOOLEAN", "LIST", "ANY")
 RESERVED = "#"  # projected loop nodes are named "<id>#<iteration>"; user ids may not contain it
@@ -160,6 +160,9 @@ class NodeClass:
     # ordinary nodes instead of running. The executor calls these hooks and never imports the classes.
     plan: Callable | None = None
     expand: Callable | None = None
+    # `check(inputs)` raises ValueError for inputs the node would refuse when it runs (None: a linked input, not
+    # known yet): called on the literals before the run, so `validate` refuses what `run` would
+    check: Callable[[dict], None] | None = None
 
     def required(self) -> list[str]:
         return [k for k, i in self.inputs.items() if i.default is None and not i.optional]
@@ -179,7 +182,7 @@ REGISTRY: dict[str, NodeClass] = {}
 def node(name: str, *, inputs: dict[str, Input | str], outputs: tuple = (), side_effect: bool = False,
          internal: bool = False, context: bool = False, registry: dict | None = None, variadic: str | None = None,
          work: Callable[[dict], int | None] | None = None, plan: Callable | None = None,
-         expand: Callable | None = None):
+         expand: Callable | None = None, check: Callable[[dict], None] | None = None):
     """Register `fn` as node class `name`. `inputs`: name -> Input or a bare type name;
     `outputs`: (name, type) pairs. `fn(**inputs)` returns a tuple with one value per output.
     `work(inputs)` declares what a call costs (frames x steps; None while an input is unknown, i.e. linked):
@@ -196,7 +199,7 @@ def node(name: str, *, inputs: dict[str, Input | str], outputs: tuple = (), side
     def deco(fn):
         reg[name] = NodeClass(name=name, inputs=ins, outputs=tuple(outputs), fn=fn, side_effect=side_effect,
                               internal=internal, context=context, variadic=variadic, work=work,
-                              plan=plan, expand=expand, help=(fn.__doc__ or "").strip().splitlines()[0] if fn.__doc__ else "")
+                              plan=plan, expand=expand, check=check, help=(fn.__doc__ or "").strip().splitlines()[0] if fn.__doc__ else "")
         return fn
     return deco
 
@@ -590,8 +593,14 @@ def check_work(graph: dict[str, Spec], plan, registry: dict[str, NodeClass], *, 
     total = 0
     for nid, spec in graph.items():
         cls = registry[spec.class_type]
-        w = declared_work(cls, {k: (None if is_link(v) else v) for k, v in
-                                {**{k: i.default for k, i in cls.inputs.items()}, **spec.inputs}.items()})
+        literals = {k: (None if is_link(v) else v) for k, v in
+                    {**{k: i.default for k, i in cls.inputs.items()}, **spec.inputs}.items()}
+        if cls.check is not None:
+            try:
+                cls.check(literals)
+            except ValueError as e:
+                raise WorkflowError(f"{_where(nid, cls.name)} would be refused: {e}", node=nid) from None
+        w = declared_work(cls, literals)
         if w is None:
             continue
         if w > per_node:
