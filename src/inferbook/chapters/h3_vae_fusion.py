@@ -34,6 +34,7 @@ from ..diffusion import toy_pipeline
 from ..diffusion.fused import (BackendLog, Norm, Ops, conv3d_eager, conv3d_triton, eager_bytes_moved, fa_rule_check,
                                fp16_conv_usable, fused_bytes_moved, norm_silu_pad_eager, norm_silu_pad_triton,
                                triton_usable)
+from ..diffusion import int8 as int8_mod
 from ..diffusion.profiling import int8_kernels_seen, library_share
 from ..diffusion.vae import H3Config, compiled, fp64_reference, init_h3, int8_ops_report, make_video, quantize_decoder_int8
 
@@ -269,12 +270,27 @@ def check_int8_gate(decoder, z: torch.Tensor) -> dict:
     unchanged = all(torch.equal(before[k], v) for k, v in decoder.state_dict().items())
     report = int8_ops_report(ops_q.log)
     kernels = int8_kernels_seen(lambda: q(z, Ops("eager")), z.device)
-    return {"float_backend": ops_f.log.backend("attention"), "int8_backend": ops_q.log.backend("attention"),
-            "float_quantization": decoder.quantization, "int8_quantization": q.quantization,
-            "int8_linear_backend": ops_q.log.backend("to_qkv[int8]"), "int8_ops": report["ops"],
-            "int8_gemm_reported": report["all_int8_gemm"], "int8_kernels": kernels,
-            "int8_kernel_ran": report["all_int8_gemm"] and kernels["seen"],
-            "original_unchanged": unchanged and torch.equal(again, out_f), "int8_relative_l2": rel_l2(out_q, out_f)}
+    out = {"float_backend": ops_f.log.backend("attention"), "int8_backend": ops_q.log.backend("attention"),
+           "float_quantization": decoder.quantization, "int8_quantization": q.quantization,
+           "int8_linear_backend": ops_q.log.backend("to_qkv[int8]"), "int8_ops": report["ops"],
+           "int8_gemm_reported": report["all_int8_gemm"], "int8_kernels": kernels,
+           "int8_kernel_ran": report["all_int8_gemm"] and kernels["seen"],
+           "original_unchanged": unchanged and torch.equal(again, out_f), "int8_relative_l2": rel_l2(out_q, out_f),
+           "triton": None}
+    if triton_usable(z)[0]:   # the fused INT8 path: our Triton kernels, counted by their launcher and profiler
+        before_launches = dict(int8_mod.LAUNCHES)
+        with torch.no_grad():
+            ops_t = Ops("fused")
+            out_t = q(z, ops_t)
+        launched = {k: int8_mod.LAUNCHES[k] - before_launches[k] for k in before_launches}
+        rep_t = int8_ops_report(ops_t.log, attention=True)
+        seen = {"seen": all(launched.values()), "names": [k for k, v in launched.items() if v], "how": "launch count"}
+        if z.is_cuda:
+            seen = int8_kernels_seen(lambda: q(z, Ops("fused")), z.device)
+            seen["seen"] = seen["seen"] and any("int8_attention" in n for n in seen["names"])
+        out["triton"] = {"ops": rep_t["ops"], "reported": rep_t["all_int8_gemm"], "kernels": seen,
+                         "ran": rep_t["all_int8_gemm"] and seen["seen"], "relative_l2_vs_eager_int8": rel_l2(out_t, out_q)}
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -462,15 +478,20 @@ def _gate_records(ctx, cfg: H3Config, shape, decoder, z, reps) -> list[RunRecord
     with torch.no_grad():
         ref32 = copy.deepcopy(decoder).float()(z.float(), Ops("eager"))
         q = quantize_decoder_int8(decoder)
-        for path, model in (("float decoder (sdpa)", decoder), ("int8 decoder (W8A8 linears, INT8 QK^T)", q)):
+        paths = [("float decoder (sdpa)", decoder, "eager"), ("int8 decoder (torch._int_mm, reference attention)", q,
+                                                               "eager")]
+        if on_gpu and triton_usable(z)[0]:   # the kernels timed beside the float path (never in the interpreter)
+            paths += [("float decoder, triton fused", decoder, "fused"), ("int8 decoder, triton INT8 kernels", q, "fused")]
+        for path, model, backend in paths:
             rec = ctx.new_record("gate:int8", variant=path, workload=_workload(ctx, cfg, "decoder", z.dtype,
                                                                                shapes={"latent": list(z.shape)}),
                                  topology={"ranks": 1})
             log = BackendLog()
-            out = model(z, Ops("eager", log=log))
+            out = model(z, Ops(backend, log=log))
             log.to_record(rec)
             rec.add("rel_l2_vs_fp32", rel_l2(out, ref32), "fraction")
-            rec.add_timing("time", _time(lambda m=model: m(z, Ops("eager")), ctx, f"int8 gate {path}", reps, False))
+            rec.add_timing("time", _time(lambda m=model, b=backend: m(z, Ops(b)), ctx, f"int8 gate {path}", reps,
+                                         backend == "fused"))
             records.append(rec)
     return records
 
@@ -543,6 +564,10 @@ def _gate_checks(ctx, cfg, dec, zc, dt) -> RunRecord:
     gates.add_check("int8 gate: quantized copy runs INT8 GEMM kernels (backend report and profiler)",
                     i8["int8_kernel_ran"], kernels=i8["int8_kernels"]["names"], how=i8["int8_kernels"]["how"],
                     ops=i8["int8_ops"])
+    if i8["triton"] is not None:
+        t = i8["triton"]
+        gates.add_check("int8 gate: fused path runs the Triton INT8 GEMM and attention kernels (report and launches)",
+                        t["ran"], kernels=t["kernels"]["names"], how=t["kernels"]["how"], ops=t["ops"])
     gates.add_check("int8 gate: original decoder unchanged", i8["original_unchanged"])
     gates.notes = repr({"fp16": fp16, "int8": i8})
     return gates
@@ -680,9 +705,17 @@ def gpu_launches(params: dict) -> list:
     with torch.device(meta):
         enc, dec = (m.to(dtype=dt).eval().requires_grad_(False) for m in (H3Encoder(cfg), ViT3DDecoder(cfg)))
     launches = []
+    dec_int8 = quantize_decoder_int8(dec)
 
-    # the fused linear asks its device for its tiles (the interpreter's are smaller): a GPU's
-    gpu_tiles = {(FU, "linear_config"): lambda device, gpu_config=False: dict(FU.LINEAR_GPU_CONFIG)}
+    from ..diffusion import int8 as I8
+
+    # the fused and INT8 kernels ask their device for their tiles (the interpreter's are smaller): a GPU's
+    cuda = torch.device("cuda")
+    linear_config, gemm_config, attention_config = FU.linear_config, I8.gemm_config, I8.attention_config
+    gpu_tiles = {(FU, "linear_config"): lambda device, M=4096, N=4096, swiglu=False, gpu_config=False:
+                 linear_config(cuda, M, N, swiglu),
+                 (I8, "gemm_config"): lambda M, N, device, gpu_config=False: gemm_config(M, N, cuda),
+                 (I8, "attention_config"): lambda device, gpu_config=False: attention_config(cuda)}
 
     def traced(where, fn):
         with C.recording(patch=gpu_tiles) as rec, torch.no_grad():
@@ -699,6 +732,7 @@ def gpu_launches(params: dict) -> list:
         if where == "timed" and dt == torch.float16:
             traced("timed encoder fp16-accumulate", lambda x=x: enc(x, Ops("fused", fp16_accumulation=True)))
         traced(f"{where} decoder", lambda z=z: dec(z, Ops("fused")))
+        traced(f"{where} int8 decoder", lambda z=z: dec_int8(z, Ops("fused")))
     block = (1, cfg.widths[0], T, H, W)                                        # _block_records
     xb = torch.empty(block, device=meta, dtype=dt).contiguous(memory_format=cl)
     norm = Norm("group", torch.empty(block[1], device=meta), torch.empty(block[1], device=meta))
