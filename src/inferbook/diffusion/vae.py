@@ -221,9 +221,13 @@ class H3Encoder(nn.Module):
         return (B, 2 * self.cfg.z_dim, T, H, W)
 
 
-def token_ids(T: int, H: int, W: int, device, dtype=torch.float32) -> torch.Tensor:
-    """ComfyUI's create_token_ids: each axis' coordinates (i + 0.5) / n mapped to [-1, 1]; [T*H*W, 3]."""
-    axes = [2.0 * (torch.arange(0.5, n, device=device, dtype=torch.float32) / n) - 1.0 for n in (T, H, W)]
+def token_ids(T: int, H: int, W: int, device, dtype=torch.float32, full=None, offset=(0, 0, 0)) -> torch.Tensor:
+    """ComfyUI's create_token_ids: each axis' coordinates (i + 0.5) / n mapped to [-1, 1]; [T*H*W, 3]. A tile
+    or chunk passes the whole grid `full` (T, H, W) and its `offset`, so its tokens keep the positions they have
+    in the untiled decode (ComfyUI #15548: local [-1, 1] per tile textured every tile alike)."""
+    full = (T, H, W) if full is None else full
+    axes = [2.0 * (torch.arange(o + 0.5, o + n, device=device, dtype=torch.float32)[:n] / f) - 1.0
+            for n, f, o in zip((T, H, W), full, offset)]
     return torch.stack(torch.meshgrid(*axes, indexing="ij"), dim=-1).reshape(-1, 3).to(dtype)
 
 
@@ -332,7 +336,8 @@ class ViT3DDecoder(nn.Module):
     def quantization(self) -> str:
         return "int8 (W8A8 qkv/out/w1/w2 linears, INT8 QK^T)" if self.blocks[0].quantization == "int8" else "none"
 
-    def forward(self, z: torch.Tensor, ops: Ops | None = None) -> torch.Tensor:
+    def forward(self, z: torch.Tensor, ops: Ops | None = None, *, full=None, offset=(0, 0, 0)) -> torch.Tensor:
+        """`full` / `offset`: the whole latent grid (T, h, w) and this piece's place in it (tiled decodes)."""
         ops = ops if ops is not None else Ops("eager")
         cfg = self.cfg
         if z.dim() != 5 or z.shape[1] != cfg.z_dim:
@@ -341,7 +346,8 @@ class ViT3DDecoder(nn.Module):
         tok = ops.linear(z.flatten(2).transpose(1, 2), self.x_embedder, self.x_bias, name="x_embedder")
         n = tok.shape[1]
         tok = torch.cat([tok, self.register.to(tok.dtype).expand(B, -1, -1), torch.zeros_like(tok[:, :1])], dim=1)
-        ids = torch.cat([token_ids(T, h, w, z.device), torch.zeros(cfg.register_tokens + 1, 3, device=z.device)])
+        ids = torch.cat([token_ids(T, h, w, z.device, full=full, offset=offset),
+                         torch.zeros(cfg.register_tokens + 1, 3, device=z.device)])
         angles = rope_angles(ids, int(cfg.dim_head * cfg.rope_dim_ratio), cfg.rope_theta)
         for blk in self.blocks:
             tok = blk(tok, angles, ops)
