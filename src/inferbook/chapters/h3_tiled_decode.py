@@ -66,8 +66,8 @@ PRESETS = {
     "smoke": dict(channels="32,32,32", z_dim=4, latent_frames=2, latent_h=8, latent_w=10, dtype="float32",
                   tile=6, overlap=2, overlaps="0,4", reps=2, vit="2,24,1", vit_latent="3,4,4",
                   vit_tile_budget_mib=1.5),
-    "cpu": dict(channels="64,64,32,32", z_dim=16, latent_frames=2, latent_h=16, latent_w=24, dtype="float32",
-                tile=12, overlap=4, overlaps="0,6,8", reps=8, vit="4,48,2", vit_latent="5,6,8",
+    "cpu": dict(channels="64,64,32,32", z_dim=16, latent_frames=2, latent_h=12, latent_w=24, dtype="float32",
+                tile=12, overlap=4, overlaps="0,6,8", reps=3, vit="4,48,2", vit_latent="5,6,8",
                 vit_tile_budget_mib=3.0),
     # float16, as ComfyUI runs H3's VAE (`working_dtypes = [torch.float16, torch.float32]`)
     "gpu": dict(channels="384,384,192,96", z_dim=16, latent_frames=5, latent_h=60, latent_w=104, dtype="float16",
