@@ -81,8 +81,18 @@ LINEAR = [  # M rows, K, N, dtype, rmsnorm, swiglu, residual, bias, scaled resid
     (5, 33, 17, torch.float32, True, True, True, False, True, False),
     (64, 96, 72, torch.bfloat16, True, True, True, True, True, False),
     (1, 40, 24, torch.bfloat16, False, False, True, False, False, False),
-    (70, 64, 80, torch.bfloat16, True, False, True, True, True, True),   # 64x64x32, the GPU's tiles
+    (70, 64, 80, torch.bfloat16, True, False, True, True, True, True),   # 128x64x32: the GPU's default tiles
+    (40, 96, 72, torch.bfloat16, True, True, True, True, True, True),    # 32x64x64: the GPU's few-token tiles
 ]
+
+
+def test_fused_linear_config_per_shape():
+    cuda = torch.device("cuda")
+    assert F_.linear_config(cuda, 16, 6144)["BLOCK_M"] == 32
+    assert F_.linear_config(cuda, 8192, 6144) == F_.LINEAR_GPU_CONFIGS["wide"]
+    assert F_.linear_config(cuda, 8192, 8192, swiglu=True)["BLOCK_N"] == 64     # two accumulators
+    assert F_.linear_config(cuda, 1000, 512) == F_.LINEAR_GPU_CONFIG
+    assert F_.linear_config("cpu", 8192, 8192) == F_.LINEAR_INTERPRETER_CONFIG
 
 
 @pytest.mark.parametrize("M,K,N,dtype,norm,swiglu,res,bias,rscale,gpu", LINEAR)

@@ -102,8 +102,12 @@ def test_int8_gate():
     z = vae.make_latent(cfg, (1, 2, 2, 3), 6)
     res = check_int8_gate(dec, z)
     assert res["float_backend"] == "torch sdpa" and res["float_quantization"] == "none"
-    assert res["int8_backend"].startswith("int8") and "_int_mm" in res["int8_backend"]
+    assert res["int8_backend"].startswith("int8") and "reference" in res["int8_backend"]
+    assert set(res["int8_ops"]) == {f"{n}[int8]" for n in ("to_qkv", "to_out", "w1", "w2")}
+    t = res["triton"]                                   # the fused path: our INT8 kernels, counted as they launch
+    assert t["ran"] and t["reported"] and t["relative_l2_vs_eager_int8"] < 1e-3
     assert "W8A8" in res["int8_linear_backend"] and res["int8_quantization"].startswith("int8")
+    assert res["int8_kernel_ran"] and res["int8_gemm_reported"] and res["int8_kernels"]["seen"]
     assert res["original_unchanged"]
     assert 0 < res["int8_relative_l2"] < 0.05
     q = vae.quantize_decoder_int8(dec)
@@ -118,9 +122,10 @@ def test_int8_matmuls_are_exact_integer_sums():
     b = torch.randint(-127, 128, (64, 24), dtype=torch.int8)
     acc, how = vae.int_mm(a, b)
     assert acc.dtype == torch.int32 and torch.equal(acc, a.int() @ b.int()) and how == "torch._int_mm"
-    q, k, v = (torch.randn(1, 2, 10, 24) for _ in range(3))
-    out, _ = vae.int8_attention(q, k, v)
-    assert (out - torch.nn.functional.scaled_dot_product_attention(q, k, v)).abs().max() < 0.05
+    q, k, v = (torch.randn(1, 10, 2, 24) for _ in range(3))      # [B, S, H, D]
+    out, _ = vae.int8_attention_eager(q, k, v)
+    ref = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v))).transpose(1, 2)
+    assert (out - ref).abs().max() < 0.05
 
 
 @pytest.mark.parametrize("kw,match", [(dict(norm="batch"), "norm must be"), (dict(temporal_up=(True,)), "temporal_up"),
@@ -159,3 +164,42 @@ def test_chapter_measure_bad_parameters(params, match):
     with pytest.raises(inferbook.UserError, match=match):  # setup's check_params refuses most before any work
         ctx = inferbook.setup("h3-vae-fusion", device="cpu", preset="smoke", **params)
         ctx.module.measure(ctx, **ctx.params)
+
+
+def test_int8_gate_fails_when_the_int8_kernel_is_absent(monkeypatch):
+    """With `_int_mm` refused the float fallback runs and the output stays close: the check must still fail,
+    from the backend's own report and from the profiler, not pass on a label."""
+    cfg = tiny_h3()
+    _, dec = vae.init_h3(cfg, 5)
+    z = vae.make_latent(cfg, (1, 2, 2, 3), 6)
+
+    def refused(a, b):
+        raise RuntimeError("_int_mm: not compiled for this layout")
+
+    monkeypatch.setattr(torch, "_int_mm", refused)
+    res = check_int8_gate(dec, z)
+    assert 0 < res["int8_relative_l2"] < 0.05          # the fallback computes the same thing ...
+    assert "W8A8" in res["int8_linear_backend"]          # ... under a label that still says W8A8 ...
+    assert not res["int8_gemm_reported"] and not res["int8_kernels"]["seen"] and not res["int8_kernel_ran"]
+
+
+@pytest.mark.parametrize("rows,share", [
+    ([("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTN", 6.0), ("triton_poi_fused_silu_0", 4.0)], 0.6),
+    ([("flash_fwd_kernel<Flash_fwd_kernel_traits<64>>", 1.0), ("void at::native::elementwise_kernel", 1.0)], 0.5),
+    ([("cutlass3x_sm90_tensorop_gemm_bf16", 2.0), ("sm90_xmma_fprop_implicit_gemm_f16f16", 2.0),
+      ("cudnn::bn_fw_tr_1C11_kernel", 1.0), ("_norm_silu_pad_kernel", 5.0)], 0.5),
+    ([("fmha_cutlassF_f16_aligned_64x64_rf_sm80", 3.0), ("triton_red_fused_mean_1", 1.0)], 0.75),
+    ([], float("nan")),
+])
+def test_library_share_counts_each_kernel_once(rows, share):
+    from inferbook.diffusion.profiling import share_of_library
+    got = share_of_library(rows, kernels=True)
+    assert (got != got and share != share) or abs(got - share) < 1e-12
+
+
+def test_int8_kernel_names():
+    from inferbook.diffusion.profiling import INT8_KERNEL
+    assert INT8_KERNEL.search("sm80_xmma_gemm_i8i8_i32_i32_tn_n_tilesize128x128x64")
+    assert INT8_KERNEL.search("_int8_attention_kernel")
+    assert not INT8_KERNEL.search("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64")
+    assert not INT8_KERNEL.search("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTN")

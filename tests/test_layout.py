@@ -36,3 +36,16 @@ def test_nothing_below_imports_the_chapters_package():
             continue
         bad = {m for m in _imports(path) if m == "inferbook.chapters" or m.startswith("inferbook.chapters.")}
         assert not bad, f"{path.relative_to(SRC)} imports {sorted(bad)}"
+
+
+def test_workflow_imports_point_one_way():
+    """executor <- loops <- nodes -> omni_server -> references -> executor: no circle, and the executor
+    imports none of the node classes it runs."""
+    wf = SRC / "workflow"
+    order = ["executor", "loops", "segments", "references", "omni_server", "nodes", "cli"]
+    rank = {m: i for i, m in enumerate(order)}
+    for name in order:
+        deps = {m.split(".")[2] for m in _imports(wf / f"{name}.py") if m.startswith("inferbook.workflow.")
+                and len(m.split(".")) > 2 and m.split(".")[2] in rank}
+        above = {d for d in deps if rank[d] >= rank[name]}
+        assert not above, f"workflow/{name}.py imports {sorted(above)}, which sit(s) above it"

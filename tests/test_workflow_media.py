@@ -138,13 +138,35 @@ def test_generator_bad_sizes(kwargs, fragment):
         segments.generate_segment(torch.rand(1, kwargs["height"], kwargs["width"], 3), "p", frames, 0, 0)
 
 
-@pytest.mark.parametrize("w, h, f, ok", [(64, 48, 9, True), (64, 48, 8, False), (60, 48, 9, False), (16, 16, 1, True)])
-def test_h3_latent_shape_rules(w, h, f, ok):
-    if ok:
-        assert omni_server.latent_shape(w, h, f) == (1, (f - 1) // 4 + 1, h // 8, w // 8)
+@pytest.mark.parametrize("w, h, f, T", [(64, 48, 9, 3), (64, 48, 8, 3), (64, 48, 22, 7), (60, 48, 9, None),
+                                        (16, 16, 1, 1), (16, 16, 0, None)])
+def test_toy_latent_covers_the_frames(w, h, f, T):
+    """The toy VAE makes 1 + 4 (T - 1) frames: T rounds up, the server trims to the frames it serves."""
+    if T is not None:
+        assert omni_server.latent_shape(w, h, f) == (1, T, h // 8, w // 8) and 1 + 4 * (T - 1) >= f
     else:
         with pytest.raises(ValueError):
             omni_server.latent_shape(w, h, f)
+
+
+@pytest.mark.parametrize("duration, fps, sent, served", [(5.167, 24, 124, 124), (0.208, 24, 5, 5), (0.5, 24, 12, 22),
+                                                          (1.0, 24, 24, 39), (0.01, 24, 1, 1), (14.375, 24, 345, 345)])
+def test_duration_to_frames_to_the_17k_plus_5_lattice(duration, fps, sent, served):
+    assert nodes.frames_for(duration, fps) == sent and omni_server.align_frames(sent) == served
+    assert served == 1 or (served - 5) % 17 == 0 and served >= sent
+
+
+@pytest.mark.parametrize("change, match", [(dict(width=112), "none of its presets"), (dict(frames=346), "at most 345"),
+                                           (dict(model="MiniMax-H3"), "not served"),
+                                           (dict(sampling={"num_inference_steps": 0}), "num_inference_steps"),
+                                           (dict(model_params={"flow_shift": 0.0}), "flow_shift")])
+def test_server_enforces_the_contract_on_every_request(change, match):
+    server = omni_server.ToyOmniServer()
+    req = omni_server.Request(url=omni_server.TOY_ENDPOINT, model="toy-h3-tiny", prompt="p", width=96, height=96,
+                              frames=5, fps=24)
+    assert server.check(req)["frames"] == 5 and server.check(req)["aspect_ratio"] == "1:1"
+    with pytest.raises(ValueError, match=match):
+        server.check(omni_server.Request(**{**req.__dict__, **change}))
 
 
 def test_decoding_an_input_video_stops_at_max_frames(tmp_path, monkeypatch):

@@ -209,9 +209,10 @@ def ref2va_run(tmp_path, *, video_seconds=(), audio_seconds=(), images=1, prompt
                                                                      "frames": int(sec * 24), "steps": 1}}
         refs[f"audio_{k + 1}"] = [f"aud{k}", 1]
     wf["refs"] = {"class_type": "OmniVideoReferences", "inputs": refs}
+    wf["sampling"] = {"class_type": "OmniDiffusionSampling", "inputs": {"num_inference_steps": 1}}
     wf["gen"] = {"class_type": "OmniGenerateVideo", "inputs": {
-        "url": "local://toy-omni/v1", "model": "toy-h3-tiny", "prompt": ["prompt", 0], "width": 32, "height": 32,
-        "frames": 5, "steps": 1, "references": ["refs", 0]}}
+        "url": "local://toy-omni/v1", "model": "toy-h3-tiny", "prompt": ["prompt", 0], "width": 96, "height": 96,
+        "duration": 5 / 24, "sampling_params": ["sampling", 0], "references": ["refs", 0]}}
     del torch
     return Executor(output_dir=tmp_path).run(wf)
 
@@ -242,7 +243,7 @@ def test_workflow_within_the_rules_runs_and_reports_server_stages(tmp_path):
     assert set(ev[0]["seconds"]) >= {"text_encode", "denoise", "vae_decode", "audio_decode"}
     request = next(x.seconds for x in r.log if x.id == "gen")
     assert request >= sum(ev[0]["seconds"].values())        # the client sees only the whole round trip
-    assert r.output("gen", 0).shape == (5, 32, 32, 3) and r.output("gen", 1)["waveform"].shape[0] == 2
+    assert r.output("gen", 0).shape == (5, 96, 96, 3) and r.output("gen", 1)["waveform"].shape[0] == 2
 
 
 def test_the_server_loads_a_model_once_until_restarted(tmp_path):
@@ -251,8 +252,8 @@ def test_the_server_loads_a_model_once_until_restarted(tmp_path):
     from inferbook.workflow import omni_server
 
     server = omni_server.restart("cpu", torch.float32)
-    req = omni_server.Request(url=omni_server.TOY_ENDPOINT, model="toy-h3-tiny", prompt="p", width=32, height=32,
-                              frames=5, fps=24, steps=1, seed=0)
+    req = omni_server.Request(url=omni_server.TOY_ENDPOINT, model="toy-h3-tiny", prompt="p", width=96, height=96,
+                              frames=5, fps=24, sampling={"num_inference_steps": 1, "seed": 0})
     first = server.generate(req)
     again = omni_server.server_for("cpu", torch.float32).generate(req)
     assert len(server.models) == 1 and first["mode"] == again["mode"] == "T2VA"

@@ -177,15 +177,31 @@ def run_cache_experiment(ctx, p: dict, out_dir: Path) -> list[RunRecord]:
     return records
 
 
+LIMITS = {"segments": (1, 100), "segment_frames": (1, 1000), "steps": (1, 10_000), "repeats": (2, 1000)}
+
+
+def check_params(P: dict) -> None:
+    """Sizes, counts and the workflow's work (segments x frames x steps, the executor's per-workflow cap), before
+    any work (`setup`, `measure` and `budgets` call this)."""
+    from ..workflow.executor import MAX_NODE_WORK, MAX_WORKFLOW_WORK
+
+    segments_mod.check_size(P["width"], P["height"])
+    for name, (lo, hi) in LIMITS.items():
+        if not lo <= P[name] <= hi:
+            raise UserError(f"parameter {name!r} must be in [{lo}, {hi}], got {P[name]}")
+    per_segment = P["segment_frames"] * P["steps"]
+    if per_segment > MAX_NODE_WORK:
+        raise UserError(f"segment_frames x steps = {per_segment} is over the executor's per-node cap {MAX_NODE_WORK}")
+    if (P["segments"] + 1) * per_segment > MAX_WORKFLOW_WORK:
+        raise UserError(f"(segments + 1) x segment_frames x steps = {(P['segments'] + 1) * per_segment} is over the "
+                        f"executor's per-workflow cap {MAX_WORKFLOW_WORK}")
+
+
 def measure(ctx, *, width, height, segments, segment_frames, steps, repeats) -> list[RunRecord]:
     """Continuity of both variants, then the cache experiment with cache_iterations on and off."""
     p = dict(width=width, height=height, segments=segments, segment_frames=segment_frames, steps=steps,
              repeats=repeats)
-    segments_mod.check_size(width, height)            # bad sizes fail here, before any work
-    limits = {"segments": (1, 100), "segment_frames": (1, 1000), "steps": (1, 10_000), "repeats": (2, 1000)}
-    for name, (lo, hi) in limits.items():
-        if not lo <= p[name] <= hi:
-            raise UserError(f"parameter {name!r} must be in [{lo}, {hi}], got {p[name]}")
+    check_params(p)            # bad sizes fail here, before any work
     records = []
     with tempfile.TemporaryDirectory(prefix="inferbook-loops-") as tmp:
         for variant in WORKFLOWS:

@@ -23,10 +23,10 @@ from ..errors import UserError
 from ..measure import benchmark, compare_timings
 from ..presets import Param
 from ..record import RunRecord
-from ..diffusion.fused import Ops
+from ..diffusion.fused import Ops, fa_rule_check
 from ..diffusion.tiled import (batching_check, decode_tiled, overlap_work_ratio, peak_live_tensor_bytes, seam_mask,
                                tiles_for_budget_sweep)
-from ..diffusion.vae import VAEConfig, init_decoder, make_latent
+from ..diffusion.vae import VAEConfig, fp64_reference, init_decoder, make_latent
 from .h3_vae_fusion import annotate_load, parse_ints
 
 
@@ -57,15 +57,22 @@ PARAMETERS = {
     "overlaps": Param(str, help="overlaps for the seam-error sweep, comma-separated (0 allowed)"),
     "max_batch": Param(int, 4, help="most tiles decoded together (the seed: four)"),
     "reps": Param(int, help="minimum timed repetitions"),
+    "vit": Param(str, help="H3's ViT decoder for sd.py's accounting: heads,dim_head,layers (H3: 32,64,36)"),
+    "vit_latent": Param(str, help="T,h,w of the latent the ViT decoder decodes"),
+    "vit_tile_budget_mib": Param(float, help="per-tile budget of the streamed ViT decode (ComfyUI: 128 MiB)"),
 }
 
 PRESETS = {
     "smoke": dict(channels="32,32,32", z_dim=4, latent_frames=2, latent_h=8, latent_w=10, dtype="float32",
-                  tile=6, overlap=2, overlaps="0,4", reps=2),
-    "cpu": dict(channels="64,64,32,32", z_dim=16, latent_frames=2, latent_h=16, latent_w=24, dtype="float32",
-                tile=12, overlap=4, overlaps="0,6,8", reps=8),
-    "gpu": dict(channels="384,384,192,96", z_dim=16, latent_frames=5, latent_h=60, latent_w=104, dtype="bfloat16",
-                tile=32, overlap=8, overlaps="0,8,16", reps=10),
+                  tile=6, overlap=2, overlaps="0,4", reps=2, vit="2,24,1", vit_latent="3,4,4",
+                  vit_tile_budget_mib=1.5),
+    "cpu": dict(channels="64,64,32,32", z_dim=16, latent_frames=2, latent_h=12, latent_w=24, dtype="float32",
+                tile=12, overlap=4, overlaps="0,6,8", reps=3, vit="4,48,2", vit_latent="5,6,8",
+                vit_tile_budget_mib=3.0),
+    # float16, as ComfyUI runs H3's VAE (`working_dtypes = [torch.float16, torch.float32]`)
+    "gpu": dict(channels="384,384,192,96", z_dim=16, latent_frames=5, latent_h=60, latent_w=104, dtype="float16",
+                tile=32, overlap=8, overlaps="0,8,16", reps=10, vit="16,64,8", vit_latent="5,16,28",
+                vit_tile_budget_mib=128.0),
 }
 
 
@@ -107,9 +114,23 @@ def seam_errors(decoder, latent, tile: int, overlap: int, full: torch.Tensor) ->
 BATCHES = (1, 2, 4)
 
 
+def vit_config_from(P: dict) -> tuple:
+    """(H3Config of the ViT decoder, (T, h, w) latent) from the chapter's parameters."""
+    from ..diffusion.vae import H3Config
+
+    heads, dim_head, layers = parse_ints("vit", P["vit"], 3)
+    T, h, w = parse_ints("vit_latent", P["vit_latent"], 3)
+    if h < 2 or w < 2:
+        raise UserError(f"vit_latent h and w must be >= 2, got {h}x{w}")
+    if not 0 < P["vit_tile_budget_mib"] <= 65536:
+        raise UserError(f"vit_tile_budget_mib must be in (0, 65536], got {P['vit_tile_budget_mib']}")
+    return H3Config(heads=heads, dim_head=dim_head, layers=layers, z_dim=P["z_dim"]), (T, h, w)
+
+
 def check_params(P: dict) -> None:
     """Decoder widths, tile and overlaps, before any work (`setup` calls this)."""
     decoder_config_from(dict(channels=P["channels"], z_dim=P["z_dim"]), P["norm"])
+    vit_config_from(P)
     tile = P["tile"]
     if not 0 <= P["overlap"] < tile:
         raise UserError(f"overlap must be in [0, tile={tile}), got {P['overlap']}")
@@ -122,7 +143,7 @@ def check_params(P: dict) -> None:
 
 
 def measure(ctx, *, channels, z_dim, latent_frames, latent_h, latent_w, norm, dtype, tile, overlap, overlaps,
-            max_batch, reps) -> list[RunRecord]:
+            max_batch, reps, vit, vit_latent, vit_tile_budget_mib) -> list[RunRecord]:
     for name, v in (("z_dim", z_dim), ("latent_frames", latent_frames), ("latent_h", latent_h),
                     ("latent_w", latent_w), ("tile", tile), ("max_batch", max_batch), ("reps", reps)):
         if v < 1:
@@ -225,7 +246,74 @@ def measure(ctx, *, channels, z_dim, latent_frames, latent_h, latent_w, norm, dt
             rec.add_check("tiled output finite", e["finite"])
             records.append(rec)
     records += temporal_records(ctx, cfg, dt)
+    records += h3_decode_records(ctx, dict(vit=vit, vit_latent=vit_latent, vit_tile_budget_mib=vit_tile_budget_mib,
+                                           z_dim=z_dim), dt, reps)
     return annotate_load(records)
+
+
+H3_CHUNK, H3_CONTEXT = 2, 1   # latent frames per temporal chunk, and of context on each side
+
+
+def h3_decode_records(ctx, P: dict, dt, reps: int) -> list[RunRecord]:
+    """sd.py's H3 accounting on H3's ViT decoder: the untiled decode with its `memory_used_decode`-style estimate
+    and measured peak; the streamed decode (temporal chunks, tiles sized to the per-tile budget, each tile written
+    to the fp32 output buffer on the intermediate device) with its estimate, its measured peak and the budget
+    checked against the measurement, not against the estimate that chose the tile."""
+    from ..diffusion import h3_decode as HD
+    from ..diffusion.vae import init_h3
+
+    vcfg, (T, h, w) = vit_config_from(P)
+    _, dec = init_h3(vcfg, ctx.seed, device=ctx.device, dtype=dt)
+    z = make_latent(vcfg, (1, T, h, w), ctx.seed + 9, device=ctx.device, dtype=dt)
+    budget = int(P["vit_tile_budget_mib"] * 2 ** 20)
+    fixed = HD.fixed_workspace_bytes(dec, lambda f: _peak(ctx, f)[1], ctx.device, dt)
+    inter = torch.device("cpu")   # ComfyUI's intermediate (output) device
+    wl = {"model": f"H3 ViT3D decoder {vcfg.layers} x {vcfg.heads}x{vcfg.dim_head}, z{vcfg.z_dim}",
+          "model_revision": f"random init, seed {ctx.seed}", "quantization": "none",
+          "dtype": str(dt).replace("torch.", ""), "latent": [T, h, w], "batch": 1}
+    with torch.no_grad():
+        full_fn = lambda: dec(z, Ops("eager"))  # noqa: E731
+        stream_fn = lambda: HD.decode_streamed(dec, z, chunk=H3_CHUNK, context=H3_CONTEXT, tile_budget=budget,  # noqa
+                                               output_device=inter, fixed_bytes=fixed)
+        full = full_fn()
+        video, info = stream_fn()
+        t_full = benchmark(full_fn, ctx.device, label="h3 untiled", warmup=0, min_reps=reps, min_time_s=0.0)
+        t_stream = benchmark(stream_fn, ctx.device, label="h3 streamed", warmup=0, min_reps=reps, min_time_s=0.0)
+        _, peak_full, how = _peak(ctx, full_fn)
+        _, peak_stream, _ = _peak(ctx, stream_fn)
+    on_device = ctx.device.type == "cuda"
+    # on a CPU the intermediate device is the compute device: the output buffer is counted in the peak, and
+    # taken out so that both numbers mean "held by the decode", as a GPU's max_memory_allocated would
+    stream_held = peak_stream - (0 if on_device else info["output_bytes"])
+    full_held = peak_full - (0 if on_device else full.numel() * full.element_size())
+    est_full = HD.decode_estimate(dec, (T, h, w), z.element_size(), fixed_bytes=fixed)
+    records = []
+    rec = ctx.new_record("h3[untiled]", variant="untiled", workload=wl, topology={"ranks": 1})
+    rec.set_backend("decode", "ViT3D decoder, eager, one call", shapes={"latent": list(z.shape)})
+    rec.add("estimate", est_full["bytes"], "B", elements_per_pixel=est_full["elements_per_pixel"], fixed_bytes=fixed,
+            form="(elements/pixel x frames x H x W) x itemsize + fixed, x 1.03 (sd.py's memory_used_decode)")
+    rec.add("peak_memory", full_held, "B", how=how)
+    rec.add_timing("time", t_full)
+    records.append(rec)
+    rec = ctx.new_record("h3[streamed]", variant=f"chunks of {H3_CHUNK}, tiles within {P['vit_tile_budget_mib']:g} MiB",
+                         workload={**wl, "chunk": H3_CHUNK, "context": H3_CONTEXT}, topology={"ranks": 1})
+    rec.set_backend("decode", f"streamed: {info['chunks']} chunk(s) x {info['tiles_per_chunk']} tile(s) of "
+                              f"{info['tile'][0]}x{info['tile'][1]}", reason=info["tile_reason"],
+                    shapes={"latent": list(z.shape), "tile": list(info["tile"])})
+    rec.add("estimate", info["estimate_bytes"], "B", resident_frames=info["resident_frames"], fixed_bytes=fixed)
+    rec.add("peak_memory", stream_held, "B", how=how, output_buffer_bytes=info["output_bytes"],
+            output_device=str(inter))
+    rec.add("tile_budget", budget, "B")
+    rec.add_timing("time", t_stream)
+    err = float((video.double() - full.double().cpu()).abs().max() / full.double().abs().max())
+    rec.add("rel_error_vs_untiled", err, "fraction of max |untiled|")
+    rec.add_check("measured peak within the per-tile budget (measured, not the chooser's estimate)",
+                  stream_held <= budget, error=float(stream_held), tolerance=float(budget))
+    rec.add_check("output is the fp32 buffer on the intermediate device",
+                  video.dtype == torch.float32 and video.device == inter)
+    rec.add_check("streamed output finite", bool(torch.isfinite(video).all()))
+    records.append(rec)
+    return records
 
 
 def work_rows(records) -> tuple[list[dict], dict]:
@@ -257,6 +345,7 @@ def temporal_records(ctx, cfg: VAEConfig, dt) -> list[RunRecord]:
         c = VAEConfig(**{**cfg.__dict__, "norm": norm})
         dec = init_decoder(c, ctx.seed, device=ctx.device, dtype=dt)
         z = make_latent(c, TEMPORAL_LATENT, ctx.seed + 3, device=ctx.device, dtype=dt)
+        ref64 = fp64_reference(dec, z)   # the yardstick: the working precision's own error is full's vs it
         with torch.no_grad():
             full = dec(z, Ops("eager"))
             scale = float(full.double().abs().max())
@@ -264,9 +353,18 @@ def temporal_records(ctx, cfg: VAEConfig, dt) -> list[RunRecord]:
                 video, info = decode_tiled(dec, z, tile=max(z.shape[3:]), overlap=0, temporal_tile=2,
                                            temporal_context=context)
                 err = float((video.double() - full.double()).abs().max()) / scale
+                rule = fa_rule_check(video, full, ref64)
                 rec = ctx.new_record(f"temporal[{norm}, context={context}]", variant=norm, workload=_workload(
                     ctx, c, z, temporal_tile=2, temporal_context=context), topology={"ranks": 1})
                 rec.add("temporal_rel_error", err, "fraction of max |full|", temporal_tiles=info["temporal_tiles"])
+                rec.add("error_vs_fp64", rule["error"], "abs", full_decode_error=rule["eager_error"])
+                rec.add("tolerance_vs_fp64", rule["tolerance"], "abs")
+                # another batch shape may take another conv algorithm (cuDNN picks per shape): not bitwise,
+                # but within 2x the full decode's own error against float64, as FlashAttention's tests judge
                 rec.add_check("temporal tiles finite", bool(torch.isfinite(video).all()))
+                if context == TEMPORAL_LATENT[1] - 1:   # context back to frame 0: exact up to rounding
+                    rec.add_check("temporal tiles within the FlashAttention rule of the full decode vs float64",
+                                  rule["passed"], error=rule["error"], tolerance=rule["tolerance"],
+                                  rms_error=rule["rms_error"], rms_tolerance=rule["rms_tolerance"])
                 records.append(rec)
     return records

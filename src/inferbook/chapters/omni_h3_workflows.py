@@ -42,21 +42,25 @@ HEADLINE = ('t2va', 'request', 'Time of one text-to-video+audio request')
 
 PARAMETERS = {
     "model": Param(str, help="toy served model (size)", choices=("toy-h3-tiny", "toy-h3-small", "toy-h3-base")),
-    "width": Param(int, help="video width (multiple of 16)"),
-    "height": Param(int, help="video height (multiple of 16)"),
-    "frames": Param(int, help="frames, 1 + 4k (the toy VAE's temporal factor)"),
-    "steps": Param(int, help="denoising steps (the seed's run used five)"),
+    "width": Param(int, help="video width: one of the served model's five presets"),
+    "height": Param(int, help="video height: one of the served model's five presets"),
+    "duration": Param(float, help="seconds (Generate Video's input; frames = round(duration x 24), then rounded "
+                                  "up to 17k + 5 by the server)"),
+    "recipe": Param(str, help="which presets Generate Video links: Base (50 steps, flow shift 12) or Turbo "
+                              "(5 steps, flow shift 6, the Turbo LoRA); the seed's run was Turbo",
+                    choices=("base", "turbo")),
     "repeats": Param(int, help="warm runs per workflow (>= 2; all samples kept)"),
 }
 
 PRESETS = {
-    "smoke": dict(model="toy-h3-tiny", width=32, height=32, frames=5, steps=5, repeats=2),
-    "cpu": dict(model="toy-h3-small", width=128, height=96, frames=17, steps=5, repeats=5),
-    "gpu": dict(model="toy-h3-base", width=512, height=288, frames=49, steps=5, repeats=5),
+    "smoke": dict(model="toy-h3-tiny", width=96, height=96, duration=0.208, recipe="turbo", repeats=2),
+    "cpu": dict(model="toy-h3-small", width=128, height=96, duration=0.917, recipe="turbo", repeats=5),
+    "gpu": dict(model="toy-h3-base", width=512, height=384, duration=1.625, recipe="turbo", repeats=5),
 }
+RECIPES = {"base": ("base_sampling", "base_h3", False), "turbo": ("turbo_sampling", "turbo_h3", True)}
 
 FPS, SAMPLE_RATE, CHANNELS = 24, 32000, 2
-SAMPLE_FRAMES = 5   # the short fixed-seed sample checked before scaling up (the seed's advice)
+SAMPLE_DURATION = 0.208   # 5 frames at 24 FPS: the short fixed-seed sample checked before scaling up (the seed's advice)
 # What a ComfyUI client can time: its own nodes. The Generate Video node's time is the request's round trip.
 CLIENT_STAGE_OF = {"LoadImage": "references", "LoadVideo": "references", "LoadAudio": "references",
                    "OmniVideoReferences": "references", "OmniRemoteLoRA": "references",
@@ -75,13 +79,55 @@ def workflow_path(name: str) -> Path:
     return repo_root() / "data" / "workflows" / name
 
 
-def h3_workflow(kind: str, *, model: str, width: int, height: int, frames: int, steps: int, seed: int = 42) -> dict:
-    """The workflow file with the request written into its inputs (as an API client would)."""
+def h3_workflow(kind: str, *, model: str, width: int, height: int, duration: float, recipe: str = "turbo",
+                seed: int = 1101) -> dict:
+    """The workflow file with the request written into its inputs (as an API client would), and Generate
+    Video's sampling / H3-params / LoRA inputs linked to the recipe's nodes (as the template's note says:
+    Turbo replaces the two Base links and connects the LoRA)."""
     wf = json.loads(workflow_path(WORKFLOWS[kind]).read_text())
-    wf["generate"]["inputs"].update(model=model, width=width, height=height, frames=frames, steps=steps, seed=seed,
-                                    fps=FPS)
+    sampling, params, lora = RECIPES[recipe]
+    gen = wf["generate"]["inputs"]
+    gen.update(model=model, width=width, height=height, duration=duration, fps=FPS,
+               sampling_params=[sampling, 0], model_params=[params, 0])
+    if lora:
+        gen["lora"] = ["lora", 0]
+    else:
+        gen.pop("lora", None)
+    wf[sampling]["inputs"]["seed"] = seed
     wf["save"]["inputs"]["fps"] = FPS
     return wf
+
+
+def served_frames(model: str, duration: float) -> int:
+    """The frames the server returns for a request of `duration` s at FPS: the client's conversion, then the
+    server's rounding up to 17k + 5."""
+    return omni_server.contract_for(model).served_frames(nodes.frames_for(duration, FPS))
+
+
+def recipe_steps(recipe: str) -> int:
+    wf = json.loads(workflow_path(WORKFLOWS["t2va"]).read_text())
+    return wf[RECIPES[recipe][0]]["inputs"]["num_inference_steps"]
+
+
+def check_params(P: dict) -> None:
+    """The served model's presets and frame lattice, the repeats, and the executor's work cap, before any work
+    (`setup`, `measure` and `budgets` call this)."""
+    from ..workflow.executor import MAX_NODE_WORK
+
+    if not 0.1 <= P["duration"] <= 60:
+        raise UserError(f"duration must be in [0.1, 60] s, got {P['duration']}")
+    contract = omni_server.contract_for(P["model"])
+    try:
+        contract.aspect_ratio(P["width"], P["height"])
+        frames = served_frames(P["model"], P["duration"])
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    if not 2 <= P["repeats"] <= 1000:
+        raise UserError(f"repeats must be in [2, 1000], got {P['repeats']}")
+    work = frames * recipe_steps(P["recipe"])
+    if work > MAX_NODE_WORK:
+        raise UserError(f"{frames} frames x {recipe_steps(P['recipe'])} steps = {work} is over the executor's "
+                        f"per-node cap {MAX_NODE_WORK}")
 
 
 def write_wav(path: Path, audio: np.ndarray, rate: int) -> Path:
@@ -144,8 +190,8 @@ def run_workflows_timed(ctx, p: dict, out_dir: Path, in_dir: Path) -> dict[str, 
     """Both workflows: one cold run each, then `repeats` warm runs each, the two workflows
     alternating so that drift in the machine's load hits both alike. The executor's cache is
     off, so every node runs every time. Returns {kind: (record, details)}."""
-    wfs = {kind: h3_workflow(kind, model=p["model"], width=p["width"], height=p["height"], frames=p["frames"],
-                             steps=p["steps"], seed=42 + ctx.seed) for kind in WORKFLOWS}
+    wfs = {kind: h3_workflow(kind, model=p["model"], width=p["width"], height=p["height"], duration=p["duration"],
+                             recipe=p["recipe"], seed=1101 + ctx.seed) for kind in WORKFLOWS}
     for kind, wf in wfs.items():
         mismatches = check_service_mapping(wf, omni_server.TOY_SERVED)
         if mismatches:
@@ -162,22 +208,26 @@ def _record(ctx, kind: str, wf: dict, runs: list, p: dict) -> tuple[RunRecord, d
     from ..diffusion.media import check_media
 
     cold, warm = runs[0], runs[1:]
-    info = check_media(cold.output("save"), **expected_media(p["width"], p["height"], p["frames"]))
+    frames = served_frames(p["model"], p["duration"])
+    ev = next(e for e in cold.events if e["kind"] == "server_stages")
+    info = check_media(cold.output("save"), **expected_media(p["width"], p["height"], frames))
     lora = (wf.get("lora") or {}).get("inputs", {}).get("local_path")
     rec = ctx.new_record(kind, variant=kind, workload={
         "model": f"{p['model']} (toy DiT + causal video VAE, random init)",
         "model_revision": "random init, seed 0" + (f" + LoRA {lora}" if lora else ""),
-        "quantization": "none (fp32)", "frames": p["frames"], "resolution": f"{p['width']}x{p['height']}",
-        "steps": p["steps"], "fps": FPS, "audio": f"AAC {SAMPLE_RATE // 1000} kHz, {CHANNELS} channels",
+        "quantization": "none (fp32)", "frames": frames, "duration_s": p["duration"],
+        "requested_frames": nodes.frames_for(p["duration"], FPS), "resolution": f"{p['width']}x{p['height']}",
+        "aspect_ratio": ev["aspect_ratio"], "recipe": p["recipe"], "steps": ev["steps"], "flow_shift": ev["flow_shift"],
+        "fps": FPS, "audio": f"AAC {SAMPLE_RATE // 1000} kHz, {CHANNELS} channels",
         "batch": 1, "references": _reference_counts(cold) if kind == "ref2va" else "none",
     }, topology={"ranks": 1, "tp": 1})
-    B, T, h, w = omni_server.latent_shape(p["width"], p["height"], p["frames"])
+    B, T, h, w = omni_server.latent_shape(p["width"], p["height"], frames)
     rec.set_backend("dit_attention", "torch nn.TransformerEncoderLayer (SDPA inside)",
                     reason="toy DiT from inferbook.diffusion.toy_pipeline, on the server",
                     shapes={"tokens": [1, T * h * w // 4]}, dtype="float32")
     rec.set_backend("vae_decode", "eager", reason="inferbook.diffusion.vae Ops('eager'), on the server",
                     shapes={"latent": [1, 16, T, h, w]}, dtype="float32")
-    rec.set_backend("save", "PyAV libx264 + aac", shapes={"frames": [p["frames"], p["height"], p["width"], 3]})
+    rec.set_backend("save", "PyAV libx264 + aac", shapes={"frames": [frames, p["height"], p["width"], 3]})
     timer = "perf_counter around the node" + (" + cuda sync" if ctx.device.type == "cuda" else "")
     rec.add("cold_total", cold.seconds, "s", phase="cold_start", note="first run: the server builds its model")
     rec.add("server_load", server_seconds(cold)["load"], "s", phase="server: model load",
@@ -210,14 +260,10 @@ def _reference_counts(result) -> dict:
     return dict(ev.get("references") or {})
 
 
-def measure(ctx, *, model, width, height, frames, steps, repeats) -> list[RunRecord]:
+def measure(ctx, *, model, width, height, duration, recipe, repeats) -> list[RunRecord]:
     """Both workflows, client stages and server stages timed apart, outputs decoded and checked."""
-    p = dict(model=model, width=width, height=height, frames=frames, steps=steps, repeats=repeats)
-    omni_server.latent_shape(width, height, frames)   # bad sizes fail here (UserError), before any work
-    if not 1 <= steps <= 1000 or not 2 <= repeats <= 1000:
-        raise UserError(f"steps must be in [1, 1000] and repeats in [2, 1000], got steps={steps}, repeats={repeats}")
-    if not (width <= 4096 and height <= 4096 and frames <= 1001):
-        raise UserError(f"at most 4096x4096 and 1001 frames, got {width}x{height}, {frames} frames")
+    p = dict(model=model, width=width, height=height, duration=duration, recipe=recipe, repeats=repeats)
+    check_params(p)   # bad sizes fail here (UserError), before any work
     records = []
     with tempfile.TemporaryDirectory(prefix="inferbook-omni-") as tmp:
         tmp = Path(tmp)

@@ -507,14 +507,35 @@ def _fused_linear_kernel(x_ptr, w_ptr, bias_ptr, g_ptr, r_ptr, rs_ptr, out_ptr, 
              cast_rtne(acc, out_ptr.dtype.element_ty, EMULATE_BF16), mask=omask)
 
 
-LINEAR_GPU_CONFIG = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4)
+# Tiles of `_fused_linear_kernel` per shape class (issue: one fixed 64 x 64 x 32 tile left a 2048-wide H3 linear
+# at 64 x 64 outputs per CTA, re-reading each weight tile M / 64 times):
+# - few tokens (M <= 64): a 32-row tile and more column blocks, so the grid still covers the SMs;
+# - large outputs (M x N >= 2048 x 2048): 128 x 128 (64 for SwiGLU, which holds two accumulators), 8 warps;
+# - otherwise 128 x 64, 4 warps. BLOCK_K 32 keeps the fp32 accumulators and two bf16 operand tiles in registers
+#   and shared memory at 3 stages on sm_80 .. sm_100.
+LINEAR_GPU_CONFIGS = {"small_m": dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3),
+                      "wide": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, num_warps=8, num_stages=3),
+                      "wide_swiglu": dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=32, num_warps=8, num_stages=3),
+                      "default": dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=3)}
+LINEAR_GPU_CONFIG = LINEAR_GPU_CONFIGS["default"]
 LINEAR_INTERPRETER_CONFIG = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, num_warps=4)
 
 
-def linear_config(device, gpu_config: bool = False) -> dict:
-    """Blocks of `_fused_linear_kernel`: the GPU's, or smaller ones in the interpreter (its numpy
-    temporaries) unless `gpu_config` asks for the GPU's exact constexprs there too (the test matrix does)."""
-    return dict(LINEAR_GPU_CONFIG if (torch.device(device).type == "cuda" or gpu_config) else LINEAR_INTERPRETER_CONFIG)
+def linear_shape_class(M: int, N: int, swiglu: bool = False) -> str:
+    if M <= 64:
+        return "small_m"
+    if M * N >= 2048 * 2048:
+        return "wide_swiglu" if swiglu else "wide"
+    return "default"
+
+
+def linear_config(device, M: int = 4096, N: int = 4096, swiglu: bool = False, gpu_config: bool = False) -> dict:
+    """Blocks of `_fused_linear_kernel` for an M x N output: the GPU's for this shape class, or smaller ones in
+    the interpreter (its numpy temporaries) unless `gpu_config` asks for the GPU's exact constexprs there too
+    (the test matrix does)."""
+    if torch.device(device).type == "cuda" or gpu_config:
+        return dict(LINEAR_GPU_CONFIGS[linear_shape_class(M, N, swiglu)])
+    return dict(LINEAR_INTERPRETER_CONFIG)
 
 
 def fused_linear_triton(x, weight, bias=None, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None,
@@ -526,7 +547,7 @@ def fused_linear_triton(x, weight, bias=None, *, norm_weight=None, eps=1e-6, swi
     N = weight.shape[0] // 2 if swiglu else weight.shape[0]
     out = torch.empty(M, N, device=x.device, dtype=x.dtype)
     r2 = residual.reshape(-1, N) if residual is not None else out
-    cfg = linear_config(x.device, gpu_config)
+    cfg = linear_config(x.device, M, N, swiglu, gpu_config)
     grid = (triton.cdiv(M, cfg["BLOCK_M"]), triton.cdiv(N, cfg["BLOCK_N"]))
     _fused_linear_kernel[grid](
         x2, weight, bias if bias is not None else weight, norm_weight if norm_weight is not None else weight,

@@ -64,9 +64,19 @@ def init_dit(cfg: DiTConfig, seed: int, *, device="cpu", dtype=torch.float32) ->
     return TinyDiT(cfg).to(device=device, dtype=dtype).eval().requires_grad_(False)
 
 
+def flow_times(steps: int, shift: float = 1.0) -> list[float]:
+    """steps + 1 times from 1 to 0, shifted as flow-matching video models shift them (SD3 / Wan / H3's
+    `flow_shift`): t' = shift t / (1 + (shift - 1) t), so a shift > 1 spends more steps at high noise."""
+    if steps < 1 or not shift > 0:
+        raise ValueError(f"steps must be >= 1 and shift > 0, got {steps}, {shift}")
+    ts = [1.0 - i / steps for i in range(steps + 1)]
+    return [shift * t / (1.0 + (shift - 1.0) * t) for t in ts]
+
+
 @torch.no_grad()
-def denoise(dit: TinyDiT, shape, steps: int, seed: int, *, device, dtype) -> torch.Tensor:
-    """Flow-matching Euler from noise (t=1) to a latent (t=0). shape = (B, T, h, w); h, w even."""
+def denoise(dit: TinyDiT, shape, steps: int, seed: int, *, device, dtype, shift: float = 1.0) -> torch.Tensor:
+    """Flow-matching Euler from noise (t=1) to a latent (t=0) over the shifted times of `flow_times`.
+    shape = (B, T, h, w); h, w even."""
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     B, T, h, w = shape
@@ -74,9 +84,9 @@ def denoise(dit: TinyDiT, shape, steps: int, seed: int, *, device, dtype) -> tor
         raise ValueError(f"latent h, w must be multiples of the patch size {dit.cfg.patch}, got {h}x{w}")
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(B, dit.cfg.z_dim, T, h, w, generator=g).to(device=device, dtype=dtype)
+    ts = flow_times(steps, shift)
     for i in range(steps):
-        t = 1.0 - i / steps
-        x = x - dit(x, t) / steps
+        x = x - dit(x, ts[i]) * (ts[i] - ts[i + 1])
     return x
 
 

@@ -34,7 +34,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..errors import UserError
-from .fused import NORMS, Norm, Ops
+from .fused import NORMS, Norm, Ops, triton_usable
+from .int8 import (INT8_GEMM, INT8_KERNELS, int8_attention_eager, int8_attention_triton, int8_linear_eager,
+                   int8_linear_triton, int_mm, quantize_rows)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -219,9 +221,13 @@ class H3Encoder(nn.Module):
         return (B, 2 * self.cfg.z_dim, T, H, W)
 
 
-def token_ids(T: int, H: int, W: int, device, dtype=torch.float32) -> torch.Tensor:
-    """ComfyUI's create_token_ids: each axis' coordinates (i + 0.5) / n mapped to [-1, 1]; [T*H*W, 3]."""
-    axes = [2.0 * (torch.arange(0.5, n, device=device, dtype=torch.float32) / n) - 1.0 for n in (T, H, W)]
+def token_ids(T: int, H: int, W: int, device, dtype=torch.float32, full=None, offset=(0, 0, 0)) -> torch.Tensor:
+    """ComfyUI's create_token_ids: each axis' coordinates (i + 0.5) / n mapped to [-1, 1]; [T*H*W, 3]. A tile
+    or chunk passes the whole grid `full` (T, H, W) and its `offset`, so its tokens keep the positions they have
+    in the untiled decode (ComfyUI #15548: local [-1, 1] per tile textured every tile alike)."""
+    full = (T, H, W) if full is None else full
+    axes = [2.0 * (torch.arange(o + 0.5, o + n, device=device, dtype=torch.float32)[:n] / f) - 1.0
+            for n, f, o in zip((T, H, W), full, offset)]
     return torch.stack(torch.meshgrid(*axes, indexing="ij"), dim=-1).reshape(-1, 3).to(dtype)
 
 
@@ -232,58 +238,9 @@ def rope_angles(ids: torch.Tensor, rot_dim: int, theta: float) -> torch.Tensor:
     return (2.0 * math.pi * ids.float()[:, :, None] * inv[None, None, :]).flatten(1)
 
 
-def int8_quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-row INT8: w ~= q * scale, q int8 [..., N, K], scale fp32 [..., N, 1]."""
-    scale = w.float().abs().amax(dim=-1, keepdim=True).clamp_min(1e-12) / 127.0
-    return torch.clamp(torch.round(w.float() / scale), -127, 127).to(torch.int8), scale
-
-
-def int_mm(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, str]:
-    """int8 [M, K] @ int8 [K, N] -> int32 [M, N] with `torch._int_mm` (cuBLAS INT8 GEMM on CUDA, oneDNN on a
-    CPU). CUDA wants M > 16 and K, N multiples of 8: the operands are zero-padded to that (exact), and the
-    result sliced. If `_int_mm` is still refused, the exact fallback is a float matmul of the integers
-    (fp32 while K * 127^2 < 2^24, else fp64), and the returned label says so."""
-    M, K = a.shape
-    N = b.shape[1]
-    if a.is_cuda:
-        pm, pk, pn = max(0, 17 - M), (-K) % 8, (-N) % 8
-        if pm or pk:
-            a = F.pad(a, (0, pk, 0, pm))
-        if pk or pn:
-            b = F.pad(b, (0, pn, 0, pk))
-    try:
-        return torch._int_mm(a.contiguous(), b)[:M, :N], "torch._int_mm"
-    except RuntimeError as e:  # a build without the INT8 GEMM for this layout
-        acc = torch.float32 if K * 127 * 127 < 2 ** 24 else torch.float64
-        out = (a.to(acc) @ b.to(acc))[:M, :N].round().to(torch.int32)
-        return out, f"exact {str(acc)[6:]} matmul of the int8 values (_int_mm refused: {str(e).splitlines()[0][:60]})"
-
-
-def int8_linear(x: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, bias=None) -> tuple[torch.Tensor, str]:
-    """W8A8 linear: x quantized per token, weight per row, one INT8 GEMM, scales applied to the int32 sums."""
-    K = x.shape[-1]
-    xq, xs = int8_quantize_rows(x.reshape(-1, K))
-    acc, how = int_mm(xq, wq.t())
-    y = acc.float() * xs * ws.view(1, -1).float()
-    if bias is not None:
-        y = y + bias.float()
-    return y.to(x.dtype).reshape(*x.shape[:-1], -1), how
-
-
-def int8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, str]:
-    """Attention whose scores are an INT8 matmul: Q and K quantized per token, Q K^T as int32 sums times the
-    two scales, softmax in fp32, P V in the activation dtype. q, k, v [B, H, S, D]."""
-    B, H, S, D = q.shape
-    qi, qs = int8_quantize_rows(q)
-    ki, ks = int8_quantize_rows(k)
-    out = torch.empty_like(q)
-    how = ""
-    for bh in range(B * H):  # one INT8 GEMM per (batch, head): _int_mm is 2-D
-        i, j = divmod(bh, H)
-        acc, how = int_mm(qi[i, j], ki[i, j].t())
-        s = acc.float() * qs[i, j] * ks[i, j].t() / math.sqrt(D)
-        out[i, j] = torch.softmax(s, dim=-1).to(v.dtype) @ v[i, j]
-    return out, how
+# The INT8 path lives in `int8.py`; these names stay for the chapters and tests that import them from here.
+int8_quantize_rows = quantize_rows
+int8_linear = int8_linear_eager
 
 
 class ViTBlock(nn.Module):
@@ -308,22 +265,24 @@ class ViTBlock(nn.Module):
         self.quantization = "none"
 
     def _linear(self, ops: Ops, x, name, **kw):
-        if self.quantization == "int8" and name in ("to_qkv", "to_out"):
-            wq, ws = getattr(self, f"{name}_q"), getattr(self, f"{name}_s")
-            bias = self.qkv_bias if name == "to_qkv" else self.out_bias
-            xin = x
-            if kw.get("norm_weight") is not None:
-                xf = x.float()
-                xin = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + kw["eps"]) * kw["norm_weight"].float()).to(x.dtype)
-            y, how = int8_linear(xin, wq, ws, bias)
-            ops.log.note(f"{name}[int8]", f"W8A8 {how}", "model quantized by quantize_decoder_int8()",
-                         {"x": tuple(x.shape)}, x.dtype)
-            if kw.get("residual") is not None:
-                y = torch.addcmul(kw["residual"], y, kw["residual_scale"])
-            return y
         return ops.linear(x, getattr(self, name), name=name, **kw)
 
+    def _int8_linear(self, ops: Ops, x, name, bias, *, act="none", norm_weight=None, residual=None,
+                     residual_scale=None):
+        """ComfyUI's `linear_input_act` on an INT8 weight: the input activation (RMSNorm or SwiGLU) and the
+        per-token quantization before the INT8 GEMM, the scales, bias and addcmul after it. The Triton kernels
+        under Ops('fused') where Triton runs, else the PyTorch reference with `torch._int_mm`."""
+        use_triton = ops.backend == "fused" and triton_usable(x)[0]
+        fn = int8_linear_triton if use_triton else int8_linear_eager
+        y, how = fn(x, getattr(self, f"{name}_q"), getattr(self, f"{name}_s"), bias, act=act, norm_weight=norm_weight,
+                    eps=self.cfg.eps, residual=residual, residual_scale=residual_scale)
+        ops.log.note(f"{name}[int8]", f"W8A8 ({act} in, {'addcmul' if residual is not None else 'plain'} out): {how}",
+                     "model quantized by quantize_decoder_int8()", {"x": tuple(x.shape)}, x.dtype)
+        return y
+
     def forward(self, x: torch.Tensor, angles: torch.Tensor, ops: Ops) -> torch.Tensor:
+        if self.quantization == "int8":
+            return self._forward_int8(x, angles, ops)
         B, S, d = x.shape
         cfg = self.cfg
         qkv = self._linear(ops, x, "to_qkv", bias=self.qkv_bias, norm_weight=self.norm1, eps=cfg.eps)
@@ -331,18 +290,31 @@ class ViTBlock(nn.Module):
         q, k, v = torch.chunk(qkv, 3, dim=-1)
         q, k = ops.rms_rope(q, k, angles, cfg.eps)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        if self.quantization == "int8":
-            o, how = int8_attention(q, k, v)
-            ops.log.note("attention", f"int8 QK^T ({how}, per-token scales)",
-                         "model quantized by quantize_decoder_int8()", {"q": tuple(q.shape)}, x.dtype)
-        else:
-            ops.log.note("attention", "torch sdpa", "model not quantized: attention keeps the activation dtype",
-                         {"q": tuple(q.shape)}, x.dtype)
-            o = F.scaled_dot_product_attention(q, k, v)
+        ops.log.note("attention", "torch sdpa", "model not quantized: attention keeps the activation dtype",
+                     {"q": tuple(q.shape)}, x.dtype)
+        o = F.scaled_dot_product_attention(q, k, v)
         o = torch.nan_to_num(o.transpose(1, 2).reshape(B, S, d))
         x = self._linear(ops, o, "to_out", bias=self.out_bias, residual=x, residual_scale=self.scale1)
         h = self._linear(ops, x, "w1", bias=self.w1_bias, norm_weight=self.norm2, eps=cfg.eps, swiglu=True)
         return self._linear(ops, h, "w2", bias=self.w2_bias, residual=x, residual_scale=self.scale2)
+
+    def _forward_int8(self, x: torch.Tensor, angles: torch.Tensor, ops: Ops) -> torch.Tensor:
+        """ComfyUI's INT8 block: all four linears INT8 (w1 returns [gate | up]; SwiGLU is w2's input
+        activation, as `linear_input_act(w2, h, "swiglu", ...)`), and INT8 attention on [B, S, H, D] with no
+        transposes around it."""
+        B, S, d = x.shape
+        cfg = self.cfg
+        qkv = self._int8_linear(ops, x, "to_qkv", self.qkv_bias, act="rms_norm", norm_weight=self.norm1)
+        q, k, v = torch.chunk(qkv.view(B, S, cfg.heads, 3 * cfg.dim_head), 3, dim=-1)
+        q, k = ops.rms_rope(q, k, angles, cfg.eps)
+        use_triton = ops.backend == "fused" and triton_usable(x)[0]
+        o, how = (int8_attention_triton if use_triton else int8_attention_eager)(q, k, v)
+        ops.log.note("attention", f"int8 QK^T, per-token scales: {how}", "model quantized by quantize_decoder_int8()",
+                     {"q": tuple(q.shape)}, x.dtype)
+        o = torch.nan_to_num(o.reshape(B, S, d))
+        x = self._int8_linear(ops, o, "to_out", self.out_bias, residual=x, residual_scale=self.scale1)
+        h = self._int8_linear(ops, x, "w1", self.w1_bias, act="rms_norm", norm_weight=self.norm2)
+        return self._int8_linear(ops, h, "w2", self.w2_bias, act="swiglu", residual=x, residual_scale=self.scale2)
 
 
 class ViT3DDecoder(nn.Module):
@@ -362,9 +334,10 @@ class ViT3DDecoder(nn.Module):
 
     @property
     def quantization(self) -> str:
-        return "int8 (W8A8 qkv/out linears, INT8 QK^T)" if self.blocks[0].quantization == "int8" else "none"
+        return "int8 (W8A8 qkv/out/w1/w2 linears, INT8 QK^T)" if self.blocks[0].quantization == "int8" else "none"
 
-    def forward(self, z: torch.Tensor, ops: Ops | None = None) -> torch.Tensor:
+    def forward(self, z: torch.Tensor, ops: Ops | None = None, *, full=None, offset=(0, 0, 0)) -> torch.Tensor:
+        """`full` / `offset`: the whole latent grid (T, h, w) and this piece's place in it (tiled decodes)."""
         ops = ops if ops is not None else Ops("eager")
         cfg = self.cfg
         if z.dim() != 5 or z.shape[1] != cfg.z_dim:
@@ -373,7 +346,8 @@ class ViT3DDecoder(nn.Module):
         tok = ops.linear(z.flatten(2).transpose(1, 2), self.x_embedder, self.x_bias, name="x_embedder")
         n = tok.shape[1]
         tok = torch.cat([tok, self.register.to(tok.dtype).expand(B, -1, -1), torch.zeros_like(tok[:, :1])], dim=1)
-        ids = torch.cat([token_ids(T, h, w, z.device), torch.zeros(cfg.register_tokens + 1, 3, device=z.device)])
+        ids = torch.cat([token_ids(T, h, w, z.device, full=full, offset=offset),
+                         torch.zeros(cfg.register_tokens + 1, 3, device=z.device)])
         angles = rope_angles(ids, int(cfg.dim_head * cfg.rope_dim_ratio), cfg.rope_theta)
         for blk in self.blocks:
             tok = blk(tok, angles, ops)
@@ -407,8 +381,19 @@ def init_h3(cfg: H3Config, seed: int, *, device="cpu", dtype=torch.float32) -> t
     return mk(enc), mk(dec)
 
 
+def int8_ops_report(log, *, attention: bool = False) -> dict:
+    """From a BackendLog of a quantized decoder's run: {op: backend} of every INT8 linear (and the attention
+    with `attention=True`), and whether each of them reported an INT8 kernel (`int8.INT8_KERNELS`) and nothing
+    else. A float fallback inside `int_mm` reports its own label, so an INT8 path that silently ran in float
+    fails here; so does the eager attention, which is a reference, not a kernel."""
+    ops = {op: e["backend"] for op, e in log.ops.items() if op.endswith("[int8]") or
+           (attention and op == "attention" and e["backend"].startswith("int8"))}
+    ran = bool(ops) and all(" + " not in b and b.rsplit(": ", 1)[-1] in INT8_KERNELS for b in ops.values())
+    return {"ops": ops, "all_int8_gemm": ran}
+
+
 def quantize_decoder_int8(decoder: ViT3DDecoder) -> ViT3DDecoder:
-    """A copy of the ViT decoder whose attention linears are W8A8 INT8 and whose scores are an INT8 matmul
+    """A copy of the ViT decoder whose four linears per block are W8A8 INT8 and whose scores are an INT8 matmul
     (ComfyUI: `int8_attention` only when `to_qkv.weight` is already a quantized tensor). The only way to
     get INT8 attention: a float model never switches precision on its own. The original is unchanged."""
     if not isinstance(decoder, ViT3DDecoder):
@@ -417,7 +402,7 @@ def quantize_decoder_int8(decoder: ViT3DDecoder) -> ViT3DDecoder:
         raise UserError("decoder is already INT8-quantized")
     q = copy.deepcopy(decoder)
     for blk in q.blocks:
-        for name in ("to_qkv", "to_out"):
+        for name in ("to_qkv", "to_out", "w1", "w2"):
             w = getattr(blk, name)
             qi, s = int8_quantize_rows(w.data)
             blk.register_buffer(f"{name}_q", qi)

@@ -33,12 +33,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def main_workflow(args) -> int:
     """Run the `workflow` subcommand; raises UserError (printed as one line by the caller)."""
     from ..device import resolve_device
-    from .executor import Executor, load_workflow, validate
+    from .executor import Executor, load_workflow
 
     path = Path(args.file)
     graph = load_workflow(path)
     if args.workflow_command == "validate":
-        plan = validate(graph)
+        plan = Executor().preflight(graph)   # every check `run` makes before its first node
         print(f"{path}: valid, {len(graph)} nodes, {len(plan.loops)} loop(s)")
         return 0
     device = resolve_device(args.device)

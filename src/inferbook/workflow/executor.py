@@ -21,10 +21,13 @@ typed inputs and outputs. `Executor.run(workflow)`:
    (ComfyUI re-sends the cached UI output). A node whose spec is `fresh` (ComfyUI: a
    `fingerprint_inputs` of NaN) gets a new signature every run, so it and its descendants run.
 
-A `StartLoop` node is not run (and is always fresh): when its own inputs are ready the queue hands
-it to `loops.expand`, which projects every iteration into ordinary nodes with deterministic ids
-and puts them on the same queue (see `loops.py`). Bounds: integers fit in 64 bits, JSON nests at
-most `MAX_JSON_DEPTH` levels, one loop runs at most `max_iterations` and all loops of a run together
+A node class with an `expand` hook (`StartLoop`) is not run (and is always fresh): when its own inputs
+are ready the queue hands it to the hook (`loops.expand`), which projects every iteration into ordinary
+nodes with deterministic ids and puts them on the same queue; its `plan` hook (`loops.plan_loops`) checks
+the structure before the run. The executor sits below the node classes it runs: it imports none of them
+(`loops.py`, `nodes.py` and the server import it; the package's `__init__` registers the classes).
+
+Bounds: integers fit in 64 bits, JSON nests at most `MAX_JSON_DEPTH` levels, one loop runs at most `max_iterations` and all loops of a run together
 at most `max_total_iterations` (checked from literals before anything runs, and again as loops expand).
 
 Nothing here evaluates code from a workflow: it is parsed with `json` and dispatched by
@@ -50,7 +53,7 @@ from ..errors import UserError, choices
 # Value types a node input or output can have. ANY accepts and produces anything; LOOP is the
 # handle from StartLoop to its EndLoop and only those two nodes use it.
 TYPES = ("INT", "FLOAT", "STRING", "BOOLEAN", "LIST", "IMAGE", "AUDIO", "LATENT", "REFS", "MODEL", "LORA", "LOOP",
-         "ANY")
+         "SAMPLING_PARAMS", "VIDEO_PARAMS", "ANY")
 # Types a literal in the JSON may have (the others must come from a link).
 LITERAL_TYPES = ("INT", "FLOAT", "STRING", "BOOLEAN", "LIST", "ANY")
 RESERVED = "#"  # projected loop nodes are named "<id>#<iteration>"; user ids may not contain it
@@ -65,8 +68,9 @@ class WorkflowError(UserError):
 
 
 def _where(node_id: str, class_type: str | None = None, input: str | None = None) -> str:
-    s = f"node {node_id!r}" + (f" ({class_type})" if class_type else "")
-    return s + (f" input {input!r}" if input else "")
+    # ascii(): a name with a newline, an escape sequence or non-ASCII text prints escaped, under any locale
+    s = f"node {ascii(node_id)}" + (f" ({class_type})" if class_type else "")
+    return s + (f" input {ascii(input)}" if input else "")
 
 
 def _describe(value: Any) -> str:
@@ -119,7 +123,22 @@ class Input:
 INT_BOUND = 2 ** 63 - 1
 # JSON nesting deeper than this is refused (Python's json would raise RecursionError near 1000).
 MAX_JSON_DEPTH = 64
+# What one workflow may ask for. Each is checked before the work it bounds: the file's size and kind before it
+# is read, the node count when it is parsed, every value a node produces before the next node sees it, and the
+# declared work of a node (frames x steps) before it runs and, from literals, before the run starts.
+MAX_FILE_BYTES = 4 * 2 ** 20        # a workflow file (ours are a few kB; ComfyUI's API files rarely pass 1 MB)
+MAX_NODES = 10_000                  # nodes in a workflow file
+MAX_STRING_CHARS = 1_000_000        # characters of one string value
+MAX_VALUE_ITEMS = 100_000           # items of one value, nested lists counted as often as they appear
+MAX_TENSOR_ELEMENTS = 2 ** 28       # elements of one tensor value (1 GiB of float32)
+MAX_NODE_WORK = 100_000             # declared work units (frames x denoising steps) of one node
+MAX_WORKFLOW_WORK = 1_000_000       # the same, summed over one run (loop iterations multiply)
 _VARIADIC = Input("ANY", optional=True)
+
+
+def ascii_index(text: str) -> bool:
+    """Is `text` a non-empty run of ASCII digits? (`str.isdigit` also accepts '²', which int() refuses.)"""
+    return bool(text) and text.isascii() and text.isdigit()
 
 
 @dataclass(frozen=True)
@@ -135,6 +154,15 @@ class NodeClass:
     context: bool = False                   # fn also receives `run=` (a RunContext: output folder, events)
     help: str = ""
     variadic: str | None = None             # inputs named <variadic><k> (k = 0, 1, ...) are accepted as optional ANY
+    work: Callable[[dict], int | None] | None = None   # declared work (frames x steps) from its inputs; None: unknown
+    # A node class that opens a structure (StartLoop): `plan(graph, registry)` checks the structure before the run
+    # and returns its plan; `expand(graph, nid, values, registry, max_iterations=, budget=)` projects it into
+    # ordinary nodes instead of running. The executor calls these hooks and never imports the classes.
+    plan: Callable | None = None
+    expand: Callable | None = None
+    # `check(inputs)` raises ValueError for inputs the node would refuse when it runs (None: a linked input, not
+    # known yet): called on the literals before the run, so `validate` refuses what `run` would
+    check: Callable[[dict], None] | None = None
 
     def required(self) -> list[str]:
         return [k for k, i in self.inputs.items() if i.default is None and not i.optional]
@@ -143,7 +171,7 @@ class NodeClass:
         """The declared input `name`, or the variadic ANY input it names, or None."""
         if name in self.inputs:
             return self.inputs[name]
-        if self.variadic and name.startswith(self.variadic) and name[len(self.variadic):].isdigit():
+        if self.variadic and name.startswith(self.variadic) and ascii_index(name[len(self.variadic):]):
             return _VARIADIC
         return None
 
@@ -152,9 +180,13 @@ REGISTRY: dict[str, NodeClass] = {}
 
 
 def node(name: str, *, inputs: dict[str, Input | str], outputs: tuple = (), side_effect: bool = False,
-         internal: bool = False, context: bool = False, registry: dict | None = None, variadic: str | None = None):
+         internal: bool = False, context: bool = False, registry: dict | None = None, variadic: str | None = None,
+         work: Callable[[dict], int | None] | None = None, plan: Callable | None = None,
+         expand: Callable | None = None, check: Callable[[dict], None] | None = None):
     """Register `fn` as node class `name`. `inputs`: name -> Input or a bare type name;
-    `outputs`: (name, type) pairs. `fn(**inputs)` returns a tuple with one value per output."""
+    `outputs`: (name, type) pairs. `fn(**inputs)` returns a tuple with one value per output.
+    `work(inputs)` declares what a call costs (frames x steps; None while an input is unknown, i.e. linked):
+    checked against MAX_NODE_WORK and MAX_WORKFLOW_WORK before the run and again before the node runs."""
     reg = REGISTRY if registry is None else registry
     ins = {k: (v if isinstance(v, Input) else Input(v)) for k, v in inputs.items()}
     for k, i in ins.items():
@@ -166,8 +198,8 @@ def node(name: str, *, inputs: dict[str, Input | str], outputs: tuple = (), side
 
     def deco(fn):
         reg[name] = NodeClass(name=name, inputs=ins, outputs=tuple(outputs), fn=fn, side_effect=side_effect,
-                              internal=internal, context=context, variadic=variadic,
-                              help=(fn.__doc__ or "").strip().splitlines()[0] if fn.__doc__ else "")
+                              internal=internal, context=context, variadic=variadic, work=work,
+                              plan=plan, expand=expand, check=check, help=(fn.__doc__ or "").strip().splitlines()[0] if fn.__doc__ else "")
         return fn
     return deco
 
@@ -216,8 +248,17 @@ def parse_workflow(text: str, *, source: str = "workflow") -> dict[str, Spec]:
     depth = json_depth(text)
     if depth > MAX_JSON_DEPTH:
         raise WorkflowError(f"{source} nests JSON {depth} levels deep; at most {MAX_JSON_DEPTH} are allowed")
+    def no_duplicates(pairs):  # json keeps the last of two equal keys; a second node "3" would silently win
+        seen = set()
+        for k, _ in pairs:
+            if k in seen:
+                raise WorkflowError(f"{source} has the key {k!r} twice in one object (a node id or input name must "
+                                    "be unique)")
+            seen.add(k)
+        return dict(pairs)
+
     try:
-        data = json.loads(text, parse_constant=no_constant)
+        data = json.loads(text, parse_constant=no_constant, object_pairs_hook=no_duplicates)
     except json.JSONDecodeError as e:
         raise WorkflowError(f"{source} is not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}") from None
     except RecursionError:
@@ -261,14 +302,38 @@ def value_depth(value: Any, limit: int = MAX_JSON_DEPTH) -> int:
 
 
 def load_workflow(path: str | Path) -> dict[str, Spec]:
+    """Read a workflow file defensively: a regular file only (a FIFO or device would block or never end),
+    at most MAX_FILE_BYTES (checked before reading, and again while reading), UTF-8."""
+    import os
+    import stat
+
     path = Path(path)
+    name = ascii(str(path))
     try:
-        text = path.read_text(encoding="utf-8")
+        st = os.stat(path)
     except FileNotFoundError:
-        raise WorkflowError(f"no workflow file at {str(path)!r}") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise WorkflowError(f"cannot read workflow file {str(path)!r}: {e}") from None
-    return parse_workflow(text, source=f"workflow file {str(path)!r}")
+        raise WorkflowError(f"no workflow file at {name}") from None
+    except OSError as e:
+        raise WorkflowError(f"cannot read workflow file {name}: {e.strerror}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise WorkflowError(f"workflow file {name} is not a regular file (a FIFO, device or folder); give a .json file")
+    if st.st_size > MAX_FILE_BYTES:
+        raise WorkflowError(f"workflow file {name} is {st.st_size} bytes; at most {MAX_FILE_BYTES} are allowed")
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # replaced by a FIFO since stat: no hang
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise WorkflowError(f"workflow file {name} is not a regular file")
+            raw = f.read(MAX_FILE_BYTES + 1)
+    except OSError as e:
+        raise WorkflowError(f"cannot read workflow file {name}: {e.strerror}") from None
+    if len(raw) > MAX_FILE_BYTES:
+        raise WorkflowError(f"workflow file {name} is over {MAX_FILE_BYTES} bytes; at most {MAX_FILE_BYTES} are allowed")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise WorkflowError(f"workflow file {name} is not UTF-8 text (byte {e.start})") from None
+    return parse_workflow(text, source=f"workflow file {name}")
 
 
 def workflow_from_dict(data: Any, *, source: str = "workflow") -> dict[str, Spec]:
@@ -279,6 +344,8 @@ def workflow_from_dict(data: Any, *, source: str = "workflow") -> dict[str, Spec
         raise WorkflowError(f"{source} must be a JSON object of node id -> node, got {type(data).__name__}")
     if not data:
         raise WorkflowError(f"{source} has no nodes")
+    if len(data) > MAX_NODES:
+        raise WorkflowError(f"{source} has {len(data)} nodes; at most {MAX_NODES} are allowed")
     depth = value_depth(data)
     if depth > MAX_JSON_DEPTH:
         raise WorkflowError(f"{source} nests values more than {MAX_JSON_DEPTH} levels deep")
@@ -328,13 +395,24 @@ def as_graph(workflow) -> dict[str, Spec]:
 # Validation (before any node runs)
 
 
-def validate(graph: dict[str, Spec], registry: dict[str, NodeClass] | None = None) -> "LoopPlan":
-    """Check every node, input and link, then the graph (cycles) and the loops.
+class NoStructure:
+    """The plan of a workflow with no structure-opening node (no loop): nothing to schedule or bound."""
 
-    Returns the loop structure (`loops.LoopPlan`). Raises `WorkflowError` at the first problem,
-    naming the node id, its class and the input."""
-    from .loops import plan_loops
+    loops: dict = {}
 
+    def apply_schedule(self, graph) -> None:
+        pass
+
+    def check_total(self, limit, per_loop, graph) -> None:
+        pass
+
+
+def validate(graph: dict[str, Spec], registry: dict[str, NodeClass] | None = None):
+    """Check every node, input and link, then the graph (cycles) and the structures (loops) through their
+    classes' `plan` hook.
+
+    Returns the structure's plan (`loops.LoopPlan` when the workflow has loops, else `NoStructure`). Raises
+    `WorkflowError` at the first problem, naming the node id, its class and the input."""
     reg = REGISTRY if registry is None else registry
     for nid, spec in graph.items():
         cls = reg.get(spec.class_type)
@@ -386,7 +464,14 @@ def validate(graph: dict[str, Spec], registry: dict[str, NodeClass] | None = Non
     if cycle:
         raise WorkflowError("the workflow has a cycle: " + " -> ".join(cycle + [cycle[0]]) +
                             " (a node cannot depend on its own output; use StartLoop/EndLoop to iterate)", node=cycle[0])
-    return plan_loops(graph, reg)
+    planners = []
+    for spec in graph.values():
+        fn = reg[spec.class_type].plan
+        if fn is not None and fn not in planners:
+            planners.append(fn)
+    if len(planners) > 1:
+        raise TypeError(f"node classes with {len(planners)} different structure planners in one registry")
+    return planners[0](graph, reg) if planners else NoStructure()
 
 
 def check_bounds(want: Input, value: Any, nid: str, cls_name: str, name: str) -> None:
@@ -427,6 +512,118 @@ def find_cycle(graph: dict[str, Spec]) -> list[str]:
                 path.append(nxt)
                 stack.append((nxt, iter(sorted({s for s, _ in links(graph[nxt]).values() if s in graph}))))
     return []
+
+
+def value_size(value: Any) -> dict:
+    """{"items", "chars", "elements", "depth"} of a value a node produced: list/tuple/dict items (a sub-list
+    shared by several parents counted once per parent, as anything that walks the value would see it), string
+    characters, tensor/array elements and nesting depth. Each container is measured once (memoised by
+    identity), so 60 levels of a list holding the previous one twice cost 60 steps, not 2^60."""
+    memo: dict[int, tuple[int, int, int, int]] = {}
+    keep = []   # containers measured, kept alive so their ids stay unique
+    todo = [(value, False)]
+    out = (0, 0, 0, 0)
+
+    def leaf(v) -> tuple[int, int, int, int]:
+        if isinstance(v, str):
+            return 0, len(v), 0, 0
+        numel = getattr(v, "numel", None)
+        if callable(numel):
+            return 0, 0, int(numel()), 0
+        size = getattr(v, "size", None)
+        if isinstance(size, int) and hasattr(v, "dtype"):
+            return 0, 0, size, 0
+        return 0, 0, 0, 0
+
+    while todo:
+        v, done = todo.pop()
+        if not isinstance(v, (list, tuple, dict)):
+            continue
+        key = id(v)
+        if key in memo and not done:
+            continue
+        kids = list(v.items()) if isinstance(v, dict) else list(v)
+        kids = [x for kv in kids for x in (kv if isinstance(v, dict) else (kv,))]
+        if not done:
+            memo[key] = None  # in progress
+            keep.append(v)
+            todo.append((v, True))
+            todo.extend((k, False) for k in kids if isinstance(k, (list, tuple, dict)) and id(k) not in memo)
+            continue
+        items, chars, elements, depth = len(v), 0, 0, 0
+        for k in kids:
+            sub = memo.get(id(k)) if isinstance(k, (list, tuple, dict)) else leaf(k)
+            if sub is None:   # a container inside itself: refuse rather than loop
+                raise WorkflowError("a value contains itself")
+            items, chars, elements = items + sub[0], chars + sub[1], elements + sub[2]
+            depth = max(depth, sub[3])
+        memo[key] = (min(items, 2 ** 62), min(chars, 2 ** 62), min(elements, 2 ** 62), depth + 1)
+    out = memo.get(id(value)) if isinstance(value, (list, tuple, dict)) else leaf(value)
+    return dict(zip(("items", "chars", "elements", "depth"), out))
+
+
+def check_value(value: Any, nid: str, cls_name: str, what: str) -> None:
+    """Refuse a value over the per-value bounds (one line naming the node, the size and the bound)."""
+    size = value_size(value)
+    for key, cap, unit in (("chars", MAX_STRING_CHARS, "characters"), ("items", MAX_VALUE_ITEMS, "list items"),
+                           ("elements", MAX_TENSOR_ELEMENTS, "tensor elements"), ("depth", MAX_JSON_DEPTH, "levels")):
+        if size[key] > cap:
+            raise WorkflowError(f"{_where(nid, cls_name)} {what} holds {size[key]} {unit}; at most {cap} are allowed",
+                                node=nid)
+
+
+def declared_work(cls: "NodeClass", values: dict) -> int | None:
+    """The work `cls` declares for these inputs (None: not declared, or an input is not known yet)."""
+    if cls.work is None:
+        return None
+    try:
+        return cls.work(values)
+    except (TypeError, ValueError):
+        return None
+
+
+def check_work(graph: dict[str, Spec], plan, registry: dict[str, NodeClass], *, per_node: int = MAX_NODE_WORK,
+               per_workflow: int = MAX_WORKFLOW_WORK) -> int:
+    """Before the run: each node's declared work from its literal inputs, times the literal iteration counts of
+    the loops around it, against the per-node and per-workflow caps. Returns the total known."""
+    inside: dict[str, int] = {}
+    for lp in getattr(plan, "loops", {}).values():
+        for n in lp.body:
+            inside[n] = inside.get(n, 1) * (lp.count if lp.count is not None else 1)
+    total = 0
+    for nid, spec in graph.items():
+        cls = registry[spec.class_type]
+        literals = {k: (None if is_link(v) else v) for k, v in
+                    {**{k: i.default for k, i in cls.inputs.items()}, **spec.inputs}.items()}
+        if cls.check is not None:
+            try:
+                cls.check(literals)
+            except ValueError as e:
+                raise WorkflowError(f"{_where(nid, cls.name)} would be refused: {e}", node=nid) from None
+        w = declared_work(cls, literals)
+        if w is None:
+            continue
+        if w > per_node:
+            raise WorkflowError(f"{_where(nid, cls.name)} asks for {w} work units (frames x steps); at most {per_node} "
+                                "per node", node=nid)
+        total += w * inside.get(nid, 1)
+        if total > per_workflow:
+            raise WorkflowError(f"{_where(nid, cls.name)} brings the workflow to {total} work units (frames x steps, "
+                                f"loop iterations multiply); at most {per_workflow} per workflow", node=nid)
+    return total
+
+
+def preflight(graph: dict[str, Spec], registry: dict[str, NodeClass] | None = None, *, max_iterations: int = 1000,
+              max_total_iterations: int = 10_000, max_work: int = MAX_WORKFLOW_WORK):
+    """Every check a run makes before its first node: `validate`, the loop schedule and iteration limits, the
+    declared work. `Executor.run`, `Executor.validate` and `inferbook workflow validate` all call this, so a
+    workflow that validates is one that starts."""
+    reg = REGISTRY if registry is None else registry
+    plan = validate(graph, reg)
+    plan.apply_schedule(graph)
+    plan.check_total(max_total_iterations, max_iterations, graph)
+    check_work(graph, plan, reg, per_workflow=max_work)
+    return plan
 
 
 # ---------------------------------------------------------------------------
@@ -552,15 +749,14 @@ class Executor:
                  max_iterations: int = 1000, max_total_iterations: int = 10_000,
                  max_projected_nodes: int = 200_000, sync: Callable[[], None] | None = None,
                  output_dir: str | Path | None = None, input_dir: str | Path | None = None,
-                 device: Any = "cpu", dtype: Any = None):
-        from . import nodes  # noqa: F401  (registers the built-in node classes)
-
+                 device: Any = "cpu", dtype: Any = None, max_work: int = MAX_WORKFLOW_WORK):
         self.registry = REGISTRY if registry is None else registry
         self.use_cache = cache
         self.cache: dict[str, tuple] = {}
         self.max_iterations = max_iterations
         self.max_total_iterations = max_total_iterations
         self.max_projected_nodes = max_projected_nodes
+        self.max_work = max_work
         self.sync = sync or (lambda: None)
         self.output_dir = Path(output_dir) if output_dir is not None else None
         self.input_dir = Path(input_dir) if input_dir is not None else Path.cwd()
@@ -572,18 +768,20 @@ class Executor:
         self.cache.clear()
 
     def validate(self, workflow) -> dict[str, Spec]:
+        """Every check `run` makes before its first node (`preflight`), with this executor's limits."""
         graph = as_graph(workflow)
-        validate(graph, self.registry)
+        self.preflight(graph)
         return graph
 
-    def run(self, workflow) -> RunResult:
-        from .loops import expand
+    def preflight(self, graph: dict[str, Spec]):
+        return preflight(graph, self.registry, max_iterations=self.max_iterations,
+                         max_total_iterations=self.max_total_iterations, max_work=self.max_work)
 
+    def run(self, workflow) -> RunResult:
         t_start = time.perf_counter()
         graph = as_graph(workflow)
-        plan = validate(graph, self.registry)
-        plan.apply_schedule(graph)
-        plan.check_total(self.max_total_iterations, self.max_iterations, graph)
+        self.preflight(graph)
+        work_done = 0
 
         order = {nid: i for i, nid in enumerate(graph)}   # file order breaks ties
         seq = len(order)
@@ -647,12 +845,12 @@ class Executor:
                     values[name] = v
             # ComfyUI's StartLoop (and LoopIteration with cache_iterations off) fingerprint as NaN: a key
             # that never equals an earlier one, so they and everything downstream of them run again.
-            sig = uuid.uuid4().hex if (spec.fresh or spec.class_type == "StartLoop") else signature(spec, input_sigs)
+            sig = uuid.uuid4().hex if (spec.fresh or cls.expand is not None) else signature(spec, input_sigs)
 
-            if spec.class_type == "StartLoop":
-                # The loop is not run but projected: new ordinary nodes go on this queue.
-                new_ids, removed, info = expand(graph, nid, values, self.registry, max_iterations=self.max_iterations,
-                                                budget=budget)
+            if cls.expand is not None:
+                # A loop is not run but projected: new ordinary nodes go on this queue.
+                new_ids, removed, info = cls.expand(graph, nid, values, self.registry,
+                                                    max_iterations=self.max_iterations, budget=budget)
                 loops_log.append(info)
                 for k in removed:           # the body as written: replaced by its copies
                     waiting.pop(k, None)
@@ -670,6 +868,15 @@ class Executor:
             for name, inp in cls.inputs.items():
                 if name not in values:
                     values[name] = inp.default
+            w = declared_work(cls, values)
+            if w is not None:   # before the node runs: its own cap, and the run's so far
+                if w > MAX_NODE_WORK:
+                    raise WorkflowError(f"{_where(nid, cls.name)} asks for {w} work units (frames x steps); at most "
+                                        f"{MAX_NODE_WORK} per node", node=nid)
+                work_done += w
+                if work_done > self.max_work:
+                    raise WorkflowError(f"{_where(nid, cls.name)} brings this run to {work_done} work units (frames x "
+                                        f"steps); at most {self.max_work} per workflow", node=nid)
             # Output (side-effect) nodes are cached like any other node, as in ComfyUI's executor: an
             # unchanged SaveVideo or Preview is not run again; what it showed is re-emitted from the cache.
             use_cache = self.use_cache and spec.cache
@@ -696,6 +903,8 @@ class Executor:
                     raise TypeError(f"node class {cls.name} returned {type(outs).__name__} "
                                     f"of length {len(outs) if hasattr(outs, '__len__') else '?'}, "
                                     f"expected a tuple of {len(cls.outputs)}")
+                for k, v in enumerate(outs):   # bounded before any other node sees it
+                    check_value(v, nid, cls.name, f"output {k}")
                 status = "side_effect" if cls.side_effect else "ran"
                 if use_cache:
                     self.cache[sig] = (outs, [dict(e) for e in run_ctx.events[first_event:]])

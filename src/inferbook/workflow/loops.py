@@ -38,12 +38,22 @@ import json
 import uuid
 from dataclasses import dataclass, field
 
-from .executor import Input, Spec, WorkflowError, _where, is_link, links, node
+from .executor import Input, Spec, WorkflowError, _where, ascii_index, is_link, links, node
 
 MODES = ("simple", "For", "List")
 # StartLoop output indices (ComfyUI's order; the handle is ours, last)
 INDEX, IS_FIRST, IS_LAST, ITEM, VALUE, HANDLE = range(6)
 MAX_TERMINATIONS = 50          # ComfyUI's Autogrow max for EndLoop terminations
+
+
+def _plan(graph, registry):
+    """The executor's `plan` hook of StartLoop and EndLoop (one function: the executor calls it once)."""
+    return plan_loops(graph, registry)
+
+
+def _expand(graph, sid, values, registry, **kw):
+    """The executor's `expand` hook of StartLoop."""
+    return expand(graph, sid, values, registry, **kw)
 
 
 @node("StartLoop", inputs={
@@ -58,7 +68,7 @@ MAX_TERMINATIONS = 50          # ComfyUI's Autogrow max for EndLoop terminations
     "initial_iteration_value": Input("ANY", optional=True, help="current_iteration_value on the first iteration"),
     "max_iterations": Input("INT", optional=True, min=0, help="refuse loops longer than this (ours, not ComfyUI's)"),
 }, outputs=(("iteration_index", "INT"), ("is_first", "BOOLEAN"), ("is_last", "BOOLEAN"), ("list_item", "ANY"),
-            ("current_iteration_value", "ANY"), ("loop", "LOOP")))
+            ("current_iteration_value", "ANY"), ("loop", "LOOP")), plan=_plan, expand=_expand)
 def start_loop(**_):
     """Opens a loop. Never run: the executor projects it (see `expand`)."""
     raise RuntimeError("StartLoop is projected by the executor, never run")
@@ -69,7 +79,7 @@ def start_loop(**_):
     "output_value": Input("ANY", optional=True, help="returned: the last iteration's, or all with accumulate"),
     "next_iteration_value": Input("ANY", optional=True, help="carried into the next iteration"),
     "accumulate": Input("BOOLEAN", default=False, help="return output_value of every iteration (a list)"),
-}, outputs=(("outputs", "ANY"),), variadic="termination")
+}, outputs=(("outputs", "ANY"),), variadic="termination", plan=_plan)
 def end_loop(**_):
     """Closes the loop whose handle it receives. termination0, termination1, ...: side effects that
     must run on every iteration (their values are not returned)."""
@@ -101,25 +111,20 @@ def content_key(value) -> str:
     """A hash of an item's content (JSON values, tensors, arrays, nested lists and dicts of them), so an
     iteration's key depends on its own item even when the list arrives through a link. Anything else
     gets a fresh key and is never reused (ComfyUI's to_hashable makes it Unhashable; ComfyUI does the
-    same to tensors, which we hash by dtype, shape and bytes instead)."""
+    same to tensors, which we hash by dtype, shape and bytes instead).
+
+    A container's key is the hash of its children's keys, each container hashed once (memoised by
+    identity): a list that holds the previous level twice, 60 levels deep, costs 60 hashes, not 2^60."""
     import numpy as np
     import torch
 
-    h = hashlib.sha256()
-    todo = [value]
-    while todo:
-        v = todo.pop()
+    memo: dict[int, str] = {}
+    keep = []   # containers hashed, kept alive so their ids stay unique during the walk
+
+    def leaf(v) -> str:
+        h = hashlib.sha256()
         if v is None or isinstance(v, (bool, int, float, str)):
             h.update(f"{type(v).__name__}:{v!r};".encode())
-        elif isinstance(v, (list, tuple)):
-            h.update(f"{type(v).__name__}[{len(v)}];".encode())
-            todo.extend(reversed(v))
-        elif isinstance(v, dict):
-            keys = sorted(v, key=repr)
-            h.update(f"dict[{len(keys)}];".encode())
-            for k in reversed(keys):
-                todo.append(v[k])
-                todo.append(k)
         elif isinstance(v, torch.Tensor):
             t = v.detach().cpu().contiguous()
             h.update(f"tensor:{t.dtype}:{tuple(t.shape)};".encode())
@@ -130,7 +135,33 @@ def content_key(value) -> str:
             h.update(a.tobytes())
         else:
             h.update(uuid.uuid4().bytes)
-    return h.hexdigest()[:32]
+        return h.hexdigest()
+
+    def children(v) -> list:
+        if isinstance(v, dict):
+            keys = sorted(v, key=repr)
+            return [x for k in keys for x in (k, v[k])]
+        return list(v)
+
+    def key_of(v) -> str:
+        return memo[id(v)] if isinstance(v, (list, tuple, dict)) else leaf(v)
+
+    todo = [(value, False)]
+    while todo:
+        v, done = todo.pop()
+        if not isinstance(v, (list, tuple, dict)) or (id(v) in memo and not done):
+            continue
+        if not done:
+            memo[id(v)] = ""   # in progress (a value that holds itself hashes its inner copy as "")
+            keep.append(v)
+            todo.append((v, True))
+            todo.extend((c, False) for c in children(v) if isinstance(c, (list, tuple, dict)) and id(c) not in memo)
+            continue
+        h = hashlib.sha256(f"{type(v).__name__}[{len(v)}];".encode())
+        for c in children(v):
+            h.update(key_of(c).encode())
+        memo[id(v)] = h.hexdigest()
+    return key_of(value)[:32]
 
 
 # ---------------------------------------------------------------------------
@@ -272,7 +303,8 @@ def plan_loops(graph: dict[str, Spec], registry=None) -> LoopPlan:
                 raise WorkflowError(f"{_where(nid, 'EndLoop', 'loop')} must link to output {HANDLE} ('loop') of a "
                                     "StartLoop", node=nid, input="loop")
             for name in spec.inputs:
-                if name.startswith("termination") and int(name[len("termination"):]) >= MAX_TERMINATIONS:
+                if (name.startswith("termination") and ascii_index(name[len("termination"):])
+                        and int(name[len("termination"):]) >= MAX_TERMINATIONS):
                     raise WorkflowError(f"{_where(nid, 'EndLoop', name)}: at most {MAX_TERMINATIONS} terminations "
                                         f"(termination0 .. termination{MAX_TERMINATIONS - 1})", node=nid, input=name)
             if is_link(spec.inputs.get("accumulate")):
@@ -387,7 +419,7 @@ def iterations(sid: str, values: dict, limit: int) -> tuple[range | list, bool]:
 
 
 def _termination_names(inputs: dict) -> list[str]:
-    names = [k for k in inputs if k.startswith("termination") and k[len("termination"):].isdigit()]
+    names = [k for k in inputs if k.startswith("termination") and ascii_index(k[len("termination"):])]
     return sorted(names, key=lambda k: int(k[len("termination"):]))
 
 
@@ -474,3 +506,4 @@ def expand(graph: dict[str, Spec], sid: str, values: dict, registry, *, max_iter
     info = {"start": sid, "end": eid, "iterations": n, "body": sorted(body), "cache_iterations": flag,
             "projected_nodes": len(new)}
     return new, list(body_order), info
+

@@ -22,7 +22,7 @@ import torch
 
 from . import loops as _loops  # noqa: F401  (registers StartLoop / EndLoop)
 from . import segments
-from .executor import Input, node
+from .executor import MAX_STRING_CHARS, Input, node
 
 # ---------------------------------------------------------------------------
 # Values and lists
@@ -54,8 +54,13 @@ def add_int(a, b):
 
 @node("FormatText", inputs={"template": "STRING", "value": Input("ANY", optional=True)}, outputs=(("text", "STRING"),))
 def format_text(template, value):
-    """`template` with every '{}' replaced by `value` (no other formatting: nothing is evaluated)."""
-    return (template.replace("{}", str(value)),)
+    """`template` with every '{}' replaced by `value` (no other formatting: nothing is evaluated). The result's
+    length is known before it is built, and refused beyond MAX_STRING_CHARS (a chain of doublings stops there)."""
+    text = str(value)
+    n = len(template) + template.count("{}") * (len(text) - 2)
+    if n > MAX_STRING_CHARS:
+        raise ValueError(f"the text would be {n} characters; at most {MAX_STRING_CHARS} are allowed")
+    return (template.replace("{}", text),)
 
 
 @node("MakeList", inputs={"a": Input("ANY", optional=True), "b": Input("ANY", optional=True),
@@ -347,7 +352,7 @@ def toy_scene(width, height, prompt, seed, run):
     "index": Input("INT", default=0), "steps": Input("INT", default=8, min=1, max=10_000),
     "fps": Input("INT", default=24, min=1, max=240), "sample_rate": Input("INT", default=32000, min=1, max=384_000),
     "audio_offset": Input("INT", optional=True)},
-    outputs=(("images", "IMAGE"), ("audio", "AUDIO")))
+    outputs=(("images", "IMAGE"), ("audio", "AUDIO")), work=lambda v: v["frames"] * v["steps"])
 def generate_segment(context, prompt, frames, seed, index, steps, fps, sample_rate, audio_offset):
     """A segment continuing from the last frame of `context` (`segments.generate_segment`); the pan
     continues only when `context` holds two frames or more, the audio phase only when
@@ -395,23 +400,77 @@ def omni_remote_lora(local_path, name, scale):
     return ({"local_path": local_path, "name": name, "scale": float(scale)},)
 
 
+@node("OmniDiffusionSampling", inputs={
+    "n": Input("INT", default=1, min=1, max=1, help="videos per request (the toy server makes one)"),
+    "num_inference_steps": Input("INT", default=50, min=1, max=1000, help="Base: 50; Turbo (4 forwards): 5"),
+    "guidance_scale": Input("FLOAT", default=1.0, min=0.0, max=20.0),
+    "seed": Input("INT", default=1101, min=-1, help="-1: the server picks"),
+}, outputs=(("diffusion sampling params", "SAMPLING_PARAMS"),))
+def omni_diffusion_sampling(n, num_inference_steps, guidance_scale, seed):
+    """`VLLMOmniDiffusionSampling`: the denoiser's settings, sent with the request (the H3 templates' Base
+    node: 50 steps, seed 1101; Turbo: 5)."""
+    return ({"type": "diffusion", "n": n, "num_inference_steps": num_inference_steps,
+             "guidance_scale": float(guidance_scale), "seed": seed},)
+
+
+@node("OmniMiniMaxH3Params", inputs={
+    "audio_flow_shift": Input("FLOAT", default=3.0, min=0.0, max=100.0),
+    "flow_shift": Input("FLOAT", default=12.0, min=0.0, max=100.0, help="video flow shift: Base 12, Turbo 6"),
+}, outputs=(("MiniMax-H3 video params", "VIDEO_PARAMS"),))
+def omni_minimax_h3_params(audio_flow_shift, flow_shift):
+    """`VLLMOmniMiniMaxH3Params`: H3's model-specific settings (both modalities' flow shifts)."""
+    return ({"type": "minimax_h3", "audio_flow_shift": float(audio_flow_shift), "flow_shift": float(flow_shift)},)
+
+
+def frames_for(duration: float, fps: int) -> int:
+    """The client's conversion (`VLLMOmniGenerateVideo`): frames stay the wire unit, `max(1, round(duration x
+    fps))`; 5.167 s at 24 FPS is 124 frames. The server rounds up to its model's lattice."""
+    return max(1, round(duration * fps))
+
+
+def _generate_work(v) -> int:
+    return frames_for(v["duration"], v["fps"]) * int(v["sampling_params"]["num_inference_steps"]
+                                                     if v["sampling_params"] else 50)
+
+
+def _generate_check(v) -> None:
+    """The server's request contract on whatever is known before the run (literals; links are None)."""
+    from .omni_server import TOY_SERVED, contract_for
+
+    if v["url"] is None or v["model"] is None:
+        return
+    if not any(s.endpoint == v["url"] and s.model == v["model"] for s in TOY_SERVED):
+        raise ValueError(f"model {v['model']!r} is not served at {v['url']!r}")
+    contract = contract_for(v["model"])
+    if v["width"] is not None and v["height"] is not None:
+        contract.aspect_ratio(v["width"], v["height"])
+    if v["duration"] is not None and v["fps"] is not None:
+        contract.served_frames(frames_for(v["duration"], v["fps"]))
+
+
 @node("OmniGenerateVideo", inputs={
-    "url": "STRING", "model": "STRING", "prompt": "STRING",
+    "url": "STRING", "model": "STRING", "prompt": "STRING", "negative_prompt": Input("STRING", default=""),
     "width": Input("INT", min=16, max=8192), "height": Input("INT", min=16, max=8192),
-    "frames": Input("INT", min=1, max=10_000), "fps": Input("INT", default=24, min=1, max=240),
-    "steps": Input("INT", default=5, min=1, max=10_000), "seed": Input("INT", default=0),
-    "references": Input("REFS", optional=True), "lora": Input("LORA", optional=True),
-    "reference_strength": Input("FLOAT", default=0.5),
-}, outputs=(("images", "IMAGE"), ("audio", "AUDIO")), context=True)
-def omni_generate_video(url, model, prompt, width, height, frames, fps, steps, seed, references, lora,
-                        reference_strength, run):
+    "fps": Input("INT", default=24, min=1, max=240),
+    "duration": Input("FLOAT", min=0.1, max=60.0, help="seconds; converted to frames with fps (5.167 s -> 124)"),
+    "references": Input("REFS", optional=True), "sampling_params": Input("SAMPLING_PARAMS", optional=True),
+    "model_params": Input("VIDEO_PARAMS", optional=True), "lora": Input("LORA", optional=True),
+    "reference_strength": Input("FLOAT", default=0.5, min=0.0, max=1.0, help="ours: the toy's conditioning mix"),
+}, outputs=(("images", "IMAGE"), ("audio", "AUDIO")), context=True, work=_generate_work, check=_generate_check)
+def omni_generate_video(url, model, prompt, negative_prompt, width, height, fps, duration, references, sampling_params,
+                        model_params, lora, reference_strength, run):
     """`VLLMOmniGenerateVideo`: one request to the (toy, in-process) server, T2VA without references and
-    Ref2VA with them. Text encoding, denoising and both VAEs run on the server; the client sees the
-    request's round trip. The server's own stage times are logged as a `server_stages` event."""
+    Ref2VA with them; the duration becomes a frame count here, the server rounds it to its lattice and
+    checks size, frames and references on every request. Text encoding, denoising and both VAEs run on the
+    server; the client sees the request's round trip. The server's own stage times are logged as a
+    `server_stages` event."""
     from .omni_server import Request, server_for
 
-    req = Request(url=url, model=model, prompt=prompt, width=width, height=height, frames=frames, fps=fps,
-                  steps=steps, seed=seed, references=references, lora=lora, reference_strength=reference_strength)
+    req = Request(url=url, model=model, prompt=prompt, width=width, height=height, frames=frames_for(duration, fps),
+                  fps=fps, sampling=sampling_params, model_params=model_params, references=references, lora=lora,
+                  reference_strength=reference_strength, negative_prompt=negative_prompt)
     out = server_for(run.device, run.dtype).generate(req)
-    run.event("server_stages", mode=out["mode"], references=out["references"], seconds=out["server_seconds"])
+    run.event("server_stages", mode=out["mode"], references=out["references"], seconds=out["server_seconds"],
+              requested_frames=req.frames, frames=out["frames"], aspect_ratio=out["aspect_ratio"], steps=out["steps"],
+              flow_shift=out["flow_shift"])
     return out["video"], out["audio"]

@@ -31,11 +31,75 @@ from .references import Served, group_references, validate_references
 # What the toy "server" serves. Model names say the toy sizes; none of them is MiniMax-H3.
 TOY_ENDPOINT = "local://toy-omni/v1"
 TOY_LORA = "/srv/loras/toy-style-a.safetensors"          # a server-side path, as Remote LoRA's local_path is
+TOY_TURBO_LORA = "/srv/loras/toy-h3-turbo-4step.safetensors"   # the Turbo recipe's LoRA (lightx2v's, for H3)
 TOY_SERVED = (
-    Served(TOY_ENDPOINT, "toy-h3-tiny", (TOY_LORA,)),
-    Served(TOY_ENDPOINT, "toy-h3-small", (TOY_LORA,)),
-    Served(TOY_ENDPOINT, "toy-h3-base", (TOY_LORA,)),
+    Served(TOY_ENDPOINT, "toy-h3-tiny", (TOY_LORA, TOY_TURBO_LORA)),
+    Served(TOY_ENDPOINT, "toy-h3-small", (TOY_LORA, TOY_TURBO_LORA)),
+    Served(TOY_ENDPOINT, "toy-h3-base", (TOY_LORA, TOY_TURBO_LORA)),
 )
+
+
+# ---------------------------------------------------------------------------------------------------
+# The H3 request contract, as vLLM-Omni's server applies it (every request, before any work).
+
+FRAME_STEP, FRAME_BASE = 17, 5      # H3: a clip is 17k + 5 frames (1 frame is an image)
+MAX_FRAME_K = 20                    # 345 frames: 14.4 s at 24 FPS, within the 15 s a clip may last
+# vLLM-Omni's H3 defaults when a request brings no Sampling / H3-params node (the Base recipe)
+DEFAULT_STEPS, DEFAULT_FLOW_SHIFT, DEFAULT_AUDIO_FLOW_SHIFT, DEFAULT_GUIDANCE = 50, 12.0, 3.0, 1.0
+
+
+def align_frames(frames: int) -> int:
+    """The served frame count for a requested one: 1 stays 1 (an image); anything else rounds *up* to the next
+    17k + 5, as vLLM-Omni's `_minimax_align_frame_count` does, so a clip may come back slightly longer than
+    asked (124 frames, the template's 5.167 s at 24 FPS, is already on the lattice: 17 x 7 + 5)."""
+    if frames == 1:
+        return 1
+    n = max(FRAME_BASE, int(frames))
+    r = (n - FRAME_BASE) % FRAME_STEP
+    return n if r == 0 else n + FRAME_STEP - r
+
+
+@dataclass(frozen=True)
+class Contract:
+    """What a served model accepts: its five resolution presets {(width, height): aspect} and the 17k + 5 frame
+    lattice up to MAX_FRAME_K. MiniMax-H3's presets are `references.RESOLUTIONS`; a toy model's are the same five
+    aspects divided by `scale` (each side rounded down to the toy's 16-pixel unit)."""
+
+    model: str
+    presets: dict
+
+    def aspect_ratio(self, width: int, height: int) -> str:
+        """The preset the client selects from the dimensions (it never sends a rounded pixel ratio)."""
+        if (width, height) not in self.presets:
+            allowed = ", ".join(f"{w}x{h} ({a})" for (w, h), a in self.presets.items())
+            raise ValueError(f"{self.model} makes {width}x{height} in none of its presets: {allowed}")
+        return self.presets[(width, height)]
+
+    def served_frames(self, frames: int) -> int:
+        if isinstance(frames, bool) or not isinstance(frames, int) or frames < 1:
+            raise ValueError(f"frames must be an integer >= 1, got {frames!r}")
+        served = align_frames(frames)
+        top = FRAME_STEP * MAX_FRAME_K + FRAME_BASE
+        if served > top:
+            raise ValueError(f"{self.model} makes at most {top} frames (17k + 5, k <= {MAX_FRAME_K}); {frames} "
+                             f"requested rounds up to {served}")
+        return served
+
+
+def scaled_presets(scale: int, unit: int = 16) -> dict:
+    from .references import RESOLUTIONS
+
+    return {((w // scale) // unit * unit, (h // scale) // unit * unit): a for (w, h), a in RESOLUTIONS.items()}
+
+
+TOY_SCALE = {"toy-h3-tiny": 8, "toy-h3-small": 8, "toy-h3-base": 2}
+
+
+def contract_for(model: str) -> Contract:
+    """The request contract of a served toy model (H3's presets scaled by TOY_SCALE, H3's frame lattice)."""
+    if model not in TOY_SCALE:
+        raise ValueError(f"model {model!r} is not served here; served: {', '.join(TOY_SCALE)}")
+    return Contract(model, scaled_presets(TOY_SCALE[model]))
 TOY_SIZES = {
     "toy-h3-tiny": dict(dit=dict(d_model=64, n_layers=1, n_heads=4), vae=(32, 32, 16, 16)),
     "toy-h3-small": dict(dit=dict(d_model=128, n_layers=2, n_heads=4), vae=(64, 48, 32, 16)),
@@ -46,14 +110,15 @@ SERVER_STAGES = ("text_encode", "denoise", "vae_decode", "audio_decode")
 
 
 def latent_shape(width: int, height: int, frames: int) -> tuple[int, int, int, int]:
-    """(B, T, h, w) of the toy latent that decodes to `frames` frames of width x height. These are the
-    toy models' size rules (a real H3 server has its own: 17k + 5 frames and five resolution presets)."""
+    """(B, T, h, w) of the toy latent whose decode covers `frames` frames of width x height: the toy VAE makes
+    1 + 4 (T - 1) frames, so T rounds up and the server trims the decode to `frames` (H3's own VAE maps each 17
+    frames to 5 latent frames; ComfyUI trims its pad frames the same way)."""
     unit = VAE_SPATIAL * 2   # 8x VAE, then the DiT's 2x2 patches
     if width % unit or height % unit:
         raise UserError(f"width and height must be multiples of {unit}, got {width}x{height}")
-    if frames < 1 or (frames - 1) % VAE_TEMPORAL:
-        raise UserError(f"frames must be 1 + {VAE_TEMPORAL} k (the toy VAE's temporal factor), got {frames}")
-    return 1, (frames - 1) // VAE_TEMPORAL + 1, height // VAE_SPATIAL, width // VAE_SPATIAL
+    if frames < 1:
+        raise UserError(f"frames must be >= 1, got {frames}")
+    return 1, -(-(frames - 1) // VAE_TEMPORAL) + 1, height // VAE_SPATIAL, width // VAE_SPATIAL
 
 
 @dataclass
@@ -66,14 +131,28 @@ class Request:
     prompt: str
     width: int
     height: int
-    frames: int
+    frames: int                          # the wire unit: the client converts its duration (round(duration x fps))
     fps: int
-    steps: int
-    seed: int
+    sampling: dict | None = None         # VLLMOmniDiffusionSampling: num_inference_steps, guidance_scale, seed
+    model_params: dict | None = None     # VLLMOmniMiniMaxH3Params: flow_shift, audio_flow_shift
     references: list | None = None
     lora: dict | None = None
     reference_strength: float = 0.5
+    negative_prompt: str = ""
     sample_rate: int = 32000
+
+    @property
+    def steps(self) -> int:
+        return int((self.sampling or {}).get("num_inference_steps", DEFAULT_STEPS))
+
+    @property
+    def seed(self) -> int:
+        s = (self.sampling or {}).get("seed", -1)
+        return 0 if s is None or s < 0 else int(s)
+
+    @property
+    def flow_shift(self) -> float:
+        return float((self.model_params or {}).get("flow_shift", DEFAULT_FLOW_SHIFT))
 
 
 class ToyOmniServer:
@@ -111,27 +190,38 @@ class ToyOmniServer:
         return self.models[key]
 
     def check(self, req: Request) -> dict:
-        """What the server refuses before any work: an unserved model or LoRA, sizes its model cannot
-        make, and references that break the Ref2VA rules (all broken rules in one error)."""
+        """What the server refuses before any work, on every request: an unserved model or LoRA, a size outside
+        its model's presets, a frame count past its lattice's top (a count between lattice points is rounded up,
+        as vLLM-Omni's server does), sampling settings out of range, and references that break the Ref2VA rules
+        (all broken rules in one error). Returns {"counts", "frames", "aspect_ratio"}."""
         row = next((s for s in self.served if s.endpoint == req.url and s.model == req.model), None)
         if row is None:
             raise ValueError(f"model {req.model!r} is not served at {req.url!r}")
         path = (req.lora or {}).get("local_path")
         if path and path not in row.loras:
             raise ValueError(f"LoRA {path!r} is not on the server for {req.model!r}")
-        latent_shape(req.width, req.height, req.frames)
+        contract = contract_for(req.model)
+        aspect = contract.aspect_ratio(req.width, req.height)
+        frames = contract.served_frames(req.frames)
+        latent_shape(req.width, req.height, frames)
+        if not 1 <= req.steps <= 1000:
+            raise ValueError(f"num_inference_steps must be in [1, 1000], got {req.steps}")
+        if not 0.0 < req.flow_shift <= 100.0:
+            raise ValueError(f"flow_shift must be in (0, 100], got {req.flow_shift}")
+        out = {"counts": {}, "frames": frames, "aspect_ratio": aspect}
         if req.references is None:
-            return {}
+            return out
         refs = group_references(req.references)
-        # The toy models' frame and size rules are checked above; the H3 frame-count and resolution
-        # presets belong to MiniMax-H3, which this server does not serve, so they are not applied here.
-        return validate_references(refs["image"], refs["video"], refs["audio"], video_seconds=refs["video_seconds"],
-                                   audio_seconds=refs["audio_seconds"], prompt=req.prompt)
+        out["counts"] = validate_references(refs["image"], refs["video"], refs["audio"],
+                                            video_seconds=refs["video_seconds"], audio_seconds=refs["audio_seconds"],
+                                            prompt=req.prompt)
+        return out
 
     def generate(self, req: Request) -> dict:
-        from ..diffusion.toy_pipeline import denoise, synth_audio
+        from ..diffusion.toy_pipeline import denoise, flow_times, synth_audio
 
-        counts = self.check(req)
+        checked = self.check(req)
+        counts, n_frames = checked["counts"], checked["frames"]
         seconds = {}
 
         def stage(name, t0):
@@ -141,7 +231,7 @@ class ToyOmniServer:
         t0 = time.perf_counter()
         m = self.model(req.model, (req.lora or {}).get("local_path"))
         stage("load", t0)
-        shape = latent_shape(req.width, req.height, req.frames)
+        shape = latent_shape(req.width, req.height, n_frames)
         t0 = time.perf_counter()
         seed = req.seed + segments.prompt_seed(req.prompt) % 100_000   # the toy's "text encoder"
         stage("text_encode", t0)
@@ -149,7 +239,7 @@ class ToyOmniServer:
         t0 = time.perf_counter()
         refs = group_references(req.references) if req.references else None
         if refs is None:
-            latent = denoise(dit, shape, req.steps, seed, device=self.device, dtype=self.dtype)
+            latent = denoise(dit, shape, req.steps, seed, device=self.device, dtype=self.dtype, shift=req.flow_shift)
         else:
             ref = reference_latent(refs, shape, dit.cfg.z_dim, seed, self.device, self.dtype)
             g = torch.Generator().manual_seed(seed)
@@ -157,22 +247,25 @@ class ToyOmniServer:
             if ref is not None:
                 x = (1 - req.reference_strength) * x + req.reference_strength * ref
             with torch.no_grad():
+                ts = flow_times(req.steps, req.flow_shift)
                 for i in range(req.steps):
-                    x = x - dit(x, 1.0 - i / req.steps) / req.steps
+                    x = x - dit(x, ts[i]) * (ts[i] - ts[i + 1])
             latent = x
         stage("denoise", t0)
         t0 = time.perf_counter()
         with torch.no_grad():
-            video = m["vae"](latent)                     # [1, 3, T', H, W] roughly in [-1, 1]
+            video = m["vae"](latent)[:, :, :n_frames]    # [1, 3, T', H, W] roughly in [-1, 1], trimmed
         frames = ((video[0].float().clamp(-1, 1) + 1) / 2).permute(1, 2, 3, 0).contiguous()
         stage("vae_decode", t0)
         t0 = time.perf_counter()
-        wav = torch.from_numpy(synth_audio(latent, req.frames, req.fps, req.sample_rate))
+        wav = torch.from_numpy(synth_audio(latent, n_frames, req.fps, req.sample_rate))
         for r in (refs or {}).get("audio", ()):
             wav = wav + 0.25 * _fit_audio(r, req.sample_rate, wav.shape[1])
         stage("audio_decode", t0)
         return {"video": frames, "audio": {"waveform": wav.clamp(-1, 1), "sample_rate": req.sample_rate},
-                "mode": "T2VA" if refs is None else "Ref2VA", "references": counts, "server_seconds": seconds}
+                "mode": "T2VA" if refs is None else "Ref2VA", "references": counts, "server_seconds": seconds,
+                "frames": n_frames, "aspect_ratio": checked["aspect_ratio"], "steps": req.steps,
+                "flow_shift": req.flow_shift}
 
 
 def _fit_audio(ref: dict, rate: int, n: int) -> torch.Tensor:

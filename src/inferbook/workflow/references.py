@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
 from ..errors import UserError, choices
+from .executor import _where, as_graph, is_link
 
 KINDS = ("image", "video", "audio")
 MAX_IMAGES, MAX_VIDEOS, MAX_AUDIOS, MAX_TOTAL = 9, 3, 3, 12
@@ -190,7 +191,6 @@ ENDPOINT_INPUTS, MODEL_INPUT, LORA_INPUT, LORA_LINK = ("url", "endpoint"), "mode
 
 def _literal(graph, value):
     """A literal, or the literal of a String node a link points to; None when not knowable."""
-    from .executor import is_link
 
     if not is_link(value):
         return value
@@ -204,7 +204,6 @@ def check_service_mapping(workflow, served: Iterable[Served | dict], *, raise_on
     """Every remote endpoint, model name and server-side LoRA path named by `workflow` must match
     the served-model table. Returns the list of mismatches (empty: all match); with
     `raise_on_mismatch`, raises `ServiceMappingError` listing them all."""
-    from .executor import _where, as_graph
 
     graph = as_graph(workflow)
     table = [s if isinstance(s, Served) else Served(s["endpoint"], s["model"], tuple(s.get("loras", ())))
@@ -213,7 +212,6 @@ def check_service_mapping(workflow, served: Iterable[Served | dict], *, raise_on
     for s in table:
         by_endpoint.setdefault(s.endpoint, {})[s.model] = s
     out = []
-    from .executor import is_link
 
     for nid, spec in graph.items():
         ep_input = next((k for k in ENDPOINT_INPUTS if k in spec.inputs), None)
