@@ -44,7 +44,9 @@ def test_one_batched_copy_per_transfer(model, kv_layout, pieces_per_block, monke
     try:
         p = prompt(1, 5 * BS + 3)
         ref = engine(model).generate([p, p], SamplingParams(max_tokens=4))
-        assert e.generate([p], SamplingParams(max_tokens=4)) + e.generate([p], SamplingParams(max_tokens=4)) == ref
+        first = e.generate([p], SamplingParams(max_tokens=4))
+        assert t.flush(10)  # the first request's stores run on the copy thread: the second must find them done
+        assert first + e.generate([p], SamplingParams(max_tokens=4)) == ref
         assert t.flush(10)
         assert t.stats.restored_blocks["host"] == 5 and t.stats.transfers == len(calls) >= 2
         # every transfer moved all its blocks in one call: pieces a multiple of the block's pieces

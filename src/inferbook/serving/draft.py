@@ -120,9 +120,10 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[
 
 
 def _rotate(x, cos, sin):
-    """x [B, H, T, D]: rotates (even, odd) pairs, as the target's `apply_rope`."""
-    x1, x2 = x[..., 0::2], x[..., 1::2]
-    return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+    """x [B, H, T, D]: rotates (even, odd) pairs in float32 and returns x's dtype, as the target's
+    `apply_rope` (a bf16 query must stay bf16 beside its bf16 values; the gpu preset's dry run caught it)."""
+    x1, x2 = x.float()[..., 0::2], x.float()[..., 1::2]
+    return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2).to(x.dtype)
 
 
 class DraftAttention(nn.Module):
