@@ -33,5 +33,5 @@ def test_split_plans_draw_every_chunk():
 @pytest.mark.parametrize("fig", [D.kv_data_path(), D.w4a16_packings({"a": [(0, [f"k{i}" for i in range(8)]), (16, [f"k{i + 8}" for i in range(8)])]})])
 def test_fixed_figures_are_valid_and_fit(fig):
     root = _svg(fig)
-    assert fig._repr_mimebundle_()["image/svg+xml"].startswith("<svg")
+    assert fig._repr_mimebundle_()[0]["image/svg+xml"].startswith("<svg")
     assert len(list(root.iter(f"{NS}text"))) > 5

@@ -246,6 +246,7 @@ def render(chart, *, png_scale: float = 2.0, caption: str = "", alt: str = "") -
     spec = chart.to_dict()
     spec.setdefault("config", {}).setdefault("view", {}).setdefault("continuousWidth", WIDTH)
     spec["config"]["view"].setdefault("continuousHeight", HEIGHT)
+    spec["config"]["view"].setdefault("step", 20)  # Vega-Lite's default band per category, made shrinkable
     svg = vlc.vegalite_to_svg(spec)
     for _ in range(8):  # axes, legends and titles do not shrink: settle in a few rounds
         width = _svg_width(svg)

@@ -10,12 +10,14 @@ plots, and a hundred lines of plain SVG are easier to read than a Vega spec that
 from __future__ import annotations
 
 import html
+import re
 from dataclasses import dataclass, field
 
 FONT = "DejaVu Sans, Helvetica, Arial, sans-serif"
 INK, MUTED = "#222", "#666"
 FILLS = ["#3b6ea5", "#e07b39", "#5a9e6f", "#b5535b", "#7d6bb0", "#8c7a5b", "#d4a017", "#6b8e9e"]
-MAX_WIDTH = 720  # px: fits the book's content column
+MAX_WIDTH = 660  # px: fits the book's content column (charts.COLUMN_PX)
+MIN_TEXT_PX = 11  # no text smaller than this as the page draws it
 
 
 @dataclass
@@ -43,10 +45,14 @@ class Svg:
 
     def render(self) -> str:
         scale = min(1.0, MAX_WIDTH / self.width)
+        parts = self.parts
+        if scale < 1:  # drawn smaller than written: enlarge the text by as much, so it still reads
+            grow = lambda m: f'font-size="{max(float(m.group(1)), MIN_TEXT_PX / scale):.1f}"'
+            parts = [re.sub(r'font-size="([\d.]+)"', grow, part) for part in parts]
         return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{self.width * scale:.0f}" '
                 f'height="{self.height * scale:.0f}" viewBox="0 0 {self.width:.0f} {self.height:.0f}">'
                 '<defs><marker id="head" markerWidth="8" markerHeight="8" refX="7" refY="4" orient="auto">'
-                f'<path d="M0,0 L8,4 L0,8 z" fill="{INK}"/></marker></defs>' + "".join(self.parts) + "</svg>")
+                f'<path d="M0,0 L8,4 L0,8 z" fill="{INK}"/></marker></defs>' + "".join(parts) + "</svg>")
 
 
 class Figure:
@@ -56,7 +62,9 @@ class Figure:
         self.svg, self.caption = svg.render(), caption
 
     def _repr_mimebundle_(self, include=None, exclude=None):
-        return {"image/svg+xml": self.svg, "text/plain": self.caption}
+        # the caption and alt text travel in the output's metadata: the book stages the cell as a numbered figure
+        return ({"image/svg+xml": self.svg, "text/plain": self.caption},
+                {"inferbook_chart": {"caption": self.caption, "alt": f"Diagram, {self.caption}"}})
 
 
 def tiles_over_latent(height: int, width: int, tiles: list[tuple[int, int, int, int]], *, overlap: int,

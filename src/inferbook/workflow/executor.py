@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import UserError, choices
+from ..words import count
 
 # ---------------------------------------------------------------------------
 # Types
@@ -441,7 +442,7 @@ def validate(graph: dict[str, Spec], registry: dict[str, NodeClass] | None = Non
                 if not 0 <= idx < len(scls.outputs):
                     raise WorkflowError(
                         f"{_where(nid, cls.name, name)} links to output {idx} of node {src!r} ({scls.name}), which has "
-                        f"{len(scls.outputs)} output(s)" + (f": {', '.join(f'{i} {n} ({t})' for i, (n, t) in enumerate(scls.outputs))}"
+                        f"{count(len(scls.outputs), 'output')}" + (f": {', '.join(f'{i} {n} ({t})' for i, (n, t) in enumerate(scls.outputs))}"
                                                             if scls.outputs else ""), node=nid, input=name)
                 have = scls.outputs[idx][1]
                 if not (have == want.type or "ANY" in (have, want.type)) or (("LOOP" in (have, want.type)) and have != want.type):

@@ -33,6 +33,7 @@ from typing import Any, Iterable, Sequence
 
 from ..errors import UserError, choices
 from .executor import _where, as_graph, is_link
+from ..words import count
 
 KINDS = ("image", "video", "audio")
 MAX_IMAGES, MAX_VIDEOS, MAX_AUDIOS, MAX_TOTAL = 9, 3, 3, 12
@@ -131,7 +132,7 @@ def validate_references(images: int | Sequence = (), videos: int | Sequence = ()
         for m in TAG.finditer(prompt):
             kind, k = TAG_KIND[m.group(1)], int(m.group(2))
             if not 1 <= k <= have[kind]:
-                dangling.append(f"{m.group(0)} with {have[kind]} {kind} reference(s) connected")
+                dangling.append(f"{m.group(0)} with {count(have[kind], kind + ' reference')} connected")
         if dangling:
             bad.append(f"prompt tags: every tag names a connected reference ({'; '.join(dict.fromkeys(dangling))})")
     if bad:
