@@ -123,8 +123,12 @@ def shared_check(ctx, hidden, inter, experts, top_k, rsf, T=19) -> RunRecord:
     for layout in ("indexed", "grouped_masked"):
         w13, w2, s13, s2, x, tw, ids = make_layer(ctx, hidden, inter, experts, top_k, T, layout)
         a13, a2, aw, aid = FM.with_shared_slot(w13, w2, s13, s2, tw, ids, rsf)
-        fused = FM.shared_fused(x, a13, a2, aw, aid)
-        same = FM.shared_separate(x, w13, w2, tw, ids, s13, s2, routed_scaling_factor=rsf)
+        # One tile config for both calls: `moe_config` follows rows per expert, which the shared slot changes,
+        # and another BLOCK_K sums K in another order on a GPU. With the same tiles the two paths run the
+        # same kernel over the same rows in the same order, so bit equality is what the GPU guarantees too.
+        tiles = FM.moe_config(T * top_k / experts, interpreted=ctx.interpreted)
+        fused = FM.shared_fused(x, a13, a2, aw, aid, block=tiles)
+        same = FM.shared_separate(x, w13, w2, tw, ids, s13, s2, routed_scaling_factor=rsf, block=tiles)
         old = FM.shared_separate(x, w13, w2, tw, ids, s13, s2, round_each=True, routed_scaling_factor=rsf)
         rec.add_check(f"[{layout}] fused slot == separate, same rounding points (bitwise)", torch.equal(fused, same),
                       error=float((fused.float() - same.float()).abs().max()), tolerance=0.0)

@@ -390,7 +390,14 @@ def _measure(ctx, P: dict) -> list[RunRecord]:
             vals = [fn(r) for r in rs]
             m["value"], m["runs"], m["aggregate"] = statistics.median(vals), vals, f"median of {len(vals)} run(s)"
         ref = outputs[f"{rec.workload['workload']}/no tiers"]
-        rec.add_check("same greedy tokens as without tiers", all(r.outputs == ref for r in rs))
+        if dtype == torch.float32:
+            # restored KV is bit-equal (checked below); the suffix prefill then runs other shapes than the
+            # recompute, which fp32 rounding differences cannot turn into another greedy token on these models
+            rec.add_check("same greedy tokens as without tiers (fp32)", all(r.outputs == ref for r in rs))
+        else:  # bf16/fp16: other batch shapes may round a near-tie the other way; a share, not a check
+            same = sum(a == b for r in rs for a, b in zip(r.outputs, ref)) / max(1, sum(len(ref) for _ in rs))
+            rec.add("same_output_share", same, "fraction of requests", phase="total",
+                    note=f"{dtype}: the suffix prefill runs other shapes than the recompute")
         records.append(rec)
 
     # 5. one request: its prefix restored (host, file) against recomputed, on this model
