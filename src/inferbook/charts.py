@@ -172,6 +172,9 @@ def heatmap(rows, *, x: str, y: str, passed: str = "passed", title: str, hardwar
     """Pass/fail grid: one cell per (x, y); failing cells are red and can carry a `text` label."""
     alt = _alt()
     df = _data(rows).copy()
+    if df[x].nunique() > 24 and df[x].nunique() > df[y].nunique():
+        # many cases: run them down the page, not across it (a wide grid is drawn too small to read)
+        x, y = y, x
     df["result"] = df[passed].map({True: "pass", False: "FAIL"})
     base = alt.Chart(df).encode(x=alt.X(f"{x}:N", title=x, sort=None), y=alt.Y(f"{y}:N", title=y, sort=None))
     cells = base.mark_rect(stroke="white").encode(

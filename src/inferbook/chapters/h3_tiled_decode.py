@@ -28,6 +28,7 @@ from ..diffusion.tiled import (batching_check, decode_tiled, overlap_work_ratio,
                                tiles_for_budget_sweep)
 from ..diffusion.vae import VAEConfig, fp64_reference, init_decoder, make_latent
 from .h3_vae_fusion import annotate_load, parse_ints
+from ..words import count
 
 
 def decoder_config_from(params: dict, norm: str) -> VAEConfig:
@@ -297,7 +298,7 @@ def h3_decode_records(ctx, P: dict, dt, reps: int) -> list[RunRecord]:
     records.append(rec)
     rec = ctx.new_record("h3[streamed]", variant=f"chunks of {H3_CHUNK}, tiles within {P['vit_tile_budget_mib']:g} MiB",
                          workload={**wl, "chunk": H3_CHUNK, "context": H3_CONTEXT}, topology={"ranks": 1})
-    rec.set_backend("decode", f"streamed: {info['chunks']} chunk(s) x {info['tiles_per_chunk']} tile(s) of "
+    rec.set_backend("decode", f"streamed: {count(info['chunks'], 'chunk')} x {count(info['tiles_per_chunk'], 'tile')} of "
                               f"{info['tile'][0]}x{info['tile'][1]}", reason=info["tile_reason"],
                     shapes={"latent": list(z.shape), "tile": list(info["tile"])})
     rec.add("estimate", info["estimate_bytes"], "B", resident_frames=info["resident_frames"], fixed_bytes=fixed)

@@ -303,5 +303,5 @@ def targets_sentence(slug: str, targets=("sm_90", "gfx950"), root: Path | None =
         out = f"Predicted, not measured: this chapter's gpu-preset launches take " + " and ".join(parts) + " in all"
     if missing:
         out += ("; " if out else "") + f"not compiled with machine-code facts for {', '.join(missing)} yet " \
-               f"(`inferbook inspect {slug} --target {missing[0]} --save`)"
+               f"(inferbook inspect {slug} --target {missing[0]} --save)"  # glued as plain text: no backticks
     return out + "."

@@ -31,6 +31,7 @@ import torch
 from ..errors import UserError
 from .fused import Ops
 from .vae import VideoVAEDecoder
+from ..words import count
 
 LIVE_TENSORS = 4  # largest stage: padded conv input, conv output, residual input, shortcut, at once
 
@@ -142,9 +143,9 @@ def choose_batch(n_tiles: int, per_tile: int, free: int | None, max_batch: int) 
         return cap, f"no memory limit given: max_batch={max_batch}"
     fit = max(free, 0) // max(per_tile, 1)
     if fit >= cap:
-        return cap, f"{cap} tile(s) fit: {fit} by estimate, capped at min(max_batch, tiles in the row)"
+        return cap, f"{count(cap, 'tile')} fit: {fit} by estimate, capped at min(max_batch, tiles in the row)"
     if fit >= 1:
-        return int(fit), f"memory short: {fit} tile(s) of ~{per_tile / 2**20:.3g} MiB fit in {free / 2**20:.3g} MiB"
+        return int(fit), f"memory short: {count(int(fit), 'tile')} of ~{per_tile / 2**20:.3g} MiB fit in {free / 2**20:.3g} MiB"
     return 1, (f"memory short even for one tile (~{per_tile / 2**20:.3g} MiB > {max(free, 0) / 2**20:.3g} MiB): "
                "one at a time")
 
