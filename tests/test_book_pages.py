@@ -220,18 +220,21 @@ def test_upgrade_record_chart_is_drawn(server, browser_page):
 # Template leftovers and garbled glue, looked for in a page's prose (code listings excluded).
 LEFTOVERS_CHECK = r"""() => {
   const art = (document.querySelector('article.bd-article') || document.querySelector('main')).cloneNode(true);
-  art.querySelectorAll('pre, div.highlight, script, style, mjx-container, code, button, summary, .toggle-button')
+  art.querySelectorAll('pre, div.highlight, script, style, mjx-container, button, summary, .toggle-button')
       .forEach(e => e.remove());
-  const prose = [...art.querySelectorAll('p, li, dd, figcaption')].filter(e => !e.closest('table'))
-      .map(e => e.textContent).join(' \u2016 ');  // paragraphs apart: a phrase doubled across two is no garble
-  return [art.textContent.replace(/\s+/g, ' '), prose.replace(/\s+/g, ' ')];
+  // inline code stands as one unique word: removing it would glue its neighbours into false repeats
+  art.querySelectorAll('code').forEach((e, i) => e.replaceWith('codeword' + i));
+  // one string per paragraph: a phrase doubled across two paragraphs is no garble
+  const prose = [...art.querySelectorAll('p, li, dd')].filter(e => !e.closest('table') && !e.querySelector('p'))
+      .map(e => e.textContent.replace(/\s+/g, ' '));
+  return [art.textContent.replace(/\s+/g, ' '), prose];
 }"""
 LEFTOVERS = [
     (re.compile(r"\w\((s|es)\)"), "a plural left as '(s)' / '(es)': use notebook.count"),
     (re.compile(r"(?<![\w.])nan(?![\w.])"), "'nan' shown to a reader"),
     (re.compile(r"\{'|\['"), "a dict or list repr"),
     (re.compile(r"`"), "a raw backtick (Markdown not rendered)"),
-    (re.compile(r"\b((?:\w+\W+){2,}\w+)\W+\1\b"), "a phrase said twice in a row"),
+    (re.compile(r"\b((?:\w+[ ,;:]+){2,}\w+)[ ,;:]+\1\b"), "a phrase said twice in a row"),
     (re.compile(r"this book's issue tracker"), "a sentence about the project's own tracker"),
 ]
 
@@ -273,8 +276,11 @@ def test_chapter_page_has_no_leftovers_and_says_where_it_came_from(slug, server,
     page.goto(f"{server}/chapters/{slug}.html", wait_until="networkidle")
     text, prose = _prose(page)
     for pattern, what in LEFTOVERS:
-        where = prose if what.startswith("a phrase said twice") else text  # tables repeat units by design
-        m = pattern.search(where)
+        # tables repeat units by design: a doubled phrase is looked for within each paragraph
+        for where in (prose if what.startswith("a phrase said twice") else [text]):
+            m = pattern.search(where)
+            if m:
+                break
         text_of = where
         assert not m, f"{what}: …{text_of[max(0, m.start() - 80):m.end() + 80]}…"
     assert "This page was executed from commit" in text, "every page shows its commit and preset"
