@@ -36,6 +36,8 @@ KEEP_GPU: dict[str, tuple[str, ...]] = {
 FAST: dict[str, dict] = {
     "attention-test-matrix": {"shapes": "base,q>k,empty-q,empty-k"},   # the smoke shapes; the gpu kv layouts
     "upgrade-record": {"new_tokens": 2, "reps": 1, "serve_requests": 2},
+    # the served model's size is a choice, not a code path: its presets (sizes) must match the smoke sizes
+    "omni-h3-workflows": {"model": "toy-h3-tiny"},
 }
 
 
