@@ -127,3 +127,68 @@ def test_committed_block_draft_is_exact_and_accepts_something():
     r = checks.greedy_speculation_matches(tgt, prompts, 16, d.cfg.block, drafter=BlockDrafter(d))
     assert r["equal"], r
     assert r["mean_acceptance_length"] > 1.0      # trained: better than nothing accepted
+
+
+def test_confident_prefix_length_is_the_first_slot_under_the_threshold():
+    from inferbook.serving.block_draft import confident_prefix_length
+
+    conf = torch.tensor([[0.9, 0.8, 0.2, 0.9], [0.1, 0.9, 0.9, 0.9], [0.6, 0.6, 0.6, 0.6]])
+    assert confident_prefix_length(conf, 0.5).tolist() == [2, 0, 4]
+    assert confident_prefix_length(conf, 0.0).tolist() == [4, 4, 4]      # 0: no cut (DeepSpec's default)
+    assert confident_prefix_length(conf, 0.95).tolist() == [0, 0, 0]
+
+
+class _FixedConfidence(BlockDrafter):
+    """The drafter with its confidences replaced by a fixed row (slot `cut` far below the rest)."""
+
+    def __init__(self, draft, cut, **kw):
+        super().__init__(draft, **kw)
+        inner = draft.draft
+
+        def draft_fn(*a, **k):
+            toks, conf, probs = inner(*a, **k)
+            fixed = torch.full_like(conf, 0.9)
+            fixed[:, cut] = 0.05
+            return toks, fixed, probs
+        self.draft = type("D", (), {"draft": staticmethod(draft_fn), "cfg": draft.cfg,
+                                    "embed_weight": draft.embed_weight})()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_the_engine_verifies_only_the_cut_block(target, temperature):
+    """With the cut at slot 2 every round verifies anchor + 2 drafts: the verify forward runs 3 tokens, not
+    1 + K, no round accepts more than 2, and greedy output is still plain greedy. Ignoring the cut (the
+    engine verifying all K) fails every one of the length assertions."""
+    from inferbook.serving.sequence import SamplingParams
+
+    k, cut = 4, 2
+    d = make(target, k)
+    prompts = torch.randint(96, (2, 20), generator=torch.Generator().manual_seed(1)).tolist()
+    cfg = EngineConfig(max_num_batched_tokens=128, max_num_seqs=1, num_spec_tokens=k,
+                       draft_slots=draft_slots_for("parallel", k))
+    drafter = _FixedConfidence(d, cut, confidence_threshold=0.5, temperature=temperature, seed=1)
+    engine = LLMEngine(target, cfg, drafter=drafter)
+    out = engine.generate(prompts, SamplingParams(max_tokens=12, temperature=temperature, seed=2))
+    acc = engine.acceptance
+    assert acc.rounds > 0 and set(acc.proposed) == {cut}
+    assert max(acc.accepted) <= cut and acc.reached()[cut:] == [0.0] * (k - cut)
+    decode = [s for s in engine.steps if s.num_prefill_tokens == 0]
+    assert decode and all(s.num_tokens == 1 + cut and s.cut_drafts == k - cut for s in decode)
+    assert drafter.lengths_log and all(row == [cut] for row in drafter.lengths_log)
+    if temperature == 0:
+        ref = LLMEngine(target, EngineConfig(max_num_batched_tokens=128, max_num_seqs=1)).generate(
+            prompts, SamplingParams(max_tokens=12))
+        assert out == ref
+    # a cut to zero drafts is a plain decode step
+    zero = LLMEngine(target, cfg, drafter=_FixedConfidence(d, 0, confidence_threshold=0.5))
+    z = zero.generate(prompts[:1], SamplingParams(max_tokens=6))
+    assert set(zero.acceptance.proposed) == {0} and set(zero.acceptance.accepted) == {0}
+    assert z == LLMEngine(target, EngineConfig(max_num_batched_tokens=128, max_num_seqs=1)).generate(
+        prompts[:1], SamplingParams(max_tokens=6))
+
+
+def test_threshold_is_checked():
+    d = make(init_weights(TinyDecoder(CFG), seed=3).eval())
+    for bad in (-0.1, 1.5, float("nan")):
+        with pytest.raises(UserError, match="confidence_threshold"):
+            BlockDrafter(d, confidence_threshold=bad)

@@ -21,6 +21,15 @@ fuses them with `fc`), a context of the last `window` features kept per request 
 trains with `max_anchors` random anchors over whole documents), and greedy picks only. The drafter
 adds K - 1 input slots per request to the step (the anchor reuses the bonus token's slot): vLLM's
 generic parallel-drafting count (`config.draft_slots_for("parallel", K)`).
+
+The confidence head cuts the block, as DeepSeek's DSpark reference evaluator does
+(deepseek-ai/DeepSpec `eval/dspark/draft_ops.py`: `_confident_prefix_length`, `build_dspark_proposal`;
+SGLang's `DSparkWorkerV2._confident_prefix` is the same rule): with a threshold t > 0, the block is
+cut at the first slot whose sigmoid(confidence) < t, and only the drafts before it go to the target
+— anchor + n tokens verified instead of anchor + K ("verify smarter, not longer"); n = 0 leaves a
+plain decode step. t = 0 (DeepSpec's default) turns the cut off. speculators trains the head
+(BCE, `confidence_head_alpha`) but has no inference path of its own; its metrics call the cumulative
+product of the confidences "what dynamic draft-length thresholding consumes".
 """
 from __future__ import annotations
 
@@ -229,18 +238,39 @@ def load_block_draft(path: str | Path, target: TinyDecoder) -> BlockDraft:
     return draft.to(target.embed.weight.device).eval()
 
 
+def confident_prefix_length(confidence: torch.Tensor, threshold: float) -> torch.Tensor:
+    """confidence [B, K] probabilities (sigmoid of the head) -> drafts kept per row [B] int64: the index
+    of the first slot below `threshold`, K where none is; threshold <= 0 keeps every slot (DeepSpec's
+    `_confident_prefix_length`, batched as SGLang's `_confident_prefix`)."""
+    B, K = confidence.shape
+    if threshold <= 0:
+        return torch.full((B,), K, dtype=torch.long, device=confidence.device)
+    keep = (confidence >= threshold).long()
+    return keep.cumprod(dim=1).sum(dim=1)
+
+
 class BlockDrafter:
     """Engine drafter around a `BlockDraft`: per request it keeps the target's features of the last
     `window` positions (`seq.draft_hidden_rows` of each step), and drafts every request's block in
     one batched forward. temperature 0: greedy proposals, one-hot (probabilities None); > 0: each
-    slot sampled from the draft's softmax at that temperature, which verification receives as q."""
+    slot sampled from the draft's softmax at that temperature, which verification receives as q.
+    `confidence_threshold` > 0 cuts each row's block at its first slot under the threshold
+    (`confident_prefix_length`): `propose` then returns the kept lengths as a third element, and the
+    engine verifies only those drafts. The slots stay reserved (the scheduler charged K - 1)."""
 
     name = "DSpark-style parallel block draft"
     kind = "parallel"             # config.draft_slots_for: K - 1 slots per request
 
-    def __init__(self, draft: BlockDraft, temperature: float = 0.0, seed: int = 0):
+    def __init__(self, draft: BlockDraft, temperature: float = 0.0, seed: int = 0, confidence_threshold: float = 0.0):
         if temperature < 0:
             raise UserError(f"draft temperature={temperature!r} must be >= 0")
+        t = confidence_threshold
+        if not (t == t and 0 <= t <= 1):
+            raise UserError(f"confidence_threshold={t!r} must be a number in [0, 1] (0: no cut)")
+        if t > 0 and not draft.cfg.confidence_head:
+            raise UserError("confidence_threshold > 0 needs a draft with a confidence head")
+        self.confidence_threshold = float(t)
+        self.lengths_log: list[list[int]] = []     # the kept lengths of every propose call (the cut's record)
         self.draft, self.vocab, self.temperature, self.seed = draft, draft.cfg.vocab, temperature, seed
         self.generator: torch.Generator | None = None
         self.feature_layers = None     # the target's final hidden state
@@ -266,7 +296,9 @@ class BlockDrafter:
             del self.contexts[key]
 
     @torch.no_grad()
-    def propose(self, seqs, k: int, device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def propose(self, seqs, k: int, device):
+        """-> (tokens [B, K], draft probabilities [B, K, V] or None) or, with a confidence threshold,
+        (tokens, probabilities, kept lengths [B] int64)."""
         if k != self.draft.cfg.block:
             raise UserError(f"the block draft drafts {self.draft.cfg.block} tokens per forward; the engine asked for k={k}")
         self._forget_finished()
@@ -291,4 +323,9 @@ class BlockDrafter:
         toks, conf, probs = self.draft.draft(feats.to(self.draft.embed_weight.dtype), pos.to(dev), valid.to(dev),
                                              anchor.to(dev), anchor_pos.to(dev), self.temperature, gen)
         self.last_confidence = conf
-        return toks.to(device), (None if probs is None else probs.to(device))
+        probs = None if probs is None else probs.to(device)
+        if self.confidence_threshold <= 0:
+            return toks.to(device), probs
+        lengths = confident_prefix_length(conf, self.confidence_threshold)
+        self.lengths_log.append(lengths.tolist())
+        return toks.to(device), probs, lengths

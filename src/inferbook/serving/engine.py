@@ -40,6 +40,7 @@ class StepStats:
     reserved: int
     num_scheduled: int = 0        # requests in the batch (each charged its draft slots under "adaptive")
     draft_on_host: bool = False   # a model-free drafter (n-gram lookup) is the engine's own CPU work
+    cut_drafts: int = 0           # scheduled draft tokens a drafter's cut kept out of the verify forward
 
     @property
     def total_s(self) -> float:
@@ -149,7 +150,7 @@ class LLMEngine:
             return []
         t1 = self._tick()
         spec = [c.seq for c in out.chunks if c.num_spec_tokens]
-        drafts = self.drafter.propose(spec, self.config.num_spec_tokens, self.device) if spec else None
+        drafts = self._drafts(self.drafter.propose(spec, self.config.num_spec_tokens, self.device)) if spec else None
         t2 = self._tick()
         batch = self.runner.prepare(self._batch_items(out.chunks, drafts))
         t3 = self._tick()
@@ -157,43 +158,64 @@ class LLMEngine:
         t4 = self._tick()
         new_tokens, accepted, rows = self._sample(out.chunks, logits, drafts)
         t5 = self._tick()
-        finished = self._update(out.chunks, new_tokens, accepted, rows, hidden, now=t5)
+        finished = self._update(out.chunks, new_tokens, accepted, rows, hidden, now=t5, drafts=drafts)
         t6 = self.clock()
+        cut = 0 if drafts is None else sum(self.config.num_spec_tokens - n for n in drafts[2])
         self.steps.append(StepStats(schedule_s=t1 - t0, draft_s=t2 - t1, prepare_s=t3 - t2, forward_s=t4 - t3,
-                                    sample_s=t5 - t4, update_s=t6 - t5, num_tokens=out.num_tokens,
+                                    sample_s=t5 - t4, update_s=t6 - t5, num_tokens=out.num_tokens - cut,
+                                    cut_drafts=cut,
                                     num_prefill_tokens=out.num_prefill_tokens, num_decode=out.num_decode,
                                     num_running=num_running, reserved=out.reserved, num_scheduled=len(out.chunks),
                                     draft_on_host=bool(spec) and getattr(self.drafter, "runs_on_host", False)))
         return finished
 
+    def _drafts(self, proposal):
+        """A drafter's proposal as (tokens [n, k], probabilities [n, k, V] or None, lengths: the drafts
+        of each row put to verification). A drafter that cuts its blocks (the DSpark-style block
+        draft's confidence head) returns the lengths as a third element; the others verify all k."""
+        k = self.config.num_spec_tokens
+        toks, probs = proposal[0], proposal[1]
+        lengths = [k] * toks.shape[0] if len(proposal) < 3 or proposal[2] is None else \
+            [int(n) for n in proposal[2].tolist()]
+        if len(lengths) != toks.shape[0] or any(not 0 <= n <= k for n in lengths):
+            raise RuntimeError(f"drafter returned lengths {lengths} for {toks.shape[0]} rows of k = {k}")
+        return toks, probs, lengths
+
     @staticmethod
     def _batch_items(chunks, drafts):
-        """Each chunk's new tokens (plus its draft tokens to verify), start position and block table.
-        Draft row j belongs to the j-th speculative chunk, in schedule order."""
+        """Each chunk's new tokens (plus the draft tokens it verifies: the first `lengths[j]` of row j),
+        start position and block table. Draft row j belongs to the j-th speculative chunk, in schedule order."""
         items, j = [], 0
         for c in chunks:
             seq, start = c.seq, c.seq.num_computed_tokens
             toks = seq.token_ids[start:start + c.num_tokens]
             if c.num_spec_tokens:
-                toks = toks + drafts[0][j].tolist()
+                toks = toks + drafts[0][j, :drafts[2][j]].tolist()
                 j += 1
             items.append((toks, start, seq.block_table, bool(c.num_spec_tokens)))
         return items
 
     def _sample(self, chunks, logits, drafts):
-        """New tokens per request: one from each finishing prefill or plain decode, 1..k+1 from each
-        verification. Returns ({seq_id: tokens}, {seq_id: accepted drafts}, {seq_id: first logit row})."""
-        k = self.config.num_spec_tokens
-        row, plain, verify, rows = 0, [], [], {}
+        """New tokens per request: one from each finishing prefill or plain decode, 1..n+1 from each
+        verification of n drafts (n = k, or the length a drafter cut its block to). Returns
+        ({seq_id: tokens}, {seq_id: accepted drafts}, {seq_id: first logit row})."""
+        row, plain, verify, rows, j = 0, [], [], {}, 0
         for c in chunks:
             rows[c.seq.seq_id] = row
             completes = not c.is_prefill or c.seq.num_computed_tokens + c.num_tokens >= c.seq.num_prompt_tokens
             if c.num_spec_tokens:
-                verify.append((c, row))
-            elif completes:  # a prefill chunk that leaves prompt tokens behind samples nothing
+                n = drafts[2][j]
+                verify.append((c, row, j, n))
+                row += 1 + n
+                j += 1
+                continue
+            if completes:  # a prefill chunk that leaves prompt tokens behind samples nothing
                 plain.append((c, row))
-            row += 1 + c.num_spec_tokens
+            row += 1
         new_tokens: dict[int, list[int]] = {}
+        # a verification cut to 0 drafts is a plain decode step of its row
+        plain += [(c, r) for c, r, _, n in verify if n == 0]
+        verify = [v for v in verify if v[3] > 0]
         greedy = [(c, r) for c, r in plain if c.seq.params.temperature == 0]
         if greedy:   # one argmax for all greedy rows
             toks = logits[torch.tensor([r for _, r in greedy], device=self.device)].argmax(-1).tolist()
@@ -201,28 +223,31 @@ class LLMEngine:
         for c, r in plain:  # temperature sampling: each request draws from its own seeded generator
             if c.seq.params.temperature > 0:
                 new_tokens[c.seq.seq_id] = [int(sample(logits[r:r + 1], c.seq.params.temperature, c.seq.generator))]
-        accepted: dict[int, int] = {}
+        accepted: dict[int, int] = {sid: 0 for sid in (c.seq.seq_id for c, _ in plain if c.num_spec_tokens)}
         if verify:
-            target = torch.stack([logits[r:r + k + 1] for _, r in verify])          # [n, k+1, V]
-            dtok, dprob = drafts   # rows in the same order as `verify`
-            # greedy requests verify together; a sampling request with its own generator
-            groups = [([i for i, (c, _) in enumerate(verify) if c.seq.params.temperature == 0], 0.0, self.generator)]
-            groups += [([i], c.seq.params.temperature, c.seq.generator)
-                       for i, (c, _) in enumerate(verify) if c.seq.params.temperature > 0]
-            for idx, temp, gen in groups:
-                if not idx:
-                    continue
-                sel = torch.tensor(idx, device=self.device)
-                toks, acc = rejection_sample(probs_from_logits(target[sel], temp),
-                                             None if dprob is None else dprob[sel], dtok[sel], gen)
+            dtok, dprob, _ = drafts
+            # greedy requests verify together (one group per verified length); a sampling request
+            # with its own generator
+            lengths = sorted({n for c, _, _, n in verify if c.seq.params.temperature == 0})
+            groups = [([i for i, (c, _, _, n) in enumerate(verify) if c.seq.params.temperature == 0 and n == m],
+                       0.0, self.generator, m) for m in lengths]
+            groups += [([i], c.seq.params.temperature, c.seq.generator, n)
+                       for i, (c, _, _, n) in enumerate(verify) if c.seq.params.temperature > 0]
+            for idx, temp, gen, n in groups:
+                target = torch.stack([logits[verify[i][1]:verify[i][1] + n + 1] for i in idx])     # [m, n+1, V]
+                drow = torch.tensor([verify[i][2] for i in idx], device=dtok.device)
+                toks, acc = rejection_sample(probs_from_logits(target, temp),
+                                             None if dprob is None else dprob[drow, :n], dtok[drow, :n], gen)
                 for i, t, a in zip(idx, toks.tolist(), acc.tolist()):
                     sid = verify[i][0].seq.seq_id
                     new_tokens[sid], accepted[sid] = t[:a + 1], a
         return new_tokens, accepted, rows
 
-    def _update(self, chunks, new_tokens, accepted, rows, hidden, now: float) -> list[Sequence]:
+    def _update(self, chunks, new_tokens, accepted, rows, hidden, now: float, drafts=None) -> list[Sequence]:
         """Advance each request: computed tokens, new tokens, the hidden state a draft reads next, finish."""
         finished = []
+        spec = [c.seq.seq_id for c in chunks if c.num_spec_tokens]
+        verified = dict(zip(spec, drafts[2])) if drafts is not None else {}
         for c in chunks:
             seq = c.seq
             if c.is_prefill:
@@ -237,7 +262,7 @@ class LLMEngine:
                 seq.num_computed_tokens += len(toks)   # the previous token + the accepted drafts
             if c.num_spec_tokens:
                 seq.accepted_per_round.append(accepted[seq.seq_id])
-                self.acceptance.add([accepted[seq.seq_id]])
+                self.acceptance.add([accepted[seq.seq_id]], [verified[seq.seq_id]])
             # the target's hidden state at the row that produced the last new token
             last_row = rows[seq.seq_id] + (len(toks) - 1 if c.num_spec_tokens else 0)
             seq.draft_hidden = hidden[last_row]

@@ -97,9 +97,35 @@ class AcceptanceStats:
 
     k: int
     accepted: list[int] = field(default_factory=list)
+    # drafts put to verification per round: k, or fewer where a drafter cut its block (DSpark's
+    # confidence head); a round can only accept what it verified
+    proposed: list[int] = field(default_factory=list)
 
-    def add(self, num_accepted) -> None:
-        self.accepted.extend(int(a) for a in num_accepted)
+    def add(self, num_accepted, proposed=None) -> None:
+        num_accepted = [int(a) for a in num_accepted]
+        proposed = [self.k] * len(num_accepted) if proposed is None else [int(p) for p in proposed]
+        if len(proposed) != len(num_accepted) or any(not 0 <= a <= p <= self.k for a, p in zip(num_accepted, proposed)):
+            raise ValueError(f"accepted {num_accepted} must lie in 0..proposed {proposed} (<= k = {self.k})")
+        self.accepted.extend(num_accepted)
+        self.proposed.extend(proposed)
+
+    def clear(self) -> None:
+        self.accepted.clear()
+        self.proposed.clear()
+
+    @property
+    def _proposed(self) -> list[int]:
+        """`proposed` aligned with `accepted` (a caller that cleared only `accepted` keeps its last rounds)."""
+        return self.proposed[len(self.proposed) - len(self.accepted):]
+
+    def mean_proposed(self) -> float:
+        """Drafts verified per round (k when no round was cut)."""
+        return sum(self._proposed) / self.rounds if self.rounds else float("nan")
+
+    def reached(self) -> list[float]:
+        """[P(proposed >= i) for i = 1..k]: the share of rounds whose verified block reached slot i."""
+        n = self.rounds
+        return [sum(p >= i for p in self._proposed) / n if n else float("nan") for i in range(1, self.k + 1)]
 
     @property
     def rounds(self) -> int:
@@ -115,16 +141,17 @@ class AcceptanceStats:
         return [sum(a >= i for a in self.accepted) / n if n else float("nan") for i in range(1, self.k + 1)]
 
     def conditional(self) -> list[float]:
-        """[P(accepted >= i | accepted >= i-1) for i = 1..k]; NaN where no round reached i-1."""
+        """[P(accepted >= i | accepted >= i-1) for i = 1..k], among the rounds that verified slot i (all
+        of them unless a drafter cut its block before i); NaN where no such round reached i-1."""
         out = []
         for i in range(1, self.k + 1):
-            reached = sum(a >= i - 1 for a in self.accepted)
+            reached = sum(a >= i - 1 and p >= i for a, p in zip(self.accepted, self._proposed))
             out.append(sum(a >= i for a in self.accepted) / reached if reached else float("nan"))
         return out
 
     def alpha(self) -> float:
         """Per-token pass rate pooled over positions: passes / draft tokens examined."""
-        examined = sum(min(a + 1, self.k) for a in self.accepted)
+        examined = sum(min(a + 1, p) for a, p in zip(self.accepted, self._proposed))
         return sum(self.accepted) / examined if examined else float("nan")
 
 
