@@ -12,6 +12,9 @@ draft training in separate processes; the weights are committed in `data/models/
 generates from held-out prompts of each task with k = 8 draft positions and returns records of
 acceptance (per position, cumulative and conditional), Leviathan et al.'s expected length, and the
 measured cost model: per-round time = draft time x k + verify time, and time per generated token.
+Beside them the DSpark-style parallel block draft (`block_draft.py`): one draft forward + one verify,
+once verifying the whole block and once with its confidence head cutting the block at the first slot
+below `confidence_threshold` (DeepSpec's rule), so the verify covers the anchor + the kept drafts.
 """
 from __future__ import annotations
 
@@ -40,6 +43,7 @@ from ..serving.config import draft_slots_for
 from ..serving.train import BLOCK_DRAFT_FILE, DRAFTS, TARGET_FILE, draft_file, run_all
 
 PARALLEL = "parallel"   # the DSpark-style block draft (one forward per round), beside the chain drafts
+PARALLEL_CUT = "parallel-cut"   # the same draft with its confidence head cutting each block (DSpark's threshold)
 
 # The results page's headline: (record name prefix, measurement).
 HEADLINE = ('small-math', 'mean_acceptance_length', 'Mean acceptance length of the small draft on math prompts')
@@ -53,6 +57,9 @@ PARAMETERS = {
     "retrain": Param(bool, False, help="train target and drafts again in this run (minutes on CPU)"),
     "target_steps": Param(int, 600, help="target training steps when retraining"),
     "draft_steps": Param(int, 800, help="draft training steps when retraining"),
+    "confidence_threshold": Param(float, 0.2, min=0.0, max=1.0, help="DSpark's confidence cut for the parallel draft: each block is "
+                                                   "cut at its first slot with sigmoid(confidence) below this, and "
+                                                   "only the slots before it are verified (0: no cut run)"),
     "cpu_threads": Param(int, 1, min=0, help="torch threads on CPU during the measurement (0: leave as is)"),
     "timer": Param(str, help="'wall' (perf_counter, device synchronised) or 'process' (CPU seconds of this "
                              "process: on a shared CPU machine, excludes time spent waiting for a core)",
@@ -145,7 +152,7 @@ def run_task(target, prompts, params: SamplingParams, k: int, drafter=None, time
     engine = LLMEngine(target, cfg, drafter=drafter, clock=CLOCKS[timer])
     engine.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=params.temperature))   # warm-up
     engine.steps.clear()
-    engine.acceptance.accepted.clear()
+    engine.acceptance.clear()
     return engine, run_closed_loop(engine, prompts, params, 1)
 
 
@@ -249,10 +256,13 @@ def measure(ctx, *, cpu_threads, **params) -> list[RunRecord]:
 
 
 def _measure(ctx, *, num_spec_tokens, prompts_per_task, code_prompt_chars, output_len, temperature, retrain,
-             target_steps, draft_steps, timer) -> list[RunRecord]:
+             target_steps, draft_steps, timer, confidence_threshold=0.0) -> list[RunRecord]:
     from ..serving.config import check_spec_tokens
 
     k = check_spec_tokens(num_spec_tokens)
+    thr = confidence_threshold
+    if not (thr == thr and 0 <= thr <= 1):
+        raise UserError(f"confidence_threshold={thr!r} must be a number in [0, 1] (0: no cut run)")
     if timer == "process" and ctx.device.type == "cuda":
         raise UserError("timer='process' measures CPU seconds and cannot time GPU work; use timer='wall' on cuda")
     if prompts_per_task < 1 or output_len < 2:
@@ -294,12 +304,15 @@ def _measure(ctx, *, num_spec_tokens, prompts_per_task, code_prompt_chars, outpu
         records.append(rec)
         greedy = SamplingParams(max_tokens=min(32, output_len))
         greedy_plain = run_task(target, prompts[:2], greedy, k)[1].outputs
-        entries = list(drafts.items()) + ([(PARALLEL, block)] if block is not None else [])
+        entries = list(drafts.items()) + ([(PARALLEL, block)] if block is not None else []) + (
+            [(PARALLEL_CUT, block)] if block is not None and thr > 0 else [])
         for name, draft in entries:
-            parallel = name == PARALLEL
-            make = ((lambda t=temperature: BlockDrafter(block, t, seed=ctx.seed)) if parallel else
-                    (lambda t=temperature, d=draft: HiddenStateDrafter(d, t, seed=ctx.seed)))
-            engine, run = run_task(target, prompts, sp, k, make(), timer=timer)
+            parallel, cut = name in (PARALLEL, PARALLEL_CUT), name == PARALLEL_CUT
+            make = ((lambda t=temperature, c=(thr if cut else 0.0): BlockDrafter(block, t, seed=ctx.seed,
+                                                                                 confidence_threshold=c))
+                    if parallel else (lambda t=temperature, d=draft: HiddenStateDrafter(d, t, seed=ctx.seed)))
+            drafter = make()
+            engine, run = run_task(target, prompts, sp, k, drafter, timer=timer)
             acc = engine.acceptance
             steps = decode_steps(engine)
             # a chain pays k draft steps per round, the parallel draft one forward
@@ -310,11 +323,13 @@ def _measure(ctx, *, num_spec_tokens, prompts_per_task, code_prompt_chars, outpu
             tau_err = statistics.stdev(acc.accepted) / len(acc.accepted) ** 0.5 if acc.rounds > 1 else float("inf")
             measured_tpot = sum(s.total_s for s in steps) / sum(a + 1 for a in acc.accepted)
             spread = cost_spread(steps, acc.accepted, k, seed=ctx.seed)
-            meta = draft_metadata(paths[name]) if not parallel else _block_meta(paths[name])
+            meta = draft_metadata(paths[name]) if not parallel else _block_meta(paths[PARALLEL])
             n_par = sum(p.numel() for p in draft.parameters()) / 1e6
             desc = (f"DSpark-style parallel block draft: one forward over an anchored block of {k} positions, "
                     f"{draft.cfg.n_layers} layer(s) attending to the last {draft.cfg.window} target features, "
-                    f"Markov head rank {draft.cfg.markov_rank}, confidence head ({n_par:.2f}M params)" if parallel else
+                    f"Markov head rank {draft.cfg.markov_rank}, confidence head ({n_par:.2f}M params)"
+                    + (f"; blocks cut at the first slot with confidence < {thr}" if cut else "; whole block verified")
+                    if parallel else
                     f"hidden-state draft, {draft.cfg.n_layers} layer(s) with own attention "
                     f"({draft.cfg.n_heads} heads, {draft.cfg.n_kv_heads} KV heads) and KV cache, "
                     f"ffn {draft.cfg.ffn}, reads "
@@ -322,7 +337,9 @@ def _measure(ctx, *, num_spec_tokens, prompts_per_task, code_prompt_chars, outpu
                     f"({draft.cfg.n_params() / 1e6:.2f}M params)")
             rec = ctx.new_record(f"{name}-{task}", variant=f"draft {name}", workload={
                 **common, "draft": desc,
-                "draft_revision": f"sha256:{sha(paths[name])[:16]} (trained {meta.get('steps', '?')} steps from "
+                "confidence_threshold": thr if cut else 0.0,
+                "draft_revision": f"sha256:{sha(paths[PARALLEL if parallel else name])[:16]} (trained "
+                                  f"{meta.get('steps', '?')} steps from "
                                   f"{meta.get('trained_from', '?')})"}, topology={"ranks": 1})
             rec.set_backend("attention", paged_kernels_label(kernels),
                             reason="PyTorch path of this engine; SDPA kernel observed on its call shapes")
@@ -340,10 +357,26 @@ def _measure(ctx, *, num_spec_tokens, prompts_per_task, code_prompt_chars, outpu
             n_draft = 1 if parallel else k
             rec.add("draft_time_per_position" if not parallel else "draft_time_per_forward", t_draft, "s",
                     phase="decode", forwards_per_round=n_draft)
-            rec.add("verify_time", t_verify, "s", phase="decode", tokens=k + 1)
+            n_verified = acc.mean_proposed()
+            rec.add("verify_time", t_verify, "s", phase="decode", tokens=k + 1 if not cut else 1 + n_verified)
+            rec.add("mean_verified_drafts", n_verified, "drafts per round", phase="decode",
+                    definition="drafts put to the target per round: k, or the confidence cut's length")
+            for i, reach in enumerate(acc.reached(), start=1):
+                rec.add(f"verified_ge_{i}", reach, "fraction of rounds", phase="decode", position=i,
+                        kind="P(block verified through slot i)")
+            if cut:   # the cut as the drafter decided it is what the engine verified, round by round
+                decided = [n for row in drafter.lengths_log for n in row]
+                ran = acc.proposed
+                rec.add_check("the engine verified exactly the drafts the confidence cut kept",
+                              decided[-len(ran):] == ran and all(a <= n for a, n in zip(acc.accepted, ran))
+                              and len(decided) >= len(ran),
+                              error=sum(a != b for a, b in zip(decided[-len(ran):], ran)), tolerance=0)
+                rec.add("cut_rounds", sum(n < k for n in ran) / len(ran), "fraction of rounds", phase="decode",
+                        definition=f"rounds whose block was cut before slot {k}")
             rec.add("other_time_per_round", t_rest, "s", phase="decode")
             rec.add("round_time_model", n_draft * t_draft + t_verify, "s", phase="decode",
-                    formula="one draft forward + verify time" if parallel else "draft time x k + verify time")
+                    formula=("one draft forward + verify of the cut block" if cut else "one draft forward + verify time")
+                    if parallel else "draft time x k + verify time")
             rec.add("time_per_token_model", (n_draft * t_draft + t_verify + t_rest) / tau, "s", phase="decode",
                     formula=("(draft forward + verify + other)" if parallel else "(draft x k + verify + other)")
                     + " / mean acceptance length")
@@ -360,7 +393,9 @@ def _measure(ctx, *, num_spec_tokens, prompts_per_task, code_prompt_chars, outpu
                     p90_s=quantile(spread["draft_s"], 0.9), definition=f"draft time of one round ({k} positions)")
             rec.add("verify_time_per_step", statistics.median(spread["verify_s"]), "s", phase="decode",
                     samples_s=spread["verify_s"], p10_s=quantile(spread["verify_s"], 0.1),
-                    p90_s=quantile(spread["verify_s"], 0.9), definition=f"target forward over 1 + k = {k + 1} tokens")
+                    p90_s=quantile(spread["verify_s"], 0.9),
+                    definition=(f"target forward over the anchor + the kept drafts (mean {significant(1 + n_verified)} "
+                                "tokens)") if cut else f"target forward over 1 + k = {k + 1} tokens")
             rec.add("expected_tokens_per_s", spread["rate"], "tokens/s", phase="decode", lo=spread["rate_lo"],
                     hi=spread["rate_hi"], definition="sum(accepted + 1) / sum(round time) over rounds, 90 % "
                                                      "bootstrap interval resampling rounds")
@@ -384,8 +419,8 @@ def _block_meta(path: Path) -> dict:
 def acceptance_rows(records: list[RunRecord]) -> list[dict]:
     """Per (draft, task): mean acceptance length beside the seed's model-card number for that task."""
     rows = []
-    for r in records:
-        if not r.name.startswith(tuple(DRAFTS) + (PARALLEL,)):
+    for r in records:   # the cut draft has its own table (`cut_rows`): Leviathan's formula assumes k verified
+        if not r.name.startswith(tuple(DRAFTS) + (PARALLEL,)) or r.name.startswith(PARALLEL_CUT):
             continue
         task = r.workload["task"]
         seed_name, seed_value = SEED_ACCEPTANCE[task]
@@ -398,6 +433,33 @@ def acceptance_rows(records: list[RunRecord]) -> list[dict]:
     return rows
 
 
+def cut_rows(records: list[RunRecord]) -> list[dict]:
+    """Per task (and pooled): the parallel draft verifying its whole block against the same draft with
+    the confidence cut — acceptance, drafts verified, verify time, and which gives more decode tokens
+    per second by more than the noise (`recommend`, the requests' own rates)."""
+    full = {r.workload["task"]: r for r in records if r.variant == f"draft {PARALLEL}"}
+    cut = {r.workload["task"]: r for r in records if r.variant == f"draft {PARALLEL_CUT}"}
+    if not cut:
+        return []
+    label = {PARALLEL: "whole block", PARALLEL_CUT: "cut", "cannot tell": "cannot tell"}
+    rows = []
+    for r in recommend(records, PARALLEL, PARALLEL_CUT):
+        t = r["task"]
+        f, c = (full.get(t), cut.get(t)) if t != "all tasks" else (None, None)
+        rows.append({"task": t, "threshold": next(iter(cut.values())).workload["confidence_threshold"],
+                     "acceptance length, whole block": significant(f.value("mean_acceptance_length")) if f else None,
+                     "acceptance length, cut": significant(c.value("mean_acceptance_length")) if c else None,
+                     "drafts verified per round, cut": significant(c.value("mean_verified_drafts")) if c else None,
+                     "rounds cut": significant(c.value("cut_rounds")) if c else None,
+                     "verify ms / round, whole block": significant(1e3 * f.value("verify_time_per_step")) if f else None,
+                     "verify ms / round, cut": significant(1e3 * c.value("verify_time_per_step")) if c else None,
+                     "cut / whole tokens/s": significant(r["ratio"]),
+                     "90 % interval": f"{significant(r['lo'])}–{significant(r['hi'])}",
+                     "recommended": label[r["recommended"]],
+                     "_sentence": r["sentence"]})
+    return rows
+
+
 def position_rows(records: list[RunRecord], draft: str) -> list[dict]:
     rows = []
     for r in records:
@@ -407,6 +469,9 @@ def position_rows(records: list[RunRecord], draft: str) -> list[dict]:
             if m["name"].startswith("accepted_ge_"):
                 rows.append({"task": r.workload["task"], "position": m["position"], "value": m["value"],
                              "kind": "cumulative P(accepted >= i)"})
+            elif m["name"].startswith("verified_ge_") and r.variant == f"draft {PARALLEL_CUT}":
+                rows.append({"task": r.workload["task"], "position": m["position"], "value": m["value"],
+                             "kind": "P(block verified through slot i)"})
             elif m["name"].startswith("accept_given_") and m.get("defined", True):
                 rows.append({"task": r.workload["task"], "position": m["position"], "value": m["value"],
                              "kind": "conditional P(>= i | >= i-1)"})
