@@ -15,9 +15,11 @@ protocol over `multiprocessing.shared_memory`:
 Epochs only grow, so a segment serves many steps without being cleared (Lamport's trick is to poll a
 value that cannot be stale; ours is the epoch). The flag store follows the data stores in program
 order; x86-64 keeps stores in order for other processes (TSO). On a weaker memory model a fence would be
-needed between them. GPU ranks would use `torch.distributed._symmetric_memory` (`rendezvous`, peers'
-buffers, `barrier`/signal pads) with the same layout; that path is not built here (no GPU to test it on).
-Rank 0 creates the segment and broadcasts its name over the gloo group; every rank maps it.
+needed between them. GPU ranks use `comm.symm_push.SymmSlots` (`torch.distributed._symmetric_memory`:
+`empty`, `rendezvous`, peers' buffers, a stream-ordered flag store) with the same slots, flags and the
+functions below; `symm_push.push_slots` picks one by the group's backend and the device. That GPU path has
+not run on a GPU yet. Rank 0 creates the segment and broadcasts its name over the gloo group; every rank
+maps it.
 """
 from __future__ import annotations
 
@@ -61,6 +63,14 @@ class ShmSlots:
         """This rank's slot in rank `dst`'s receive buffer: where a kernel stores what it pushes to dst."""
         return self.data[dst, self.rank]
 
+    def own_slot(self) -> torch.Tensor:
+        """This rank's slot of its own receive buffer (where the pull path stores its slice)."""
+        return self.data[self.rank, self.rank]
+
+    def peer_slot(self, src: int) -> torch.Tensor:
+        """Rank `src`'s own slot of its own buffer (what the pull path reads)."""
+        return self.data[src, src]
+
     def raise_flags(self, epoch: int) -> None:
         """After the stores: tell every peer that this rank's slot holds epoch `epoch`."""
         self.flags[:, self.rank] = int(epoch)
@@ -85,7 +95,7 @@ class ShmSlots:
             self.shm.unlink()
 
 
-def push_finalize(slots: ShmSlots, expert_out: torch.Tensor, topk_weights: torch.Tensor, epoch: int,
+def push_finalize(slots, expert_out: torch.Tensor, topk_weights: torch.Tensor, epoch: int,
                   backend: str = "auto") -> None:
     """Rounding point 1 computed by the finalize kernel straight into every peer's slot (one launch
     per destination: the interpreter and a CPU have no peer-mapped stores in one kernel), then the flags."""
@@ -105,7 +115,7 @@ def push_finalize(slots: ShmSlots, expert_out: torch.Tensor, topk_weights: torch
     slots.raise_flags(epoch)
 
 
-def pushed_tail(slots: ShmSlots, expert_out, topk_weights, shared, residual, norm_weight, eps=1e-6, epoch: int = 1,
+def pushed_tail(slots, expert_out, topk_weights, shared, residual, norm_weight, eps=1e-6, epoch: int = 1,
                 backend: str = "auto"):
     """The MoE tail with the push path: finalize into the peers' slots, wait on the flags, one fused
     pass over the N partials in rank order. Returns (out, residual_out) [T, H]."""
@@ -117,19 +127,15 @@ def pushed_tail(slots: ShmSlots, expert_out, topk_weights, shared, residual, nor
     return tail.fused_tail(partials.clone(), shared, residual, norm_weight, eps, backend=backend)
 
 
-def pull_gather(slots: ShmSlots, local: torch.Tensor, epoch: int) -> torch.Tensor:
+def pull_gather(slots, local: torch.Tensor, epoch: int) -> torch.Tensor:
     """Vocab pull path: each rank stores its [B, V/N] slice once into its own slot of its own buffer
     and raises its flag; every rank then *reads* its peers' slots (the peers' buffers, mapped) and
     concatenates them in rank order -> [B, V]. Slices must have equal widths (V divisible by N)."""
     B, w = local.shape
     if slots.numel != B * w or slots.dtype != local.dtype:
         raise UserError(f"slots hold {slots.numel} {slots.dtype} elements; the slice has {B * w} {local.dtype}")
-    slots.data[slots.rank, slots.rank].copy_(local.reshape(-1))
+    slots.own_slot().copy_(local.reshape(-1))
     slots.raise_flags(epoch)
-    deadline = time.monotonic() + 60.0
-    while int(slots.flags[:, :].diagonal().min()) < epoch:   # every owner has stored its slice
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"rank {slots.rank}: a peer never stored its slice for epoch {epoch}")
-        time.sleep(0)
-    parts = [slots.data[s, s].view(B, w) for s in range(slots.world)]
+    slots.wait(epoch)          # every owner has stored its slice and raised its flag to this rank
+    parts = [slots.peer_slot(s).view(B, w) for s in range(slots.world)]
     return torch.cat(parts, dim=1).clone()

@@ -103,29 +103,34 @@ def task_check(rank: int, world: int, device: torch.device, args: dict) -> dict:
 
     pre = fx.fused_moe_tail(inp["expert_out"][rank], inp["topk_weights"][rank], *rest, backend=backend)
     out["tail/fused_pre"] = [t.cpu() for t in pre]
-    if device.type == "cpu":   # 4b. the push path: the finalize stored into the peers' shared-memory slots
-        from . import shm_push
+    # 4b. the push path: the finalize stored into the peers' slots, epoch flags; the transport is the
+    # group's: gloo on CPU -> one shared-memory segment, NCCL on CUDA -> symmetric memory (never run yet)
+    from . import shm_push, symm_push
 
-        slots = shm_push.ShmSlots(T * H, inp["expert_out"].dtype)
+    out["push/transport"] = symm_push.SYMMETRIC if device.type == "cuda" else symm_push.SHARED
+    try:
+        slots, out["push/transport"] = symm_push.push_slots(T * H, inp["expert_out"].dtype, device)
         try:
-            for epoch in (1, 2):   # twice through the same segment: the epochs, not a reset, separate steps
+            for epoch in (1, 2):   # twice through the same slots: the epochs, not a reset, separate steps
                 pushed = shm_push.pushed_tail(slots, inp["expert_out"][rank], inp["topk_weights"][rank], *rest,
                                               epoch=epoch, backend=backend)
             out["tail/fused_shm"] = [t.cpu() for t in pushed]
         finally:
             slots.close()
+    except Exception as e:   # a push path that fails is a failed check, not a dead worker
+        if device.type == "cpu":
+            raise
+        out["push/error"] = f"{type(e).__name__}: {e}"
     # 5. vocab gather (full logits), both transports
     g5 = torch.Generator().manual_seed(seed + 5)
     full = torch.randn(batch, vocab, generator=g5).to(torch.bfloat16)
     s5, e5 = vg.shard_bounds(vocab, world)[rank]
     for transport in fx.GATHER_TRANSPORTS:
         out[f"gather/{transport}"] = fx.vocab_gather(full[:, s5:e5].to(device), vocab, transport).cpu()
-    if device.type == "cpu" and vocab % world == 0:   # 5b. the pull path through the mapped peers' slots
-        from . import shm_push
-
-        slots = shm_push.ShmSlots(batch * (vocab // world), full.dtype)
+    if vocab % world == 0 and "push/error" not in out:   # 5b. the pull path through the mapped peers' slots
+        slots, _ = symm_push.push_slots(batch * (vocab // world), full.dtype, device)
         try:
-            out["gather/shm-pull"] = shm_push.pull_gather(slots, full[:, s5:e5].contiguous(), epoch=1)
+            out["gather/shm-pull"] = shm_push.pull_gather(slots, full[:, s5:e5].contiguous().to(device), epoch=1).cpu()
         finally:
             slots.close()
     return out
@@ -339,9 +344,12 @@ def check_results(results: list[dict], args: dict | None = None) -> list[dict]:
             pre_across = elements_where_ranks_disagree([r["tail/fused_pre"][i] for r in results])
             row(f"tail {what}: finalize-before-exchange, every rank holds the same bits", pre_across == 0,
                 f"{pre_across} elements differ")
-        if "tail/fused_shm" in results[0]:
+        label = results[0].get("push/transport", "shared-memory")
+        if "push/error" in results[0]:
+            row(f"tail {what}: {label} push (finalize into peers' slots, flags) ran", False, results[0]["push/error"])
+        elif "tail/fused_shm" in results[0]:
             shm = sum(int(tail.bits_differ(r["tail/fused_shm"][i], r["tail/unfused"][i]).sum()) for r in results)
-            row(f"tail {what}: shared-memory push (finalize into peers' slots, flags) == unfused chain in bits", shm == 0,
+            row(f"tail {what}: {label} push (finalize into peers' slots, flags) == unfused chain in bits", shm == 0,
                 f"{shm} elements differ")
     if "gather/ring" in results[0]:
         from . import fused_exchange as fx
@@ -354,7 +362,8 @@ def check_results(results: list[dict], args: dict | None = None) -> list[dict]:
         if "gather/shm-pull" in results[0]:
             bad = [r["rank"] for r in results if not torch.equal(r["gather/shm-pull"].view(torch.int16),
                                                                 full.view(torch.int16))]
-            row("vocab gather shm-pull (peers' mapped slots, flags): every rank holds the full logits, bit for bit",
+            row(f"vocab gather shm-pull ({results[0].get('push/transport', 'shared-memory')}: peers' mapped slots, "
+                "flags): every rank holds the full logits, bit for bit",
                 not bad, f"wrong on ranks {bad}" if bad else "")
     return rows
 
