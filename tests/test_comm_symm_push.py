@@ -124,18 +124,41 @@ def test_symm_slots_protocol_on_a_stand_in(monkeypatch, one_rank_gloo):
     assert len(writes) == 2 * N * N          # one flag store per (src, dst) per epoch
     with pytest.raises(TimeoutError):
         ranks[0].wait(3, timeout_s=0.05)     # epoch 3 was never pushed: the flags say so
-    # the pull path: each rank's slice, read from its owner's buffer
-    V = 3 * 4
+    # the pull path: each rank's slice, read from its owner's buffer (epoch 5: parity 1)
+    V, w_ = 3 * (T * H // 2), T * H // 2
     full = torch.randn(2, V, generator=g)
-    pulls = []
     for r, s in enumerate(ranks):   # store + flags first on every rank (the wait needs all of them)
-        s.numel = 2 * 4
-        s.hdl.tensors = {q: ranks[q].buf.view(-1)[:N * 8].view(N, 8) for q in range(N)}
-        s.buf = s.hdl.tensors[r]
-    for r, s in enumerate(ranks):
-        s.own_slot().copy_(full[:, 4 * r:4 * r + 4].reshape(-1))
+        s.own_slot(5).copy_(full[:, w_ * r:w_ * (r + 1)].reshape(-1))
         s.raise_flags(5)
+    pulls = []
     for s in ranks:
         s.wait(5, timeout_s=1)
-        pulls.append(torch.cat([s.peer_slot(q).view(2, 4) for q in range(N)], 1))
+        pulls.append(torch.cat([s.peer_slot(q, 5).view(2, w_) for q in range(N)], 1))
     assert all(torch.equal(p, full) for p in pulls)
+    # the parity: epoch 5's stores left epoch 2's partials (parity 0) alone
+    assert torch.equal(ranks[0].buf[0].view(N, T, H)[1], tail.finalize_reference(e[1], w[1]))
+
+
+def test_push_path_is_timed_against_gloo_interleaved_and_compared():
+    """Two gloo ranks time both transports (warmed up, interleaved); the chapter's record takes the
+    slowest rank per iteration and compares with `compare_timings` (ratio and interval)."""
+    from types import SimpleNamespace
+
+    from inferbook.chapters import sglang_fused_comm as chapter
+    from inferbook.comm import workers
+    from inferbook.record import RunRecord
+
+    results = workers.launch("push-time", 2, {"seed": 0, "tokens": 2, "hidden": 32, "topk_per_rank": 2, "reps": 5},
+                             timeout_s=120)
+    pt = results[0]["push_time"]
+    assert set(pt["samples_s"]) == set(workers.PUSH_TIMED) and pt["warmup"] >= 1
+    assert all(len(v) == pt["reps"] >= 10 and min(v) > 0 for v in pt["samples_s"].values())
+    ctx = SimpleNamespace(new_record=lambda name, **kw: RunRecord(chapter="sglang-fused-comm", name=name, **kw))
+    rec = chapter.push_time_record(ctx, results, {"ranks": 2, "backend": "gloo"})
+    m = rec.get("push_over_gloo")
+    assert m["lo"] <= m["value"] <= m["hi"] and "gloo send/receive" in m["sentence"]
+    times = {x["transport"]: x for x in rec.measurements if x["name"] == "tail_time"}
+    for name in workers.PUSH_TIMED:   # the slowest rank, iteration by iteration
+        assert times[name]["samples_s"] == [max(r["push_time"]["samples_s"][name][i] for r in results)
+                                            for i in range(pt["reps"])]
+    assert chapter.push_time_record(ctx, [{"rank": 0}], {"ranks": 1, "backend": "nccl"}) is None

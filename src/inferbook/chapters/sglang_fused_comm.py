@@ -18,6 +18,8 @@ and vocab-parallel greedy sampling (seed §六, SGLang #39653).
 """
 from __future__ import annotations
 
+import statistics
+
 import torch
 
 from ..measure import benchmark, ceilings, compare_timings, roofline
@@ -230,6 +232,37 @@ def gather_record(ctx, results: list[dict], world_size: int, vocabs, batches, to
     return rec
 
 
+def push_time_record(ctx, results: list[dict], topo: dict) -> RunRecord | None:
+    """The push path timed against gloo send/receive on CPU (`workers.time_push_against_gloo`): per
+    iteration the slowest rank's time (a collective ends when its last rank does), both transports
+    interleaved in one loop; the comparison is `measure.compare_timings` with its interval. None where
+    the ranks did not time it (GPU ranks: the symmetric-memory path has not run)."""
+    from ..measure import compare_timings
+
+    if "push_time" not in results[0]:
+        return None
+    pt = results[0]["push_time"]
+    worst = {name: [max(r["push_time"]["samples_s"][name][i] for r in results)
+                    for i in range(len(pt["samples_s"][name]))] for name in workers.PUSH_TIMED}
+    rec = ctx.new_record("push-time", variant=topo["backend"], workload={
+        "model": "MoE tail, finalize before the exchange: gloo send/recv vs shared-memory push",
+        "dtype": pt["dtype"], "batch": pt["tokens"],
+        "shapes": {"tokens": pt["tokens"], "hidden": pt["hidden"], "topk_per_rank": pt["topk_per_rank"]},
+        "timer": pt["timer"], "warmup": pt["warmup"], "interleaved": True}, topology=topo)
+    rec.set_backend("finalize and fused pass", "torch reference",
+                    reason="CPU: the Triton kernels would run in the interpreter, which is never timed")
+    for name in workers.PUSH_TIMED:
+        xs = sorted(worst[name])
+        q = lambda f: xs[min(len(xs) - 1, int(f * len(xs)))]
+        rec.add("tail_time", statistics.median(xs), "s", transport=name, p10_s=q(0.1), p90_s=q(0.9),
+                samples_s=worst[name], n=len(xs), note="slowest rank per iteration, CPU loopback processes")
+    cmp = compare_timings(worst[workers.PUSH_TIMED[1]], worst[workers.PUSH_TIMED[0]])
+    rec.add("push_over_gloo", cmp.ratio, "x", phase="derived", lo=cmp.lo, hi=cmp.hi,
+            sentence=cmp.sentence("the shared-memory push", "gloo send/receive"),
+            definition="median push time / median gloo time, bootstrap interval of the ratio")
+    return rec
+
+
 def _tail_record(ctx, *, world_size, tokens, hidden, topk_per_rank, dtype, reps, decode_tokens=()) -> RunRecord:
     cmp = tail_comparison(ctx, world_size=world_size, tokens=tokens, hidden=hidden, topk_per_rank=topk_per_rank,
                           dtype=dtype)
@@ -393,6 +426,9 @@ def measure(ctx, *, world_size, tokens, hidden, topk_per_rank, dtype, check_nume
         g_rec.add("selector_held_out_agreement", sum(c["agrees"] for c in decided) / len(decided), "fraction",
                   phase="derived", decided=len(decided), configurations=len(scored))
     records.append(gather_record(ctx, results, world_size, vocabs, batches, topo))
+    push_rec = push_time_record(ctx, results, topo)
+    if push_rec is not None:
+        records.append(push_rec)
     for b in batches:
         g_rec.add("bytes_per_rank_pairs", vg.exchanged_bytes("pairs", b, vocab, world_size, 2), "bytes",
                   phase="derived", vocab=vocab, batch=b)

@@ -6,14 +6,16 @@ peer's buffer slot through symmetric memory, then raises a Lamport-style flag; a
 flags and reduces as soon as every slot has landed, with no host-side send/receive. This is the same
 protocol over `multiprocessing.shared_memory`:
 
-    segment = data [N dst, N src, numel] (dtype) | flags [N dst, N src] int64
-    push  (rank r, epoch e): for every dst, the finalize kernel writes its output into data[dst, r];
+    segment = data [2 parity, N dst, N src, numel] (dtype) | flags [N dst, N src] int64
+    push  (rank r, epoch e): for every dst, the finalize kernel writes its output into data[e % 2, dst, r];
                              then flags[dst, r] = e
-    wait  (rank r, epoch e): spin until flags[r, s] >= e for every s; data[r] holds the N partials
+    wait  (rank r, epoch e): spin until flags[r, s] >= e for every s; data[e % 2, r] holds the N partials
                              in rank order, what a one-shot push all-reduce leaves in the receive buffer
 
 Epochs only grow, so a segment serves many steps without being cleared (Lamport's trick is to poll a
-value that cannot be stale; ours is the epoch). The flag store follows the data stores in program
+value that cannot be stale; ours is the epoch). Two buffers by epoch parity keep a fast rank's epoch
+e + 1 stores off the slots a slow peer is still reading for epoch e: a rank can reach epoch e + 2 only
+after every peer raised e + 1, which each does after it finished reading e. The flag store follows the data stores in program
 order; x86-64 keeps stores in order for other processes (TSO). On a weaker memory model a fence would be
 needed between them. GPU ranks use `comm.symm_push.SymmSlots` (`torch.distributed._symmetric_memory`:
 `empty`, `rendezvous`, peers' buffers, a stream-ordered flag store) with the same slots, flags and the
@@ -43,7 +45,7 @@ class ShmSlots:
         self.world, self.rank = dist.get_world_size(), dist.get_rank()
         self.numel, self.dtype = int(numel), dtype
         item = torch.empty((), dtype=dtype).element_size()
-        self.data_bytes = self.world * self.world * self.numel * item
+        self.data_bytes = 2 * self.world * self.world * self.numel * item
         size = self.data_bytes + self.world * self.world * 8
         name = [None]
         if self.rank == 0:
@@ -53,23 +55,23 @@ class ShmSlots:
         if self.rank != 0:
             self.shm = shared_memory.SharedMemory(name=name[0])
         raw = torch.frombuffer(self.shm.buf, dtype=torch.uint8, count=size)
-        self.data = raw[:self.data_bytes].view(dtype).view(self.world, self.world, self.numel)
+        self.data = raw[:self.data_bytes].view(dtype).view(2, self.world, self.world, self.numel)
         self.flags = raw[self.data_bytes:].view(torch.int64).view(self.world, self.world)
         if self.rank == 0:
             self.flags.zero_()
         dist.barrier()
 
-    def slot(self, dst: int) -> torch.Tensor:
-        """This rank's slot in rank `dst`'s receive buffer: where a kernel stores what it pushes to dst."""
-        return self.data[dst, self.rank]
+    def slot(self, dst: int, epoch: int) -> torch.Tensor:
+        """This rank's slot in rank `dst`'s receive buffer for `epoch`: where a kernel stores what it pushes."""
+        return self.data[epoch % 2, dst, self.rank]
 
-    def own_slot(self) -> torch.Tensor:
+    def own_slot(self, epoch: int) -> torch.Tensor:
         """This rank's slot of its own receive buffer (where the pull path stores its slice)."""
-        return self.data[self.rank, self.rank]
+        return self.data[epoch % 2, self.rank, self.rank]
 
-    def peer_slot(self, src: int) -> torch.Tensor:
+    def peer_slot(self, src: int, epoch: int) -> torch.Tensor:
         """Rank `src`'s own slot of its own buffer (what the pull path reads)."""
-        return self.data[src, src]
+        return self.data[epoch % 2, src, src]
 
     def raise_flags(self, epoch: int) -> None:
         """After the stores: tell every peer that this rank's slot holds epoch `epoch`."""
@@ -83,7 +85,7 @@ class ShmSlots:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"rank {self.rank}: flags {mine.tolist()} never reached epoch {epoch}")
             time.sleep(0)
-        return self.data[self.rank]
+        return self.data[epoch % 2, self.rank]
 
     def close(self) -> None:
         import torch.distributed as dist
@@ -107,7 +109,7 @@ def push_finalize(slots, expert_out: torch.Tensor, topk_weights: torch.Tensor, e
     use_torch = tail.select_backend(expert_out.device, backend)[0] == "torch"
     e, w = expert_out.contiguous(), topk_weights.contiguous()
     for dst in range(slots.world):
-        out = slots.slot(dst).view(T, H)
+        out = slots.slot(dst, epoch).view(T, H)
         if use_torch:
             out.copy_(tail.finalize_reference(e, w))
         elif T:
@@ -134,8 +136,8 @@ def pull_gather(slots, local: torch.Tensor, epoch: int) -> torch.Tensor:
     B, w = local.shape
     if slots.numel != B * w or slots.dtype != local.dtype:
         raise UserError(f"slots hold {slots.numel} {slots.dtype} elements; the slice has {B * w} {local.dtype}")
-    slots.own_slot().copy_(local.reshape(-1))
+    slots.own_slot(epoch).copy_(local.reshape(-1))
     slots.raise_flags(epoch)
     slots.wait(epoch)          # every owner has stored its slice and raised its flag to this rank
-    parts = [slots.peer_slot(s).view(B, w) for s in range(slots.world)]
+    parts = [slots.peer_slot(s, epoch).view(B, w) for s in range(slots.world)]
     return torch.cat(parts, dim=1).clone()

@@ -5,15 +5,17 @@ SGLang #39653's CustomAllReduceV2 stores the finalized partial straight into eac
 and raises a Lamport-style flag the peer waits on. `shm_push.ShmSlots` does that on CPU through one
 shared-memory segment; `SymmSlots` here is the same protocol on CUDA ranks of an NCCL group:
 
-    every rank allocates   buf   [N src, numel] (dtype)   its receive buffer, `symm_mem.empty`
+    every rank allocates   buf   [2 parity, N src, numel] (dtype)   its receive buffer, `symm_mem.empty`
                            flags [N src]        int32     epochs, `symm_mem.empty`
     and calls `symm_mem.rendezvous(buf, group)` / `rendezvous(flags, group)` (collective);
     push  (rank r, epoch e): for every dst, the finalize kernel stores its output into
-                             hdl.get_buffer(dst, ...)[r] (the peer's memory, mapped); then
+                             hdl.get_buffer(dst, ...)[e % 2, r] (the peer's memory, mapped); then
                              flags of dst [r] = e, a stream-ordered store (`stream_write_value32`)
-    wait  (rank r, epoch e): spin until every flags[s] >= e; buf holds the N partials in rank order
-    pull  (vocab gather):    each rank stores its slice into buf[r] of its own buffer, raises the
-                             flags, waits, and reads every peer's buf[s] through get_buffer(s, ...)
+    wait  (rank r, epoch e): spin until every flags[s] >= e; buf[e % 2] holds the N partials in rank order
+    pull  (vocab gather):    each rank stores its slice into buf[e % 2, r] of its own buffer, raises the
+                             flags, waits, and reads every peer's buf[e % 2, s] through get_buffer(s, ...)
+    (two buffers by epoch parity, as in `shm_push`: a fast rank's next epoch never lands in slots a
+    slow peer is still reading)
 
 Which path runs is `select_push_transport`: an NCCL group on CUDA tensors gets symmetric memory, a
 gloo group on CPU tensors the shared-memory segment; anything else is refused by name. On CPU the
@@ -100,7 +102,7 @@ class SymmSlots:
         self.group = group if group is not None else dist.group.WORLD
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.numel, self.dtype, self.device, self.symm = int(numel), dtype, device, symm
-        self.buf = symm.empty(self.world, self.numel, dtype=dtype, device=device)
+        self.buf = symm.empty(2, self.world, self.numel, dtype=dtype, device=device)
         self.flags = symm.empty(self.world, dtype=torch.int32, device=device)
         self.flags.zero_()
         self.hdl = symm.rendezvous(self.buf, self.group)
@@ -108,18 +110,18 @@ class SymmSlots:
         self.flag_hdl.barrier(channel=0)     # every rank's flags are zero before anyone pushes
 
     def _peer_buf(self, rank: int) -> torch.Tensor:
-        return self.hdl.get_buffer(rank, (self.world, self.numel), self.dtype)
+        return self.hdl.get_buffer(rank, (2, self.world, self.numel), self.dtype)
 
-    def slot(self, dst: int) -> torch.Tensor:
-        """This rank's slot in rank `dst`'s receive buffer (the peer's memory, mapped)."""
-        return self._peer_buf(dst)[self.rank]
+    def slot(self, dst: int, epoch: int) -> torch.Tensor:
+        """This rank's slot in rank `dst`'s receive buffer for `epoch` (the peer's memory, mapped)."""
+        return self._peer_buf(dst)[epoch % 2, self.rank]
 
-    def own_slot(self) -> torch.Tensor:
-        return self.buf[self.rank]
+    def own_slot(self, epoch: int) -> torch.Tensor:
+        return self.buf[epoch % 2, self.rank]
 
-    def peer_slot(self, src: int) -> torch.Tensor:
+    def peer_slot(self, src: int, epoch: int) -> torch.Tensor:
         """Rank `src`'s own slot of its own buffer (what the pull path reads)."""
-        return self._peer_buf(src)[src]
+        return self._peer_buf(src)[epoch % 2, src]
 
     def raise_flags(self, epoch: int) -> None:
         """After the stores (stream order): flags of every dst [this rank] = epoch."""
@@ -139,7 +141,7 @@ class SymmSlots:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"rank {self.rank}: flags {self.flags.tolist()} never reached epoch {epoch}")
             time.sleep(0)
-        return self.buf
+        return self.buf[epoch % 2]
 
     def close(self) -> None:
         self.flag_hdl.barrier(channel=0)     # nobody reads a peer's buffer any more

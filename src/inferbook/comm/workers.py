@@ -23,7 +23,7 @@ import torch
 from ..dist import loopback_ranks
 from ..errors import UserError
 
-TASKS = ("check", "bench", "all")
+TASKS = ("check", "bench", "all", "push-time")
 MAX_WORLD = 8
 
 
@@ -197,7 +197,55 @@ def task_bench(rank: int, world: int, device: torch.device, args: dict) -> dict:
                 out["greedy"].append({"strategy": strategy, "vocab": int(vocab), "batch": int(batch),
                                       "bytes_sent": vg.exchanged_bytes(strategy, int(batch), int(vocab), world, 2),
                                       **t.summary(), "samples_s": list(t.samples_s)})
+    if device.type == "cpu":
+        out["push_time"] = time_push_against_gloo(rank, world, device, args)
     return out
+
+
+PUSH_TIMED = ("gloo send/recv", "shared-memory push")
+
+
+def time_push_against_gloo(rank: int, world: int, device: torch.device, args: dict) -> dict:
+    """The MoE tail with the finalize before the exchange, two transports, on CPU: gloo send/receive
+    (`fused_exchange.fused_moe_tail`) against the push into the peers' shared-memory slots with epoch
+    flags (`shm_push.pushed_tail`). The same finalize and fused pass (PyTorch's: on CPU the Triton kernels
+    would run in the interpreter, which is never timed). Warmed up, then interleaved — each iteration
+    runs both, in alternating order, every call after a barrier so the ranks start together; the
+    launcher takes the slowest rank per iteration. CPU seconds of loopback processes, not GPU speed."""
+    import time
+
+    import torch.distributed as dist
+
+    from . import fused_exchange as fx, shm_push, tail
+
+    T, H, K = int(args.get("tokens", 4)), int(args.get("hidden", 64)), int(args.get("topk_per_rank", 2))
+    inp = tail.make_tail_inputs(world, T, H, K, generator=torch.Generator().manual_seed(int(args.get("seed", 0)) + 7),
+                                device=device)
+    e, w = inp["expert_out"][rank], inp["topk_weights"][rank]
+    rest = (inp["shared"], inp["residual"], inp["norm_weight"])
+    slots = shm_push.ShmSlots(T * H, e.dtype)
+    epoch = [0]
+
+    def push():
+        epoch[0] += 1
+        return shm_push.pushed_tail(slots, e, w, *rest, epoch=epoch[0], backend="torch")
+
+    fns = dict(zip(PUSH_TIMED, (lambda: fx.fused_moe_tail(e, w, *rest, backend="torch"), push)))
+    warmup, reps = 3, max(2 * int(args.get("reps", 5)), 10)
+    samples = {name: [] for name in fns}
+    try:
+        for i in range(warmup + reps):
+            for name in (PUSH_TIMED if i % 2 == 0 else PUSH_TIMED[::-1]):
+                dist.barrier()
+                t0 = time.perf_counter()
+                fns[name]()
+                dt = time.perf_counter() - t0
+                if i >= warmup:
+                    samples[name].append(dt)
+    finally:
+        slots.close()
+    return {"tokens": T, "hidden": H, "topk_per_rank": K, "dtype": str(e.dtype).replace("torch.", ""),
+            "warmup": warmup, "reps": reps, "timer": "perf_counter (wall, one rank)", "samples_s": samples}
 
 
 def task_all(rank: int, world: int, device: torch.device, args: dict) -> dict:
@@ -205,7 +253,12 @@ def task_all(rank: int, world: int, device: torch.device, args: dict) -> dict:
     return {**task_check(rank, world, device, args), **task_bench(rank, world, device, args)}
 
 
-_TASK_FUNCS = {"check": task_check, "bench": task_bench, "all": task_all}
+def task_push_time(rank: int, world: int, device: torch.device, args: dict) -> dict:
+    """Only the push path timed against gloo send/receive (CPU ranks)."""
+    return {"rank": rank, "push_time": time_push_against_gloo(rank, world, device, args)}
+
+
+_TASK_FUNCS = {"check": task_check, "bench": task_bench, "all": task_all, "push-time": task_push_time}
 
 
 # ---------------------------------------------------------------------------
