@@ -53,12 +53,23 @@ def test_deferred_moves_fewer_bytes_at_k3_shapes(T):
     assert total["separate"] - total["deferred"] == 2 * T * L * 2
 
 
-def test_the_bitwise_check_catches_a_wrong_finalize():
-    """Swap two slots' router weights for the deferred run only: the equality the chapter asserts fails."""
+def test_the_check_catches_a_wrong_finalize():
+    """Swap two slots' router weights for the deferred run only: the tolerance check the chapter asserts
+    (FlashAttention's rule against the fp32 gold, the separate path as the reference) fails, and so
+    does bit equality; the right deferred run passes it."""
+    from inferbook import tolerance
+
     x = LT.make_inputs(2, 3, 64, 32, 8, 4, 64, seed=5)
     sep = LT.run_tail(x, "separate")[0]
+    gold = LT.latent_tail_reference(x, None)
+    assert gold.dtype == torch.float32
+    good = tolerance.within_reference_error(LT.run_tail(x, "deferred")[0], sep, gold, torch.bfloat16)
+    assert good["passed"], good
     bad = dataclasses.replace(x, topk_weights=x.topk_weights[:, [1, 0, 2, 3]].contiguous())
-    assert not torch.equal(LT.run_tail(bad, "deferred")[0], sep)
+    wrong = LT.run_tail(bad, "deferred")[0]
+    assert not torch.equal(wrong, sep)
+    res = tolerance.within_reference_error(wrong, sep, gold, torch.bfloat16)
+    assert not res["passed"], res
 
 
 def test_gpu_launches_build_at_k3_shapes():

@@ -33,6 +33,7 @@ import torch
 from ..errors import UserError
 from ..measure import benchmark
 from ..errors import UserError
+from .. import tolerance
 from ..presets import Param
 from ..record import RunRecord
 from ..moe import fused_moe as FM, latent_tail as LT, mxfp4 as MXF, w4a16 as W
@@ -316,10 +317,18 @@ def latent_records(ctx, fmt, T, p, ranks, up_hidden, reps, triton_ok, backend_na
                           error=float(len(names) - (ranks - 1)), tolerance=float(c["launches"]))
         recs[variant] = rec
     if triton_ok:
-        recs["deferred"].add_check("deferred == separate (bitwise: same arithmetic, same order)",
-                                   torch.equal(outs["deferred"], outs["separate"]),
-                                   error=float((outs["deferred"].float() - outs["separate"].float()).abs().max()),
-                                   tolerance=0.0)
+        # Two kernels (the finalize kernel, the collective's load) run the same `_finalize_row` loop with
+        # fp fusion off, so they should agree in bits; but a GPU guarantees bits only for one kernel and
+        # one launch (CONTRIBUTING's audit), so the check is FlashAttention's rule against the fp32
+        # gold, and the bits that differ are counted, not asserted.
+        tol = tolerance.within_reference_error(outs["deferred"], outs["separate"], LT.latent_tail_reference(x, None),
+                                               torch.bfloat16)
+        recs["deferred"].add_check("deferred within 2 x the separate path's error vs the fp32 gold (+1 ulp)",
+                                   tol["passed"], error=tol["error"], tolerance=tol["tolerance"])
+        recs["deferred"].add("bits_differ_from_separate", int((outs["deferred"].view(torch.int16)
+                                                               != outs["separate"].view(torch.int16)).sum()),
+                             "elements", phase="check", elements=outs["deferred"].numel(),
+                             note="counted, not asserted: two kernels with the same per-element arithmetic")
         recs["deferred"].add_check("deferred takes fewer launches and bytes than separate",
                                    recs["deferred"].value("launches") < recs["separate"].value("launches")
                                    and recs["deferred"].value("tail_bytes") < recs["separate"].value("tail_bytes"))
@@ -389,6 +398,10 @@ def latent_rows(records: list[RunRecord]) -> list[dict]:
                "launches per rank": int(r.value("launches")), "tail MB per rank (counted)": r.value("tail_bytes") / 1e6,
                "finalized / fp32 intermediate MB": r.value("intermediate_bytes") / 1e6,
                "max |err| vs fp32": r.value("max_abs_error")}
+        try:
+            row["elements differing from separate"] = int(r.value("bits_differ_from_separate"))
+        except KeyError:
+            row["elements differing from separate"] = None
         try:
             row["time µs"] = 1e6 * r.value("latent_tail")
         except KeyError:

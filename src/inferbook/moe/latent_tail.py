@@ -175,11 +175,13 @@ def make_inputs(ranks: int, tokens: int, latent: int, hidden: int, experts: int,
                       shared=torch.randn(tokens, hidden, generator=g).bfloat16().to(device))
 
 
-def latent_tail_reference(x: TailInputs) -> torch.Tensor:
-    """fp32 throughout, one rounding at the end: the exact arithmetic every path approximates."""
+def latent_tail_reference(x: TailInputs, round_to: torch.dtype | None = torch.bfloat16) -> torch.Tensor:
+    """fp32 throughout, one rounding at the end (`round_to`; None: the fp32 value unrounded, the gold
+    a tolerance check measures errors against): the exact arithmetic every path approximates."""
     total = sum(FM.moe_tail_reference(x.act[r], x.w2[r], x.topk_weights, x.topk_ids) for r in range(x.act.shape[0]))
     xn = total * torch.rsqrt(total.pow(2).mean(-1, keepdim=True) + x.eps) * x.norm_weight.float()
-    return (xn @ x.w_up.float().T + x.shared.float()).bfloat16()
+    out = xn @ x.w_up.float().T + x.shared.float()
+    return out if round_to is None else out.to(round_to)
 
 
 def latent_tail_torch(x: TailInputs) -> torch.Tensor:
