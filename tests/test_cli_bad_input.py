@@ -26,6 +26,7 @@ BAD = [
     ("kimi-dspark-acceptance", ["-p", "temperature", "-1"], "'temperature' must be >= 0"),
     ("kimi-dspark-acceptance", ["-p", "temperature", "nan"], "'temperature' must be a finite number"),
     ("kimi-dspark-acceptance", ["-p", "temperature", "inf"], "'temperature' must be a finite number"),
+    ("kimi-dspark-acceptance", ["-p", "confidence_threshold", "1.5"], "'confidence_threshold' must be <= 1"),
     ("chord-w4a16", ["-p", "skew", "nan"], "'skew' must be a finite number"),
     ("chord-w4a16", ["-p", "m_sweep", "1,x"], "m_sweep must be comma-separated positive ints"),
     ("chord-w4a16", ["-p", "hidden", "65"], "multiples of the group size 32"),
