@@ -105,3 +105,20 @@ def test_a_wide_chart_fits_the_column_with_its_text_unshrunk():
                                      hardware="CPU: X")).svg
     assert charts._svg_width(svg) <= charts.COLUMN_PX
     assert min(float(x) for x in re.findall(r'font-size="([\d.]+)px"', svg)) >= 11
+
+
+def test_a_heatmap_of_long_case_names_wraps_them_and_keeps_its_text_readable():
+    """The acceptance matrix's grid: dozens of cases named by every axis value. The names wrap onto
+    lines (broken between parts, never inside one), so the grid stays inside the column at 11 px."""
+    parts = ["bwd", "bf16", "d576/dv512", "causal", "varlen", "paged-128", "GQA+pack", "1023x1024", "sinks",
+             "window-band", "softcap"]
+    rows = [{"case": f"backward {i}: " + " · ".join(parts[i % 3:]), "check": check, "passed": (i + j) % 9 != 0}
+            for i in range(40) for j, check in enumerate(("out", "lse", "dq", "dk", "dv", "dsinks"))]
+    lines = charts.wrap_label(rows[0]["case"])
+    assert len(lines) > 1 and all(len(line) <= charts.LABEL_CHARS for line in lines)
+    assert " ".join(lines).replace("  ", " ").split() == rows[0]["case"].split()
+    svg = charts.render(charts.heatmap(rows, x="check", y="case", title="grid", hardware="CPU: X")).svg
+    assert charts._svg_width(svg) <= charts.COLUMN_PX
+    assert min(float(x) for x in re.findall(r'font-size="([\d.]+)px"', svg)) >= 11
+    assert "<tspan" in svg  # the names are drawn on several lines, not cut with an ellipsis
+    assert "…" not in svg
