@@ -346,3 +346,33 @@ def test_glossary_bibliography_and_chinese_render(server, browser_page):
     loaded = page.evaluate("""async () => (await document.fonts.load('16px "inferbook CJK"', '二')).length""")
     assert loaded >= 1, "the bundled CJK font serves the seed's quotes"
     assert not left_machine and not failed, (left_machine, failed)
+
+
+# Cross-references a reader follows from a chapter page: {doc}, {ref} and {term} links (downloads apart).
+INTERNAL_LINKS = r"""() => [...(document.querySelector('article.bd-article') || document.querySelector('main'))
+    .querySelectorAll('a.reference.internal')].filter(a => !a.classList.contains('download')).map(a => a.href)"""
+
+
+@pytest.mark.browser
+@pytest.mark.parametrize("slug", WRITTEN)
+def test_cross_references_resolve(slug, server, browser_page):
+    """Every chapter links another chapter, the compile check's explanation and the glossary, and every
+    such link lands on a page that exists, at an anchor that exists there."""
+    page, left_machine, failed = browser_page
+    page.goto(f"{server}/chapters/{slug}.html", wait_until="networkidle")
+    links = sorted(set(page.evaluate(INTERNAL_LINKS)))
+    here = f"{server}/chapters/{slug}.html"
+    others = {u.split("#")[0] for u in links if "/chapters/" in u and u.split("#")[0] != here}
+    assert others, f"{slug} links no other chapter: {links}"
+    assert f"{server}/intro.html#compile-check" in links, f"{slug} does not link the compile check"
+    assert any(u.startswith(f"{server}/glossary.html#") for u in links), f"{slug} links no glossary term"
+    pages: dict[str, str] = {}
+    for url in links:
+        target, _, anchor = url.partition("#")
+        if target not in pages:
+            response = page.request.get(target)
+            assert response.ok, f"{slug}: {url} does not resolve ({response.status})"
+            pages[target] = response.text()
+        if anchor:
+            assert re.search(rf'\bid="{re.escape(anchor)}"', pages[target]), f"{slug}: no anchor #{anchor} in {target}"
+    assert not left_machine and not failed, (left_machine, failed)

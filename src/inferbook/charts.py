@@ -11,6 +11,7 @@ say which device made it is not shown.
 from __future__ import annotations
 
 import base64
+import re
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -316,11 +317,23 @@ def describe(chart) -> str:
     return f"Chart, {text}{drawn}" + (f" ({sub})" if sub else "") + "."
 
 
-def show(chart, caption: str = "") -> Rendered:
-    """What a chapter calls to display a chart (the last expression of a cell). `caption` says what
-    the chart shows (the page numbers it as a figure); without one the chart's title is the caption."""
+def _same_words(a: str, b: str) -> bool:
+    norm = lambda t: " ".join(re.findall(r"\w+", t.lower()))  # noqa: E731
+    return norm(a) == norm(b)
+
+
+def show(chart, caption: str) -> Rendered:
+    """What a chapter calls to display a chart (the last expression of a cell). `caption` is required:
+    what the chart shows and what to read from it for this chapter (the page numbers it as a figure).
+    A caption that only repeats the chart's title is refused: the title names the chart, the caption
+    says what it tells the reader."""
     spec_title, _ = _title_text(chart.to_dict())
-    return render(chart, caption=caption or spec_title, alt=describe(chart))
+    caption = (caption or "").strip()
+    if not caption:
+        raise ValueError("charts.show needs a caption: what the chart shows and what to read from it")
+    if _same_words(caption, spec_title):
+        raise ValueError(f"the caption repeats the chart's title ({spec_title!r}): say what to read from the chart")
+    return render(chart, caption=caption, alt=describe(chart))
 
 
 def records_rows(records: Iterable, names: Sequence[str] | None = None) -> list[dict]:
