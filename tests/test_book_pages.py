@@ -250,7 +250,8 @@ CHART_TEXT = r"""async () => {
         || (t.getAttribute('style') || '').replace(/.*font-size:\s*([\d.]+).*/, '$1'))).filter(x => x > 0);
     const scale = img.getBoundingClientRect().width / natural;
     out.push({src: img.src.split('/').pop(), min_px: Math.min(...sizes) * scale, alt: img.alt,
-              caption: (img.closest('figure') || {}).innerText || ''});
+              caption: (img.closest('figure') || {}).innerText || '',
+              title: [...doc.querySelectorAll('.role-title-text')].map(t => t.textContent).join(' ')});
   }
   return out;
 }"""
@@ -303,6 +304,11 @@ def test_charts_read_at_the_column_width(slug, server, browser_page):
         assert chart["min_px"] >= 10.9, f"chart text under 11 px as drawn: {chart}"
         assert chart["alt"].startswith(("Chart, ", "Diagram, ")) and ".svg" not in chart["alt"], chart
         assert re.match(r"Fig\. \d", chart["caption"]), f"a chart is a numbered figure with a caption: {chart}"
+        # the caption says what to read from the chart: not its title again
+        words = lambda t: " ".join(re.findall(r"\w+", t.lower()))  # noqa: E731
+        caption = re.sub(r"^Fig\. [\d.]+\s*", "", chart["caption"].strip())
+        if chart["alt"].startswith("Chart, "):  # a diagram (inferbook.diagrams) has no title to repeat
+            assert chart["title"] and words(caption) != words(chart["title"]), f"the caption repeats the title: {chart}"
 
 
 @pytest.mark.browser
