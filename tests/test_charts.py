@@ -7,14 +7,15 @@ from inferbook.measure import Ceilings
 
 def test_bar_renders_offline_svg_and_png():
     rows = [{"phase": "ttft", "value": 0.1, "record": "eager"}, {"phase": "ttft", "value": 0.05, "record": "compiled"}]
-    out = charts.show(charts.bar(rows, x="phase", y="value", color="record", title="t", hardware="CPU: X"))
+    out = charts.show(charts.bar(rows, x="phase", y="value", color="record", title="t", hardware="CPU: X"),
+                      caption="Each phase per record; read the cold start apart.")
     assert out.svg.lstrip().startswith("<svg") and "CPU: X" in out.svg
     assert out.svg.count('aria-roledescription="bar"') == 2, "both bars drawn"
     assert out.png[:8] == b"\x89PNG\r\n\x1a\n"
     data, meta = out._repr_mimebundle_()
     assert set(data) == {"image/svg+xml", "image/png"}
-    # the caption (the chart's title unless the chapter gives one) and alt text travel with the output
-    assert meta["inferbook_chart"]["caption"] == "t"
+    # the chapter's caption and the alt text made from the chart's spec travel with the output
+    assert meta["inferbook_chart"]["caption"] == "Each phase per record; read the cold start apart."
     assert meta["inferbook_chart"]["alt"] == "Chart, t: value against phase (CPU: X)."
     assert "http" not in out.svg.replace("http://www.w3.org", ""), "no external references in a chart"
 
@@ -105,3 +106,31 @@ def test_a_wide_chart_fits_the_column_with_its_text_unshrunk():
                                      hardware="CPU: X")).svg
     assert charts._svg_width(svg) <= charts.COLUMN_PX
     assert min(float(x) for x in re.findall(r'font-size="([\d.]+)px"', svg)) >= 11
+
+
+def test_a_heatmap_of_long_case_names_wraps_them_and_keeps_its_text_readable():
+    """The acceptance matrix's grid: dozens of cases named by every axis value. The names wrap onto
+    lines (broken between parts, never inside one), so the grid stays inside the column at 11 px."""
+    parts = ["bwd", "bf16", "d576/dv512", "causal", "varlen", "paged-128", "GQA+pack", "1023x1024", "sinks",
+             "window-band", "softcap"]
+    rows = [{"case": f"backward {i}: " + " · ".join(parts[i % 3:]), "check": check, "passed": (i + j) % 9 != 0}
+            for i in range(40) for j, check in enumerate(("out", "lse", "dq", "dk", "dv", "dsinks"))]
+    lines = charts.wrap_label(rows[0]["case"])
+    assert len(lines) > 1 and all(len(line) <= charts.LABEL_CHARS for line in lines)
+    assert " ".join(lines).replace("  ", " ").split() == rows[0]["case"].split()
+    svg = charts.render(charts.heatmap(rows, x="check", y="case", title="grid", hardware="CPU: X")).svg
+    assert charts._svg_width(svg) <= charts.COLUMN_PX
+    assert min(float(x) for x in re.findall(r'font-size="([\d.]+)px"', svg)) >= 11
+    assert "<tspan" in svg  # the names are drawn on several lines, not cut with an ellipsis
+    assert "…" not in svg
+
+
+def test_a_chart_needs_a_caption_that_is_not_its_title():
+    chart = charts.bar([{"k": "a", "v": 1}], x="k", y="v", title="Time per backend", hardware="CPU: X")
+    with pytest.raises(ValueError, match="caption"):
+        charts.show(chart, caption="")
+    with pytest.raises(ValueError, match="repeats the chart's title"):
+        charts.show(chart, caption="Time per backend.")
+    out = charts.show(chart, caption="Median time per backend on this device; the lowest bar is the fastest path.")
+    meta = out._repr_mimebundle_()[1]["inferbook_chart"]
+    assert meta["caption"] != "Time per backend" and meta["alt"].startswith("Chart, Time per backend")

@@ -11,6 +11,7 @@ say which device made it is not shown.
 from __future__ import annotations
 
 import base64
+import re
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -168,21 +169,55 @@ def roofline(points, *, ceil, title: str, hardware: str, label: str = "label"):
     return (roof_chart + pts).properties(title={"text": title, "subtitle": [sub]})
 
 
+LABEL_CHARS = 56  # a heatmap's row label longer than this wraps onto more lines (11 px text: about 370 px)
+
+
+def wrap_label(label: str, width: int = LABEL_CHARS) -> list[str]:
+    """A long category label as lines of at most about `width` characters, broken after a case's name
+    (": ") or between its " · "-separated parts, never inside a word."""
+    label = str(label)
+    if len(label) <= width:
+        return [label]
+    parts = []
+    for head_i, chunk in enumerate(label.split(": ")):
+        pieces = chunk.split(" · ")
+        parts += [(p, " · ") for p in pieces[:-1]] + [(pieces[-1], ": " if head_i < label.count(": ") else "")]
+    lines, line = [], ""
+    for piece, sep in parts:
+        if line and len(line.rstrip()) + len(piece) > width:
+            lines.append(line.rstrip())
+            line = ""
+        line += piece + sep
+    if line.strip():
+        lines.append(line.rstrip())
+    return lines
+
+
 def heatmap(rows, *, x: str, y: str, passed: str = "passed", title: str, hardware: str, text: str | None = None):
-    """Pass/fail grid: one cell per (x, y); failing cells are red and can carry a `text` label."""
+    """Pass/fail grid: one cell per (x, y); failing cells are red and can carry a `text` label.
+    Row labels longer than `LABEL_CHARS` wrap onto several lines (each row as tall as its lines), so a
+    grid of long case names stays inside the page's column with its text at full size."""
     alt = _alt()
     df = _data(rows).copy()
     if df[x].nunique() > 24 and df[x].nunique() > df[y].nunique():
         # many cases: run them down the page, not across it (a wide grid is drawn too small to read)
         x, y = y, x
     df["result"] = df[passed].map({True: "pass", False: "FAIL"})
-    base = alt.Chart(df).encode(x=alt.X(f"{x}:N", title=x, sort=None), y=alt.Y(f"{y}:N", title=y, sort=None))
+    lines = max((len(wrap_label(v)) for v in df[y].astype(str).unique()), default=1)
+    y_axis = alt.Undefined
+    if lines > 1:
+        df[y] = df[y].astype(str).map(lambda v: "\n".join(wrap_label(v)))
+        y_axis = alt.Axis(labelExpr="split(datum.label, '\\n')", labelLineHeight=13)
+    base = alt.Chart(df).encode(x=alt.X(f"{x}:N", title=x, sort=None),
+                                y=alt.Y(f"{y}:N", title=y, sort=None, axis=y_axis))
     cells = base.mark_rect(stroke="white").encode(
         color=alt.Color("result:N", scale=alt.Scale(domain=["pass", "FAIL"], range=["#5a9e6f", "#c0392b"]), title="result"),
         tooltip=list(df.columns))
     layers = cells
     if text:
         layers = cells + base.mark_text(fontSize=11, color="white").encode(text=f"{text}:N")
+    if lines > 1:
+        layers = layers.properties(height=alt.Step(13 * lines + 5))
     return layers.properties(title=_title(title, hardware))
 
 
@@ -282,11 +317,23 @@ def describe(chart) -> str:
     return f"Chart, {text}{drawn}" + (f" ({sub})" if sub else "") + "."
 
 
-def show(chart, caption: str = "") -> Rendered:
-    """What a chapter calls to display a chart (the last expression of a cell). `caption` says what
-    the chart shows (the page numbers it as a figure); without one the chart's title is the caption."""
+def _same_words(a: str, b: str) -> bool:
+    norm = lambda t: " ".join(re.findall(r"\w+", t.lower()))  # noqa: E731
+    return norm(a) == norm(b)
+
+
+def show(chart, caption: str) -> Rendered:
+    """What a chapter calls to display a chart (the last expression of a cell). `caption` is required:
+    what the chart shows and what to read from it for this chapter (the page numbers it as a figure).
+    A caption that only repeats the chart's title is refused: the title names the chart, the caption
+    says what it tells the reader."""
     spec_title, _ = _title_text(chart.to_dict())
-    return render(chart, caption=caption or spec_title, alt=describe(chart))
+    caption = (caption or "").strip()
+    if not caption:
+        raise ValueError("charts.show needs a caption: what the chart shows and what to read from it")
+    if _same_words(caption, spec_title):
+        raise ValueError(f"the caption repeats the chart's title ({spec_title!r}): say what to read from the chart")
+    return render(chart, caption=caption, alt=describe(chart))
 
 
 def records_rows(records: Iterable, names: Sequence[str] | None = None) -> list[dict]:

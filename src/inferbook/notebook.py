@@ -88,6 +88,13 @@ def verdict(comparison, a: str, b: str, *, digits: int = 3) -> _Markdown:
     return _Markdown(text[0].upper() + text[1:] + ("" if text.endswith(".") else "."))
 
 
+def verdicts(items: Iterable[tuple], *, digits: int = 3, none: str = "No pair was timed against another in this run.") -> _Markdown:
+    """Several comparisons as one Markdown list, each item a `verdict` sentence (interval included):
+    `items` are (comparison, a, b) triples. What a page shows instead of printing sentences to stdout."""
+    lines = [f"- {verdict(c, a, b, digits=digits).text}" for c, a, b in items]
+    return _Markdown("\n".join(lines) + "\n" if lines else none)
+
+
 def table(rows: Iterable[dict] | Iterable[RunRecord], columns: list[str] | None = None):
     """A DataFrame of rows (or of records' measurements). Displayed on a page through
     `format_table` (registered for every DataFrame when this module is imported in a notebook)."""

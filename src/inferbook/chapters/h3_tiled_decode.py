@@ -329,6 +329,7 @@ def work_rows(records) -> tuple[list[dict], dict]:
         rows.append({"tiles_per_batch": r.value("tiles_per_batch"), "predicted_work_ratio": r.value("predicted_work_ratio"),
                      "time_ratio": c.ratio, "time_ratio_lo": c.lo, "time_ratio_hi": c.hi,
                      "sentence": c.sentence(f"the tiled decode ({r.variant})", "the untiled one"),
+                     "comparison": (c, f"the tiled decode ({r.variant})", "the untiled one"),  # for nb.verdicts
                      "peak_MiB": r.value("peak_memory") / 2**20, "untiled_peak_MiB": full.value("peak_memory") / 2**20,
                      "peak_ratio": r.value("peak_memory") / full.value("peak_memory"),
                      "estimate_per_tile_MiB": r.value("per_tile_estimate") / 2**20})

@@ -609,13 +609,14 @@ def verdict_rows(records) -> list[dict]:
         c = comparison(records, name, a, b)
         if c is not None:
             rows.append({"what": name, "a": a, "b": b, "verdict": c.verdict, "ratio": c.ratio, "lo": c.lo, "hi": c.hi,
-                         "sentence": c.sentence(f"{name} {a}", b)})
+                         "sentence": c.sentence(f"{name} {a}", b), "comparison": (c, f"{name} {a}", b)})
     for name in ("gate:fp16_accumulation", "gate:int8"):
         recs = [r for r in records if r.name == name and any(m["name"] == "time" for m in r.measurements)]
         for r in recs[1:]:
             c = compare_timings(r.get("time"), recs[0].get("time"))
             rows.append({"what": name, "a": r.variant, "b": recs[0].variant, "verdict": c.verdict, "ratio": c.ratio,
-                         "lo": c.lo, "hi": c.hi, "sentence": c.sentence(r.variant, recs[0].variant)})
+                         "lo": c.lo, "hi": c.hi, "sentence": c.sentence(r.variant, recs[0].variant),
+                         "comparison": (c, r.variant, recs[0].variant)})
     return rows
 
 
