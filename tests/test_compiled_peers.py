@@ -92,3 +92,16 @@ def test_gemlite_and_torchao_loaders_say_why_when_absent():
     got = peers.available()
     assert set(got) == set(peers.PEER_MODULES)
     assert all(v and "\n" not in v for v in got.values())
+
+
+def test_time_beside_interleaves_and_merges_rounds():
+    """Both sides warmed, then timed in alternating rounds; each label's samples are all its rounds'."""
+    import torch
+
+    calls = []
+    fns = {"ours": lambda: calls.append("o"), "peer": lambda: calls.append("p")}
+    got = peers.time_beside(fns, torch.device("cpu"), rounds=3, warmup=2, min_reps=2, max_reps=2, min_time_s=0.0)
+    assert set(got) == {"ours", "peer"} and all(t.n == 6 for t in got.values())
+    assert calls[:4] == ["o", "o", "p", "p"]                          # warmed first
+    seq = "".join(calls[4:])                                           # round 1 ours, peer; round 2 peer, ours; ...
+    assert seq.startswith("o") and "pppppp" in seq and "oooooo" in seq

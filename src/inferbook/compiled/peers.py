@@ -12,19 +12,23 @@ a peer that is not installed, or that cannot be imported on this machine, is ski
   lengths come first), so our three chunk kernels at the timed shape are compiled into the peer table too
   (rows with side "ours").
 - torchao's MX quantize kernels (`to_mxfp8_dim0_kernel` row-wise 1x32, `to_mxfp8_dim1_kernel` column-wise
-  32x1, FLOOR scaling) beside te-mxfp8-recipes' timed quantize launches (`te_mxfp8_recipes`).
+  32x1, FLOOR scaling) beside te-mxfp8-recipes' timed quantize launches (`te_mxfp8_recipes`); torchao
+  defines them only where it finds an sm_100 GPU, so `_torchao_kernels` loads the file by path.
 - gemlite's W4A16 kernels (GEMV_REVSPLITK at M <= 4, GEMM_SPLITK at 4 < M < 64, as its `get_matmul_type`
   picks) at chord-w4a16's dense decode shapes (`chord_w4a16`), group 32 as ours. gemlite's package
   `__init__` (through `triton_kernels/utils.py`) calls `torch.cuda.get_device_capability()` at import,
-  which asserts a CUDA build of PyTorch, so its kernel modules are loaded by file path under a stand-in
-  package (`_gemlite_modules`) with that one call answered as on an H100 (compute capability 9: what
-  `utils.py` reads it for is the TMA / fp8 switches, off for W4A16 with int32 packing). The shapes come
-  from the chapter's parameters, never from our kernel's rows, so our W4A16 kernels can change without
-  making these rows stale.
-- vLLM's Triton fused-MoE kernel: not wired. Its wheel (336 MB) installs with --no-deps, but
-  `vllm/model_executor/layers/fused_moe/fused_moe.py` imports vLLM's compiled `_C` ops and its config /
-  platform stack at import, which need a CUDA build of PyTorch and vLLM's pinned dependencies (see
-  `available()`); vendoring the kernel was ruled out.
+  which asserts a CUDA build of PyTorch, so its two kernel modules are loaded by file path under a
+  stand-in package (`_gemlite_modules`), with the device questions `utils.py` asks at import answered as
+  on an H100 (why, in its docstring). The shapes (M 1, 2, 16) come from the chapter's parameters, never
+  from our kernel's rows, so our W4A16 kernels can change without making these rows stale.
+- vLLM's Triton fused-MoE kernels (`fused_moe_kernel`, and `fused_moe_kernel_gptq_awq`, its INT4 W4A16
+  form, the one chord's MoE decode would face): not wired. vLLM 0.33's wheel (336 MB) installs with
+  --no-deps into a side directory, but `vllm/model_executor/layers/fused_moe/fused_moe.py` imports
+  `vllm.envs`, `vllm._custom_ops` (compiled `_C` extensions built for vLLM's pinned CUDA PyTorch),
+  `vllm.platforms` and the config stack at module level; that chain needs vLLM's ~55 pinned
+  dependencies (transformers 5.16-5.21, fastapi, pydantic, xgrammar, ...): tried here, the first import
+  stopped at `regex`, and with it installed did not finish in 300 s on this machine. Vendoring the kernel
+  source was ruled out, so it is left out; `available()` says why wherever it is asked.
 
 **Autotuned peers.** fla, torchao and gemlite pick their launch by benchmarking configs on the GPU,
 which this machine cannot do. `traced(configs="all")` records one launch per config the peer's own
@@ -51,7 +55,7 @@ from pathlib import Path
 
 import torch
 
-CONFIG_ENV = "INFERBOOK_PEER_CONFIGS"      # {launch name prefix (before ' cfg '): config index} for non-sweep targets
+CONFIG_ENV = "INFERBOOK_PEER_CONFIGS"      # {'<kernel> @ <shape>': config index} for the non-sweep targets
 SWEEP_TARGET = "sm_90"
 SWEEP_CARD = "H200"
 
@@ -402,11 +406,16 @@ _GEMLITE: dict = {}
 
 def _gemlite_modules() -> dict:
     """gemlite's kernel modules loaded by file path under a stand-in `gemlite` package whose `__init__`
-    never runs: the real one imports `triton_kernels/utils.py`, which calls `torch.cuda.get_device_capability()`
-    at import and so asserts a CUDA build of PyTorch. That call is answered (9, 0) while the modules load
-    (an H100; `utils.py` reads it only to switch TMA / fp8 paths, unused by W4A16 with int32 packing), and
-    `gemlite.core` is a stand-in holding the empty `GEMLITE_TRITON_CONFIG_CACHE` its config pruners read
-    (no cached best config: the autotuner's list is swept, see the module docstring)."""
+    never runs: the real one imports `triton_kernels/utils.py`, which at import calls
+    `torch.cuda.get_device_capability()` (asserting a CUDA build of PyTorch), reads the SM count from
+    `torch.cuda.get_device_properties` and asks Triton's active driver whether it is HIP. While the two
+    modules we need load (`gemv_revsplitK_kernels`, `gemm_splitK_kernels`, and the `dtypes`, `config`,
+    `utils` they import; not `triton_kernels/__init__`, which imports every kernel) those are answered as
+    on an H100 (capability 9.0, 132 SMs as H200, CUDA): capability 9 turns on bf16 atomic adds for the
+    split-K output, as on the H200 the page predicts. `gemlite.core` is a stand-in with the empty
+    `GEMLITE_TRITON_CONFIG_CACHE` its config pruners read (no cached best config: the autotuner's list is
+    swept, see the module docstring) and `GEMLITE_USE_TMA = False`, its default; the pruners' shared-memory
+    question is answered 227 KB (H100/H200). On a CUDA machine `gemlite_layer` uses the real package."""
     if _GEMLITE:
         return _GEMLITE
     import importlib.machinery
