@@ -28,8 +28,12 @@ def test_every_peer_table_is_committed_clean_and_on_three_targets():
         for t in TARGETS:
             rows = [r for r in doc["rows"] if r["target"] == t and r["side"] == "peer"]
             assert rows, f"{slug}: no {t} peer rows"
-        bad = [f"{r['launch']} {r['target']}: {'; '.join(compiled.problems(r))}" for r in doc["rows"] if compiled.problems(r)]
+        known = {(t, k) for (s, t, k) in peers.PEER_KNOWN_FAILURES if s == slug}
+        failing = {(r["target"], r["kernel"]) for r in doc["rows"] if compiled.problems(r)}
+        bad = [f"{r['launch']} {r['target']}: {'; '.join(compiled.problems(r))}" for r in doc["rows"]
+               if compiled.problems(r) and (r["target"], r["kernel"]) not in known]
         assert not bad, f"{slug}: problem rows:\n" + "\n".join(bad)
+        assert known <= failing, f"{slug}: known failures that compile now; remove them: {sorted(known - failing)}"
         # the non-sweep targets hold one config per (shape, kernel), the one chosen on the sweep target
         for t in TARGETS:
             if t == peers.SWEEP_TARGET:

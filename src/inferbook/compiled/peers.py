@@ -513,6 +513,17 @@ def chord_w4a16(params=None) -> list:
             for la in gemlite_w4a16(M, N, K, w4a16.GROUP_SIZE, configs=_configs(f"M{M} N{N} K{K} g{w4a16.GROUP_SIZE}"))]
 
 
+# A peer's kernel that does not compile for a target, and why (the table keeps the failed row: a fact
+# about the peer, shown as such; the freshness test requires exactly these).
+PEER_KNOWN_FAILURES = {
+    ("te-mxfp8-recipes", "sm_80", "to_mxfp8_dim0_kernel"):
+        "Triton: type fp8e4nv not supported in this architecture (E4M3 stores need sm_89+; torchao gates these "
+        "kernels to sm_100 itself)",
+    ("te-mxfp8-recipes", "sm_80", "to_mxfp8_dim1_kernel"):
+        "Triton: type fp8e4nv not supported in this architecture (E4M3 stores need sm_89+; torchao gates these "
+        "kernels to sm_100 itself)",
+}
+
 PEERS = {"sglang-fused-comm": "py:inferbook.compiled.peers:sglang_fused_comm",
          "gdn-backward-check": "py:inferbook.compiled.peers:gdn_backward_check",
          "te-mxfp8-recipes": "py:inferbook.compiled.peers:te_mxfp8_recipes",
@@ -649,6 +660,13 @@ def sentence(slug: str, rows: list[dict], target: str = "sm_90", card: str = "H2
         parts.append(f"Beside {peer} (same shape, same model, {card}, predicted): ours / {peer} = "
                      + "; ".join(f"{q['shape']} {q['ours_over_peer']:.2f}× (ours {q['ours_bound']}-bound, "
                                  f"{peer} {q['peer_bound']}-bound)" for q in qs) + ".")
+    fails = {}
+    for r in rows:
+        why = PEER_KNOWN_FAILURES.get((slug, r["target"], r.get("kernel")))
+        if why and not r.get("ok"):
+            fails.setdefault((r["target"], why), []).append(r["kernel"])
+    for (t, why), kernels in fails.items():
+        parts.append(f"{PEER_OF.get(slug, 'The peer')}'s {' and '.join(dict.fromkeys(kernels))} do not compile for {t}: {why}.")
     return " ".join(parts)
 
 
