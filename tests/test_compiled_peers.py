@@ -30,8 +30,11 @@ def test_every_peer_table_is_committed_clean_and_on_three_targets():
             assert rows, f"{slug}: no {t} peer rows"
         known = {(t, k) for (s, t, k) in peers.PEER_KNOWN_FAILURES if s == slug}
         failing = {(r["target"], r["kernel"]) for r in doc["rows"] if compiled.problems(r)}
+        # a swept config over the shared-memory limit is one the peer's autotuner drops at launch (never chosen)
+        swept_over = lambda r: (r["target"] == peers.SWEEP_TARGET and r.get("ok") and not r.get("smem_ok", True)  # noqa: E731
+                                and " cfg " in r["launch"])
         bad = [f"{r['launch']} {r['target']}: {'; '.join(compiled.problems(r))}" for r in doc["rows"]
-               if compiled.problems(r) and (r["target"], r["kernel"]) not in known]
+               if compiled.problems(r) and (r["target"], r["kernel"]) not in known and not swept_over(r)]
         assert not bad, f"{slug}: problem rows:\n" + "\n".join(bad)
         assert known <= failing, f"{slug}: known failures that compile now; remove them: {sorted(known - failing)}"
         # the non-sweep targets hold one config per (shape, kernel), the one chosen on the sweep target

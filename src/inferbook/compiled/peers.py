@@ -601,12 +601,15 @@ def compare(slug: str, peer_rows: list[dict], target: str = "sm_90", card: str =
     preds = predict_rows(rows, card)
     by_row = {}
     ok_rows = [r for r in rows if r.get("ok") and ("sass" in r or "isa_loop" in r)]
+    # a config over the per-block shared-memory limit is one the peer's autotuner drops at launch (out of
+    # resources): never the chosen one
+    fits = {id(r) for r in ok_rows if r.get("smem_ok", True)}
     for r, p in zip(ok_rows, preds):
         by_row[id(r)] = p
     groups: dict[tuple[str, str, str], dict[str, list]] = {}     # (side, peer, shape) -> step -> [predictions]
     for r in rows:
         p = by_row.get(id(r))
-        if p is None:
+        if p is None or id(r) not in fits:
             continue
         shape = _shape_of(r["launch"])
         if shape is None:
@@ -742,7 +745,8 @@ def choose(rows: list[dict], card: str = SWEEP_CARD) -> dict[str, int]:
     spilling config only where every config spills (`_fastest`)."""
     from . import predict_rows
 
-    ok = [r for r in rows if r.get("ok") and ("sass" in r or "isa_loop" in r) and r.get("side") == "peer"]
+    ok = [r for r in rows if r.get("ok") and ("sass" in r or "isa_loop" in r) and r.get("side") == "peer"
+          and r.get("smem_ok", True)]        # over the shared-memory limit: the autotuner drops it at launch
     cands: dict[tuple[str, str], list[dict]] = {}
     for r, p in zip(ok, predict_rows(ok, card)):
         m = re.search(r" cfg (\d+)/\d+", r["launch"])
