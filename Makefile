@@ -19,7 +19,7 @@ PIP_FLAGS   ?= -q
 # from .wheelhouse/, which the device run carries: 64 MiB at most with the rest of the tree). gemlite
 # ships only an sdist on the index, so it is built here into a pure-Python wheel.
 WHEELHOUSE     ?= .wheelhouse
-PEER_WHEELS    ?= fla-core torchao liger-kernel
+PEER_WHEELS    ?= fla-core einops torchao liger-kernel
 PEER_SDISTS    ?= gemlite
 WHEELHOUSE_MIB ?= 48
 

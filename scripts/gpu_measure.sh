@@ -61,7 +61,7 @@ if ! "$PY" -c 'import av' 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
   "$PY" -m pip install --no-index --find-links .whl av > "$LOG_DIR/pip-av.log" 2>&1 || echo "PyAV wheels did not install (see pip-av.log)"
 fi
 
-# The optional peers (fla-core, torchao, gemlite, liger-kernel): `make wheelhouse` puts their wheels in
+# The optional peers (fla-core with its einops, torchao, gemlite, liger-kernel): `make wheelhouse` puts their wheels in
 # .wheelhouse/ (carried to the device with the working tree); they install offline, without dependencies
 # (torch and triton are the image's), into .peers/ on PYTHONPATH, leaving the image's environment alone.
 PEERS="fla:fla-core torchao:torchao gemlite:gemlite liger_kernel:liger-kernel"   # module:distribution

@@ -27,6 +27,8 @@ def test_gpu_branch_dry_run(monkeypatch):
     assert recs["gpu-w4a16-decode"].value("gemm_m1") > 0
     packed = recs["gpu-decode-decode-packed"]
     assert [m["m"] for m in packed.measurements if m["name"].startswith("frac_copy")] == [1, 2]
+    # gemlite beside ours: on this CPU its package does not import, and the record says so
+    assert recs["gpu-w4a16-beside-gemlite"].notes.startswith("gemlite peer: ")
 
 
 def test_even_routing_gives_every_expert_m_rows():

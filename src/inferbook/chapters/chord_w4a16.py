@@ -636,6 +636,7 @@ def gpu_timings(ctx, gemm_n, gemm_k, ms, reps, prefill_tokens, prefill_experts, 
         dec.add(f"frac_copy_m{m}", r["frac_copy"], "fraction of measured copy GB/s", m=m,
                 achieved_gbps=r["achieved_gbps"], target=0.8)
     recs.append(dec)
+    recs.append(beside_gemlite(ctx, qs, ds, [m for m in ms if m <= W.DECODE_MAX_M], gemm_n, gemm_k))
     for rec in (tri, ref):
         rec.add("copy_ceiling", ceil.copy_gbps, "GB/s", phase="ceiling")
         rec.add("matmul_ceiling", ceil.matmul_tflops, "TFLOP/s", phase="ceiling")
@@ -645,6 +646,36 @@ def gpu_timings(ctx, gemm_n, gemm_k, ms, reps, prefill_tokens, prefill_experts, 
     if prefill_tokens:
         recs += gpu_prefill(ctx, hidden, inter, prefill_experts, top_k, prefill_tokens, reps, ceil, why)
     return recs
+
+
+def beside_gemlite(ctx, qs, ds, ms, gemm_n: int, gemm_k: int) -> RunRecord:
+    """Our decode kernel and gemlite's W4A16 (the peer the compiler section predicts beside ours,
+    `inferbook.compiled.peers`) on the same weights (both rotated over the same copies, > L2), timed in
+    the same run, warmed and interleaved (`peers.time_beside`), ours / gemlite from `compare_timings`;
+    where gemlite does not import, the record says why and holds no timing."""
+    from ..compiled import peers
+    from ..measure import compare_timings
+
+    rec = ctx.new_record("gpu-w4a16-beside-gemlite", variant="ours decode kernel vs gemlite", workload={
+        "model": f"dense GEMM [{gemm_n}, {gemm_k}]", "quantization": "w4a16 g32", "dtype": "bfloat16"})
+    first, why = peers.gemlite_layer(qs[0], W.GROUP_SIZE)
+    rec.notes = f"gemlite peer: {why}"
+    if first is None:
+        return rec
+    rec.set_backend("peer", "gemlite GemLiteLinearTriton (Triton W4A16), timed beside ours", reason="interleaved, same run")
+    layers = [first] + [peers.gemlite_layer(qq, W.GROUP_SIZE)[0] for qq in qs[1:]]
+    n = len(layers)
+    for m in ms:
+        x = torch.randn(m, gemm_k, device=ctx.device).bfloat16()
+        turn = {"ours": iter(range(1 << 30)), "gemlite": iter(range(1 << 30))}
+        sides = {"ours": lambda: W.decode_linear(x, ds[next(turn["ours"]) % n]),
+                 "gemlite": lambda: layers[next(turn["gemlite"]) % n](x)}
+        times = peers.time_beside(sides, ctx.device, rounds=4, min_reps=5, max_reps=50, min_time_s=0.05)
+        for side, t in times.items():
+            rec.add_timing(f"{side}_m{m}", t, m=m, interleaved=True, how=f"weights rotated over {n} copies (> L2)")
+        c = compare_timings(times["ours"], times["gemlite"])
+        rec.add(f"ours_over_gemlite_m{m}", c.ratio, "x", m=m, lo=c.lo, hi=c.hi, confidence=c.confidence)
+    return rec
 
 
 # ---------------------------------------------------------------------------

@@ -318,7 +318,30 @@ def forward_speed_record(ctx, fns: dict, chunk_size: int, *, B, T, H, K) -> RunR
                     frac_of_copy=(gbps / ceil.copy_gbps) if ceil else None,
                     note="minimal traffic (q, k, v, g, beta read once, o written once) / time; only a kernel that "
                          "keeps the state on chip comes near moving just that")
+        beside_fla(ctx, rec, paths, (q, k, v, gate, beta), nbytes)
     return rec
+
+
+def beside_fla(ctx, rec, paths: dict, args: tuple, nbytes: int) -> None:
+    """On a GPU with fla-core: our chunked forward and fla's `chunk_gated_delta_rule` (the peer the compiler
+    section predicts beside ours, `inferbook.compiled.peers`) timed in the same run, warmed and interleaved
+    (`peers.time_beside`), with ours / fla from `compare_timings`. Elsewhere a note says why not."""
+    from ..compiled import peers
+    from ..measure import compare_timings
+
+    fla, why = gdn.fla_backends(ctx.device)
+    ours = paths.get("chunked on tl.dot (triton)")
+    if ours is None or gdn.FLA_CHUNK not in fla:
+        rec.notes = (rec.notes + " " if rec.notes else "") + f"fla-core beside ours: not timed ({why})"
+        return
+    sides = {"ours chunked (triton)": lambda: ours(*args), "fla-core chunk_gated_delta_rule": lambda: fla[gdn.FLA_CHUNK](*args)}
+    rec.set_backend("peer", "fla-core chunk_gated_delta_rule (Triton), timed beside ours", reason="interleaved, same run")
+    times = peers.time_beside(sides, ctx.device, rounds=4, min_reps=5, max_reps=25, min_time_s=0.1)
+    for label, t in times.items():
+        rec.add_timing(f"beside fla-core: {label}", t, bytes=nbytes, interleaved=True)
+    c = compare_timings(times["ours chunked (triton)"], times["fla-core chunk_gated_delta_rule"])
+    rec.add("ours / fla-core forward time (same run, interleaved)", c.ratio, "x", lo=c.lo, hi=c.hi,
+            confidence=c.confidence)
 
 
 def gpu_launches(params: dict) -> list:

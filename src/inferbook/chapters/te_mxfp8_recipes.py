@@ -239,7 +239,41 @@ def quantize_speed(ctx, quant_m: int, quant_k: int) -> RunRecord:
         rec.add_check("torchao to_mx (FLOOR, e4m3, 32) == our kernel, every code and scale byte", same)
         t = benchmark(lambda: peer(x), ctx.device, label="torchao to_mx", **reps)
         rec.add_timing("torchao to_mx row-wise 1x32", t)
+    beside_torchao_triton(ctx, rec, x, chosen)
     return rec
+
+
+def beside_torchao_triton(ctx, rec, x, chosen: str) -> None:
+    """On a GPU: our row-wise and column-wise quantize and torchao's Triton MXFP8 kernels
+    (`triton_to_mxfp8_dim0` / `_dim1`, FLOOR, block 32: the kernels the compiler section predicts beside
+    ours, `inferbook.compiled.peers`) timed in the same run, warmed and interleaved (`peers.time_beside`),
+    ours / torchao from `compare_timings`. torchao itself enables these kernels on sm_100 only; elsewhere
+    `peers._torchao_kernels` loads them all the same (the same Triton source). Else a note says why not."""
+    from ..compiled import peers
+    from ..measure import compare_timings
+
+    if ctx.device.type != "cuda" or chosen != "triton":
+        rec.notes = (rec.notes + " " if rec.notes else "") + "torchao Triton beside ours: not timed (needs a GPU)"
+        return
+    try:
+        KX = peers._torchao_kernels()
+    except Exception as e:  # noqa: BLE001 - any import failure: not available
+        rec.notes = (rec.notes + " " if rec.notes else "") + \
+            f"torchao Triton beside ours: not timed ({type(e).__name__}: {str(e)[:80]})"
+        return
+    rec.set_backend("peer", "torchao triton_to_mxfp8_dim0/dim1 (Triton), timed beside ours", reason="interleaved, same run")
+    pairs = {"row-wise 1x32": lambda: KX.triton_to_mxfp8_dim0(x, 32, "floor"),
+             "column-wise 32x1": lambda: KX.triton_to_mxfp8_dim1(x, 32, "floor")}
+    for layout, theirs in pairs.items():
+        kw = LAYOUTS[layout]
+        ours = (lambda kw=kw: mx.quantize_triton(x, "e4m3", **kw))
+        times = peers.time_beside({"ours": ours, "torchao": theirs}, ctx.device, rounds=4, min_reps=5,
+                                  max_reps=50, min_time_s=0.05)
+        for side, t in times.items():
+            rec.add_timing(f"beside torchao triton: {side} {layout}", t, interleaved=True)
+        c = compare_timings(times["ours"], times["torchao"])
+        rec.add(f"ours / torchao triton {layout} (same run, interleaved)", c.ratio, "x", lo=c.lo, hi=c.hi,
+                confidence=c.confidence)
 
 
 def torchao_to_mx():

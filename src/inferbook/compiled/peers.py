@@ -1,42 +1,244 @@
 """The kernels a reader would use instead of ours, launched at our gpu-preset shapes, for the cost model.
 
-Each peer's own Python entry point runs under `compiled.recording()` on `meta` tensors, so its own
-config logic picks the launch (block sizes, warps) and nothing runs. Peers are optional
-dependencies (`pip install -e .[peers]`); a peer that is not installed, or that cannot be imported on
-this machine, is skipped and said so (`available()`).
+Each peer's own Python entry point runs under `traced()` on `meta` tensors, so its own launch code picks
+the grid and the arguments and nothing runs. Peers are optional dependencies (`pip install -e .[peers]`);
+a peer that is not installed, or that cannot be imported on this machine, is skipped and said so
+(`available()`).
 
-- liger-kernel (RMSNorm, SwiGLU): beside the comm tail's RMSNorm (sglang-fused-comm, kimi-topk-tail-fusion).
-- gemlite (W4A16 GEMV/GEMM): its package asserts a CUDA build of PyTorch at import, so it cannot be
-  traced on a CPU-only build (`available()` says so); fla-core, torchao and vLLM's fused-MoE are not
-  wired yet.
+- liger-kernel's RMSNorm beside sglang-fused-comm's RMSNorm (`sglang_fused_comm`).
+- fla-core's `chunk_gated_delta_rule_fwd` (cumsum, fused kkt + solve, recompute w/u, state, output: the
+  five kernels it launches) beside our chunked forward (`numerics/gdn_chunk.py`) at gdn-backward-check's
+  timed shape (`gdn_backward_check`). Our chapter table keeps one launch per specialisation (the checked
+  lengths come first), so our three chunk kernels at the timed shape are compiled into the peer table too
+  (rows with side "ours").
+- torchao's MX quantize kernels (`to_mxfp8_dim0_kernel` row-wise 1x32, `to_mxfp8_dim1_kernel` column-wise
+  32x1, FLOOR scaling) beside te-mxfp8-recipes' timed quantize launches (`te_mxfp8_recipes`); torchao
+  defines them only where it finds an sm_100 GPU, so `_torchao_kernels` loads the file by path.
+- gemlite's W4A16 kernels (GEMV_REVSPLITK at M <= 4, GEMM_SPLITK at 4 < M < 64, as its `get_matmul_type`
+  picks) at chord-w4a16's dense decode shapes (`chord_w4a16`), group 32 as ours. gemlite's package
+  `__init__` (through `triton_kernels/utils.py`) calls `torch.cuda.get_device_capability()` at import,
+  which asserts a CUDA build of PyTorch, so its two kernel modules are loaded by file path under a
+  stand-in package (`_gemlite_modules`), with the device questions `utils.py` asks at import answered as
+  on an H100 (why, in its docstring). The shapes (M 1, 2, 16) come from the chapter's parameters, never
+  from our kernel's rows, so our W4A16 kernels can change without making these rows stale.
+- vLLM's Triton fused-MoE kernels (`fused_moe_kernel`, and `fused_moe_kernel_gptq_awq`, its INT4 W4A16
+  form, the one chord's MoE decode would face): not wired. vLLM 0.33's wheel (336 MB) installs with
+  --no-deps into a side directory, but `vllm/model_executor/layers/fused_moe/fused_moe.py` imports
+  `vllm.envs`, `vllm._custom_ops` (compiled `_C` extensions built for vLLM's pinned CUDA PyTorch),
+  `vllm.platforms` and the config stack at module level; that chain needs vLLM's ~55 pinned
+  dependencies (transformers 5.16-5.21, fastapi, pydantic, xgrammar, ...): tried here, the first import
+  stopped at `regex`, and with it installed did not finish in 300 s on this machine. Vendoring the kernel
+  source was ruled out, so it is left out; `available()` says why wherever it is asked.
 
-`inspect(["py:inferbook.compiled.peers:sglang_fused_comm"], targets)` compiles them like ours;
-`compare(slug, target, card)` sets ours beside the peer's prediction for the same shape.
+**Autotuned peers.** fla, torchao and gemlite pick their launch by benchmarking configs on the GPU,
+which this machine cannot do. `traced(configs="all")` records one launch per config the peer's own
+autotuner would try (after its own pruning; at most `SWEEP_MAX`, evenly spaced through a longer list:
+`sweep_indices`); they are compiled for sm_90, and the comparison takes, per
+kernel, the config the cost model predicts fastest on H200 (among those that do not spill: the model
+does not charge local-memory traffic) — the choice an autotuner agreeing with the model would make, so
+the peer is not handicapped by a guessed config. For sm_80 and sm_100 only that
+chosen config is compiled (`INFERBOOK_PEER_CONFIGS`, set by `save`). A peer kernel that does not
+autotune is recorded once.
+
+`python -m inferbook.compiled.peers SLUG --save` compiles one chapter's peers (sm_90 sweep, then the
+chosen configs on sm_80 and sm_100) into data/compiled/peers/<slug>.json; `compare(slug, rows, target,
+card)` sets ours beside each peer per shape; the chapter's compiler section glues that sentence.
 """
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
 import torch
+
+CONFIG_ENV = "INFERBOOK_PEER_CONFIGS"      # {'<kernel> @ <shape>': config index} for the non-sweep targets
+SWEEP_TARGET = "sm_90"
+SWEEP_CARD = "H200"
+
+# peer name -> the module whose import says it is usable here
+PEER_MODULES = {"liger-kernel": "liger_kernel.ops.rms_norm", "fla-core": "fla.ops.gated_delta_rule.chunk",
+                "torchao": "torchao.prototype.mx_formats.kernels", "gemlite": "gemlite",
+                "vllm": "vllm.model_executor.layers.fused_moe.fused_moe"}
 
 
 def available() -> dict[str, str]:
-    """{peer: 'ok' | why not} for the peers this module knows."""
+    """{peer: 'ok' | why not} for the peers this module knows. gemlite's package import asserts a CUDA
+    PyTorch; its kernels are usable through `_gemlite_modules` nonetheless ('ok (kernel modules by path)')."""
     out = {}
-    for name, module in (("liger-kernel", "liger_kernel.ops.rms_norm"), ("gemlite", "gemlite")):
+    for name, module in PEER_MODULES.items():
         try:
+            if name == "gemlite":
+                _gemlite_modules()
+                out[name] = "ok (kernel modules loaded by path; the package import asserts a CUDA PyTorch)"
+                continue
             __import__(module)
             out[name] = "ok"
-        except Exception as e:                     # not installed, or it refuses a CPU-only torch at import
-            out[name] = f"{type(e).__name__}: {str(e)[:120]}"
+        except BaseException as e:                  # not installed, or it refuses a CPU-only torch at import
+            if isinstance(e, KeyboardInterrupt):
+                raise
+            out[name] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:160] if str(e).strip() else ''}"
     return out
 
+
+def usable(peer: str) -> bool:
+    """Whether `peer` imports here (only its own module is imported)."""
+    try:
+        if peer == "gemlite":
+            _gemlite_modules()
+        else:
+            __import__(PEER_MODULES[peer])
+        return True
+    except Exception:
+        return False
+
+
+# ---------------------------------------------------------------------------------------------------
+# Tracing a peer's own launch code
+
+def _is_constexpr(fn, name: str) -> bool:
+    import inspect
+
+    try:
+        ann = inspect.signature(fn).parameters[name].annotation
+    except (KeyError, TypeError, ValueError):
+        return False
+    return "constexpr" in str(ann)
+
+
+def _positional(la) -> None:
+    """A peer that launches with keyword arguments (`kernel[grid](x_ptr=x, ...)`): move every argument up
+    to the last runtime (non-constexpr) parameter into `args`, in the kernel's order, as our builders pass
+    them (the compile table's argument specialisation and DRAM bytes read `args`)."""
+    fn = getattr(la.kernel, "fn", la.kernel)
+    names = list(getattr(la.kernel, "arg_names", []) or [])
+    if not names or not la.kwargs:
+        return
+    named = dict(zip(names, la.args))
+    named.update(la.kwargs)
+    last = max((i for i, n in enumerate(names) if not _is_constexpr(fn, n)), default=-1)
+    if any(n not in named for n in names[:last + 1]):
+        return
+    la.args = [named.pop(n) for n in names[:last + 1]]
+    la.kwargs = {n: v for n, v in named.items() if n not in names[:last + 1]}
+
+
+@contextlib.contextmanager
+def traced(source: str, configs="all"):
+    """`compiled.recording(source)` that also (1) evaluates a launcher's callable grid on the launch's
+    arguments (fla, torchao and gemlite pass `lambda META: ...`), and (2) answers Triton's autotuner
+    without benchmarking: `configs="all"` records one launch per config its (pruned) list holds, each
+    named '<kernel> cfg i/n'; a dict {kernel name: i} records config i only; None records the first."""
+    from triton.runtime import autotuner as A
+    from triton.runtime import jit as J
+
+    from . import recording
+
+    current: dict = {}
+    with recording(source) as launches:
+        classes = [J.JITFunction]
+        try:
+            from triton.runtime.interpreter import InterpretedFunction
+            classes.append(InterpretedFunction)
+        except Exception:      # pragma: no cover
+            pass
+        inner = {cls: cls.__dict__["run"] for cls in classes}     # the recording's own `record`
+
+        def make_run(rec):
+            def run(kernel, *args, grid, warmup, **kwargs):
+                if callable(grid):
+                    named = dict(zip(getattr(kernel, "arg_names", []), args))
+                    named.update(kwargs)
+                    grid = grid(named)
+                grid = tuple(int(g) for g in grid) if isinstance(grid, (tuple, list)) else (int(grid),)
+                n = len(launches)
+                out = rec(kernel, *args, grid=grid, warmup=warmup, **kwargs)
+                for la in launches[n:]:
+                    _positional(la)
+                    if current.get("cfg"):
+                        la.name = f"{la.name} cfg {current['cfg']}"
+                return out
+            return run
+
+        undo = [(cls, "run", fn) for cls, fn in inner.items()]
+        for cls, fn in inner.items():
+            cls.run = make_run(fn)
+
+        def tuner_run(self, *args, **kwargs):
+            self.nargs = dict(zip(self.arg_names, args))
+            cands = list(self.prune_configs(kwargs)) if len(self.configs) > 1 else list(self.configs)
+            name = getattr(self.base_fn, "__name__", "kernel")
+            if configs == "all":
+                pick = sweep_indices(len(cands))
+            elif isinstance(configs, dict):
+                pick = [int(configs.get(name, 0))]
+            else:
+                pick = [0]
+            ret = None
+            for i in pick:
+                current["cfg"] = f"{i + 1}/{len(cands)}" if len(cands) > 1 else ""
+                ret = self.fn.run(*args, **kwargs, **cands[i].all_kwargs())
+            current["cfg"] = ""
+            self.nargs = None
+            return ret
+
+        undo.append((A.Autotuner, "run", A.Autotuner.__dict__["run"]))
+        A.Autotuner.run = tuner_run
+        try:
+            yield launches
+        finally:
+            for obj, name, value in reversed(undo):
+                setattr(obj, name, value)
+
+
+SWEEP_MAX = 9    # configs compiled per autotuned kernel and shape on the sweep target
+
+
+def sweep_indices(n: int, most: int = SWEEP_MAX) -> list[int]:
+    """Which of an autotuner's `n` configs the sweep compiles: all of them up to `most`, else `most`
+    evenly spaced through its list, first and last included (torchao's 24 MX configs and gemlite's
+    14 / 16 would take this 2-core machine's compile budget several times over; the names keep each
+    config's index in the peer's own list, so the table says which were tried)."""
+    if n <= most:
+        return list(range(n))
+    return sorted({round(i * (n - 1) / (most - 1)) for i in range(most)})
+
+
+def _chosen() -> dict | None:
+    """The per-kernel config choice for a non-sweep target (from the environment `save` sets), or None."""
+    raw = os.environ.get(CONFIG_ENV)
+    return json.loads(raw) if raw else None
+
+
+def _configs(shape: str):
+    """'all' (the sweep), or {kernel: config index} chosen for `shape` (keys '<kernel> @ <shape>'; a bare
+    '<kernel>' key applies at every shape)."""
+    ch = _chosen()
+    if ch is None:
+        return "all"
+    out = {k: v for k, v in ch.items() if " @ " not in k}
+    out.update({k.split(" @ ", 1)[0]: v for k, v in ch.items() if k.endswith(f" @ {shape}")})
+    return out
+
+
+def _label(launches: list, peer: str, shape: str) -> list:
+    """Name each traced launch '<peer>: <kernel>[ cfg i/n] @ <shape>'."""
+    for la in launches:
+        la.name = f"{peer}: {la.name} @ {shape}"
+    return launches
+
+
+# ---------------------------------------------------------------------------------------------------
+# liger-kernel: RMSNorm (sglang-fused-comm)
 
 def liger_rmsnorm(T: int, H: int, dtype=torch.bfloat16) -> list:
     """liger-kernel's RMSNorm forward on x [T, H] (its own `calculate_settings` picks the block)."""
     from liger_kernel.ops import rms_norm as R
 
-    from . import recording
-
-    with recording("liger_kernel/ops/rms_norm.py") as launches:
+    with traced("liger_kernel/ops/rms_norm.py", None) as launches:
         R.rms_norm_forward(torch.empty(T, H, dtype=dtype, device="meta"), torch.empty(H, dtype=dtype, device="meta"),
                            1e-6, 0.0, "llama", None)
     for la in launches:
@@ -62,23 +264,595 @@ def sglang_fused_comm(params=None) -> list:
     return [la for T, H in _our_rmsnorm_shapes("sglang-fused-comm") for la in liger_rmsnorm(T, H)]
 
 
-PEERS = {"sglang-fused-comm": "py:inferbook.compiled.peers:sglang_fused_comm"}
+# ---------------------------------------------------------------------------------------------------
+# fla-core: chunk gated delta rule forward (gdn-backward-check)
+
+def gdn_shapes(params: dict) -> list[tuple[int, int, int, int, int]]:
+    """(B, T, H, K, V) of gdn-backward-check's timed forward at its gpu preset."""
+    K = int(params["bench_head_dim"])
+    return [(int(params["bench_batch"]), int(params["bench_len"]), int(params["bench_heads"]), K, K)]
 
 
-def compare(slug: str, peer_rows: list[dict], target: str = "sm_90", card: str = "H200") -> list[dict]:
-    """Ours beside the peer, same shape, same model: [{'shape', 'ours_s', 'peer_s', 'ratio', bounds}]
-    for each peer row (compiled rows of `PEERS[slug]`) whose 'T.. H..' matches one of our launches."""
-    import re
+def gdn_shape_key(B, T, H, K, V) -> str:
+    return f"B{B} T{T} H{H} K{K} V{V} bf16"
 
-    from . import predict_launches, predict_rows
 
-    ours = {re.search(r"T\d+ H\d+", p["launch"]).group(0): p for p in predict_launches(slug, target, card)
-            if p["kernel"] == "_rmsnorm_kernel" and re.search(r"T\d+ H\d+", p["launch"])}
+def fla_chunk_gdn(B: int, T: int, H: int, K: int, V: int, configs="all") -> list:
+    """The launches fla-core's `chunk_gated_delta_rule_fwd` makes for q, k [B, T, H, K], v [B, T, H, V],
+    g, beta [B, T, H] (bf16; g fp32 as its `chunk_local_cumsum` takes it), an fp32 initial state and the
+    final state kept (as our forward returns it)."""
+    from fla.ops.gated_delta_rule import chunk as C
+
+    bf, f32 = torch.bfloat16, torch.float32
+    m = lambda *s, dt=bf: torch.empty(*s, dtype=dt, device="meta")   # noqa: E731
+    with traced("fla/ops/gated_delta_rule/chunk.py", configs) as launches:
+        C.chunk_gated_delta_rule_fwd(m(B, T, H, K), m(B, T, H, K), m(B, T, H, V), m(B, T, H, dt=f32), m(B, T, H),
+                                     K ** -0.5, m(B, H, K, V, dt=f32), True)
+    return _label(launches, "fla-core", gdn_shape_key(B, T, H, K, V))
+
+
+def our_chunk_gdn(B: int, T: int, H: int, K: int, V: int) -> list:
+    from ..numerics import gdn_chunk
+
+    launches = gdn_chunk.chunked_launches(B, T, H, K, V, torch.bfloat16, has_h0=True)
+    return _label(launches, "ours", gdn_shape_key(B, T, H, K, V))
+
+
+def gdn_backward_check(params=None) -> list:
+    """Ours (the three chunk kernels) and fla-core's five, at the timed shape."""
+    from . import gpu_params
+
+    P = gpu_params("gdn-backward-check")
     out = []
-    for p in predict_rows([r for r in peer_rows if r["target"] == target], card):
-        key = re.search(r"T\d+ H\d+", p["launch"]).group(0)
-        if key in ours:
-            o = ours[key]
-            out.append({"shape": key, "ours_s": o["seconds"], "ours_bound": o["bound"], "peer_s": p["seconds"],
-                        "peer_bound": p["bound"], "ours_over_peer": o["seconds"] / p["seconds"]})
+    for shape in gdn_shapes(P):
+        out += our_chunk_gdn(*shape)
+        if usable("fla-core"):
+            out += fla_chunk_gdn(*shape, configs=_configs(gdn_shape_key(*shape)))
     return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# torchao: MX quantize (te-mxfp8-recipes)
+
+# our launch name (te-mxfp8-recipes' table) -> the torchao kernel doing that work
+MX_OURS = {"row-wise 1x32": "quantize-speed e4m3 floor row-wise 1x32",
+           "column-wise 32x1": "quantize-speed e4m3 floor column-wise 32x1"}
+
+
+def mx_shape_key(axis: str, M: int, K: int) -> str:
+    return f"{axis} e4m3 floor {M}x{K} bf16"
+
+
+def torchao_mx_quantize(M: int, K: int, configs=None) -> list:
+    """torchao's Triton MXFP8 quantize kernels on x [M, K] bf16, FLOOR scaling, block 32: the launches
+    of `triton_to_mxfp8_dim0` (row-wise) and `triton_to_mxfp8_dim1` (column-wise), made by calling the
+    kernels as those wrappers do (the wrappers are `torch.library.triton_op`s: on `meta` tensors the
+    dispatcher runs their fake implementations, which launch nothing)."""
+    import triton
+
+    KX = _torchao_kernels()
+    out = []
+    x = torch.empty(M, K, dtype=torch.bfloat16, device="meta")
+    with traced("torchao/prototype/mx_formats/kernels.py",
+                configs or _configs(mx_shape_key("row-wise 1x32", M, K))) as launches:
+        KX.to_mxfp8_dim0_kernel[lambda META: (triton.cdiv(M, META["ROW_TILE_SIZE"]), triton.cdiv(K, META["COL_TILE_SIZE"]))](
+            x_ptr=x, output_ptr=torch.empty(M, K, dtype=torch.float8_e4m3fn, device="meta"),
+            scale_ptr=torch.empty(M, K // 32, dtype=torch.uint8, device="meta"), n_rows=M, n_cols=K,
+            SCALE_BLOCK_SIZE=32, SCALING_MODE="floor")
+    out += _label(launches, "torchao", mx_shape_key("row-wise 1x32", M, K))
+    with traced("torchao/prototype/mx_formats/kernels.py",
+                configs or _configs(mx_shape_key("column-wise 32x1", M, K))) as launches:
+        KX.to_mxfp8_dim1_kernel[lambda META: (triton.cdiv(M, META["ROW_TILE_SIZE"]), triton.cdiv(K, META["COL_TILE_SIZE"]))](
+            x_ptr=x, output_col_major_ptr=torch.empty(K, M, dtype=torch.float8_e4m3fn, device="meta"),
+            col_scale_ptr=torch.empty(K, M // 32, 1, dtype=torch.uint8, device="meta"), n_rows=M, n_cols=K,
+            INNER_BLOCK_SIZE=32, SCALING_MODE="floor")
+    out += _label(launches, "torchao", mx_shape_key("column-wise 32x1", M, K))
+    return out
+
+
+_TORCHAO: dict = {}
+
+
+def _torchao_kernels():
+    """torchao's `prototype/mx_formats/kernels.py` with its Triton kernels defined. It defines them under
+    `has_triton() and torch.cuda.is_available() and is_sm_at_least_100() and is_cuda_version_at_least(12, 8)`
+    (torchao 0.18 enables its Triton MX quantize on sm_100 and MI350 only), so on a CPU-only build the real
+    import has none; a private copy of the file is loaded by path (as `inferbook_peer_torchao_mx_kernels`)
+    with those four questions answered yes. Where the real module has them (a B200), it is used."""
+    from torchao.prototype.mx_formats import kernels as KX
+
+    if hasattr(KX, "to_mxfp8_dim0_kernel"):
+        return KX
+    if "mod" not in _TORCHAO:
+        import importlib.util
+
+        import torch.utils._triton as TT
+
+        name = "inferbook_peer_torchao_mx_kernels"
+        spec = importlib.util.spec_from_file_location(name, KX.__file__)
+        mod = importlib.util.module_from_spec(spec)
+        import torchao.utils as TU
+
+        yes = lambda *a, **k: True     # noqa: E731
+        patch = [(TT, "has_triton"), (torch.cuda, "is_available"), (TU, "is_sm_at_least_100"),
+                 (TU, "is_cuda_version_at_least")]
+        real = [getattr(o, n) for o, n in patch]
+        for o, n in patch:
+            setattr(o, n, yes)
+        try:
+            sys.modules[name] = mod
+            spec.loader.exec_module(mod)
+        finally:
+            for (o, n), v in zip(patch, real):
+                setattr(o, n, v)
+        _TORCHAO["mod"] = mod
+    return _TORCHAO["mod"]
+
+
+def te_mxfp8_recipes(params=None) -> list:
+    from . import gpu_params
+
+    P = gpu_params("te-mxfp8-recipes")
+    if not usable("torchao"):
+        return []
+    return torchao_mx_quantize(int(P["quant_m"]), int(P["quant_k"]), configs=None)
+
+
+# ---------------------------------------------------------------------------------------------------
+# gemlite: W4A16 GEMV / GEMM (chord-w4a16)
+
+_GEMLITE: dict = {}
+
+
+def _gemlite_modules() -> dict:
+    """gemlite's kernel modules loaded by file path under a stand-in `gemlite` package whose `__init__`
+    never runs: the real one imports `triton_kernels/utils.py`, which at import calls
+    `torch.cuda.get_device_capability()` (asserting a CUDA build of PyTorch), reads the SM count from
+    `torch.cuda.get_device_properties` and asks Triton's active driver whether it is HIP. While the two
+    modules we need load (`gemv_revsplitK_kernels`, `gemm_splitK_kernels`, and the `dtypes`, `config`,
+    `utils` they import; not `triton_kernels/__init__`, which imports every kernel) those are answered as
+    on an H100 (capability 9.0, 132 SMs as H200, CUDA): capability 9 turns on bf16 atomic adds for the
+    split-K output, as on the H200 the page predicts. `gemlite.core` is a stand-in with the empty
+    `GEMLITE_TRITON_CONFIG_CACHE` its config pruners read (no cached best config: the autotuner's list is
+    swept, see the module docstring) and `GEMLITE_USE_TMA = False`, its default; the pruners' shared-memory
+    question is answered 227 KB (H100/H200). On a CUDA machine `gemlite_layer` uses the real package."""
+    if _GEMLITE:
+        return _GEMLITE
+    import importlib.machinery
+    import importlib.util
+    import types
+
+    spec = importlib.util.find_spec("gemlite") if "gemlite" not in sys.modules else None
+    if spec is None and "gemlite" not in sys.modules:
+        raise ModuleNotFoundError("No module named 'gemlite'")
+    root = Path(spec.origin).parent if spec is not None else Path(sys.modules["gemlite"].__path__[0])
+    pkg = types.ModuleType("gemlite")
+    pkg.__path__ = [str(root)]
+    sub = types.ModuleType("gemlite.triton_kernels")      # its __init__ imports every kernel module
+    sub.__path__ = [str(root / "triton_kernels")]
+    core = types.ModuleType("gemlite.core")
+    core.GEMLITE_TRITON_CONFIG_CACHE = {}
+    core.GEMLITE_USE_TMA = False                          # no TMA for W4A16 with int32 packing at these shapes
+    sys.modules.update({"gemlite": pkg, "gemlite.triton_kernels": sub, "gemlite.core": core})
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime.driver import driver
+
+    from . import _AOTDriver
+
+    real = (torch.cuda.get_device_capability, torch.cuda.get_device_properties, driver._active)
+    torch.cuda.get_device_capability = lambda *a, **k: (9, 0)
+    torch.cuda.get_device_properties = lambda *a, **k: types.SimpleNamespace(   # H100 SXM, as H200: 132 SMs
+        name="NVIDIA H100 80GB HBM3", multi_processor_count=132, major=9, minor=0)
+    driver.set_active(_AOTDriver(GPUTarget("cuda", 90, 32)))      # utils.py asks `is_hip()` at import
+    try:
+        mods = {}
+        for name in ("dtypes", "triton_kernels.config", "triton_kernels.utils", "triton_kernels.gemv_revsplitK_kernels",
+                     "triton_kernels.gemm_splitK_kernels"):
+            mods[name] = importlib.import_module(f"gemlite.{name}")
+    except BaseException:
+        for n in ("gemlite", "gemlite.triton_kernels", "gemlite.core"):
+            sys.modules.pop(n, None)
+        raise
+    finally:
+        torch.cuda.get_device_capability, torch.cuda.get_device_properties, driver._active = real
+    for mod in mods.values():        # its config pruners ask the driver for the shared memory: H100's 227 KB
+        if hasattr(mod, "get_gpu_shared_memory"):
+            mod.get_gpu_shared_memory = lambda: 227 * 1024
+    _GEMLITE.update(mods)
+    return _GEMLITE
+
+
+def gemlite_kind(M: int) -> str:
+    """gemlite's `get_matmul_type` for 4-bit weights, bf16 activations (core.py, 0.6)."""
+    return "GEMM" if M >= 64 else "GEMM_SPLITK" if M > 4 else "GEMV_REVSPLITK"
+
+
+def chord_shapes(params: dict) -> list[tuple[int, int, int]]:
+    """(M, N, K) of chord-w4a16's dense decode GEMM at its gpu preset: M 1, 2 and 16 of its M sweep (the
+    decode sizes its decode kernels are built and checked for; M 4 and 8 would add two sweeps of gemlite's
+    configs to every regeneration for no new regime: 2 is gemlite's last GEMV size, 16 its SPLITK one)."""
+    ms = [int(m) for m in str(params["m_sweep"]).split(",") if int(m) in (1, 2, 16)]
+    return [(m, int(params["gemm_n"]), int(params["gemm_k"])) for m in ms]
+
+
+def gemlite_w4a16(M: int, N: int, K: int, group: int = 32, configs="all") -> list:
+    """gemlite's W4A16 (INT4 weights packed 8 per int32 along K, bf16 scales per group of `group`,
+    symmetric: the integer shift 8 as zero, W_group_mode 3) at x [M, K] bf16 -> [M, N] bf16, through its
+    own `<kind>_forward` (grid, strides, dtypes as it computes them)."""
+    G = _gemlite_modules()
+    D = G["dtypes"].DType
+    kind = gemlite_kind(M)
+    mod = G["triton_kernels.gemv_revsplitK_kernels"] if kind == "GEMV_REVSPLITK" else G["triton_kernels.gemm_splitK_kernels"]
+    if kind == "GEMM":      # pragma: no cover - chord's decode shapes stop at M 16
+        raise ValueError("gemlite's GEMM kernel (M >= 64) is not wired")
+    fwd = mod.gemv_revsplitK_forward if kind == "GEMV_REVSPLITK" else mod.gemm_splitK_forward
+    m = lambda *s, dt: torch.empty(*s, dtype=dt, device="meta")   # noqa: E731
+    x = m(M, K, dt=torch.bfloat16)
+    W_q = m(K // 8, N, dt=torch.int32)
+    scales = m(K // group, N, dt=torch.bfloat16)
+    zeros = torch.tensor(8, dtype=torch.int32)          # a scalar shift (gemlite packs an int zero as a 0-d tensor)
+    in_t = D.FP16.value                                 # forward_functional's type_id folds BF16 into FP16
+    type_id = in_t * 100 + 4
+    with traced(f"gemlite/triton_kernels/{mod.__name__.rsplit('.', 1)[-1]}.py", configs) as launches:
+        fwd(x, W_q, scales, zeros, None, 4, group, 15, 8, D.BF16.value, D.BF16.value, D.FP32.value, D.BF16.value,
+            0, 3, True, type_id)
+    return _label(launches, "gemlite", f"M{M} N{N} K{K} g{group}")
+
+
+def chord_w4a16(params=None) -> list:
+    from . import gpu_params
+
+    P = gpu_params("chord-w4a16")
+    try:
+        _gemlite_modules()
+    except Exception:
+        return []
+    from ..moe import w4a16
+
+    return [la for M, N, K in chord_shapes(P)
+            for la in gemlite_w4a16(M, N, K, w4a16.GROUP_SIZE, configs=_configs(f"M{M} N{N} K{K} g{w4a16.GROUP_SIZE}"))]
+
+
+# A peer's kernel that does not compile for a target, and why (the table keeps the failed row: a fact
+# about the peer, shown as such; the freshness test requires exactly these).
+PEER_KNOWN_FAILURES = {
+    ("te-mxfp8-recipes", "sm_80", "to_mxfp8_dim0_kernel"):
+        "Triton: type fp8e4nv not supported in this architecture (E4M3 stores need sm_89+; torchao gates these "
+        "kernels to sm_100 itself)",
+    ("te-mxfp8-recipes", "sm_80", "to_mxfp8_dim1_kernel"):
+        "Triton: type fp8e4nv not supported in this architecture (E4M3 stores need sm_89+; torchao gates these "
+        "kernels to sm_100 itself)",
+}
+
+PEERS = {"sglang-fused-comm": "py:inferbook.compiled.peers:sglang_fused_comm",
+         "gdn-backward-check": "py:inferbook.compiled.peers:gdn_backward_check",
+         "te-mxfp8-recipes": "py:inferbook.compiled.peers:te_mxfp8_recipes",
+         "chord-w4a16": "py:inferbook.compiled.peers:chord_w4a16"}
+PEER_OF = {"sglang-fused-comm": "liger-kernel", "gdn-backward-check": "fla-core", "te-mxfp8-recipes": "torchao",
+           "chord-w4a16": "gemlite"}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Ours beside the peer
+
+def _shape_of(name: str) -> str | None:
+    return name.split(" @ ", 1)[1] if " @ " in name else None
+
+
+def _step_of(name: str) -> str:
+    """'fla-core: chunk_fwd_kernel_o cfg 2/3 @ ...' -> 'chunk_fwd_kernel_o'."""
+    head = name.split(" @ ", 1)[0]
+    head = head.split(": ", 1)[-1]
+    return head.split(" cfg ", 1)[0]
+
+
+def _ours_from_chapter(slug: str, target: str, card: str, root: Path | None = None) -> dict[str, list[dict]]:
+    """{shape key: [our predictions]} from the chapter's committed table, for the chapters whose peer
+    table holds no 'ours' rows."""
+    from . import predict_launches
+
+    preds = predict_launches(slug, target, card, root)
+    out: dict[str, list[dict]] = {}
+    if slug == "sglang-fused-comm":
+        for p in preds:
+            m = re.search(r"T\d+ H\d+", p["launch"])
+            if p["kernel"] == "_rmsnorm_kernel" and m:
+                out.setdefault(m.group(0), []).append(p)
+    elif slug == "te-mxfp8-recipes":
+        P = _params(slug)
+        for axis, name in MX_OURS.items():
+            out[mx_shape_key(axis, int(P["quant_m"]), int(P["quant_k"]))] = [p for p in preds if p["launch"] == name]
+    elif slug == "chord-w4a16":
+        from ..moe import w4a16
+
+        for M, N, K in chord_shapes(_params(slug)):
+            pat = re.compile(rf"\bM{M} N{N} K{K}\b")
+            out[f"M{M} N{N} K{K} g{w4a16.GROUP_SIZE}"] = [
+                p for p in preds if pat.search(p["launch"]) and not re.search(r"gate_up|down|\bT\d+", p["launch"])]
+    return out
+
+
+def _params(slug: str) -> dict:
+    from . import gpu_params
+
+    return gpu_params(slug)
+
+
+def _fastest(preds: list[dict]) -> dict:
+    """The config predicted fastest, among those that do not spill where any does not (the cost model
+    does not charge local-memory traffic, so a spilling config would look faster than it runs)."""
+    clean = [p for p in preds if not p.get("spill_bytes")]
+    return min(clean or preds, key=lambda p: p["seconds"])
+
+
+def compare(slug: str, peer_rows: list[dict], target: str = "sm_90", card: str = "H200",
+            root: Path | None = None) -> list[dict]:
+    """Ours beside the peer, same shape, same cost model, per shape of the peer table: [{'peer', 'shape',
+    'ours_s', 'ours_bound', 'ours_launch', 'peer_s', 'peer_bound', 'peer_launches', 'ours_over_peer'}].
+
+    A peer's time at a shape is the sum over its kernels, each at the config predicted fastest (the sm_90
+    sweep; other targets hold the chosen config only); a bound is that of the side's longest launch. Our
+    time: the sum of the 'ours' rows where the peer table has them (GDN: three kernels), else our chapter
+    table's launches at that shape — one launch does the work, and where several of ours do the same work
+    (chord's generic and decode kernels at one M) the fastest predicted is taken and named."""
+    from . import predict_rows
+
+    rows = [r for r in peer_rows if r["target"] == target]
+    preds = predict_rows(rows, card)
+    by_row = {}
+    ok_rows = [r for r in rows if r.get("ok") and ("sass" in r or "isa_loop" in r)]
+    # a config over the per-block shared-memory limit is one the peer's autotuner drops at launch (out of
+    # resources): never the chosen one
+    fits = {id(r) for r in ok_rows if r.get("smem_ok", True)}
+    for r, p in zip(ok_rows, preds):
+        by_row[id(r)] = p
+    groups: dict[tuple[str, str, str], dict[str, list]] = {}     # (side, peer, shape) -> step -> [predictions]
+    for r in rows:
+        p = by_row.get(id(r))
+        if p is None or id(r) not in fits:
+            continue
+        shape = _shape_of(r["launch"])
+        if shape is None:
+            m = re.search(r"T\d+ H\d+", r["launch"])
+            if not m:
+                continue
+            shape = m.group(0)
+        side = r.get("side", "peer")
+        groups.setdefault((side, r.get("peer", "the peer"), shape), {}).setdefault(_step_of(r["launch"]), []).append(
+            {**p, "spill_bytes": r.get("spill_bytes") or 0})
+    ours_rows = {shape: steps for (side, _, shape), steps in groups.items() if side == "ours"}
+    chapter = None
+    out = []
+    for (side, peer, shape), steps in groups.items():
+        if side != "peer":
+            continue
+        best = [_fastest(ps) for ps in steps.values()]
+        peer_s = sum(p["seconds"] for p in best)
+        peer_long = max(best, key=lambda p: p["seconds"])
+        if shape in ours_rows:
+            ours = [_fastest(ps) for ps in ours_rows[shape].values()]
+            ours_s = sum(p["seconds"] for p in ours)
+            ours_long = max(ours, key=lambda p: p["seconds"])
+            ours_launch = f"{len(ours)} kernels"
+        else:
+            if chapter is None:
+                try:
+                    chapter = _ours_from_chapter(slug, target, card, root)
+                except Exception:
+                    chapter = {}
+            cands = chapter.get(shape) or []
+            if not cands:
+                continue
+            ours_long = min(cands, key=lambda p: p["seconds"])
+            ours_s, ours_launch = ours_long["seconds"], ours_long["launch"]
+        out.append({"peer": peer, "shape": shape, "ours_s": ours_s, "ours_bound": ours_long["bound"],
+                    "ours_launch": ours_launch, "peer_s": peer_s, "peer_bound": peer_long["bound"],
+                    "peer_launches": [p["launch"] for p in best], "ours_over_peer": ours_s / peer_s})
+    return out
+
+
+def sentence(slug: str, rows: list[dict], target: str = "sm_90", card: str = "H200", root: Path | None = None) -> str:
+    """'Beside fla-core (same shape, same model, H200, predicted): ours / fla-core = <shape> 1.23× (ours
+    latency-bound, fla-core issue-bound).' — or '' where nothing pairs."""
+    pairs = compare(slug, rows, target, card, root)
+    if not pairs:
+        return ""
+    parts = []
+    for peer in dict.fromkeys(q["peer"] for q in pairs):
+        qs = [q for q in pairs if q["peer"] == peer]
+        parts.append(f"Beside {peer} (same shape, same model, {card}, predicted): ours / {peer} = "
+                     + "; ".join(f"{q['shape']} {q['ours_over_peer']:.2f}× (ours {q['ours_bound']}-bound, "
+                                 f"{peer} {q['peer_bound']}-bound)" for q in qs) + ".")
+    fails = {}
+    for r in rows:
+        why = PEER_KNOWN_FAILURES.get((slug, r["target"], r.get("kernel")))
+        if why and not r.get("ok"):
+            fails.setdefault((r["target"], why), []).append(r["kernel"])
+    for (t, why), kernels in fails.items():
+        parts.append(f"{PEER_OF.get(slug, 'The peer')}'s {' and '.join(dict.fromkeys(kernels))} do not compile for {t}: {why}.")
+    return " ".join(parts)
+
+
+# ---------------------------------------------------------------------------------------------------
+# On a GPU: ours and the peer timed in the same run
+
+def time_beside(fns: dict, device, *, rounds: int = 4, warmup: int = 3, **bench_kw) -> dict:
+    """{label: Timing} for every callable in `fns`, timed in the same run and interleaved: each is warmed
+    (`warmup` untimed calls, which also runs a peer's autotuner), then `rounds` rounds in which every
+    callable is benchmarked once in turn (`measure.benchmark`, `bench_kw` per round), the rounds'
+    samples merged into one Timing per label, so a clock or thermal drift falls on both sides alike."""
+    from ..measure import Timing, benchmark
+
+    for fn in fns.values():
+        for _ in range(max(1, warmup)):
+            fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    merged: dict[str, Timing] = {}
+    for r in range(max(1, rounds)):
+        order = list(fns.items()) if r % 2 == 0 else list(fns.items())[::-1]   # alternate who goes first
+        for label, fn in order:
+            t = benchmark(fn, device, label=label, warmup=1, **bench_kw)
+            if label not in merged:
+                merged[label] = t
+            else:
+                merged[label].samples_s.extend(t.samples_s)
+                merged[label].budget_limited = merged[label].budget_limited or t.budget_limited
+    return merged
+
+
+def gemlite_layer(q, group: int):
+    """(fn(x) -> y, why) with gemlite's `GemLiteLinearTriton` holding the same INT4 weights as our
+    `moe.w4a16` pack `q` (symmetric, per group: gemlite's unsigned codes q + 8 with the integer shift 8 as
+    zero, our bf16 scales), or (None, why not). Needs a CUDA build of PyTorch (gemlite's import asserts one)."""
+    try:
+        import gemlite
+        from gemlite.core import DType, GemLiteLinearTriton
+    except Exception as e:  # noqa: BLE001 - any import failure: not available
+        return None, f"gemlite does not import here ({type(e).__name__}: {str(e)[:80]})"
+    from ..moe import w4a16 as W
+
+    codes, scales = W.unpack(q)              # int8 [1, N, K] in [-8, 7], bf16 [1, N, K/g]
+    codes, scales = codes[0], scales[0]
+    N, K = codes.shape
+    layer = GemLiteLinearTriton(W_nbits=4, group_size=group, in_features=K, out_features=N,
+                                input_dtype=DType.BF16, output_dtype=DType.BF16)
+    layer.pack((codes.to(torch.int16) + 8).to(torch.uint8), scales.to(torch.bfloat16).reshape(N, K // group), 8)
+    return layer, f"gemlite {getattr(gemlite, '__version__', '?')} GemLiteLinearTriton (W4, group {group}, shift 8)"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Saving: data/compiled/peers/<slug>.json
+
+def peer_path(slug: str, root: Path | None = None) -> Path:
+    from . import DATA_DIR, repo_root
+
+    return (root or repo_root()) / DATA_DIR / "peers" / f"{slug}.json"
+
+
+def _annotate(rows: list[dict], slug: str) -> list[dict]:
+    for r in rows:
+        head = r["launch"].split(": ", 1)[0] if " @ " in r["launch"] else ""
+        r["side"] = "ours" if head == "ours" else "peer"
+        r["peer"] = PEER_OF[slug]
+        r["slug"] = slug
+    return rows
+
+
+def choose(rows: list[dict], card: str = SWEEP_CARD) -> dict[str, int]:
+    """{'<kernel> @ <shape>': config index} of the config the cost model predicts fastest per (shape,
+    kernel) on `card`, from the sweep target's rows ('cfg i/n' in the launch name; no configs: 0); a
+    spilling config only where every config spills (`_fastest`)."""
+    from . import predict_rows
+
+    ok = [r for r in rows if r.get("ok") and ("sass" in r or "isa_loop" in r) and r.get("side") == "peer"
+          and r.get("smem_ok", True)]        # over the shared-memory limit: the autotuner drops it at launch
+    cands: dict[tuple[str, str], list[dict]] = {}
+    for r, p in zip(ok, predict_rows(ok, card)):
+        m = re.search(r" cfg (\d+)/\d+", r["launch"])
+        cands.setdefault((_shape_of(r["launch"]) or "", r["kernel"]), []).append(
+            {"seconds": p["seconds"], "spill_bytes": r.get("spill_bytes") or 0, "i": int(m.group(1)) - 1 if m else 0})
+    return {f"{kernel} @ {shape}": _fastest(ps)["i"] for (shape, kernel), ps in cands.items()}
+
+
+def save(slug: str, targets=("sm_80", "sm_90", "sm_100"), jobs: int = 1, root: Path | None = None,
+         reuse_sweep: bool = False) -> Path:
+    """Compile `slug`'s peer launches (and ours where the peer table holds them): the sm_90 config sweep,
+    then the chosen configs on the other targets; write data/compiled/peers/<slug>.json. `reuse_sweep`:
+    take the sweep target's rows from the committed table and recompile the other targets only."""
+    import triton
+
+    from . import _dump, inspect
+    from ..context import git_state
+
+    if slug not in PEERS:
+        from ..errors import UserError, choices
+
+        raise UserError(f"no peer for {slug!r}; choose {choices(PEERS)}")
+    spec = PEERS[slug]
+    os.environ.pop(CONFIG_ENV, None)
+    old = load(slug, root) if reuse_sweep else None
+    if old is not None:
+        rows = [r for r in old["rows"] if r["target"] == SWEEP_TARGET]
+    else:
+        rows = _annotate(inspect([spec], [SWEEP_TARGET], jobs=jobs), slug)
+    chosen = choose(rows)
+    rest = [t for t in targets if t != SWEEP_TARGET]
+    if rest:
+        os.environ[CONFIG_ENV] = json.dumps(chosen)
+        try:
+            rows += _annotate(inspect([spec], rest, jobs=jobs), slug)
+        finally:
+            os.environ.pop(CONFIG_ENV, None)
+    from . import TARGETS
+
+    tix = {t: n for n, t in enumerate(TARGETS)}
+    keep = [{k: v for k, v in r.items() if k != "compile_s"} for r in rows]
+    keep.sort(key=lambda r: (tix.get(r["target"], 99), r.get("index", 0)))
+    doc = {"chapter": slug, "peer": PEER_OF[slug], "triton": triton.__version__, "torch": torch.__version__,
+           "git": git_state().get("commit", "unknown"), "peer_versions": _versions(),
+           "targets": sorted({r["target"] for r in keep}, key=list(TARGETS).index),
+           "sweep": {"target": SWEEP_TARGET, "card": SWEEP_CARD, "chosen": chosen},
+           "note": "ahead-of-time compile on a CPU machine (no GPU, no driver), by inferbook.compiled.peers: the "
+                   "peer's own launch code traced on meta tensors; every config its autotuner would try compiled "
+                   "for sm_90, the config predicted fastest on H200 compiled for the other targets",
+           "rows": keep}
+    path = peer_path(slug, root)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(_dump(doc))
+    return path
+
+
+def _versions() -> dict:
+    import importlib.metadata as md
+
+    out = {}
+    for dist in ("liger-kernel", "fla-core", "torchao", "gemlite"):
+        try:
+            out[dist] = md.version(dist)
+        except md.PackageNotFoundError:
+            pass
+    return out
+
+
+def load(slug: str, root: Path | None = None) -> dict | None:
+    path = peer_path(slug, root)
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _main(argv: list[str]) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m inferbook.compiled.peers",
+                                 description="compile a chapter's peers beside ours into data/compiled/peers/")
+    ap.add_argument("slug", choices=sorted(PEERS))
+    ap.add_argument("--target", action="append", help="sm_80 | sm_90 | sm_100 (default: all three; sm_90 always)")
+    ap.add_argument("--jobs", type=int, default=1)
+    ap.add_argument("--save", action="store_true")
+    ap.add_argument("--reuse-sweep", action="store_true", help="keep the committed sm_90 sweep; recompile the rest")
+    ap.add_argument("--available", action="store_true", help="print which peers import here and exit")
+    a = ap.parse_args(argv)
+    if a.available:
+        for k, v in available().items():
+            print(f"{k}: {v}")
+        return 0
+    targets = tuple(a.target or ("sm_80", "sm_90", "sm_100"))
+    for t in targets:
+        if t not in ("sm_80", "sm_90", "sm_100"):
+            print(f"unknown target {t!r}; choose sm_80, sm_90, sm_100", file=sys.stderr)
+            return 2
+    if not a.save:
+        from . import launches_for
+
+        for la in launches_for(PEERS[a.slug]):
+            print(la.name, la.grid)
+        return 0
+    path = save(a.slug, targets, a.jobs, reuse_sweep=a.reuse_sweep)
+    doc = json.loads(path.read_text())
+    print(f"{path}: {len(doc['rows'])} rows; chosen {doc['sweep']['chosen']}")
+    print(sentence(a.slug, doc["rows"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))

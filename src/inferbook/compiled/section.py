@@ -132,27 +132,18 @@ class CompilerSection:
                 "not the roofline floor: " + "; ".join(parts) + ".")
 
     def _peers(self) -> str:
-        """'Beside liger-kernel (same shape, same model): ours / peer predicted T2048 H7168 1.05×' from
-        data/compiled/peers/<slug>.json (compiled by `inferbook.compiled.peers`), or ''."""
-        from . import DATA_DIR, repo_root
-        from .peers import compare
+        """'Beside fla-core (same shape, same model, H200, predicted): ours / fla-core = <shape> 1.23× (ours
+        latency-bound, fla-core issue-bound).' from data/compiled/peers/<slug>.json (compiled by
+        `inferbook.compiled.peers`), or ''."""
+        from .peers import load, sentence
 
-        path = (self.root or repo_root()) / DATA_DIR / "peers" / f"{self.slug}.json"
-        if not path.is_file():
+        doc = load(self.slug, self.root)
+        if doc is None:
             return ""
-        import json
-
-        rows = json.loads(path.read_text())["rows"]
         try:
-            pairs = compare(self.slug, rows, "sm_90", "H200")
+            return sentence(self.slug, doc["rows"], "sm_90", "H200", self.root)
         except Exception:
             return ""
-        if not pairs:
-            return ""
-        peer = rows[0].get("peer", "the peer")
-        return (f"Beside {peer} (same shape, same model, H200, predicted): ours / {peer} = "
-                + "; ".join(f"{q['shape']} {q['ours_over_peer']:.2f}× ({q['ours_bound']} / {q['peer_bound']}-bound)"
-                            for q in pairs) + ".")
 
     def _lines(self) -> list[str]:
         lines = [x for x in (self._binds(), self._resources(), self._meaning()) if x]
