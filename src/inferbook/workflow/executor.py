@@ -309,33 +309,19 @@ def value_depth(value: Any, limit: int = MAX_JSON_DEPTH) -> int:
 
 
 def load_workflow(path: str | Path) -> dict[str, Spec]:
-    """Read a workflow file defensively: a regular file only (a FIFO or device would block or never end),
-    at most MAX_FILE_BYTES (checked before reading, and again while reading), UTF-8."""
-    import os
-    import stat
+    """Read a workflow file defensively, through the one bounded reader (`record.read_file_bounded`): a regular
+    file only (a FIFO or device would block or never end; opened non-blocking and checked before one byte is
+    read), at most MAX_FILE_BYTES (checked before reading, and again while reading), UTF-8."""
+    from ..record import read_file_bounded
 
     path = Path(path)
     name = ascii(str(path))
     try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        raise WorkflowError(f"no workflow file at {name}") from None
-    except OSError as e:
-        raise WorkflowError(f"cannot read workflow file {name}: {e.strerror}") from None
-    if not stat.S_ISREG(st.st_mode):
-        raise WorkflowError(f"workflow file {name} is not a regular file (a FIFO, device or folder); give a .json file")
-    if st.st_size > MAX_FILE_BYTES:
-        raise WorkflowError(f"workflow file {name} is {st.st_size} bytes; at most {MAX_FILE_BYTES} are allowed")
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # replaced by a FIFO since stat: no hang
-        with os.fdopen(fd, "rb") as f:
-            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-                raise WorkflowError(f"workflow file {name} is not a regular file")
-            raw = f.read(MAX_FILE_BYTES + 1)
-    except OSError as e:
-        raise WorkflowError(f"cannot read workflow file {name}: {e.strerror}") from None
-    if len(raw) > MAX_FILE_BYTES:
-        raise WorkflowError(f"workflow file {name} is over {MAX_FILE_BYTES} bytes; at most {MAX_FILE_BYTES} are allowed")
+        raw = read_file_bounded(path, what="workflow file", max_bytes=MAX_FILE_BYTES)
+    except WorkflowError:
+        raise
+    except UserError as e:
+        raise WorkflowError(str(e)) from None
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
