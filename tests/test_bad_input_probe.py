@@ -38,6 +38,7 @@ def sandbox(tmp_path, monkeypatch):
     variant("list-commit.json", lambda r: r.__setitem__("git", {"commit": ["x"]}))
     variant("list-lifecycle.json", lambda r: r["measurements"][0].__setitem__("lifecycle", ["steady"]))
     (files / "deep.json").write_text("[" * 100 + "]" * 100)
+    (files / "deeper.json").write_text("[" * 100_000 + "]" * 100_000)   # past the parser's own recursion limit
     (files / "random.json").write_bytes(os.urandom(4096))
     (files / "big.json").write_bytes(b" " * (record.MAX_RESULTS_BYTES + 1))
     os.mkfifo(files / "fifo.json")
@@ -99,6 +100,7 @@ def _cases(files):
         (["results", "--compare", f("list-commit.json"), f("good.json")], "git.commit"),
         (["results", "--compare", f("list-lifecycle.json"), f("good.json")], "lifecycle"),
         (["results", "--compare", f("deep.json"), f("good.json")], "deeper than"),
+        (["results", "--compare", f("deeper.json"), f("good.json")], "nested deeper than 32 levels"),
         (["results", "--compare", f("random.json"), f("good.json")], "results file"),
         (["results", "--compare", f("big.json"), f("good.json")], "at most"),
         (["results", "--compare", f("fifo.json"), f("good.json")], "is a FIFO"),
