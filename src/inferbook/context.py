@@ -360,8 +360,8 @@ def check_environment(slug: str, module: ModuleType, dev: torch.device) -> None:
                         f"{', '.join(_device.TRITON_TRUE_VALUES)} as on (lower-cased, not stripped) and anything "
                         "else as off; set it to 1 (interpreter on) or 0 (off)")
     if dev.type == "cpu" and hasattr(module, "gpu_launches") and not torch.cuda.is_available():
-        raise UserError(f"TRITON_INTERPRET={value!r} turns Triton's interpreter off, but on this machine (no GPU) "
-                        f"chapter {slug!r}'s Triton kernels run only in the interpreter and would be left out; "
+        raise UserError(f"TRITON_INTERPRET={value!r} turns Triton's interpreter off, but on this machine (no GPU) the "
+                        f"Triton kernels of chapter {slug!r} run only in the interpreter and would be left out; "
                         "unset TRITON_INTERPRET or set it to 1")
 
 
