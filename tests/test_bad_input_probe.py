@@ -38,6 +38,7 @@ def sandbox(tmp_path, monkeypatch):
     variant("list-commit.json", lambda r: r.__setitem__("git", {"commit": ["x"]}))
     variant("list-lifecycle.json", lambda r: r["measurements"][0].__setitem__("lifecycle", ["steady"]))
     (files / "deep.json").write_text("[" * 100 + "]" * 100)
+    (files / "deeper.json").write_text("[" * 100_000 + "]" * 100_000)   # past the parser's own recursion limit
     (files / "random.json").write_bytes(os.urandom(4096))
     (files / "big.json").write_bytes(b" " * (record.MAX_RESULTS_BYTES + 1))
     os.mkfifo(files / "fifo.json")
@@ -62,6 +63,35 @@ def _cases(files):
         (["measure", "deterministic-attention", "--preset", "smoke", "-p", "batch_sizes", ","], "batch_sizes"),
         (["measure", "deterministic-attention", "--preset", "smoke", "-p", "target_len", "999"], "max_seqlen"),
         (["run", "tiered-kv-offload", "--preset", "smoke", "-p", "host_sweep", "nan"], "host_sweep"),
+        # data-dependent and shape rules, before any work (issue 27: head dim, one KV block, eps, ranks, layouts)
+        *[([cmd, ch, "--preset", "smoke", "-p", "d_model", "66", "-p", "n_heads", "2", "-p", "n_kv_heads", "1"],
+           "head dim 33, which must be even") for ch in ("upgrade-record", "kimi-spec-budget", "tiered-kv-offload")
+          for cmd in ("run", "measure")],
+        (["measure", "kimi-spec-budget", "--preset", "smoke", "-p", "max_num_batched_tokens", "8"], "one KV block"),
+        (["run", "tiered-kv-offload", "--preset", "smoke", "-p", "max_num_batched_tokens", "8"], "one KV block"),
+        (["measure", "minimax-m3-moe", "--preset", "smoke", "-p", "eps", "0"], "eps must be"),
+        (["measure", "minimax-m3-moe", "--preset", "smoke", "-p", "eps", "3"], "ep = 3"),
+        (["measure", "sglang-fused-comm", "--preset", "smoke", "-p", "world_size", "1"], "'world_size' must be in 2..8"),
+        (["run", "sglang-fused-comm", "--preset", "smoke", "-p", "vocabs", "1"], "vocab size 1 cannot be split"),
+        (["measure", "upgrade-record", "--preset", "smoke", "-p", "request_rate", "0"], "'request_rate' must be > 0"),
+        (["measure", "upgrade-record", "--preset", "smoke", "-p", "burstiness", "0"], "'burstiness' must be > 0"),
+        (["measure", "te-mxfp8-recipes", "--preset", "smoke", "-p", "ep_experts", "3"], "experts=3"),
+        (["measure", "h3-vae-fusion", "--preset", "smoke", "-p", "reps", "1"], "reps must be >= 2"),
+        (["measure", "h3-tiled-decode", "--preset", "smoke", "-p", "reps", "1"], "reps must be >= 2"),
+        (["measure", "h3-vae-fusion", "--preset", "smoke", "-p", "check_video", "3,4,4"], "check_video"),
+        (["measure", "comfy-generic-loops", "--preset", "smoke", "-p", "width", "30"], "multiples of"),
+        (["measure", "omni-h3-workflows", "--preset", "smoke", "-p", "width", "100"], "none of its presets"),
+        (["measure", "chord-w4a16", "--preset", "smoke", "-p", "decode_m", "0"], "decode_m"),
+        (["measure", "kimi-dspark-acceptance", "--preset", "smoke", "-p", "num_spec_tokens", "4"],
+         "the committed parallel draft drafts 8"),
+        # the environment, read before any work
+        (["measure", "gdn-backward-check", "--preset", "smoke", "--device", "cpu"], "TRITON_INTERPRET='off'",
+         {"TRITON_INTERPRET": "off"}),
+        (["measure", "upgrade-record", "--preset", "smoke", "--device", "cpu"], "TRITON_INTERPRET=' 1' is read",
+         {"TRITON_INTERPRET": " 1"}),
+        (["run", "upgrade-record", "--preset", "smoke"], "is a file", {"INFERBOOK_BUILD_DIR": f("good.json")}),
+        (["measure", "upgrade-record", "--preset", "smoke"], "not writable",
+         {"INFERBOOK_BUILD_DIR": "/proc/inferbook-probe", "INFERBOOK_RESULTS": "/proc/inferbook-probe/results"}),
         (["budgets", "--part=1/1000000000"], "N must be"),
         (["budgets", "--part=0/2"], "K must be"),
         (["results", "--compare", f("huge-int.json"), f("good.json")], "out of range"),
@@ -70,6 +100,7 @@ def _cases(files):
         (["results", "--compare", f("list-commit.json"), f("good.json")], "git.commit"),
         (["results", "--compare", f("list-lifecycle.json"), f("good.json")], "lifecycle"),
         (["results", "--compare", f("deep.json"), f("good.json")], "deeper than"),
+        (["results", "--compare", f("deeper.json"), f("good.json")], "nested deeper than 32 levels"),
         (["results", "--compare", f("random.json"), f("good.json")], "results file"),
         (["results", "--compare", f("big.json"), f("good.json")], "at most"),
         (["results", "--compare", f("fifo.json"), f("good.json")], "is a FIFO"),
@@ -82,11 +113,14 @@ def test_every_bad_input_is_one_line_exit_2_and_nothing_written(sandbox, capsys)
     tmp_path, files = sandbox
     before = sorted(p.name for p in files.iterdir())
     failures = []
-    for argv, needle in _cases(files):
-        try:
-            code = cli.main(argv)
-        except SystemExit as e:
-            code = e.code
+    for argv, needle, *env in _cases(files):
+        with pytest.MonkeyPatch.context() as mp:
+            for k, v in (env[0] if env else {}).items():
+                mp.setenv(k, v)
+            try:
+                code = cli.main(argv)
+            except SystemExit as e:
+                code = e.code
         err = capsys.readouterr().err
         lines = err.strip().splitlines()
         if not (code == 2 and len(lines) == 1 and needle in lines[0] and "Traceback" not in err):
@@ -122,3 +156,17 @@ def test_output_is_encodable_under_lang_c(tmp_path):
                        timeout=120)
     assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
     assert "na\\xefve" in p.stdout
+
+
+@pytest.mark.parametrize("args,needle", [(["--port", "99999"], "--port 99999 must be in 1..65535"),
+                                         (["--port", "0"], "--port 0 must be in 1..65535"),
+                                         (["--max-connections", "0"], "--max-connections 0 must be at least 1"),
+                                         (["--capacity-bytes", "-1"], "--capacity-bytes -1 must be at least 0"),
+                                         (["--port", "x"], "invalid int value: 'x'")])
+def test_kv_peer_cli_bounds_are_one_line_exit_2(args, needle, capsys):
+    from inferbook.serving.kv_offload import peer
+
+    with pytest.raises(SystemExit) as e:
+        peer.main(["peer", *args])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and needle in err[0], err

@@ -343,6 +343,28 @@ def check_chapter_params(slug: str, module: ModuleType, params: dict) -> None:
         raise UserError(f"chapter {slug!r}: {e}") from None
 
 
+# What a reader means by "off": Triton reads every value outside `device.TRITON_TRUE_VALUES` as off, so ' 1', '2'
+# or 'enable' are off too; those are refused rather than read against what they look like.
+TRITON_FALSE_LOOKING = ("", "0", "false", "off", "no", "n")
+
+
+def check_environment(slug: str, module: ModuleType, dev: torch.device) -> None:
+    """TRITON_INTERPRET, as Triton reads it, before any work: a value that reads as off but does not look it is one
+    UserError line; so is the interpreter turned off on a machine without a GPU for a chapter with Triton
+    kernels (they run only in the interpreter there, and would be left out of the run without a word)."""
+    value = os.environ.get("TRITON_INTERPRET")
+    if value is None or _device.env_flag_as_triton_reads_it(value):
+        return
+    if value.strip().lower() not in TRITON_FALSE_LOOKING:
+        raise UserError(f"TRITON_INTERPRET={value!r} is read by Triton as off: it takes "
+                        f"{', '.join(_device.TRITON_TRUE_VALUES)} as on (lower-cased, not stripped) and anything "
+                        "else as off; set it to 1 (interpreter on) or 0 (off)")
+    if dev.type == "cpu" and hasattr(module, "gpu_launches") and not torch.cuda.is_available():
+        raise UserError(f"TRITON_INTERPRET={value!r} turns Triton's interpreter off, but on this machine (no GPU) the "
+                        f"Triton kernels of chapter {slug!r} run only in the interpreter and would be left out; "
+                        "unset TRITON_INTERPRET or set it to 1")
+
+
 def setup(chapter: str, device: str = "auto", preset: str = "auto", seed: int = 0, *, budget_s=None,
           **params) -> Context:
     """Resolve device, preset and parameters for `chapter` and seed the RNGs.
@@ -359,6 +381,7 @@ def setup(chapter: str, device: str = "auto", preset: str = "auto", seed: int = 
     module = toc.load_module(info)
     resolved = _presets.resolve_params(info.slug, module.PARAMETERS, module.PRESETS, preset, params)
     check_chapter_params(info.slug, module, resolved)
+    check_environment(info.slug, module, dev)
     check_requirements(info.slug, module)
     budget, compile_budget = resolve_budget(info.slug, preset, budget_s)
     random.seed(seed)

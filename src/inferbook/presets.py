@@ -209,6 +209,12 @@ def check_relations(params: dict[str, Any]) -> None:
         a, b = params.get(small), params.get(big)
         if isinstance(a, int) and isinstance(b, int) and a > 0 and b % a:
             raise UserError(f"parameter {small!r} = {a} must divide {big!r} = {b}")
+    # Every chapter with d_model and n_heads builds the tiny decoder (`serving.model.TinyConfig`), whose
+    # rotary embedding turns pairs of dimensions: its head dim d_model / n_heads must be even.
+    d, h = params.get("d_model"), params.get("n_heads")
+    if isinstance(d, int) and isinstance(h, int) and h > 0 and d % h == 0 and (d // h) % 2:
+        raise UserError(f"parameter 'd_model' = {d} with 'n_heads' = {h} gives head dim {d // h}, which must be even "
+                        "(RoPE rotates pairs of dimensions); choose d_model a multiple of 2 x n_heads")
 
 
 # ---------------------------------------------------------------------------

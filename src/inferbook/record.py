@@ -441,7 +441,9 @@ def read_json_file(path: str | os.PathLike, *, what: str = "results file", max_b
         raise UserError(f"{what} {name!r} is not UTF-8 text (byte {e.start})") from None
     except json.JSONDecodeError as e:
         raise UserError(f"{what} {name!r} is not valid JSON (line {e.lineno}, column {e.colno}): {e.msg}") from None
-    except (ValueError, RecursionError, MemoryError) as e:
+    except RecursionError:   # the parser gives up near 1000 levels, far past the bound
+        raise UserError(f"{what} {name!r}: JSON nested deeper than {MAX_JSON_DEPTH} levels; refused") from None
+    except (ValueError, MemoryError) as e:
         raise UserError(f"{what} {name!r} is not valid JSON: {type(e).__name__}") from None
     check_json_bounds(data, f"{what} {name!r}")
     return data

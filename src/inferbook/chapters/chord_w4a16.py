@@ -95,9 +95,13 @@ def check_moe_shape(hidden: int, inter: int, experts: int, top_k: int) -> None:
 def check_params(P: dict) -> None:
     """Sweeps parse and shapes fit the kernels, before any work (`setup` calls this)."""
     parse_ints(P["m_sweep"], "m_sweep")
+    parse_ints(P["decode_m"], "decode_m")
     check_moe_shape(P["hidden"], P["inter"], P["experts"], P["top_k"])
     if P["gemm_k"] % 32:
         raise UserError(f"gemm_k must be a multiple of 32, got {P['gemm_k']}")
+    if P["decode_hidden"] % 32 or P["decode_inter"] % 32:
+        raise UserError(f"decode_hidden and decode_inter must be multiples of the group size 32, got "
+                        f"{P['decode_hidden']} and {P['decode_inter']}")
 
 
 # ---------------------------------------------------------------------------

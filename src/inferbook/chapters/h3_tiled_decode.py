@@ -132,6 +132,8 @@ def check_params(P: dict) -> None:
     """Decoder widths, tile and overlaps, before any work (`setup` calls this)."""
     decoder_config_from(dict(channels=P["channels"], z_dim=P["z_dim"]), P["norm"])
     vit_config_from(P)
+    if P["reps"] < 2:
+        raise UserError(f"reps must be >= 2 (a comparison needs two samples a side), got {P['reps']}")
     tile = P["tile"]
     if not 0 <= P["overlap"] < tile:
         raise UserError(f"overlap must be in [0, tile={tile}), got {P['overlap']}")

@@ -100,6 +100,8 @@ def video_shapes(cfg, video: str, check_video: str) -> tuple[tuple[int, int, int
 def check_params(P: dict) -> None:
     """Encoder widths, the video and the check video's sizes, before any work (`setup` calls this)."""
     video_shapes(config_from(P), P["video"], P["check_video"])
+    if P["reps"] < 2:
+        raise UserError(f"reps must be >= 2 (a comparison needs two samples a side), got {P['reps']}")
 
 
 def config_from(params: dict) -> H3Config:

@@ -245,6 +245,18 @@ def check_params(params: dict) -> None:
     if max_seq and longest + params["output_len"] + k > max_seq:
         raise UserError(f"prompts of {longest} tokens + output_len={params['output_len']} + k={k} exceed the "
                         f"target's context ({max_seq}); lower output_len to at most {max_seq - longest - k}")
+    block_file = committed_models()[PARALLEL]
+    if block_file.is_file():   # the parallel draft drafts a fixed block: k must be that block
+        import json
+
+        meta, _ = open_model_file(block_file, kind="parallel draft", rebuild=REBUILD_MODELS)
+        try:
+            block = int(json.loads(meta.get("config", "{}")).get("block", k))
+        except (ValueError, TypeError, AttributeError):
+            return  # the loader names the bad metadata
+        if block != k:
+            raise UserError(f"num_spec_tokens={k}: the committed parallel draft drafts {block} positions per forward; "
+                            f"use num_spec_tokens {block} (or retrain it with --block {k})")
 
 
 def measure(ctx, *, cpu_threads, **params) -> list[RunRecord]:

@@ -162,6 +162,16 @@ def check_params(P: dict) -> None:
     conc = parse_concurrencies(P["concurrencies"])
     if max(conc) > P["max_num_seqs"]:
         raise UserError(f"concurrency {max(conc)} exceeds max_num_seqs={P['max_num_seqs']}")
+    # the target model as `measure` builds it (its context holds the longest drawn output: 3/2 output_len)
+    config_from({**P, "output_len": P["output_len"] + P["output_len"] // 2})
+    # the engine's budget under every policy (one KV block at least, one speculative step), as `measure` builds it
+    for policy in POLICIES:
+        engine_config(policy, max_num_seqs=P["max_num_seqs"], max_num_batched_tokens=P["max_num_batched_tokens"],
+                      num_spec_tokens=P["num_spec_tokens"], seed=0, drafter=P["drafter"])
+    if P["drafter"] == "parallel":   # the block draft `make_drafter` builds on the target's shape
+        BlockDraftConfig(d_model=P["d_model"], vocab=P["vocab"], block=P["num_spec_tokens"], n_layers=1, ffn=P["ffn"],
+                         n_heads=P["n_heads"], n_kv_heads=P["n_kv_heads"], markov_rank=min(64, P["d_model"] // 2),
+                         window=64)
 
 
 def config_from(params: dict) -> TinyConfig:

@@ -71,6 +71,16 @@ def check_params(P: dict) -> None:
         except ValueError as e:
             raise UserError(str(e)) from None
     check_moe_shape(P["hidden"], P["inter"], P["experts"], P["top_k"])
+    for ep in parse_ints(P["eps"], "eps"):   # expert-parallel sizes: positive ints the model's experts split into
+        try:
+            B.local_shapes(B.MINIMAX_M3_LIKE, 1, ep)
+        except ValueError as e:
+            raise UserError(str(e)) from None
+    rsf = P["routed_scaling_factor"]
+    if not (rsf > 0 and math.isfinite(rsf)):
+        raise UserError(f"parameter 'routed_scaling_factor' must be a finite number > 0, got {rsf}")
+    if P["reps"] < 2:
+        raise UserError(f"parameter 'reps' must be >= 2 (the comparison needs a spread), got {P['reps']}")
 
 
 # ---------------------------------------------------------------------------

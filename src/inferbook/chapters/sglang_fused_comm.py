@@ -65,6 +65,28 @@ def _ints(values) -> list[int]:
     return [int(v) for v in values]
 
 
+def check_params(P: dict) -> None:
+    """The ranks, the vocabularies they split, the tail's size and the sweep lists, before any work (`setup`
+    calls this)."""
+    from ..errors import UserError
+
+    ws = P["world_size"]
+    if not 2 <= ws <= workers.MAX_WORLD:
+        raise UserError(f"parameter 'world_size' must be in 2..{workers.MAX_WORLD} (ranks), got {ws}")
+    for name in ("allreduce_numels", "vocabs", "batches", "decode_tokens"):
+        if not P[name]:
+            raise UserError(f"parameter {name!r} must be a non-empty comma list of ints >= 1, got {P[name]!r}")
+    for v in sorted(set(_ints(P["vocabs"])) | {P["vocab"]}):
+        if v < ws:
+            raise UserError(f"vocab size {v} cannot be split over world_size={ws} ranks (each rank needs at least "
+                            f"one vocabulary entry); use vocab sizes >= {ws}")
+        vg.shard_bounds(v, ws)
+    n = ws * P["tokens"] * P["topk_per_rank"] * P["hidden"]
+    if n >= 2**31:
+        raise UserError(f"world_size x tokens x topk_per_rank x hidden = {n} elements of expert output exceed the "
+                        "tail kernels' int32 offsets (< 2**31)")
+
+
 # ---------------------------------------------------------------------------
 # Pieces the notebook also calls
 

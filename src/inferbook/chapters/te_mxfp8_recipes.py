@@ -88,8 +88,12 @@ def selected_recipes(names: str) -> dict[str, mx.Recipe]:
 
 
 def check_params(P: dict) -> None:
-    """The recipe names exist, before any work (`setup` calls this)."""
+    """The recipe names exist and the MXFP8 dispatch's layout fits (ranks, experts, top-k, hidden a multiple of
+    the MX block), before any work (`setup` calls this)."""
+    from ..numerics import mx_ep
+
     selected_recipes(P["recipes"])
+    mx_ep.check_layout(P["ep_ranks"], P["ep_experts"], P["ep_topk"], P["ep_hidden"])
 
 
 def edge_input(m: int, n: int, generator: torch.Generator, device) -> torch.Tensor:

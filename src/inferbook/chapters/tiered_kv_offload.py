@@ -145,6 +145,12 @@ def check_params(P: dict) -> None:
                         f"of {blocks_per_request(P)} blocks each; use at least {need}")
     parse_floats("host_sweep", P["host_sweep"])
     parse_floats("copy_block_mb", P["copy_block_mb"])
+    model_config(P)   # the tiny decoder's own rules (head dim even, GQA, sizes)
+    from ..serving.config import EngineConfig
+
+    # the engine as the workload builds it: a step's budget holds one KV block at least
+    EngineConfig(max_num_seqs=P["max_num_seqs"], max_num_batched_tokens=P["max_num_batched_tokens"],
+                 block_size=P["block_size"], num_blocks=P["device_blocks"], enable_prefix_caching=True)
 
 
 def make_workload(kind: str, P: dict, seed: int) -> list[list[int]]:

@@ -44,7 +44,7 @@ PARAMETERS = {
     "dtype": Param(str, help="weights and activations", choices=("float32", "bfloat16", "float16")),
     "compile": Param(bool, True, help="also run the torch.compile configuration"),
     "reps": Param(int, help="steady-state repetitions"),
-    "serve_requests": Param(int, help="requests of the open-loop serving run (0: skip)"),
+    "serve_requests": Param(int, min=0, help="requests of the open-loop serving run (0: skip)"),
     "request_rate": Param(float, help="open-loop arrivals per second (vLLM --request-rate)"),
     "burstiness": Param(float, 1.0, help="gamma shape of the arrival gaps: 1 Poisson, < 1 burstier (vLLM --burstiness)"),
     "max_concurrency": Param(int, help="requests in flight at most (vLLM --max-concurrency)"),
@@ -63,6 +63,25 @@ PRESETS = {
 }
 
 PHASES = ("load", "cold_start", "ttft", "decode", "total")
+
+
+def check_params(P: dict) -> None:
+    """The model's shape (the tiny decoder's own rules: head dim even, GQA, sizes), the serving run's arrival
+    process and its engine budget, before any work (`setup` calls this)."""
+    import math
+
+    from ..errors import UserError
+    from ..serving.config import EngineConfig
+
+    config_from(P)
+    if P["serve_requests"]:
+        if not (math.isfinite(P["request_rate"]) and P["request_rate"] > 0):
+            raise UserError(f"parameter 'request_rate' must be > 0 arrivals per second, got {P['request_rate']}")
+        if not (math.isfinite(P["burstiness"]) and P["burstiness"] > 0):
+            raise UserError(f"parameter 'burstiness' must be > 0 (the gamma shape of the arrival gaps), "
+                            f"got {P['burstiness']}")
+        EngineConfig(max_num_seqs=P["max_concurrency"], max_num_batched_tokens=max(256, P["prompt_len"]),
+                     block_size=16)
 
 
 def config_from(params: dict) -> TinyConfig:

@@ -973,9 +973,10 @@ def mx_gemm(a: MXTensor, b: MXTensor, *, block: dict | str | None = None) -> tor
 
 
 def _interpreted() -> bool:
-    import os
+    """TRITON_INTERPRET as Triton reads it (`device.triton_interpreted`: 'true' is on, 'off' is off)."""
+    from ..device import triton_interpreted
 
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    return triton_interpreted()
 
 
 def _mx_gemm_launch(a, sa, b, sb, c, fmt_a: str, fmt_b: str, cfg: dict, *, emulate: bool, dot_fp32: bool = False):

@@ -164,6 +164,11 @@ class NodeClass:
     # `check(inputs)` raises ValueError for inputs the node would refuse when it runs (None: a linked input, not
     # known yet): called on the literals before the run, so `validate` refuses what `run` would
     check: Callable[[dict], None] | None = None
+    # `size(sizes, literals)` predicts its outputs' sizes before the run (`predict_sizes`): `sizes` maps each input
+    # to its `value_size` (a literal's, or the predicted size of the output it links to; None: not known before
+    # the run), `literals` each input written as a literal or left to its default (a linked input is not in it). Returns one size dict (or None: not known) per output,
+    # each a lower bound of what the run will make, or None when nothing is known.
+    size: Callable[[dict, dict], tuple | None] | None = None
 
     def required(self) -> list[str]:
         return [k for k, i in self.inputs.items() if i.default is None and not i.optional]
@@ -183,7 +188,8 @@ REGISTRY: dict[str, NodeClass] = {}
 def node(name: str, *, inputs: dict[str, Input | str], outputs: tuple = (), side_effect: bool = False,
          internal: bool = False, context: bool = False, registry: dict | None = None, variadic: str | None = None,
          work: Callable[[dict], int | None] | None = None, plan: Callable | None = None,
-         expand: Callable | None = None, check: Callable[[dict], None] | None = None):
+         expand: Callable | None = None, check: Callable[[dict], None] | None = None,
+         size: Callable[[dict, dict], tuple | None] | None = None):
     """Register `fn` as node class `name`. `inputs`: name -> Input or a bare type name;
     `outputs`: (name, type) pairs. `fn(**inputs)` returns a tuple with one value per output.
     `work(inputs)` declares what a call costs (frames x steps; None while an input is unknown, i.e. linked):
@@ -200,7 +206,7 @@ def node(name: str, *, inputs: dict[str, Input | str], outputs: tuple = (), side
     def deco(fn):
         reg[name] = NodeClass(name=name, inputs=ins, outputs=tuple(outputs), fn=fn, side_effect=side_effect,
                               internal=internal, context=context, variadic=variadic, work=work,
-                              plan=plan, expand=expand, check=check, help=(fn.__doc__ or "").strip().splitlines()[0] if fn.__doc__ else "")
+                              plan=plan, expand=expand, check=check, size=size, help=(fn.__doc__ or "").strip().splitlines()[0] if fn.__doc__ else "")
         return fn
     return deco
 
@@ -303,33 +309,19 @@ def value_depth(value: Any, limit: int = MAX_JSON_DEPTH) -> int:
 
 
 def load_workflow(path: str | Path) -> dict[str, Spec]:
-    """Read a workflow file defensively: a regular file only (a FIFO or device would block or never end),
-    at most MAX_FILE_BYTES (checked before reading, and again while reading), UTF-8."""
-    import os
-    import stat
+    """Read a workflow file defensively, through the one bounded reader (`record.read_file_bounded`): a regular
+    file only (a FIFO or device would block or never end; opened non-blocking and checked before one byte is
+    read), at most MAX_FILE_BYTES (checked before reading, and again while reading), UTF-8."""
+    from ..record import read_file_bounded
 
     path = Path(path)
     name = ascii(str(path))
     try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        raise WorkflowError(f"no workflow file at {name}") from None
-    except OSError as e:
-        raise WorkflowError(f"cannot read workflow file {name}: {e.strerror}") from None
-    if not stat.S_ISREG(st.st_mode):
-        raise WorkflowError(f"workflow file {name} is not a regular file (a FIFO, device or folder); give a .json file")
-    if st.st_size > MAX_FILE_BYTES:
-        raise WorkflowError(f"workflow file {name} is {st.st_size} bytes; at most {MAX_FILE_BYTES} are allowed")
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # replaced by a FIFO since stat: no hang
-        with os.fdopen(fd, "rb") as f:
-            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-                raise WorkflowError(f"workflow file {name} is not a regular file")
-            raw = f.read(MAX_FILE_BYTES + 1)
-    except OSError as e:
-        raise WorkflowError(f"cannot read workflow file {name}: {e.strerror}") from None
-    if len(raw) > MAX_FILE_BYTES:
-        raise WorkflowError(f"workflow file {name} is over {MAX_FILE_BYTES} bytes; at most {MAX_FILE_BYTES} are allowed")
+        raw = read_file_bounded(path, what="workflow file", max_bytes=MAX_FILE_BYTES)
+    except WorkflowError:
+        raise
+    except UserError as e:
+        raise WorkflowError(str(e)) from None
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -573,6 +565,76 @@ def check_value(value: Any, nid: str, cls_name: str, what: str) -> None:
                                 node=nid)
 
 
+SIZE_BOUNDS = (("chars", MAX_STRING_CHARS, "characters"), ("items", MAX_VALUE_ITEMS, "list items"),
+               ("elements", MAX_TENSOR_ELEMENTS, "tensor elements"), ("depth", MAX_JSON_DEPTH, "levels"))
+SCALAR_TYPES = ("INT", "FLOAT", "BOOLEAN")
+_NO_SIZE = {"items": 0, "chars": 0, "elements": 0, "depth": 0}
+
+
+def topological_order(graph: dict[str, Spec]) -> list[str]:
+    """Node ids, each after every node it links to (file order among the ready ones); no recursion. The graph
+    is acyclic (`validate` refused cycles); links to missing nodes are ignored."""
+    deps = {nid: {s for s, _ in links(spec).values() if s in graph and s != nid} for nid, spec in graph.items()}
+    users: dict[str, list[str]] = {nid: [] for nid in graph}
+    for nid, ds in deps.items():
+        for d in ds:
+            users[d].append(nid)
+    index = {nid: i for i, nid in enumerate(graph)}
+    ready = [(index[n], n) for n, ds in deps.items() if not ds]
+    heapq.heapify(ready)
+    left = {n: len(ds) for n, ds in deps.items()}
+    out = []
+    while ready:
+        _, nid = heapq.heappop(ready)
+        out.append(nid)
+        for u in users[nid]:
+            left[u] -= 1
+            if left[u] == 0:
+                heapq.heappush(ready, (index[u], u))
+    return out
+
+
+def predict_sizes(graph: dict[str, Spec], registry: dict[str, NodeClass]) -> dict[tuple[str, int], dict]:
+    """Before the run: every output's size as far as the graph fixes it (literals, and what linked outputs are
+    predicted to hold), through the node classes' `size` hooks; INT / FLOAT / BOOLEAN outputs hold nothing. A
+    predicted size is a lower bound of what the run makes (exact where every input is known), so a node whose
+    output would be over a per-value bound (`check_value`: characters, list items, tensor elements, nesting) is
+    refused here, before anything runs: a chain of 40 string doublings, 60 levels of a list holding the previous
+    one twice, 80 levels of nested lists. What a loop makes is not predicted (its outputs are unknown here) and
+    stays bounded as the run makes it. Returns {(node id, output index): size}."""
+    pred: dict[tuple[str, int], dict] = {}
+    for nid in topological_order(graph):
+        spec = graph[nid]
+        cls = registry.get(spec.class_type)
+        if cls is None:
+            continue
+        for k, (_, otype) in enumerate(cls.outputs):
+            if otype in SCALAR_TYPES:
+                pred[(nid, k)] = dict(_NO_SIZE)
+        if cls.size is None:
+            continue
+        values = {**{k: i.default for k, i in cls.inputs.items()}, **spec.inputs}
+        sizes, literals = {}, {}
+        for name, v in values.items():
+            if is_link(v):
+                sizes[name] = pred.get((v[0], v[1]))
+            else:
+                sizes[name], literals[name] = (None if v is None else value_size(v)), v
+        try:
+            outs = cls.size(sizes, literals)
+        except ValueError as e:
+            raise WorkflowError(f"{_where(nid, cls.name)} would be refused: {e}", node=nid) from None
+        for k, size in enumerate(outs or ()):
+            if size is None:
+                continue
+            for key, cap, unit in SIZE_BOUNDS:
+                if size.get(key, 0) > cap:
+                    raise WorkflowError(f"{_where(nid, cls.name)} output {k} would hold {size[key]} {unit} (predicted "
+                                        f"from the graph before the run); at most {cap} are allowed", node=nid)
+            pred[(nid, k)] = size
+    return pred
+
+
 def declared_work(cls: "NodeClass", values: dict) -> int | None:
     """The work `cls` declares for these inputs (None: not declared, or an input is not known yet)."""
     if cls.work is None:
@@ -624,6 +686,7 @@ def preflight(graph: dict[str, Spec], registry: dict[str, NodeClass] | None = No
     plan.apply_schedule(graph)
     plan.check_total(max_total_iterations, max_iterations, graph)
     check_work(graph, plan, reg, per_workflow=max_work)
+    predict_sizes(graph, reg)
     return plan
 
 

@@ -40,7 +40,47 @@ def float_node(value):
     return (float(value),)
 
 
-@node("String", inputs={"value": "STRING"}, outputs=(("value", "STRING"),))
+# Size hooks (`executor.predict_sizes`): what each output will hold, predicted from the graph before the run.
+_CAP = 2 ** 62
+
+
+def _same_size(sizes, literals):
+    return (sizes.get("value"),)
+
+
+def _format_size(sizes, literals):
+    """FormatText: len(template) + count('{}') x (len(str(value)) - 2), known when the template is a literal and
+    the value's length is (a string's characters; a list's characters are a lower bound of its str())."""
+    template = literals.get("template")
+    if not isinstance(template, str):
+        return None
+    if "value" in literals:             # a literal, or left out (None, which formats as 'None')
+        text = len(str(literals["value"]))
+    elif sizes.get("value") is not None:
+        text = sizes["value"]["chars"]
+    else:
+        return None
+    slots = template.count("{}")
+    n = len(template) + slots * (text - 2) if slots else len(template)
+    return ({"items": 0, "chars": min(max(n, 0), _CAP), "elements": 0, "depth": 0},)
+
+
+def _list_size(sizes, literals):
+    """MakeList: one item per input given, plus what each holds (a list shared by two inputs counted twice, as
+    `value_size` counts it); nesting one more than the deepest input. Inputs not known before the run add
+    nothing (a lower bound)."""
+    items = chars = elements = depth = 0
+    for name in ("a", "b", "c", "d"):
+        s = sizes.get(name)
+        if s is None:
+            continue
+        items, chars = items + 1 + s["items"], chars + s["chars"]
+        elements, depth = elements + s["elements"], max(depth, s["depth"])
+    return ({"items": min(items, _CAP), "chars": min(chars, _CAP), "elements": min(elements, _CAP),
+             "depth": depth + 1},)
+
+
+@node("String", inputs={"value": "STRING"}, outputs=(("value", "STRING"),), size=_same_size)
 def string_node(value):
     """A text constant."""
     return (value,)
@@ -52,7 +92,8 @@ def add_int(a, b):
     return (a + b,)
 
 
-@node("FormatText", inputs={"template": "STRING", "value": Input("ANY", optional=True)}, outputs=(("text", "STRING"),))
+@node("FormatText", inputs={"template": "STRING", "value": Input("ANY", optional=True)}, outputs=(("text", "STRING"),),
+      size=_format_size)
 def format_text(template, value):
     """`template` with every '{}' replaced by `value` (no other formatting: nothing is evaluated). The result's
     length is known before it is built, and refused beyond MAX_STRING_CHARS (a chain of doublings stops there)."""
@@ -65,7 +106,7 @@ def format_text(template, value):
 
 @node("MakeList", inputs={"a": Input("ANY", optional=True), "b": Input("ANY", optional=True),
                           "c": Input("ANY", optional=True), "d": Input("ANY", optional=True)},
-      outputs=(("list", "LIST"),))
+      outputs=(("list", "LIST"),), size=_list_size)
 def make_list(a, b, c, d):
     """A list of the inputs given (a mixed list: frames, audio and text together)."""
     return ([x for x in (a, b, c, d) if x is not None],)
@@ -90,7 +131,7 @@ def list_length(list):  # noqa: A002
 
 
 @node("Preview", inputs={"value": "ANY", "label": Input("STRING", default="")}, outputs=(("value", "ANY"),),
-      side_effect=True, context=True)
+      side_effect=True, context=True, size=_same_size)
 def preview(value, label, run):
     """Records what it saw in the run's event log (a UI preview, here), then passes it on."""
     run.event("preview", label=label, summary=_summary(value))
