@@ -668,8 +668,16 @@ def linear_launches(m: int, n: int, k: int, layout: str = "indexed", *, group_si
 
     cfg = dict(block or linear_config(m, False))
     check_block_k(cfg["BLOCK_K"], group_size, layout)
-    qdt = torch.bfloat16 if layout == "bf16" else torch.int32      # every packing spec stores int32 words
-    launch = _linear_launch(meta((m, k), torch.bfloat16), meta((1,), qdt), meta((1,), torch.bfloat16),
+    # full-shape stand-ins: the cost model counts each tensor argument's bytes (the weights are most of them)
+    if layout == "bf16":
+        qw, sc = meta((n, k), torch.bfloat16), meta((1,), torch.bfloat16)
+    else:
+        kp = padded_k(k, layout)
+        words = {"indexed": (n, k // 8), "grouped_contiguous": (kp // 8, n),
+                 "grouped_masked": (-(-n // PANEL), kp // 8, PANEL)}[layout]
+        qw = meta(words, torch.int32)
+        sc = meta((k // group_size, n) if layout == "grouped_contiguous" else (n, k // group_size), torch.bfloat16)
+    launch = _linear_launch(meta((m, k), torch.bfloat16), qw, sc,
                             meta((m, n), torch.bfloat16), layout, group_size, cfg, device=torch.device("cuda"))
     if name:
         launch.name = name
@@ -843,7 +851,19 @@ if triton is not None:
             return (((words >> (4 * I)) & 0xF) + 128).to(tl.float32).to(tl.bfloat16)
 
     @triton.jit
-    def decode_run(acc, x_ptr, stride_xm, offs_m, m_ok, qw_ptr, s_ptr, row_stride, offs_n, n_ok, K, r, neg,
+    def scale_pairs(pair_ptrs):
+        """fp32 [2 P] scales from P int32 words of two bf16 scales each (columns 2p, 2p + 1; the low half
+        is the even column), widened in registers. A load of fewer elements than the CTA has threads is
+        one Triton rematerializes in the layout its user wants (here the MMA accumulator's columns), so
+        the scales go straight to the registers that multiply the accumulator: no shared-memory round
+        trip and no barrier per group."""
+        pairs = tl.load(pair_ptrs)
+        lo = (pairs << 16).to(tl.float32, bitcast=True)
+        hi = (pairs & -65536).to(tl.float32, bitcast=True)
+        return tl.reshape(tl.join(lo, hi), (2 * pair_ptrs.shape[0],))
+
+    @triton.jit
+    def decode_run(acc, x_ptr, stride_xm, offs_m, m_ok, qw_ptr, s_ptr, row_stride, n0, offs_n, n_ok, K, r, neg,
                    GROUP: tl.constexpr, ASM: tl.constexpr, DOT_FP32: tl.constexpr, EVEN_N: tl.constexpr,
                    EVEN_K: tl.constexpr):
         """acc [BLOCK_M, BLOCK_N] fp32 += x[offs_m, run r] @ W[offs_n, run r].T for one run of 256 K values:
@@ -855,6 +875,11 @@ if triton is not None:
         else:
             words = tl.load(qw_ptr + (r * 32 + offs_j)[:, None] * row_stride + offs_n[None, :], mask=n_ok[None, :],
                             other=0)
+        PAIRS: tl.constexpr = EVEN_N and 256 % GROUP == 0
+        if PAIRS:  # this run's first scale row as int32 pairs; group rows follow at half the row stride
+            half = row_stride // 2
+            s_run = (s_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + (r * (256 // GROUP)) * half + n0 // 2
+                     + tl.arange(0, offs_n.shape[0] // 2))
         for i in tl.static_range(8):
             k = r * 256 + 32 * i
             if EVEN_K:  # K a multiple of 256: only the rows beyond M are masked
@@ -863,7 +888,9 @@ if triton is not None:
                 a = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k + offs_j)[None, :],
                             mask=m_ok[:, None] & ((k + offs_j)[None, :] < K), other=0.0)
             b = nibble_bf16(words, i, ASM)                         # 128 + u, exact in bf16
-            if EVEN_N:
+            if PAIRS:
+                s = scale_pairs(s_run + ((32 * i) // GROUP) * half)
+            elif EVEN_N:
                 s = tl.load(s_ptr + (k // GROUP) * row_stride + offs_n).to(tl.float32)
             else:
                 s = tl.load(s_ptr + (k // GROUP) * row_stride + offs_n, mask=n_ok, other=0.0).to(tl.float32)
@@ -901,7 +928,7 @@ if triton is not None:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         neg = decode_neg(BLOCK_N, DOT_FP32)
         for r in range(r0, r1):
-            acc = decode_run(acc, x_ptr, stride_xm, offs_m, m_ok, qw_ptr, s_ptr, N, offs_n, n_ok, K, r, neg,
+            acc = decode_run(acc, x_ptr, stride_xm, offs_m, m_ok, qw_ptr, s_ptr, N, pid_n * BLOCK_N, offs_n, n_ok, K, r, neg,
                              GROUP, ASM, DOT_FP32, EVEN_N, EVEN_K)
         mask = m_ok[:, None] & n_ok[None, :]
         if ATOMIC:
@@ -916,7 +943,9 @@ H200_SMS = 132
 
 def decode_config(m: int, n: int, k: int, *, sms: int = H200_SMS, interpreted: bool = False) -> dict:
     """Tiles and split-K of the decode kernel. BLOCK_N 128 (4 warps, one m16 x 32 MMA strip per
-    warp); split K over runs so the grid holds about 4 CTAs (16 warps) per SM, each split >= 1 run.
+    warp); split K over runs so the grid holds about 2 CTAs (8 warps) per SM -- what its registers let
+    an SM hold at once -- each split >= 1 run: fewer, longer splits amortise each CTA's prologue (the
+    pipeline's fill) and epilogue over more runs.
     The interpreter: one wide program per split (its cost is per program)."""
     if m > DECODE_MAX_M:
         raise ValueError(f"the decode kernel takes M <= {DECODE_MAX_M} rows, got {m}")
@@ -925,7 +954,7 @@ def decode_config(m: int, n: int, k: int, *, sms: int = H200_SMS, interpreted: b
         return dict(BLOCK_M=16, BLOCK_N=64, SPLIT_K=min(2, runs))
     bn = 128
     n_blocks = -(-n // bn)
-    split = max(1, min(runs, -(-4 * sms // n_blocks)))
+    split = max(1, min(runs, round(2 * sms / n_blocks)))
     per = -(-runs // split)
     split = -(-runs // per)                                        # no empty split
     return dict(BLOCK_M=16, BLOCK_N=bn, SPLIT_K=split, num_warps=4, num_stages=3)
@@ -992,7 +1021,9 @@ def decode_launches(m: int, n: int, k: int, *, group_size: int = GROUP_SIZE, det
 
     cfg = decode_config(m, n, k)
     out = meta((cfg["SPLIT_K"], m, n) if deterministic else (m, n), torch.float32)
-    la = _decode_launch(meta((m, k), torch.bfloat16), meta((1,), torch.int32), meta((1,), torch.bfloat16), out, n, k,
+    kp = -(-k // RUN) * RUN                                        # pack_decode's shapes: the real bytes
+    la = _decode_launch(meta((m, k), torch.bfloat16), meta((kp // 8, n), torch.int32),
+                        meta((-(-kp // group_size), n), torch.bfloat16), out, n, k,
                         group_size, cfg, device=torch.device("cuda"), atomic=not deterministic)
     if name:
         la.name = name
