@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from ..device import dot_needs_fp32, triton_backend_for
 from . import mxfp4 as MXF, routing
 from .mxfp4 import PackedMXFP4
-from .w4a16 import (LAYOUT_CODE, LAYOUTS, DecodeW4, PackedW4, cat_experts, check_block_k, dequantize, dequantize_decode,
+from .w4a16 import (LAYOUT_CODE, LAYOUTS, DecodeW4, PackedW4, cat_experts, check_block_k, decode_asm, dequantize, dequantize_decode,
                     expert, linear, triton)
 
 if triton is not None:
@@ -428,7 +428,7 @@ def _decode_gemm_launch(name, a, qw, qs, c, counts, dest, roww, N, K, max_m, q_e
 
     E = counts.shape[0]
     emu = dot_needs_fp32(device)
-    kw = dict(GATED=gated, SCATTER=scatter, MUL_ROW_WEIGHT=scatter, GROUP=group, ASM=not emu, DOT_FP32=emu,
+    kw = dict(GATED=gated, SCATTER=scatter, MUL_ROW_WEIGHT=scatter, GROUP=group, ASM=decode_asm(device), DOT_FP32=emu,
               OUT_BF16=c.dtype == torch.bfloat16, EVEN_N=N % cfg["BLOCK_N"] == 0, EVEN_K=K % 256 == 0, **cfg)
     return Launch(name, moe_decode_kernel, [a, qw, qs, c, counts, dest, roww, N, K, max_m, q_es, s_es, a.stride(0),
                                             c.stride(0)], kw, source, (triton.cdiv(N, cfg["BLOCK_N"]), E))

@@ -54,7 +54,7 @@ except Exception:  # pragma: no cover - exercised only without triton
     triton = None
     tl = None
 
-from ..device import dot_needs_fp32, triton_backend_for
+from ..device import dot_needs_fp32, kernel_target, target_vendor, triton_backend_for
 
 LAYOUTS = ("indexed", "grouped_contiguous", "grouped_masked")
 # Kernel-side codes; 3 is plain BF16 weights [E, N, K] (the baseline the kernels share code with).
@@ -941,6 +941,14 @@ DECODE_MAX_M = 16
 H200_SMS = 132
 
 
+def decode_asm(device) -> bool:
+    """Whether the decode kernels take the inline-PTX dequantize (`prmt`/`lop3`, ASM=True): on an NVIDIA
+    GPU or when building for an sm target. The pure-`tl` path (ASM=False) runs in the interpreter and on
+    AMD (a ROCm GPU, or `building_for('gfx942')`/`'gfx950'`), whose assembler has no PTX."""
+    return not dot_needs_fp32(device) and target_vendor(kernel_target(device)) != "hip"
+
+
+
 def decode_config(m: int, n: int, k: int, *, sms: int = H200_SMS, interpreted: bool = False) -> dict:
     """Tiles and split-K of the decode kernel. BLOCK_N 128 (4 warps, one m16 x 32 MMA strip per
     warp); split K over runs so the grid holds about 2 CTAs (8 warps) per SM -- what its registers let
@@ -971,7 +979,7 @@ def _decode_launch(x2, qweight, scales, out, n: int, k: int, group_size: int, cf
     return Launch(f"w4a16 decode M{M} N{n} K{k} cfg {cfg['BLOCK_M']}x{cfg['BLOCK_N']}x256 split{cfg['SPLIT_K']}"
                   f"{' atomic' if atomic else ''}", w4a16_decode_kernel,
                   [x2, qweight, scales, out, M, n, k, x2.stride(0), per],
-                  dict(GROUP=group_size, ASM=not emu, DOT_FP32=emu, ATOMIC=atomic, EVEN_N=n % cfg["BLOCK_N"] == 0,
+                  dict(GROUP=group_size, ASM=decode_asm(device), DOT_FP32=emu, ATOMIC=atomic, EVEN_N=n % cfg["BLOCK_N"] == 0,
                        EVEN_K=k % RUN == 0, **kw),
                   "moe/w4a16.py:decode_linear", (triton.cdiv(n, cfg["BLOCK_N"]), cfg["SPLIT_K"]))
 
