@@ -895,9 +895,9 @@ if triton is not None:
             else:
                 s = tl.load(s_ptr + (k // GROUP) * row_stride + offs_n, mask=n_ok, other=0.0).to(tl.float32)
             if DOT_FP32:  # the interpreter: its bf16 dot is wrong (device.dot_needs_fp32)
-                part = tl.dot(a.to(tl.float32), neg, tl.dot(a.to(tl.float32), b.to(tl.float32)))
+                part = tl.dot(a.to(tl.float32), b.to(tl.float32), tl.dot(a.to(tl.float32), neg))
             else:
-                part = tl.dot(a, neg, tl.dot(a, b))                # Σ a (128 + u) - 136 Σ a = Σ a (u - 8)
+                part = tl.dot(a, b, tl.dot(a, neg))                # Σ a (128 + u) - 136 Σ a = Σ a (u - 8)
             acc += part * s[None, :]
         return acc
 
