@@ -951,9 +951,11 @@ def decode_asm(device) -> bool:
 
 def decode_config(m: int, n: int, k: int, *, sms: int = H200_SMS, interpreted: bool = False) -> dict:
     """Tiles and split-K of the decode kernel. BLOCK_N 128 (4 warps, one m16 x 32 MMA strip per
-    warp); split K over runs so the grid holds about 2 CTAs (8 warps) per SM -- what its registers let
-    an SM hold at once -- each split >= 1 run: fewer, longer splits amortise each CTA's prologue (the
-    pipeline's fill) and epilogue over more runs.
+    warp); split K over runs so the grid holds about 2 CTAs (8 warps) per SM -- what the kernel's
+    registers let an SM hold at once -- each split >= 1 run. Fewer, longer splits amortise each CTA's
+    prologue (the pipeline's fill) and epilogue over more runs: at N 4096, K 7168 a split of 7 (224 CTAs,
+    4 runs each) is predicted faster than one of 10 that gives every SM two CTAs (3 runs each), which
+    spends more of its issue slots outside the main loop.
     The interpreter: one wide program per split (its cost is per program)."""
     if m > DECODE_MAX_M:
         raise ValueError(f"the decode kernel takes M <= {DECODE_MAX_M} rows, got {m}")
