@@ -173,6 +173,9 @@ def test_main_loop_is_the_innermost_backward_branch():
     assert loop == {"instrs": 5, "global_bytes_per_warp": (16 + 2) * 32, "mma": 1, "async": False, "tma_loads": 0,
                     "kernel_instrs": 10, "loops": 1}
     assert compiled.machine.main_loop(compiled.machine.sass_instructions(SASS.split(".L_x_1:")[0]))["instrs"] == 0
+    # sm_100's nvdisasm writes a uniform predicate as the branch's first operand: the same loop
+    sm100 = SASS.replace("@P0 BRA `(.L_x_1)", "BRA.U UP0, `(.L_x_1)")
+    assert compiled.machine.main_loop(compiled.machine.sass_instructions(sm100), "sass")["instrs"] == 5
 
 
 TTIR = """
