@@ -192,3 +192,15 @@ def test_moe_decode_from_every_layout_and_its_refusals():
     big_ids = torch.ones((17, 1), dtype=torch.int32)
     with pytest.raises(ValueError, match="at most 16 rows"):
         FM.fused_moe_decode(torch.zeros(17, 256, dtype=torch.bfloat16), d13, d2, torch.ones(17, 1), big_ids)
+
+
+def test_dequantize_path_follows_the_target(monkeypatch):
+    # inline PTX (prmt/lop3) for NVIDIA targets; the pure-tl path for AMD (inspect's building_for, or a ROCm GPU)
+    from inferbook import device
+    from inferbook.moe import fused_moe as FM
+    monkeypatch.setattr(W, "dot_needs_fp32", lambda d: False)      # what a GPU passes
+    for target, asm in (("sm_90", True), ("sm_100", True), ("gfx942", False), ("gfx950", False)):
+        with device.building_for(target):
+            (dense,) = W.decode_launches(1, 256, 512)
+            moe = [la for la in FM.fused_moe_decode_launches(4, 2, 4, 256, 64, max_m=2) if la.kernel is FM.moe_decode_kernel]
+        assert dense.kwargs["ASM"] is asm and all(la.kwargs["ASM"] is asm for la in moe), target
