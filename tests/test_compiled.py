@@ -173,6 +173,9 @@ def test_main_loop_is_the_innermost_backward_branch():
     assert loop == {"instrs": 5, "global_bytes_per_warp": (16 + 2) * 32, "mma": 1, "async": False, "tma_loads": 0,
                     "kernel_instrs": 10, "loops": 1}
     assert compiled.machine.main_loop(compiled.machine.sass_instructions(SASS.split(".L_x_1:")[0]))["instrs"] == 0
+    # sm_100's nvdisasm writes a uniform predicate as the branch's first operand: the same loop
+    sm100 = SASS.replace("@P0 BRA `(.L_x_1)", "BRA.U UP0, `(.L_x_1)")
+    assert compiled.machine.main_loop(compiled.machine.sass_instructions(sm100), "sass")["instrs"] == 5
 
 
 TTIR = """
@@ -327,6 +330,13 @@ def recorded(monkeypatch):
     return calls
 
 
+def _same_bytes(call, launch):
+    """The builder's stand-ins have the launcher's element counts (the cost model counts their bytes)."""
+    for i, (a, b) in enumerate(zip(call[1], launch.args)):
+        if isinstance(a, torch.Tensor):
+            assert a.numel() == b.numel(), f"{launch.name}: argument {i}: {tuple(a.shape)} vs {tuple(b.shape)}"
+
+
 def _same(call, launch, skip=()):
     kernel, args, kwargs = call
     assert kernel is launch.kernel, f"{launch.name}: launcher ran {kernel}, builder says {launch.kernel}"
@@ -378,6 +388,7 @@ def test_w4a16_and_fused_moe_builders_match_launchers(recorded, monkeypatch):
         W.linear(torch.randn(m, H, generator=g).bfloat16(), q, block="gpu")
         (launch,) = W.linear_launches(m, 96, H, layout)
         _same(recorded[0], launch)
+        _same_bytes(recorded[0], launch)
     # each expert gets T*k/E rows, as the builder assumes for the masked layout's max_m
     ids = (torch.arange(T * k, dtype=torch.int32) % E).reshape(T, k)
     tw = torch.rand(T, k, generator=g)
@@ -649,10 +660,12 @@ def test_committed_compile_tables_are_current_and_clean():
         if doc is None:
             stale.append(f"{slug}: no table")
             continue
-        want = [compiled.launch_fingerprint(la) for la in compiled.launches_for(slug)]
         # every NVIDIA target; an AMD target wherever the table has it (the integrator's full regeneration
-        # adds gfx942 and gfx950 to every table)
-        for t in list(compiled.NVIDIA_TARGETS) + [t for t in compiled.AMD_TARGETS if t in doc.get("targets", [])]:
+        # adds gfx942 and gfx950 to every table); each target's launches built for it (device.pick_config)
+        targets = list(compiled.NVIDIA_TARGETS) + [t for t in compiled.AMD_TARGETS if t in doc.get("targets", [])]
+        built = compiled.launches_by_target(slug, targets)
+        for t in targets:
+            want = [compiled.launch_fingerprint(la) for la in built[t]]
             got = sorted((r for r in doc["rows"] if r["target"] == t), key=lambda r: r["index"])
             have = [compiled.row_fingerprint(r) for r in got]
             if have != want:
@@ -709,6 +722,7 @@ def test_decode_and_mx_gemm_builders_match_launchers(recorded, monkeypatch):
         W.decode_linear(torch.randn(3, 512, generator=g).bfloat16(), d, deterministic=deterministic, block="gpu")
         (launch,) = W.decode_launches(3, 256, 512, deterministic=deterministic)
         _same(recorded[0], launch)
+        _same_bytes(recorded[0], launch)
     E, H, I, T, k = 4, 256, 64, 4, 2
     ids = (torch.arange(T * k, dtype=torch.int32) % E).reshape(T, k)
     d13 = W.pack_decode(W.quantize(torch.randn(E, 2 * I, H, generator=g)))
@@ -720,6 +734,8 @@ def test_decode_and_mx_gemm_builders_match_launchers(recorded, monkeypatch):
     assert len(recorded) == len(built) == 3
     for call, launch in zip(recorded, built):
         _same(call, launch)
+        if launch.kernel is FM.moe_decode_kernel:
+            _same_bytes(call, launch)
     recorded.clear()
     a, b = mx.quantize(torch.randn(32, 256, generator=g), "e4m3"), mx.quantize(torch.randn(48, 256, generator=g), "e4m3")
     monkeypatch.setattr(mx, "_interpreted", lambda: True)

@@ -56,7 +56,20 @@ def test_committed_decode_counts():
     before = [r for r in rows if r["launch"].startswith("tiled kernel")]
     decode = [r for r in rows if not r["launch"].startswith("tiled kernel")]
     assert before and decode
-    for r in decode:     # issue bound >= 0.9 of the copy ceiling, >= 8 warps per SM, no spills
-        assert r["issue_bound_vs_copy_ceiling"] >= 0.9, r["launch"]
+    for r in decode:     # the loop's issue time <= 0.9 of its copy time, >= 8 warps per SM, no spills
+        assert r["issue_bound_vs_copy_ceiling"] >= 1 / 0.9, r["launch"]
         assert r["warps_per_sm"] >= 8 and r["spill_bytes"] == 0, r["launch"]
     assert before[0]["issue_bound_vs_copy_ceiling"] < 0.5   # the 580-instruction loop it replaces
+
+
+@pytest.mark.parametrize("target", ["sm_80", "sm_90"])
+def test_decode_launches_are_not_instruction_bound(target):
+    # issue 21's bar, from the whole-kernel cost model on the committed compile table: every decode-kernel
+    # launch at M <= 16 in chord-w4a16's gpu preset issues in at most 0.9 of its memory time and is
+    # predicted at >= 80 % of the copy ceiling (the tiled comparison kernels are not held to it)
+    from inferbook import toc
+    C = toc.load_module(toc.CHAPTERS["chord-w4a16"])
+    rows = [r for r in C.decode_bound_rows(target) if "serving" in r["kernel"]]
+    assert len(rows) >= 6
+    for r in rows:
+        assert r["issue / memory time"] <= 0.9 and r["% of copy ceiling"] >= 80, r

@@ -94,12 +94,38 @@ def test_decode_gpu_tiles_in_the_interpreter():
     assert ok, (err, tol)
 
 
+@pytest.mark.parametrize("m", [1, 5])
+def test_decode_gpu_tiles_whole_column_blocks(m):
+    # N a multiple of BLOCK_N 128 (EVEN_N): the scales are read as int32 pairs (`scale_pairs`) -- the path
+    # every gpu-preset launch takes; K 768 = 3 runs over a split of 3
+    q, d = _case(256, 768, 32, seed=m)
+    cfg = W.decode_config(m, 256, 768)
+    assert cfg["BLOCK_N"] == 128 and 256 % cfg["BLOCK_N"] == 0 and cfg["SPLIT_K"] == 3
+    x = _x(m, 768)
+    err, tol, ok = within_tolerance(W.decode_linear(x, d, block="gpu"), W.decode_reference(x, d), W.linear_torch(x, q))
+    assert ok, (err, tol)
+
+
+def test_decode_nan_never_passes():
+    # one NaN scale in the weights the kernel reads (the reference reads the clean ones): the output's NaN fails
+    q, d = _case(256, 512, 32)
+    s = d.scales.clone()
+    s[3, 17] = float("nan")
+    bad = W.DecodeW4(d.qweight, s, d.shape, d.group_size)
+    x = _x(1, 512)
+    out = W.decode_linear(x, bad, block="gpu")
+    assert torch.isnan(out.float()).any()
+    _, _, ok = within_tolerance(out, W.decode_reference(x, d), W.linear_torch(x, q))
+    assert not ok
+
+
 def test_decode_config_fills_the_sms():
-    # N 4096, K 7168 at M = 1: 32 column blocks x split-K >= 2 CTAs of 4 warps (8 warps) on each of 132 SMs
+    # N 4096, K 7168 at M = 1: 32 column blocks x split-K: every one of 132 SMs gets a CTA and most get two
+    # (about 2 CTAs of 4 warps per SM), each split whole runs
     cfg = W.decode_config(1, 4096, 7168)
     ctas = -(-4096 // cfg["BLOCK_N"]) * cfg["SPLIT_K"]
-    assert ctas * cfg["num_warps"] >= 8 * W.H200_SMS
-    assert cfg["SPLIT_K"] <= 7168 // W.RUN
+    assert 1.5 * W.H200_SMS <= ctas <= 2 * W.H200_SMS
+    assert cfg["SPLIT_K"] <= 7168 // W.RUN and (7168 // W.RUN) % cfg["SPLIT_K"] == 0
 
 
 def test_decode_can_fail():
@@ -166,3 +192,15 @@ def test_moe_decode_from_every_layout_and_its_refusals():
     big_ids = torch.ones((17, 1), dtype=torch.int32)
     with pytest.raises(ValueError, match="at most 16 rows"):
         FM.fused_moe_decode(torch.zeros(17, 256, dtype=torch.bfloat16), d13, d2, torch.ones(17, 1), big_ids)
+
+
+def test_dequantize_path_follows_the_target(monkeypatch):
+    # inline PTX (prmt/lop3) for NVIDIA targets; the pure-tl path for AMD (inspect's building_for, or a ROCm GPU)
+    from inferbook import device
+    from inferbook.moe import fused_moe as FM
+    monkeypatch.setattr(W, "dot_needs_fp32", lambda d: False)      # what a GPU passes
+    for target, asm in (("sm_90", True), ("sm_100", True), ("gfx942", False), ("gfx950", False)):
+        with device.building_for(target):
+            (dense,) = W.decode_launches(1, 256, 512)
+            moe = [la for la in FM.fused_moe_decode_launches(4, 2, 4, 256, 64, max_m=2) if la.kernel is FM.moe_decode_kernel]
+        assert dense.kwargs["ASM"] is asm and all(la.kwargs["ASM"] is asm for la in moe), target

@@ -832,3 +832,40 @@ def packing_map(layout: str, words=(0, 1, 16, 17), N: int = 32, K: int = 64) -> 
         out.append((w, labels))
     return out
 
+
+
+_DECODE_ROLES = {"w4a16_decode_kernel": "decode kernel, dense (serving path)",
+                 "moe_decode_kernel": "decode kernel, fused MoE (serving path)",
+                 "_w4a16_linear_kernel": "tiled dense, indexed (teaching comparison)",
+                 "moe_gemm_kernel": "tiled fused MoE (teaching comparison)"}
+
+
+def decode_bound_rows(target: str = "sm_90", card: str | None = None) -> list[dict]:
+    """The cost model's verdict (`compiled.predict_launches`, read from the committed compile table) on
+    every gpu-preset W4A16 launch at M <= 16 rows per GEMM (per expert for the MoE ones): the decode
+    kernels this chapter serves decode with, and the tiled kernels of the three layouts kept as the
+    chapter's comparison. One row per launch: warp-instructions per DRAM byte, issue time over
+    memory time (at the copy ceiling), warps per SM, the binding bound and the predicted share of the
+    copy ceiling."""
+    import re
+
+    from .. import compiled
+
+    card = card or compiled.TARGET_CARD[target]
+    out = []
+    for p in compiled.predict_launches("chord-w4a16", target, card):
+        role = _DECODE_ROLES.get(p["kernel"])
+        m = re.search(r"\bM(\d+)\b", p["launch"])
+        if role is None or m is None or int(m.group(1)) > W.DECODE_MAX_M:
+            continue
+        name = p["launch"]
+        if not (name.startswith(("decode kernel", "decode M", "decode sweep")) or "decode-packed" in name):
+            continue
+        if p["kernel"] == "moe_gemm_kernel":
+            role = role.replace("fused MoE", "fused MoE, " + next(l for l in W.LAYOUTS if f" {l} " in name))
+        b = p["bounds"]
+        out.append({"launch": name, "kernel": role, "warp-instr / DRAM byte": round(p["instr_per_byte"], 3),
+                    "issue / memory time": round(b["issue"] / b["memory"], 2), "warps / SM": p["warps_per_sm"],
+                    "bound": p["bound"], "% of copy ceiling": round(100 * p["frac_of_copy"]),
+                    "ceiling": p["ceiling"]})
+    return out

@@ -71,7 +71,8 @@ def amdgcn_instructions(text: str) -> list[tuple[str, str]]:
 # ---------------------------------------------------------------------------------------------------
 # What one instruction does
 
-_SASS_BRANCH = re.compile(r"\bBRA(?:\.[A-Z]+)*\s+`?\(?([.\w$]+)\)?")
+# `@P0 BRA `(.L_x_1)` (sm_80/90) and `BRA.U UP0, `(.L_x_1)` (sm_100: a uniform predicate as an operand)
+_SASS_BRANCH = re.compile(r"\bBRA(?:\.[A-Z]+)*\s+(?:!?U?P[T\d]+\s*,\s*)?`?\(?([.\w$]+)\)?")
 _AMD_BRANCH = re.compile(r"^s_(?:cbranch_\w+|branch)\s+([.\w$]+)")
 _SASS_MMA = re.compile(r"\b(?:HMMA|HGMMA|IMMA|QGMMA|UTC\w*MMA\w*|DMMA|OMMA)\b")
 _AMD_MMA = re.compile(r"^v_(?:s?mfma|wmma)\w*")

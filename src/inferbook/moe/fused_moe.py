@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from ..device import dot_needs_fp32, triton_backend_for
 from . import mxfp4 as MXF, routing
 from .mxfp4 import PackedMXFP4
-from .w4a16 import (LAYOUT_CODE, LAYOUTS, DecodeW4, PackedW4, cat_experts, check_block_k, dequantize, dequantize_decode,
+from .w4a16 import (LAYOUT_CODE, LAYOUTS, DecodeW4, PackedW4, cat_experts, check_block_k, decode_asm, dequantize, dequantize_decode,
                     expert, linear, triton)
 
 if triton is not None:
@@ -206,16 +206,18 @@ if triton is not None:
         qw = qw_ptr + e.to(tl.int64) * q_expert_stride
         sc = s_ptr + e.to(tl.int64) * s_expert_stride
         a_rows = a_ptr + (e * max_m).to(tl.int64) * stride_am
-        runs = tl.where(count > 0, (K + 255) // 256, 0)
         neg = decode_neg(BLOCK_N, DOT_FP32)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for r in range(0, runs):
-            acc = decode_run(acc, a_rows, stride_am, offs_m, m_ok, qw, sc, NW, offs_n, n_ok, K, r, neg,
-                             GROUP, ASM, DOT_FP32, EVEN_N, EVEN_K)
-            if GATED:
-                acc_up = decode_run(acc_up, a_rows, stride_am, offs_m, m_ok, qw, sc, NW, offs_n + N, n_ok, K, r, neg,
-                                    GROUP, ASM, DOT_FP32, EVEN_N, EVEN_K)
+        # the loop's bound is a function of K alone (the cost model reads its trips from the IR); an expert
+        # without rows skips it as a whole
+        if count > 0:
+            for r in range(0, (K + 255) // 256):
+                acc = decode_run(acc, a_rows, stride_am, offs_m, m_ok, qw, sc, NW, pid_n * BLOCK_N, offs_n, n_ok, K, r, neg,
+                                 GROUP, ASM, DOT_FP32, EVEN_N, EVEN_K)
+                if GATED:
+                    acc_up = decode_run(acc_up, a_rows, stride_am, offs_m, m_ok, qw, sc, NW, pid_n * BLOCK_N + N, offs_n + N, n_ok, K, r, neg,
+                                        GROUP, ASM, DOT_FP32, EVEN_N, EVEN_K)
         if GATED:
             acc = acc * tl.sigmoid(acc) * acc_up
         c_row = rows
@@ -426,7 +428,7 @@ def _decode_gemm_launch(name, a, qw, qs, c, counts, dest, roww, N, K, max_m, q_e
 
     E = counts.shape[0]
     emu = dot_needs_fp32(device)
-    kw = dict(GATED=gated, SCATTER=scatter, MUL_ROW_WEIGHT=scatter, GROUP=group, ASM=not emu, DOT_FP32=emu,
+    kw = dict(GATED=gated, SCATTER=scatter, MUL_ROW_WEIGHT=scatter, GROUP=group, ASM=decode_asm(device), DOT_FP32=emu,
               OUT_BF16=c.dtype == torch.bfloat16, EVEN_N=N % cfg["BLOCK_N"] == 0, EVEN_K=K % 256 == 0, **cfg)
     return Launch(name, moe_decode_kernel, [a, qw, qs, c, counts, dest, roww, N, K, max_m, q_es, s_es, a.stride(0),
                                             c.stride(0)], kw, source, (triton.cdiv(N, cfg["BLOCK_N"]), E))

@@ -54,7 +54,7 @@ except Exception:  # pragma: no cover - exercised only without triton
     triton = None
     tl = None
 
-from ..device import dot_needs_fp32, triton_backend_for
+from ..device import dot_needs_fp32, kernel_target, target_vendor, triton_backend_for
 
 LAYOUTS = ("indexed", "grouped_contiguous", "grouped_masked")
 # Kernel-side codes; 3 is plain BF16 weights [E, N, K] (the baseline the kernels share code with).
@@ -668,8 +668,16 @@ def linear_launches(m: int, n: int, k: int, layout: str = "indexed", *, group_si
 
     cfg = dict(block or linear_config(m, False))
     check_block_k(cfg["BLOCK_K"], group_size, layout)
-    qdt = torch.bfloat16 if layout == "bf16" else torch.int32      # every packing spec stores int32 words
-    launch = _linear_launch(meta((m, k), torch.bfloat16), meta((1,), qdt), meta((1,), torch.bfloat16),
+    # full-shape stand-ins: the cost model counts each tensor argument's bytes (the weights are most of them)
+    if layout == "bf16":
+        qw, sc = meta((n, k), torch.bfloat16), meta((1,), torch.bfloat16)
+    else:
+        kp = padded_k(k, layout)
+        words = {"indexed": (n, k // 8), "grouped_contiguous": (kp // 8, n),
+                 "grouped_masked": (-(-n // PANEL), kp // 8, PANEL)}[layout]
+        qw = meta(words, torch.int32)
+        sc = meta((k // group_size, n) if layout == "grouped_contiguous" else (n, k // group_size), torch.bfloat16)
+    launch = _linear_launch(meta((m, k), torch.bfloat16), qw, sc,
                             meta((m, n), torch.bfloat16), layout, group_size, cfg, device=torch.device("cuda"))
     if name:
         launch.name = name
@@ -843,7 +851,19 @@ if triton is not None:
             return (((words >> (4 * I)) & 0xF) + 128).to(tl.float32).to(tl.bfloat16)
 
     @triton.jit
-    def decode_run(acc, x_ptr, stride_xm, offs_m, m_ok, qw_ptr, s_ptr, row_stride, offs_n, n_ok, K, r, neg,
+    def scale_pairs(pair_ptrs):
+        """fp32 [2 P] scales from P int32 words of two bf16 scales each (columns 2p, 2p + 1; the low half
+        is the even column), widened in registers. A load of fewer elements than the CTA has threads is
+        one Triton rematerializes in the layout its user wants (here the MMA accumulator's columns), so
+        the scales go straight to the registers that multiply the accumulator: no shared-memory round
+        trip and no barrier per group."""
+        pairs = tl.load(pair_ptrs)
+        lo = (pairs << 16).to(tl.float32, bitcast=True)
+        hi = (pairs & -65536).to(tl.float32, bitcast=True)
+        return tl.reshape(tl.join(lo, hi), (2 * pair_ptrs.shape[0],))
+
+    @triton.jit
+    def decode_run(acc, x_ptr, stride_xm, offs_m, m_ok, qw_ptr, s_ptr, row_stride, n0, offs_n, n_ok, K, r, neg,
                    GROUP: tl.constexpr, ASM: tl.constexpr, DOT_FP32: tl.constexpr, EVEN_N: tl.constexpr,
                    EVEN_K: tl.constexpr):
         """acc [BLOCK_M, BLOCK_N] fp32 += x[offs_m, run r] @ W[offs_n, run r].T for one run of 256 K values:
@@ -855,6 +875,11 @@ if triton is not None:
         else:
             words = tl.load(qw_ptr + (r * 32 + offs_j)[:, None] * row_stride + offs_n[None, :], mask=n_ok[None, :],
                             other=0)
+        PAIRS: tl.constexpr = EVEN_N and 256 % GROUP == 0
+        if PAIRS:  # this run's first scale row as int32 pairs; group rows follow at half the row stride
+            half = row_stride // 2
+            s_run = (s_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + (r * (256 // GROUP)) * half + n0 // 2
+                     + tl.arange(0, offs_n.shape[0] // 2))
         for i in tl.static_range(8):
             k = r * 256 + 32 * i
             if EVEN_K:  # K a multiple of 256: only the rows beyond M are masked
@@ -863,14 +888,16 @@ if triton is not None:
                 a = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k + offs_j)[None, :],
                             mask=m_ok[:, None] & ((k + offs_j)[None, :] < K), other=0.0)
             b = nibble_bf16(words, i, ASM)                         # 128 + u, exact in bf16
-            if EVEN_N:
+            if PAIRS:
+                s = scale_pairs(s_run + ((32 * i) // GROUP) * half)
+            elif EVEN_N:
                 s = tl.load(s_ptr + (k // GROUP) * row_stride + offs_n).to(tl.float32)
             else:
                 s = tl.load(s_ptr + (k // GROUP) * row_stride + offs_n, mask=n_ok, other=0.0).to(tl.float32)
             if DOT_FP32:  # the interpreter: its bf16 dot is wrong (device.dot_needs_fp32)
-                part = tl.dot(a.to(tl.float32), neg, tl.dot(a.to(tl.float32), b.to(tl.float32)))
+                part = tl.dot(a.to(tl.float32), b.to(tl.float32), tl.dot(a.to(tl.float32), neg))
             else:
-                part = tl.dot(a, neg, tl.dot(a, b))                # Σ a (128 + u) - 136 Σ a = Σ a (u - 8)
+                part = tl.dot(a, b, tl.dot(a, neg))                # Σ a (128 + u) - 136 Σ a = Σ a (u - 8)
             acc += part * s[None, :]
         return acc
 
@@ -901,7 +928,7 @@ if triton is not None:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         neg = decode_neg(BLOCK_N, DOT_FP32)
         for r in range(r0, r1):
-            acc = decode_run(acc, x_ptr, stride_xm, offs_m, m_ok, qw_ptr, s_ptr, N, offs_n, n_ok, K, r, neg,
+            acc = decode_run(acc, x_ptr, stride_xm, offs_m, m_ok, qw_ptr, s_ptr, N, pid_n * BLOCK_N, offs_n, n_ok, K, r, neg,
                              GROUP, ASM, DOT_FP32, EVEN_N, EVEN_K)
         mask = m_ok[:, None] & n_ok[None, :]
         if ATOMIC:
@@ -914,9 +941,21 @@ DECODE_MAX_M = 16
 H200_SMS = 132
 
 
+def decode_asm(device) -> bool:
+    """Whether the decode kernels take the inline-PTX dequantize (`prmt`/`lop3`, ASM=True): on an NVIDIA
+    GPU or when building for an sm target. The pure-`tl` path (ASM=False) runs in the interpreter and on
+    AMD (a ROCm GPU, or `building_for('gfx942')`/`'gfx950'`), whose assembler has no PTX."""
+    return not dot_needs_fp32(device) and target_vendor(kernel_target(device)) != "hip"
+
+
+
 def decode_config(m: int, n: int, k: int, *, sms: int = H200_SMS, interpreted: bool = False) -> dict:
     """Tiles and split-K of the decode kernel. BLOCK_N 128 (4 warps, one m16 x 32 MMA strip per
-    warp); split K over runs so the grid holds about 4 CTAs (16 warps) per SM, each split >= 1 run.
+    warp); split K over runs so the grid holds about 2 CTAs (8 warps) per SM -- what the kernel's
+    registers let an SM hold at once -- each split >= 1 run. Fewer, longer splits amortise each CTA's
+    prologue (the pipeline's fill) and epilogue over more runs: at N 4096, K 7168 a split of 7 (224 CTAs,
+    4 runs each) is predicted faster than one of 10 that gives every SM two CTAs (3 runs each), which
+    spends more of its issue slots outside the main loop.
     The interpreter: one wide program per split (its cost is per program)."""
     if m > DECODE_MAX_M:
         raise ValueError(f"the decode kernel takes M <= {DECODE_MAX_M} rows, got {m}")
@@ -925,7 +964,7 @@ def decode_config(m: int, n: int, k: int, *, sms: int = H200_SMS, interpreted: b
         return dict(BLOCK_M=16, BLOCK_N=64, SPLIT_K=min(2, runs))
     bn = 128
     n_blocks = -(-n // bn)
-    split = max(1, min(runs, -(-4 * sms // n_blocks)))
+    split = max(1, min(runs, round(2 * sms / n_blocks)))
     per = -(-runs // split)
     split = -(-runs // per)                                        # no empty split
     return dict(BLOCK_M=16, BLOCK_N=bn, SPLIT_K=split, num_warps=4, num_stages=3)
@@ -942,7 +981,7 @@ def _decode_launch(x2, qweight, scales, out, n: int, k: int, group_size: int, cf
     return Launch(f"w4a16 decode M{M} N{n} K{k} cfg {cfg['BLOCK_M']}x{cfg['BLOCK_N']}x256 split{cfg['SPLIT_K']}"
                   f"{' atomic' if atomic else ''}", w4a16_decode_kernel,
                   [x2, qweight, scales, out, M, n, k, x2.stride(0), per],
-                  dict(GROUP=group_size, ASM=not emu, DOT_FP32=emu, ATOMIC=atomic, EVEN_N=n % cfg["BLOCK_N"] == 0,
+                  dict(GROUP=group_size, ASM=decode_asm(device), DOT_FP32=emu, ATOMIC=atomic, EVEN_N=n % cfg["BLOCK_N"] == 0,
                        EVEN_K=k % RUN == 0, **kw),
                   "moe/w4a16.py:decode_linear", (triton.cdiv(n, cfg["BLOCK_N"]), cfg["SPLIT_K"]))
 
@@ -992,7 +1031,9 @@ def decode_launches(m: int, n: int, k: int, *, group_size: int = GROUP_SIZE, det
 
     cfg = decode_config(m, n, k)
     out = meta((cfg["SPLIT_K"], m, n) if deterministic else (m, n), torch.float32)
-    la = _decode_launch(meta((m, k), torch.bfloat16), meta((1,), torch.int32), meta((1,), torch.bfloat16), out, n, k,
+    kp = -(-k // RUN) * RUN                                        # pack_decode's shapes: the real bytes
+    la = _decode_launch(meta((m, k), torch.bfloat16), meta((kp // 8, n), torch.int32),
+                        meta((-(-kp // group_size), n), torch.bfloat16), out, n, k,
                         group_size, cfg, device=torch.device("cuda"), atomic=not deterministic)
     if name:
         la.name = name
