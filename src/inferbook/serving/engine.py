@@ -54,7 +54,7 @@ class StepStats:
 
 class LLMEngine:
     def __init__(self, model: TinyDecoder, config: EngineConfig | None = None, drafter=None,
-                 clock=time.perf_counter):
+                 clock=time.perf_counter, runner_factory=None):
         self.model, self.config = model, config or EngineConfig()
         cfg, mcfg = self.config, model.cfg
         self.max_model_len = mcfg.max_seq
@@ -71,7 +71,9 @@ class LLMEngine:
         num_blocks = cfg.num_blocks or cfg.max_num_seqs * -(-(mcfg.max_seq + cfg.num_spec_tokens) // cfg.block_size)
         self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(cfg, self.block_manager)
-        self.runner = ModelRunner(model, num_blocks, cfg.block_size)
+        # `runner_factory(model, num_blocks, block_size)`: another runner over the same pages, e.g. one
+        # rank's shard of a tensor-parallel engine (`tensor_parallel.TPModelRunner`)
+        self.runner = (runner_factory or ModelRunner)(model, num_blocks, cfg.block_size)
         # a multi-layer draft (EAGLE-3 style) reads several target layers: the runner hands them over
         self.runner.feature_layers = getattr(self.drafter, "feature_layers", None)
         self.device = self.runner.device

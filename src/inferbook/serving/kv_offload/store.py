@@ -56,7 +56,7 @@ class TieredKVStore:
                  file_dir: str | os.PathLike | None = None, file_capacity_bytes: int | None = None,
                  durable: bool = True, peer_address: tuple[str, int] | None = None, peer_timeout_s: float = 2.0,
                  peer_secret: str | None = None, background: bool = True, admit_after: int = 1,
-                 max_tracked: int = 1 << 16):
+                 max_tracked: int = 1 << 16, file_secret: bytes | None = None):
         if isinstance(admit_after, bool) or not isinstance(admit_after, int) or admit_after < 1:
             raise UserError(f"admit_after={admit_after!r} must be a positive int (uses before a block goes below host)")
         self.admit_after = admit_after
@@ -68,7 +68,8 @@ class TieredKVStore:
         self.host = HostTier(host_capacity_blocks, self.row_bytes, pin=pin)
         self.lower: list = []
         if file_dir is not None:
-            self.lower.append(FileTier(file_dir, ns, self.row_bytes, capacity_bytes=file_capacity_bytes, durable=durable))
+            self.lower.append(FileTier(file_dir, ns, self.row_bytes, capacity_bytes=file_capacity_bytes, durable=durable,
+                                        secret=file_secret))
         if peer_address is not None:
             self.lower.append(PeerTier(peer_address, self.row_bytes, timeout_s=peer_timeout_s, secret=peer_secret))
         self.background = background
