@@ -130,15 +130,18 @@ def tp_engine_check(seed: int, workdir: Path, use_cuda: bool = False, faults: tu
     g = torch.Generator().manual_seed(seed + 61)
     base = dict(block_size=16, num_blocks=12, max_num_seqs=2, max_num_batched_tokens=96, max_tokens=6, seed=seed + 62,
                 use_cuda=use_cuda)
-    pre = [torch.randint(128, (48,), generator=g).tolist() for _ in range(4)]
-    prompts = [pre[i % 4] + torch.randint(128, (int(torch.randint(1, 12, (1,), generator=g)),), generator=g).tolist()
-               for i in range(10)]
+    # ten prefixes of three blocks. Two come back after three other requests: gone from the 12-block device
+    # pool, still in the host tier of 24 rows. Two come back after nine others (some 30 blocks stored
+    # meanwhile): evicted from the host, so the file tier serves them.
+    pre = [torch.randint(128, (48,), generator=g).tolist() for _ in range(10)]
+    prompts = [pre[i] + torch.randint(128, (int(torch.randint(1, 12, (1,), generator=g)),), generator=g).tolist()
+               for i in (0, 1, 2, 3, 0, 1, 4, 5, 6, 7, 8, 9, 2, 3)]
     variants, what = [], {2: "2 KV heads, one per rank", 1: "1 KV head, replicated"}
     for kv_heads, f in [(2, None), (1, None)] + [(2, f) for f in faults]:
         cfg = dict(vocab=128, d_model=64, n_layers=2, n_heads=4, n_kv_heads=kv_heads, ffn=176, max_seq=96)
         name = f"kv{kv_heads}" + (f"-{f}" if f else "")
         variants.append(dict(cfg=cfg, model_id=f"tp-engine-{seed}-{name}", prompts=prompts, fault=f, tiers=dict(
-            host_blocks=14, file_dir=str(Path(workdir) / f"tp2-{name}"), file_secret=secrets.token_hex(32))))
+            host_blocks=24, file_dir=str(Path(workdir) / f"tp2-{name}"), file_secret=secrets.token_hex(32))))
     # every variant in one process group: one spawn
     res = tpe.launch({**base, **variants[0], "variants": variants}, world_size=2, timeout_s=timeout_s)
     rows, passed, refs = [], True, {}
