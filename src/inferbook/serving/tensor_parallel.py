@@ -337,6 +337,19 @@ def serve(engine, prompts, max_tokens: int) -> tuple[list[list[int]], dict]:
     return [s.output_ids for s in seqs], log
 
 
+def workload(seed: int) -> tuple[dict, list[list[int]]]:
+    """The TP check's engine sizes and prompts: 14 requests over ten 48-token prefixes. Two prefixes come
+    back after three other requests (gone from the 12-block device pool, still in a host tier of 24
+    rows); two after nine others (some 30 blocks stored meanwhile: evicted from the host, so a file tier
+    below it serves them)."""
+    g = torch.Generator().manual_seed(seed + 61)
+    base = dict(block_size=16, num_blocks=12, max_num_seqs=2, max_num_batched_tokens=96, max_tokens=6, seed=seed + 62)
+    pre = [torch.randint(128, (48,), generator=g).tolist() for _ in range(10)]
+    prompts = [pre[i] + torch.randint(128, (int(torch.randint(1, 12, (1,), generator=g)),), generator=g).tolist()
+               for i in (0, 1, 2, 3, 0, 1, 4, 5, 6, 7, 8, 9, 2, 3)]
+    return base, prompts
+
+
 def engine_for(model, va: dict, runner_factory=None):
     """The engine of a TP check run: prefix caching on, a device pool small enough that prefixes are
     evicted between uses, and the tiers of `va["tiers"]` (host rows, a file folder) when given."""
@@ -404,14 +417,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", default=".")
     p.add_argument("--timeout", type=float, default=180.0)
     a = p.parse_args(argv)
-    g = torch.Generator().manual_seed(0)
-    prefixes = [torch.randint(256, (48,), generator=g).tolist() for _ in range(3)]
-    prompts = [prefixes[i % 3] + torch.randint(256, (5,), generator=g).tolist() for i in range(9)]
-    args = dict(cfg=dict(vocab=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn=176, max_seq=96), seed=0,
-                block_size=16, num_blocks=12, max_num_seqs=2, max_num_batched_tokens=96, max_tokens=6,
+    base, prompts = workload(0)
+    args = dict(base, cfg=dict(vocab=128, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn=176, max_seq=96),
                 model_id="tp-torchrun", prompts=prompts, tiers={"host_blocks": 24})
     Path(a.out).mkdir(parents=True, exist_ok=True)
-    tp_engine_worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), "env://", args, a.out, a.timeout)
+    rank = int(os.environ["RANK"])
+    tp_engine_worker(rank, int(os.environ["WORLD_SIZE"]), "env://", args, a.out, a.timeout)
+    if rank == 0:
+        r = torch.load(Path(a.out) / "rank0.pt", weights_only=False)["variants"][0]
+        print(f"rank 0: {r['steps']} steps, {r['compute_syncs']} compute-stream syncs, blocks restored "
+              f"{r['restored_blocks']}, {r['offloaded_blocks']} stored as merged rows; results in {a.out}")
 
 
 if __name__ == "__main__":

@@ -116,26 +116,21 @@ def tp_engine_check(seed: int, workdir: Path, use_cuda: bool = False, faults: tu
     evicts the prefixes, so they come back from the host and file tiers through the merged rows.
 
     Twice: 2 KV heads (one per rank) and 1 KV head (replicated on both, as MLA's latent is). Passes when
-    the greedy tokens equal TP 1's, the TP-2 logits lie within the tolerance rule
+    the TP-2 logits lie within the tolerance rule
     (`tolerance.within_reference_error`: |TP 2 - gold| <= 2 x |TP 1 - gold| + fp32 rounding floor,
-    gold = the TP-1 engine in float64, no tiers), the tiers served blocks from host and file, a TP-1
+    gold = the TP-1 engine in float64, no tiers) at every sampled token whose context all three share,
+    the greedy choices agree wherever they are decisive (`tolerance.decisive_agreement`; whether the
+    token lists are equal is reported, not asserted), the tiers served blocks from host and file, a TP-1
     engine reading the TP-2 run's files restores them with the same tokens, and rank 0 synchronised
     its compute stream at most once per step. Each of `faults` (`tensor_parallel.FAULTS`) runs once more
     with that bug injected into the 2-KV-head engine; `passed` needs every such run to fail the check."""
     import secrets
 
     from .. import tensor_parallel as tpe
-    from ...tolerance import within_reference_error
+    from ...tolerance import decisive_agreement, within_reference_error
 
-    g = torch.Generator().manual_seed(seed + 61)
-    base = dict(block_size=16, num_blocks=12, max_num_seqs=2, max_num_batched_tokens=96, max_tokens=6, seed=seed + 62,
-                use_cuda=use_cuda)
-    # ten prefixes of three blocks. Two come back after three other requests: gone from the 12-block device
-    # pool, still in the host tier of 24 rows. Two come back after nine others (some 30 blocks stored
-    # meanwhile): evicted from the host, so the file tier serves them.
-    pre = [torch.randint(128, (48,), generator=g).tolist() for _ in range(10)]
-    prompts = [pre[i] + torch.randint(128, (int(torch.randint(1, 12, (1,), generator=g)),), generator=g).tolist()
-               for i in (0, 1, 2, 3, 0, 1, 4, 5, 6, 7, 8, 9, 2, 3)]
+    base, prompts = tpe.workload(seed)
+    base["use_cuda"] = use_cuda
     variants, what = [], {2: "2 KV heads, one per rank", 1: "1 KV head, replicated"}
     for kv_heads, f in [(2, None), (1, None)] + [(2, f) for f in faults]:
         cfg = dict(vocab=128, d_model=64, n_layers=2, n_heads=4, n_kv_heads=kv_heads, ffn=176, max_seq=96)
@@ -167,11 +162,14 @@ def tp_engine_check(seed: int, workdir: Path, use_cuda: bool = False, faults: tu
         for r, (a, b, c) in enumerate(zip(tp2["outputs"], out1, outg)):
             same = next((j for j in range(len(c)) if not (a[j] == b[j] == c[j])), len(c))
             keys += [(r, j) for j in range(min(same + 1, len(c)))]       # logits of the same context in all three
-        tol = within_reference_error(torch.stack([tp2["logits"][k] for k in keys]), torch.stack([log1[k] for k in keys]),
-                                     torch.stack([logg[k] for k in keys]), torch.float32)
+        cand, ref, gold = (torch.stack([log[k] for k in keys]) for log in (tp2["logits"], log1, logg))
+        tol = within_reference_error(cand, ref, gold, torch.float32)
+        # greedy choices compared where more than rounding decides them (the gold's top-2 gap > 2 x tolerance)
+        agree = decisive_agreement(cand.argmax(-1), ref.argmax(-1), gold, tol["tolerance"])
         syncs = tp2["compute_syncs"] / max(1, tp2["steps"])
         row = {"KV heads": what[kv_heads], "fault injected": va["fault"] or "none", "backend": res[0]["backend"],
                "greedy tokens = TP 1": tp2["outputs"] == out1,
+               "decisive positions agree": f"{agree['agree_decisive']}/{agree['decisive']}",
                "max |logit - gold|, TP 2": float(significant(tol["error"])),
                "same, TP 1": float(significant(tol["reference_error"])),
                "tolerance": float(significant(tol["tolerance"])),
@@ -180,7 +178,7 @@ def tp_engine_check(seed: int, workdir: Path, use_cuda: bool = False, faults: tu
                "MB scattered": tp2["comm"]["scatter_bytes"] / 1e6, "all-reduces": tp2["comm"]["all_reduce"],
                "steps": tp2["steps"], "worker forwards": worker["steps"], "syncs per step (rank 0)": syncs,
                "TP-1 engine: blocks from TP-2 files": from_files, "its tokens = TP 1": outr == out1}
-        row["passed"] = bool(row["greedy tokens = TP 1"] and tol["passed"] and row["blocks from host"] > 0
+        row["passed"] = bool(agree["passed"] and tol["passed"] and row["blocks from host"] > 0
                              and row["blocks from file"] > 0 and from_files > 0 and row["its tokens = TP 1"]
                              and syncs <= 1 and worker["steps"] == tp2["steps"])
         # a clean run must pass; a run with a fault injected must be caught
