@@ -256,8 +256,10 @@ def engine_record(ctx, name: str, variant: str, workload_kind: str, P: dict, cfg
         rec.add("not_stored_unreused", st.not_stored_unreused, "blocks", phase="total",
                 definition=f"full blocks kept off the host: looked up fewer than store_threshold="
                            f"{tiers.reuse.threshold} times (vLLM's FilterReusedOffloadingManager)")
-        steps = max(1, len(engine.steps))
-        rec.add("compute_syncs_per_step", engine.compute_syncs / steps, "syncs", phase="total")
+        steps = max(1, len(engine.steps) + engine.idle_steps)   # every step() call, those that waited included
+        rec.add("compute_syncs_per_step", engine.compute_syncs / steps, "syncs", phase="total",
+                definition="compute-stream synchronisations per engine step (steps that only waited for a fetch "
+                           "included)")
         rec.add("steps_with_fetch_in_flight", st.steps_with_fetch_in_flight, "steps", phase="total")
         rec.add("not_admitted_below_host", tiers.store.not_admitted, "blocks", phase="total",
                 definition=f"blocks kept in host memory only: used fewer than admit_after="

@@ -86,6 +86,7 @@ class LLMEngine:
         # With KV tiers attached the engine syncs once per step, at its start: the copies wait on events.
         self.sync_every_phase = True
         self.compute_syncs = 0
+        self.idle_steps = 0      # step() calls that ran no batch (waiting for a KV fetch or copy): one sync each
 
     # -- requests ------------------------------------------------------------------
     def add_request(self, prompt, params: SamplingParams | None = None) -> Sequence:
@@ -143,6 +144,7 @@ class LLMEngine:
         if tiers is not None:
             tiers.note_step()
         if not out.chunks:
+            self.idle_steps += 1
             if tiers is not None and tiers.busy():   # waiting for a KV fetch or for blocks under copy
                 tiers.wait_for_progress(0.005)
                 return []

@@ -376,7 +376,7 @@ def run_tp_engine(model, va: dict, comm: TPComm) -> dict:
     engine, tiers = engine_for(model, va, factory)
     try:
         outputs, logits = serve(engine, va["prompts"], int(va["max_tokens"]))
-        out = {"outputs": outputs, "logits": logits, "steps": len(engine.steps),
+        out = {"outputs": outputs, "logits": logits, "steps": len(engine.steps), "idle_steps": engine.idle_steps,
                "compute_syncs": engine.compute_syncs}
         if tiers is not None:
             tiers.flush()
@@ -425,7 +425,8 @@ def main(argv: list[str] | None = None) -> None:
     tp_engine_worker(rank, int(os.environ["WORLD_SIZE"]), "env://", args, a.out, a.timeout)
     if rank == 0:
         r = torch.load(Path(a.out) / "rank0.pt", weights_only=False)["variants"][0]
-        print(f"rank 0: {r['steps']} steps, {r['compute_syncs']} compute-stream syncs, blocks restored "
+        print(f"rank 0: {r['steps']} steps with a batch, {r['idle_steps']} waiting, {r['compute_syncs']} compute-stream "
+              f"syncs, blocks restored "
               f"{r['restored_blocks']}, {r['offloaded_blocks']} stored as merged rows; results in {a.out}")
 
 

@@ -166,7 +166,7 @@ def tp_engine_check(seed: int, workdir: Path, use_cuda: bool = False, faults: tu
         tol = within_reference_error(cand, ref, gold, torch.float32)
         # greedy choices compared where more than rounding decides them (the gold's top-2 gap > 2 x tolerance)
         agree = decisive_agreement(cand.argmax(-1), ref.argmax(-1), gold, tol["tolerance"])
-        syncs = tp2["compute_syncs"] / max(1, tp2["steps"])
+        syncs = tp2["compute_syncs"] / max(1, tp2["steps"] + tp2["idle_steps"])   # per step() call
         row = {"KV heads": what[kv_heads], "fault injected": va["fault"] or "none", "backend": res[0]["backend"],
                "greedy tokens = TP 1": tp2["outputs"] == out1,
                "decisive positions agree": f"{agree['agree_decisive']}/{agree['decisive']}",
