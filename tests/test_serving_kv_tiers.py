@@ -410,6 +410,27 @@ def test_chapter_parameters_are_checked_before_any_work(change, needle):
         ch.make_workload("some", ch.PRESETS["smoke"], 0)
 
 
+def test_cpu_preset_file_and_peer_tiers_serve_and_a_request_waits(tmp_path):
+    """Issue 24: at the cpu preset's sizes the host tier is smaller than the working set of prefixes and
+    the file tier larger than the host, so on the shared workload with every tier both the file and the
+    peer serve blocks, and a request waits for its fetch while the engine steps the others."""
+    from inferbook.chapters import tiered_kv_offload as ch
+    from inferbook.serving.kv_offload.bench import run_workload
+
+    P = dict(ch.PRESETS["cpu"])
+    assert P["host_blocks"] < P["num_prefixes"] * P["prefix_len"] // P["block_size"] and P["file_blocks"] > P["host_blocks"]
+    model = init_weights(TinyDecoder(ch.model_config(P)), 0).eval()
+    with kt.PeerProcess() as peer:
+        _, tiers, _ = run_workload(model, ch.make_workload("shared", P, 0), P, ch.configs(P)[2],
+                                   host_blocks=P["host_blocks"], scratch=tmp_path, peer_address=peer.address, seed=0)
+        try:
+            st = tiers.stats
+            assert st.restored_blocks["file"] > 0 and st.restored_blocks["peer"] > 0, st.restored_blocks
+            assert st.fetches_started > 0 and st.steps_with_fetch_in_flight > 0 and st.fetch_wait_s
+        finally:
+            tiers.close()
+
+
 def test_workloads_share_prefixes_only_when_asked():
     from inferbook.chapters import tiered_kv_offload as ch
 
