@@ -50,7 +50,10 @@ class TieredKVStore:
     `admit_after` times (each offload of a request that held it counts one use: its first
     computation, and every later request that reused it from the device or a tier). With
     `admit_after=1` every offloaded block is written below. Uses are counted in a bounded LRU
-    table of `max_tracked` keys."""
+    table of `max_tracked` keys.
+
+    `file_secret`: the file tier's HMAC key (default: drawn by the tier, so only this store can read its
+    files); a store given the same key reads the files another wrote, e.g. an engine at another TP size."""
 
     def __init__(self, layout: BlockLayout, ns: str, *, host_capacity_blocks: int, pin: bool = False,
                  file_dir: str | os.PathLike | None = None, file_capacity_bytes: int | None = None,
