@@ -77,7 +77,7 @@ PARAMETERS = {
 
 PRESETS = {
     "smoke": dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn=176, vocab=256, dtype="float32",
-                  block_size=16, prefix_len=96, suffix_len=16, output_len=4, num_prefixes=6, num_requests=32,
+                  block_size=16, prefix_len=96, suffix_len=16, output_len=4, num_prefixes=6, num_requests=24,
                   max_num_seqs=2, max_num_batched_tokens=128, device_blocks=32, host_blocks=12, file_blocks=12,
                   host_sweep="0.5,1,2,3", copy_block_mb="1,4", copy_total_mb=32, file_total_mb=8, use_peer=True, admit_after=2, repeats=3, restore_reps=6),
     # the host tier holds a third of the working set of shared prefixes (num_prefixes x prefix blocks) and
