@@ -313,54 +313,65 @@ def test_concurrent_offload_and_restore_never_see_half_written_blocks(tmp_path, 
     assert not list(tmp_path.rglob("*.tmp"))
 
 
-def test_tp_shards_merge_and_restore_at_another_tp(tmp_path):
+def test_tp_head_split_and_merge():
+    """How ranks split KV heads (vLLM's assignment, replicas when tp exceeds the heads) and how the
+    shards merge back: each head once, replicas checked equal in bits."""
     from inferbook.serving import kv_tp_merge as tpm
 
-    cfg = dict(vocab=128, d_model=64, n_layers=2, n_heads=4, n_kv_heads=4, ffn=96, max_seq=96)
-    args = dict(cfg=cfg, block_size=16, prompt_len=64, seed=fresh_seed() % 10000, model_id="tp-test",
-                dir=str(tmp_path / "merged"), mode=["merged", "sharded"], durable=False)
-    res = tpm.launch(args, world_size=2, timeout_s=90)
-    assert [r["modes"]["merged"]["writes"] for r in res] == [4, 0]     # rank 0 writes one merged file per block
-    assert [r["modes"]["sharded"]["writes"] for r in res] == [4, 4]    # sharded: tp times the writes, each half size
-    assert res[0]["modes"]["merged"]["bytes_per_write"] == 2 * res[0]["modes"]["sharded"]["bytes_per_write"]
-    _, k, v = tpm.full_kv(cfg, args["seed"], 64, 16)
-    for tp in (1, 2, 4):
-        back = tpm.restore_at(args["dir"], args, tp)
-        for r in range(tp):
-            a, b = tpm.head_range(4, tp, r)
-            for i in range(4):
-                assert torch.equal(back[r][i]["k"], k[i][..., a:b, :]) and torch.equal(back[r][i]["v"], v[i][..., a:b, :])
-    with pytest.raises(UserError, match="tp=3"):
-        tpm.head_range(4, 3, 0)
-
-
-def test_tp_merge_of_replicated_kv_heads(tmp_path):
-    """One latent KV head (MLA-like) held whole by both ranks: merged, it is written once per block
-    (the sharded layout writes every replica); read back at TP 1, 2 and 4, every rank gets it.
-    Two KV heads read at TP 4: heads replicated on pairs of ranks, as vLLM assigns them."""
-    from inferbook.serving import kv_tp_merge as tpm
-
+    assert [tpm.head_range(4, 2, r) for r in range(2)] == [(0, 2), (2, 4)]
     assert [tpm.head_range(2, 4, r) for r in range(4)] == [(0, 1), (0, 1), (1, 2), (1, 2)]
     assert [tpm.head_range(1, 2, r) for r in range(2)] == [(0, 1), (0, 1)] and tpm.replicas(2, 4) == 2
-    cfg = dict(vocab=128, d_model=64, n_layers=2, n_heads=4, n_kv_heads=1, ffn=96, max_seq=96)
-    args = dict(cfg=cfg, block_size=16, prompt_len=64, seed=fresh_seed() % 10000, model_id="tp-mla",
-                dir=str(tmp_path / "merged"), mode=["merged", "sharded"], durable=False)
-    res = tpm.launch(args, world_size=2, timeout_s=90)
-    assert [r["modes"]["merged"]["writes"] for r in res] == [4, 0]
-    assert [r["modes"]["sharded"]["writes"] for r in res] == [4, 4]      # each replica written again
-    assert res[0]["modes"]["merged"]["bytes_per_write"] == res[0]["modes"]["sharded"]["bytes_per_write"]
-    _, k, v = tpm.full_kv(cfg, args["seed"], 64, 16)
-    for tp in (1, 2, 4):
-        back = tpm.restore_at(args["dir"], args, tp)
-        assert all(torch.equal(back[r][i]["k"], k[i]) and torch.equal(back[r][i]["v"], v[i])
-                   for r in range(tp) for i in range(4))
-    full = torch.randn(3, 2, 8)          # [tokens, kv_heads=2, D]
-    shards = [tpm.shard_of(full, 4, r) for r in range(4)]
-    assert torch.equal(tpm.merge_shards(shards, 2), full)
-    bad = [s.clone() for s in shards]
+    with pytest.raises(UserError, match="tp=3"):
+        tpm.head_range(4, 3, 0)
+    for heads, tp in ((4, 2), (2, 4), (1, 2)):
+        full = torch.randn(3, heads, 8)          # [tokens, kv_heads, D]
+        shards = [tpm.shard_of(full, tp, r) for r in range(tp)]
+        assert torch.equal(tpm.merge_shards(shards, heads), full)
+    full = torch.randn(3, 2, 8)
+    bad = [tpm.shard_of(full, 4, r).clone() for r in range(4)]
     bad[3].view(-1)[0] = bad[3].view(-1)[0] + 1      # one replica disagrees in one element
     with pytest.raises(RuntimeError, match="replicas"):
         tpm.merge_shards(bad, 2)
+
+
+def test_tp_engine_matches_tp1_through_the_tiers_and_catches_faults(tmp_path):
+    """The engine at TP 2 (two gloo ranks, rank 0 scheduling, merged rows in the host and file tiers)
+    against TP 1: same tokens, logits within the tolerance rule, blocks served by host and file, a TP-1
+    engine reading its files, one compute-stream sync per step on rank 0 — and each injected fault
+    (restored shards sent to the wrong rank; attention's partial outputs not summed) fails the check."""
+    from inferbook.serving.kv_offload import checks
+
+    res = checks.tp_engine_check(fresh_seed() % 10000, tmp_path,
+                                 faults=("swap_restored_shards", "no_attention_merge"))
+    assert res["passed"], res
+    clean = [r for r in res["rows"] if r["fault injected"] == "none"]
+    faulty = [r for r in res["rows"] if r["fault injected"] != "none"]
+    assert len(clean) == 2 and len(faulty) == 2
+    for r in clean:
+        assert r["passed"] and r["greedy tokens = TP 1"] and r["max |logit - gold|, TP 2"] <= r["tolerance"]
+        assert r["blocks from host"] > 0 and r["blocks from file"] > 0 and r["TP-1 engine: blocks from TP-2 files"] > 0
+        assert r["syncs per step (rank 0)"] <= 1 and r["worker forwards"] == r["steps"] > 0
+        assert r["blocks gathered to rank 0"] > 0 and r["MB scattered"] > 0
+    for r in faulty:
+        assert not r["passed"] and r["max |logit - gold|, TP 2"] > r["tolerance"]
+
+
+@pytest.mark.parametrize("case", ["heads", "ffn", "kv", "fault"])
+def test_tp_engine_bad_input_is_one_clear_error(case):
+    from inferbook.serving import tensor_parallel as tpe
+    from inferbook.serving.model import TinyConfig
+
+    cfg = dict(vocab=64, d_model=64, n_layers=1, n_heads=4, n_kv_heads=2, ffn=96, max_seq=32)
+    with pytest.raises(UserError) as e:
+        if case == "heads":
+            tpe.check_tp(TinyConfig(**{**cfg, "n_heads": 2, "n_kv_heads": 2}), 4)
+        elif case == "ffn":
+            tpe.check_tp(TinyConfig(**{**cfg, "ffn": 97}), 2)
+        elif case == "kv":
+            tpe.check_tp(TinyConfig(**{**cfg, "n_heads": 6, "n_kv_heads": 2, "d_model": 96}), 3)
+        else:
+            tpe.launch({"cfg": cfg, "fault": "typo"}, world_size=2)
+    assert len(str(e.value).splitlines()) == 1
 
 
 @pytest.mark.parametrize("case", ["capacity", "peer_addr", "peer_timeout", "block_size", "layout", "tier_name"])
@@ -397,6 +408,27 @@ def test_chapter_parameters_are_checked_before_any_work(change, needle):
     assert needle in str(e.value)
     with pytest.raises(UserError, match="'some'"):
         ch.make_workload("some", ch.PRESETS["smoke"], 0)
+
+
+def test_cpu_preset_file_and_peer_tiers_serve_and_a_request_waits(tmp_path):
+    """Issue 24: at the cpu preset's sizes the host tier is smaller than the working set of prefixes and
+    the file tier larger than the host, so on the shared workload with every tier both the file and the
+    peer serve blocks, and a request waits for its fetch while the engine steps the others."""
+    from inferbook.chapters import tiered_kv_offload as ch
+    from inferbook.serving.kv_offload.bench import run_workload
+
+    P = dict(ch.PRESETS["cpu"])
+    assert P["host_blocks"] < P["num_prefixes"] * P["prefix_len"] // P["block_size"] and P["file_blocks"] > P["host_blocks"]
+    model = init_weights(TinyDecoder(ch.model_config(P)), 0).eval()
+    with kt.PeerProcess() as peer:
+        _, tiers, _ = run_workload(model, ch.make_workload("shared", P, 0), P, ch.configs(P)[2],
+                                   host_blocks=P["host_blocks"], scratch=tmp_path, peer_address=peer.address, seed=0)
+        try:
+            st = tiers.stats
+            assert st.restored_blocks["file"] > 0 and st.restored_blocks["peer"] > 0, st.restored_blocks
+            assert st.fetches_started > 0 and st.steps_with_fetch_in_flight > 0 and st.fetch_wait_s
+        finally:
+            tiers.close()
 
 
 def test_workloads_share_prefixes_only_when_asked():

@@ -80,11 +80,12 @@ PRESETS = {
                   block_size=16, prefix_len=96, suffix_len=16, output_len=4, num_prefixes=6, num_requests=24,
                   max_num_seqs=2, max_num_batched_tokens=128, device_blocks=32, host_blocks=12, file_blocks=12,
                   host_sweep="0.5,1,2,3", copy_block_mb="1,4", copy_total_mb=32, file_total_mb=8, use_peer=True, admit_after=2, repeats=3, restore_reps=6),
-    # the host tier holds a third of the working set of shared prefixes (num_prefixes x prefix blocks),
-    # so the file and peer tiers serve hits and requests wait for their fetches
+    # the host tier holds a third of the working set of shared prefixes (num_prefixes x prefix blocks) and
+    # the file tier half (more than the host: an LRU as large as the host's, fed from it, holds the same
+    # blocks and never serves), so the file and peer tiers serve hits and requests wait for their fetches
     "cpu": dict(d_model=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn=688, vocab=512, dtype="float32",
-                block_size=16, prefix_len=192, suffix_len=16, output_len=4, num_prefixes=6, num_requests=16,
-                max_num_seqs=4, max_num_batched_tokens=512, device_blocks=72, host_blocks=24, file_blocks=24,
+                block_size=16, prefix_len=192, suffix_len=16, output_len=4, num_prefixes=6, num_requests=32,
+                max_num_seqs=4, max_num_batched_tokens=512, device_blocks=72, host_blocks=24, file_blocks=36,
                 host_sweep="0.5,1,1.5", copy_block_mb="1,4", copy_total_mb=64, file_total_mb=16,
                 use_peer=True, admit_after=2, repeats=3, restore_reps=8),
     "gpu": dict(d_model=1024, n_layers=8, n_heads=16, n_kv_heads=8, ffn=2816, vocab=32000, dtype="bfloat16",
@@ -262,8 +263,10 @@ def engine_record(ctx, name: str, variant: str, workload_kind: str, P: dict, cfg
         rec.add("not_stored_unreused", st.not_stored_unreused, "blocks", phase="total",
                 definition=f"full blocks kept off the host: looked up fewer than store_threshold="
                            f"{tiers.reuse.threshold} times (vLLM's FilterReusedOffloadingManager)")
-        steps = max(1, len(engine.steps))
-        rec.add("compute_syncs_per_step", engine.compute_syncs / steps, "syncs", phase="total")
+        steps = max(1, len(engine.steps) + engine.idle_steps)   # every step() call, those that waited included
+        rec.add("compute_syncs_per_step", engine.compute_syncs / steps, "syncs", phase="total",
+                definition="compute-stream synchronisations per engine step (steps that only waited for a fetch "
+                           "included)")
         rec.add("steps_with_fetch_in_flight", st.steps_with_fetch_in_flight, "steps", phase="total")
         rec.add("not_admitted_below_host", tiers.store.not_admitted, "blocks", phase="total",
                 definition=f"blocks kept in host memory only: used fewer than admit_after="

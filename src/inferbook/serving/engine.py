@@ -55,7 +55,7 @@ class StepStats:
 
 class LLMEngine:
     def __init__(self, model: TinyDecoder, config: EngineConfig | None = None, drafter=None,
-                 clock=time.perf_counter):
+                 clock=time.perf_counter, runner_factory=None):
         self.model, self.config = model, config or EngineConfig()
         cfg, mcfg = self.config, model.cfg
         self.max_model_len = mcfg.max_seq
@@ -72,7 +72,9 @@ class LLMEngine:
         num_blocks = cfg.num_blocks or cfg.max_num_seqs * -(-(mcfg.max_seq + cfg.num_spec_tokens) // cfg.block_size)
         self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(cfg, self.block_manager)
-        self.runner = ModelRunner(model, num_blocks, cfg.block_size)
+        # `runner_factory(model, num_blocks, block_size)`: another runner over the same pages, e.g. one
+        # rank's shard of a tensor-parallel engine (`tensor_parallel.TPModelRunner`)
+        self.runner = (runner_factory or ModelRunner)(model, num_blocks, cfg.block_size)
         # a multi-layer draft (EAGLE-3 style) reads several target layers: the runner hands them over
         self.runner.feature_layers = getattr(self.drafter, "feature_layers", None)
         self.device = self.runner.device
@@ -85,6 +87,7 @@ class LLMEngine:
         # With KV tiers attached the engine syncs once per step, at its start: the copies wait on events.
         self.sync_every_phase = True
         self.compute_syncs = 0
+        self.idle_steps = 0      # step() calls that ran no batch (waiting for a KV fetch or copy): one sync each
 
     # -- requests ------------------------------------------------------------------
     def add_request(self, prompt, params: SamplingParams | None = None) -> Sequence:
@@ -142,6 +145,7 @@ class LLMEngine:
         if tiers is not None:
             tiers.note_step()
         if not out.chunks:
+            self.idle_steps += 1
             if tiers is not None and tiers.busy():   # waiting for a KV fetch or for blocks under copy
                 tiers.wait_for_progress(0.005)
                 return []

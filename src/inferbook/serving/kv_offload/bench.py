@@ -176,7 +176,7 @@ def run_workload(model, prompts, P: dict, config: str, *, host_blocks: int, scra
             t.stats.__init__(t.name)
         tiers.store.not_admitted = 0
         tiers.reuse.counts.clear()          # the warm-up's lookups are not the workload's
-    engine.compute_syncs = 0
+    engine.compute_syncs = engine.idle_steps = 0
     run = run_closed_loop(engine, prompts, SamplingParams(max_tokens=P["output_len"]), P["max_num_seqs"])
     if tiers is not None:
         tiers.flush()

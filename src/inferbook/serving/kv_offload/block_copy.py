@@ -28,6 +28,15 @@ def use_cross_layer_blocks(runner) -> None:
     runner.kv_layout = CROSS_LAYER
 
 
+def staged_source(staged: torch.Tensor):
+    """A stand-in runner whose 'device blocks' are the rows of a staging tensor [n, layers, 2,
+    block_size, kv_heads, head_dim] (a TP engine's merged blocks, `TPModelRunner.gather_blocks`):
+    `copy_blocks_to_rows` then moves staged block i into a host row as it moves a device block."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(kv_blocks=staged, k_cache=staged, kv_layout=CROSS_LAYER, block_size=staged.shape[3])
+
+
 def runner_kv_layout(runner) -> str:
     return getattr(runner, "kv_layout", LAYER_MAJOR)
 

@@ -109,43 +109,79 @@ def hybrid_check(seed: int, workdir: Path) -> dict:
     return hybrid_restore_check(seed + 51, workdir)
 
 
-def tp_check(seed: int, workdir: Path, use_cuda: bool = False, timeout_s: float = 120.0) -> dict:
-    """Two TP ranks (torch.distributed on loopback) store a prompt's KV merged and sharded; the merged
-    rows are read back at TP 1, 2 and 4 and compared in bits with the reference shards. Twice: with
-    4 KV heads (split 2 + 2) and with 1 KV head held whole by both ranks (replicated, as MLA's
-    latent is), where the merge writes each head once and TP 4 reads replicas."""
-    from .. import kv_tp_merge as tpm
+def tp_engine_check(seed: int, workdir: Path, use_cuda: bool = False, faults: tuple = ("swap_restored_shards",),
+                    timeout_s: float = 180.0) -> dict:
+    """The serving engine at TP 2 (`serving.tensor_parallel`: two ranks on loopback, gloo on CPU, NCCL
+    when each has a GPU) against the same engine at TP 1, on a shared-prefix workload whose device pool
+    evicts the prefixes, so they come back from the host and file tiers through the merged rows.
 
-    rows, exact, passed = [], {}, True
-    variants = []
-    for kv_heads in (4, 1):
-        cfg = dict(vocab=128, d_model=64, n_layers=2, n_heads=4, n_kv_heads=kv_heads, ffn=96, max_seq=160)
-        variants.append(dict(cfg=cfg, model_id=f"tp-check-{seed}-{kv_heads}", dir=str(Path(workdir) / f"tp{kv_heads}")))
-    args = dict(block_size=16, prompt_len=128, seed=seed + 61, mode=["merged", "sharded"], durable=True,
-                use_cuda=use_cuda, variants=variants, **variants[0])
-    res = tpm.launch(args, world_size=2, timeout_s=timeout_s)    # both variants in one process group
-    res0 = res[0]
-    for i, (variant, what) in enumerate(zip(variants, ("4 KV heads, split", "1 KV head, replicated"))):
-        va = {**args, **variant}
+    Twice: 2 KV heads (one per rank) and 1 KV head (replicated on both, as MLA's latent is). Passes when
+    the TP-2 logits lie within the tolerance rule
+    (`tolerance.within_reference_error`: |TP 2 - gold| <= 2 x |TP 1 - gold| + fp32 rounding floor,
+    gold = the TP-1 engine in float64, no tiers) at every sampled token whose context all three share,
+    the greedy choices agree wherever they are decisive (`tolerance.decisive_agreement`; whether the
+    token lists are equal is reported, not asserted), the tiers served blocks from host and file, a TP-1
+    engine reading the TP-2 run's files restores them with the same tokens, and rank 0 synchronised
+    its compute stream at most once per step. Each of `faults` (`tensor_parallel.FAULTS`) runs once more
+    with that bug injected into the 2-KV-head engine; `passed` needs every such run to fail the check."""
+    import secrets
+
+    from .. import tensor_parallel as tpe
+    from ...tolerance import decisive_agreement, within_reference_error
+
+    base, prompts = tpe.workload(seed)
+    base["use_cuda"] = use_cuda
+    variants, what = [], {2: "2 KV heads, one per rank", 1: "1 KV head, replicated"}
+    for kv_heads, f in [(2, None), (1, None)] + [(2, f) for f in faults]:
+        cfg = dict(vocab=128, d_model=64, n_layers=2, n_heads=4, n_kv_heads=kv_heads, ffn=176, max_seq=96)
+        name = f"kv{kv_heads}" + (f"-{f}" if f else "")
+        variants.append(dict(cfg=cfg, model_id=f"tp-engine-{seed}-{name}", prompts=prompts, fault=f, tiers=dict(
+            host_blocks=24, file_dir=str(Path(workdir) / f"tp2-{name}"), file_secret=secrets.token_hex(32))))
+    # every variant in one process group: one spawn
+    res = tpe.launch({**base, **variants[0], "variants": variants}, world_size=2, timeout_s=timeout_s)
+    rows, passed, refs = [], True, {}
+    for i, variant in enumerate(variants):
+        va = {**base, **variant}
+        tp2, worker = res[0]["variants"][i], res[1]["variants"][i]
+        model = tpe.build_model(va["cfg"], va["seed"], "cpu")
         kv_heads = va["cfg"]["n_kv_heads"]
-        _, k, v = tpm.full_kv(va["cfg"], va["seed"], va["prompt_len"], 16)
-        for tp in (1, 2, 4):
-            back = tpm.restore_at(va["dir"], va, tp)
-            exact[f"{what}, TP {tp}"] = all(
-                back[r][j] is not None and torch.equal(back[r][j]["k"], tpm.shard_of(k[j], tp, r))
-                and torch.equal(back[r][j]["v"], tpm.shard_of(v[j], tp, r))
-                for r in range(tp) for j in range(k.shape[0]))
-        merged = [r["runs"][i]["modes"]["merged"] for r in res]
-        sharded = [r["runs"][i]["modes"]["sharded"] for r in res]
-        rows += [{"KV heads": what, "layout": "merged on rank 0", "files written": sum(m["writes"] for m in merged),
-                  "bytes per file": merged[0]["bytes_per_write"],
-                  "seconds (slowest rank)": significant(max(m["seconds"] for m in merged))},
-                 {"KV heads": what, "layout": "one shard per rank", "files written": sum(s_["writes"] for s_ in sharded),
-                  "bytes per file": sharded[0]["bytes_per_write"],
-                  "seconds (slowest rank)": significant(max(s_["seconds"] for s_ in sharded))}]
-        factor = 2 if kv_heads == 4 else 1     # split: merged files are twice the size; replicated: the same size
-        passed = passed and rows[-2]["files written"] * 2 == rows[-1]["files written"] \
-            and rows[-2]["bytes per file"] == factor * rows[-1]["bytes per file"]
-    return {"rows": rows, "restore exact at tp": exact, "backend": res0["backend"], "blocks": res0["blocks"],
-            "passed": passed and all(exact.values())}
-
+        if kv_heads not in refs:     # the TP-1 engine with the same tiers, and the float64 gold (no tiers)
+            ref_va = {**va, "tiers": {**va["tiers"], "file_dir": str(Path(workdir) / f"tp1-kv{kv_heads}")}}
+            e1, t1 = tpe.engine_for(model, ref_va)
+            out1, log1 = tpe.serve(e1, prompts, va["max_tokens"])
+            t1.close()
+            eg, _ = tpe.engine_for(tpe.build_model(va["cfg"], va["seed"], "cpu", torch.float64), {**va, "tiers": None})
+            refs[kv_heads] = (out1, log1) + tpe.serve(eg, prompts, va["max_tokens"])
+        out1, log1, outg, logg = refs[kv_heads]
+        # a TP-1 engine reading what the TP-2 engine wrote below the host: the merged rows serve any TP size
+        er, tr = tpe.engine_for(model, {**va, "tiers": {**va["tiers"], "host_blocks": 4}})
+        outr, _ = tpe.serve(er, prompts, va["max_tokens"])
+        from_files = tr.stats.restored_blocks["file"]
+        tr.close()
+        keys = []
+        for r, (a, b, c) in enumerate(zip(tp2["outputs"], out1, outg)):
+            same = next((j for j in range(len(c)) if not (a[j] == b[j] == c[j])), len(c))
+            keys += [(r, j) for j in range(min(same + 1, len(c)))]       # logits of the same context in all three
+        cand, ref, gold = (torch.stack([log[k] for k in keys]) for log in (tp2["logits"], log1, logg))
+        tol = within_reference_error(cand, ref, gold, torch.float32)
+        # greedy choices compared where more than rounding decides them (the gold's top-2 gap > 2 x tolerance)
+        agree = decisive_agreement(cand.argmax(-1), ref.argmax(-1), gold, tol["tolerance"])
+        syncs = tp2["compute_syncs"] / max(1, tp2["steps"] + tp2["idle_steps"])   # per step() call
+        row = {"KV heads": what[kv_heads], "fault injected": va["fault"] or "none", "backend": res[0]["backend"],
+               "greedy tokens = TP 1": tp2["outputs"] == out1,
+               "decisive positions agree": f"{agree['agree_decisive']}/{agree['decisive']}",
+               "max |logit - gold|, TP 2": float(significant(tol["error"])),
+               "same, TP 1": float(significant(tol["reference_error"])),
+               "tolerance": float(significant(tol["tolerance"])),
+               "blocks from host": tp2["restored_blocks"]["host"], "blocks from file": tp2["restored_blocks"]["file"],
+               "blocks gathered to rank 0": tp2["offloaded_blocks"], "MB gathered": tp2["comm"]["gather_bytes"] / 1e6,
+               "MB scattered": tp2["comm"]["scatter_bytes"] / 1e6, "all-reduces": tp2["comm"]["all_reduce"],
+               "steps": tp2["steps"], "worker forwards": worker["steps"], "syncs per step (rank 0)": syncs,
+               "TP-1 engine: blocks from TP-2 files": from_files, "its tokens = TP 1": outr == out1}
+        row["passed"] = bool(agree["passed"] and tol["passed"] and row["blocks from host"] > 0
+                             and row["blocks from file"] > 0 and from_files > 0 and row["its tokens = TP 1"]
+                             and syncs <= 1 and worker["steps"] == tp2["steps"])
+        # a clean run must pass; a run with a fault injected must be caught
+        passed = passed and (row["passed"] if va["fault"] is None else not row["passed"])
+        rows.append(row)
+    return {"rows": rows, "passed": passed, "backend": res[0]["backend"]}

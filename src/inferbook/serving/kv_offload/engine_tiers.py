@@ -11,7 +11,7 @@ import torch
 
 from ...errors import UserError
 from . import block_copy
-from .block_copy import (CROSS_LAYER, KV_LAYOUTS, block_pieces, engine_layout, model_fingerprint,
+from .block_copy import (CROSS_LAYER, KV_LAYOUTS, block_pieces, engine_layout, model_fingerprint, staged_source,
                          runner_kv_layout, use_cross_layer_blocks)
 from .copy_stream import CopyJob, CopyStream
 from .layout import namespace, prefix_keys
@@ -86,11 +86,16 @@ class EngineKVTiers:
         if kv_layout not in KV_LAYOUTS:
             raise UserError(f"kv_layout={kv_layout!r} unknown; choose one of {', '.join(KV_LAYOUTS)}")
         self.engine, self.runner, self.bm = engine, engine.runner, engine.block_manager
+        # a tensor-parallel runner (`tensor_parallel.TPModelRunner`, rank 0): the host rows hold every
+        # rank's heads, merged (`gather_blocks`), and restores are scattered back (`scatter_rows`)
+        self.tp = getattr(self.runner, "comm", None) is not None
+        if self.tp and kv_layout != CROSS_LAYER:
+            raise UserError("a tensor-parallel engine's tiers use the cross-layer KV layout")
         if kv_layout == CROSS_LAYER and runner_kv_layout(self.runner) != CROSS_LAYER:
             if engine.finished or engine.has_unfinished():
                 raise UserError("the cross-layer KV layout is set before the engine serves any request")
             use_cross_layer_blocks(self.runner)
-        self.layout = engine_layout(self.runner)
+        self.layout = self.runner.merged_layout() if self.tp else engine_layout(self.runner)
         self.ns = namespace(model_id or model_fingerprint(engine.model), self.runner.block_size, self.runner.dtype,
                             self.layout)
         pin = self.runner.device.type == "cuda"
@@ -201,18 +206,26 @@ class EngineKVTiers:
                 want.append((key, block))
         if not want:
             return 0
-        for _, block in want:                        # held until the copy completed (`completed_blocks`)
-            self.bm.ref_count[block] += 1
-        with self._lock:
-            self._held += len(want)
+        state = {"want": want, "t0": t0, "done": 0, "final": final, "src": self.runner, "hold": not self.tp}
+        if self.tp:
+            # the TP merge, inside the step: every rank's heads of these blocks gathered into one staging
+            # tensor on rank 0; the copies below read it, so the device blocks need not be held
+            state["src"] = staged_source(self.runner.gather_blocks([b for _, b in want]))
+            state["want"] = want = [(key, i) for i, (key, _) in enumerate(want)]
+        else:
+            for _, block in want:                    # held until the copy completed (`completed_blocks`)
+                self.bm.ref_count[block] += 1
+            with self._lock:
+                self._held += len(want)
         n = len(want)
-        if not self._offload_round({"want": want, "t0": t0, "done": 0, "final": final}, first=True):
+        if not self._offload_round(state, first=True):
             if not final:
                 self._stored[seq.seq_id] = start     # try again next step
-            for block in self._unlaunched:           # nothing launched: not held after all
-                self.bm.ref_count[block] -= 1
-            with self._lock:
-                self._held -= len(self._unlaunched)
+            if state["hold"]:
+                for block in self._unlaunched:       # nothing launched: not held after all
+                    self.bm.ref_count[block] -= 1
+                with self._lock:
+                    self._held -= len(self._unlaunched)
             n = 0
         return n
 
@@ -235,7 +248,7 @@ class EngineKVTiers:
                     self.store.host.stats.skipped += len(want)   # host full of rows still being written or read
                 if first:                                    # the caller lets go of them at once
                     self._unlaunched = [block for _, block in want]
-                else:
+                elif state["hold"]:
                     for _, block in want:
                         self._released.put(block)
                 want.clear()
@@ -249,7 +262,7 @@ class EngineKVTiers:
         self.stats.transfers += 1
 
         def copy():
-            block_copy.copy_blocks_to_rows(self.runner, self.layout, pairs)
+            block_copy.copy_blocks_to_rows(state["src"], self.layout, pairs)
 
         def done(job: CopyJob):
             if job.error is not None:
@@ -261,8 +274,9 @@ class EngineKVTiers:
                 state["done"] += len(todo)
                 if not state.get("final", True):
                     self.stats.stored_while_running += len(todo)
-            for _, _, block in todo:
-                self._released.put(block)
+            if state["hold"]:
+                for _, _, block in todo:
+                    self._released.put(block)
             self._offload_round(state, first=False)
 
         if first:
@@ -386,7 +400,17 @@ class EngineKVTiers:
         blocks = [take_block() for _ in got.rows]   # allocated only now that the data is in host memory
         self.stats.transfers += 1
         pairs = list(zip(blocks, got.rows))
-        if self.runner.device.type == "cuda":
+        if self.tp:
+            # the rows hold every rank's heads: copied out of the pinned rows, then each rank's slice
+            # scattered to it and written into its device blocks (`TPModelRunner.scatter_rows`)
+            try:
+                full = torch.stack([self.layout.views(row)["kv"] for row in got.rows])
+            finally:
+                got.release()
+            if self.runner.device.type == "cuda":
+                full = full.pin_memory()
+            self.runner.scatter_rows(blocks, full)
+        elif self.runner.device.type == "cuda":
             # on the copy stream; the compute stream waits on its event (no host synchronisation),
             # and the pinned rows are released once the copy completed
             job = self.copier.submit(lambda: block_copy.copy_rows_to_blocks(self.runner, self.layout, pairs),

@@ -50,13 +50,16 @@ class TieredKVStore:
     `admit_after` times (each offload of a request that held it counts one use: its first
     computation, and every later request that reused it from the device or a tier). With
     `admit_after=1` every offloaded block is written below. Uses are counted in a bounded LRU
-    table of `max_tracked` keys."""
+    table of `max_tracked` keys.
+
+    `file_secret`: the file tier's HMAC key (default: drawn by the tier, so only this store can read its
+    files); a store given the same key reads the files another wrote, e.g. an engine at another TP size."""
 
     def __init__(self, layout: BlockLayout, ns: str, *, host_capacity_blocks: int, pin: bool = False,
                  file_dir: str | os.PathLike | None = None, file_capacity_bytes: int | None = None,
                  durable: bool = True, peer_address: tuple[str, int] | None = None, peer_timeout_s: float = 2.0,
                  peer_secret: str | None = None, background: bool = True, admit_after: int = 1,
-                 max_tracked: int = 1 << 16):
+                 max_tracked: int = 1 << 16, file_secret: bytes | None = None):
         if isinstance(admit_after, bool) or not isinstance(admit_after, int) or admit_after < 1:
             raise UserError(f"admit_after={admit_after!r} must be a positive int (uses before a block goes below host)")
         self.admit_after = admit_after
@@ -68,7 +71,8 @@ class TieredKVStore:
         self.host = HostTier(host_capacity_blocks, self.row_bytes, pin=pin)
         self.lower: list = []
         if file_dir is not None:
-            self.lower.append(FileTier(file_dir, ns, self.row_bytes, capacity_bytes=file_capacity_bytes, durable=durable))
+            self.lower.append(FileTier(file_dir, ns, self.row_bytes, capacity_bytes=file_capacity_bytes, durable=durable,
+                                        secret=file_secret))
         if peer_address is not None:
             self.lower.append(PeerTier(peer_address, self.row_bytes, timeout_s=peer_timeout_s, secret=peer_secret))
         self.background = background
