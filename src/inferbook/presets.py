@@ -225,12 +225,19 @@ STARTUP_ALLOWANCE_S = 10   # interpreter start, imports, CUDA context, setup: be
 KILL_GRACE_S = 3           # after SIGINT at the timeout (partial records saved), SIGKILL this much later
 CEILINGS_S = 20            # `inferbook ceilings` before the chapters
 PACKING_S = 5              # the tarball at the end
+# The warm step before the chapters (each part's kernel chapters' gpu launches compiled ahead, on every core,
+# into the Triton cache the chapters read): its timeout; `inferbook budgets` predicts its length.
+WARM_TIMEOUT_S = 45
 
 
-def worst_case_total_s(preset: str = "gpu") -> float:
-    """The longest `scripts/gpu_measure.sh` can take at `preset` if every chapter runs to its timeout."""
-    return CEILINGS_S + PACKING_S + sum(sum(b) + STARTUP_ALLOWANCE_S + KILL_GRACE_S
-                                        for b in BUDGETS_S.get(preset, {}).values())
+RUN_PARTS = 2              # the run is two device calls (one may run 600 s at most): PART=1/2 and PART=2/2
+
+
+def worst_case_total_s(preset: str = "gpu", parts: int = 1) -> float:
+    """The longest `scripts/gpu_measure.sh` can take at `preset` if every chapter runs to its timeout, run in
+    `parts` calls (each measures the ceilings, warms the Triton cache and packs its own tarball)."""
+    return parts * (CEILINGS_S + PACKING_S + WARM_TIMEOUT_S) + sum(
+        sum(b) + STARTUP_ALLOWANCE_S + KILL_GRACE_S for b in BUDGETS_S.get(preset, {}).values())
 
 BUDGETS_S: dict[str, dict[str, tuple[float, float]]] = {"gpu": {
     "h3-vae-fusion": (25, 35),            # torch.compile of the decoder and the toy DiT
