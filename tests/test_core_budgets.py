@@ -11,7 +11,7 @@ from inferbook import budgets, cli, rehearsal
 def _counts(slug, **kw):
     c = {"slug": slug, "params": rehearsal.rehearsal_params(slug), "cpu_s": 1.0, "torch_calls": 0, "kernel_calls": 0,
          "view_calls": 0, "metadata_calls": 0, "scalar_reads": 0, "triton_launches": 0, "triton_specialisations": 0,
-         "compiled_graphs": 0, "checks_failed": [], "python_cpu_s": 0.0, "counting_overhead_s": 0.0, "phases": []}
+         "compiled_graphs": 0, "checks_failed": [], "python_cpu_s": 0.0, "phases": []}
     return {**c, **kw}
 
 
@@ -33,25 +33,29 @@ def test_count_scale_multiplies_the_count_knobs():
 
 
 def test_host_part_prices_each_kind_of_step(monkeypatch):
-    monkeypatch.setattr(budgets, "gpu_compiles", lambda slug: (0, set()))
+    monkeypatch.setattr(budgets, "gpu_compiles", lambda slug: (0, frozenset(), 0))
     phase = {"kernel_calls": 1000, "view_calls": 100, "scalar_reads": 10, "triton_launches": 0}
     c = _counts("upgrade-record", kernel_calls=1000, view_calls=100, scalar_reads=10, metadata_calls=50,
-                python_cpu_s=0.5, phases=[["eager", phase]])
+                python_cpu_s=0.5, phases=[["(before the first record)", "eager", phase]])
     p = budgets.predict("upgrade-record", c, budget_s=15)
     u = budgets.HOST_S
-    scale = (128 / 8) * (10 / 3) * (8 / 2)   # new_tokens, reps, n_layers
+    g = rehearsal.chapter_module("upgrade-record").PRESETS["gpu"]
+    scale = (g["new_tokens"] / 8) * (g["reps"] / 3) * (g["n_layers"] / 2)   # reps: whole generate runs here
     assert p.scale == pytest.approx(scale)
+    o = budgets.COUNTING_OVERHEAD_S   # the counting's own cost, out of the Python seconds
+    python = 0.5 - (1000 * o["kernel_calls"] + 100 * o["view_calls"] + 50 * o["metadata_calls"] + 10 * o["scalar_reads"])
     want = scale * (1000 * u["kernel_call"] + 100 * u["view_call"] + 10 * u["scalar_read"] + 50 * u["metadata_call"]
-                    + 0.5 * budgets.PYTHON_SPEED)
+                    + python * budgets.PYTHON_SPEED)
     assert p.host_s == pytest.approx(want)
     assert p.binding == "host" and "Python" in p.binds
 
 
 def test_phases_scale_by_their_own_knobs(monkeypatch):
-    monkeypatch.setattr(budgets, "gpu_compiles", lambda slug: (0, set()))
+    monkeypatch.setattr(budgets, "gpu_compiles", lambda slug: (0, frozenset(), 0))
     monkeypatch.setitem(budgets.PHASE_KNOBS, "upgrade-record", {"serving": (("serve_requests", "value"),)})
     one = {"kernel_calls": 100, "view_calls": 0, "scalar_reads": 0, "triton_launches": 0}
-    c = _counts("upgrade-record", kernel_calls=200, phases=[["eager", one], ["serving-open-loop", one]])
+    c = _counts("upgrade-record", kernel_calls=200, phases=[["(before the first record)", "eager", one],
+                                                                  ["math-attention", "serving-open-loop", one]])
     p = budgets.predict("upgrade-record", c, budget_s=15)
     g, s = rehearsal.chapter_module("upgrade-record").PRESETS["gpu"], c["params"]
     want = 100 * budgets.count_scale("upgrade-record", g, s) + 100 * g["serve_requests"] / s["serve_requests"]
@@ -59,30 +63,32 @@ def test_phases_scale_by_their_own_knobs(monkeypatch):
 
 
 def test_compile_part_counts_gpu_shapes_and_the_warm_step(monkeypatch):
-    monkeypatch.setattr(budgets, "gpu_compiles", lambda slug: (40, {"k"}))
+    monkeypatch.setattr(budgets, "gpu_compiles", lambda slug: (40, frozenset({"k"}), 50))
     c = _counts("chord-w4a16", compiled_graphs=2, compile_cpu_s=10.0, triton_kernels={"k": 5, "other": 5},
                 triton_specialisations=4)
     p = budgets.predict("chord-w4a16", c, budget_s=38)
     assert "chord-w4a16" in budgets.WARMED
     shapes = budgets.shape_scale("chord-w4a16", rehearsal.chapter_module("chord-w4a16").PRESETS["gpu"], c["params"])
+    assert p.parts["host"]["50 timed Triton benchmarks x 200 samples (GPU only)"] == pytest.approx(
+        50 * (budgets.BENCH_SAMPLES + budgets.WARMUP_REPS) * (budgets.HOST_S["triton_launch"] + budgets.SAMPLE_SYNC_S))
     assert p.compile_s == pytest.approx(40 * budgets.CACHE_HIT_S + 0.5 * 4 * shapes * budgets.TRITON_COMPILE_S
-                                        + 2 * 5.0)
+                                        + 2 * budgets.TORCH_COMPILE_GRAPH_S)
     assert p.warm_s == pytest.approx(40 * budgets.TRITON_COMPILE_S / budgets.WARM_JOBS)
     assert budgets.warm_step_s([p]) == pytest.approx(budgets.WARM_START_S + p.warm_s)
 
 
 def test_device_part_uses_the_cost_model(monkeypatch):
     monkeypatch.setattr(budgets, "triton_device_seconds", lambda slug: (1e-3, "cost model (sm_90 SASS)"))
-    monkeypatch.setattr(budgets, "gpu_compiles", lambda slug: (0, set()))
+    monkeypatch.setattr(budgets, "gpu_compiles", lambda slug: (0, frozenset(), 0))
     p = budgets.predict("deterministic-attention", _counts("deterministic-attention"), budget_s=30)
-    reps = rehearsal.chapter_module("deterministic-attention").PRESETS["gpu"]["reps"]
-    assert p.device_s == pytest.approx(1e-3 * (reps + budgets.WARMUP_REPS) * budgets.TIMED_SIDES)
+    assert p.device_s == pytest.approx(1e-3 * (budgets.BENCH_SAMPLES + budgets.WARMUP_REPS))
     c = _counts("te-mxfp8-recipes", torch_bytes=4.8e9, torch_flops=0.0)
     monkeypatch.setattr(budgets, "triton_device_seconds", lambda slug: (0.0, "none"))
     p = budgets.predict("te-mxfp8-recipes", c, budget_s=30)
     g, s = rehearsal.chapter_module("te-mxfp8-recipes").PRESETS["gpu"], c["params"]
     size = budgets.count_scale("te-mxfp8-recipes", g, s, budgets.WORK_KNOBS["te-mxfp8-recipes"]["bytes"])
-    assert p.device_s == pytest.approx(1e-3 * p.scale * size)   # 4.8 GB at 4.8 TB/s, scaled
+    steps = g["train_steps"] / s["train_steps"] * g["ep_reps"] / s["ep_reps"]
+    assert p.device_s == pytest.approx(1e-3 * steps * size)     # 4.8 GB at 4.8 TB/s, scaled
 
 
 def test_budgets_command_fails_over_budget_and_without_counts(tmp_path, monkeypatch, capsys):
@@ -93,7 +99,7 @@ def test_budgets_command_fails_over_budget_and_without_counts(tmp_path, monkeypa
     budgets.save_dry_run(fine, path)
     monkeypatch.setattr(budgets, "DRY_RUN_FILE", path)
     monkeypatch.setattr(budgets, "triton_device_seconds", lambda slug: (0.0, "test"))
-    monkeypatch.setattr(budgets, "gpu_compiles", lambda slug: (0, set()))
+    monkeypatch.setattr(budgets, "gpu_compiles", lambda slug: (0, frozenset(), 0))
     assert cli.main(["budgets", "--preset", "gpu"]) == 0
     heavy = dict(fine, **{"upgrade-record": _counts("upgrade-record", compiled_graphs=100)})
     budgets.save_dry_run(heavy, path)

@@ -8,23 +8,25 @@ this CPU) counts the chapter's work; each count is scaled to the gpu preset and 
 - **host** (the Python host steps). Torch calls made from Python, split by what each costs on a GPU
   host: a kernel call (dispatch and a CUDA launch), a view (dispatch, no launch), a metadata read, a
   host read (`.item()`, `.tolist()`, `.cpu()`: the stream drains); Triton launches (Triton's Python
-  launcher); and the chapter's and engine's own Python (the dry run's main-thread CPU time outside torch
-  calls, Triton launches and torch.compile, less what the counting itself cost). Each is priced at
-  `HOST_S`. Counts scale from the dry run to the gpu preset by the knobs that multiply steps
-  (`COUNT_KNOBS`), per record where the chapter's phases grow by different knobs (`PHASE_KNOBS`: the
+  launcher), each priced at `HOST_S`; and the chapter's and engine's own Python: the dry run's
+  main-thread CPU seconds outside torch calls, Triton launches and torch.compile, less what the counting
+  itself cost (`COUNTING_OVERHEAD_S`), at `PYTHON_SPEED` — measured on a loaded shared CPU, where cache
+  contention slows Python, so an upper estimate. Counts scale from the dry run to the gpu preset by the knobs that multiply steps
+  (`COUNT_KNOBS`, less the timed repetitions: see REPETITION_KNOBS), per record where the chapter's phases grow by different knobs (`PHASE_KNOBS`: the
   dry run keeps the counts between one record's creation and the next).
 - **compile**. Triton: the distinct specialisations of the chapter's gpu-preset launches
   (`compiled.launches_for`, the launches the committed compile tables list, at the gpu shapes), plus
   the dry run's specialisations of kernels those lists do not hold. `scripts/gpu_measure.sh` compiles
   the listed launches ahead, in parallel, before the chapters (`WARMED`): the chapter then pays a cache
   load per specialisation, and the warm step's share is counted in the run's total, not the chapter's
-  budget. torch.compile: the dry run's cold Inductor seconds per graph, per graph the gpu preset builds.
+  budget. torch.compile: `TORCH_COMPILE_GRAPH_S` per graph the dry run built.
 - **device**. Triton launches at the cost model's predicted time (`compiled.predicted_seconds`, from
-  the SASS of the sm_90 compile table), each run (warm-up + timed repetitions) x the sides of an
-  interleaved comparison; torch ops at the H200's datasheet ceilings: the dry run's bytes and flops
+  the SASS of the sm_90 compile table), each timed as one benchmark of BENCH_SAMPLES samples (their
+  launches and syncs are host work too); torch ops at the H200's datasheet ceilings: the dry run's bytes and flops
   (tensor arguments and results of each kernel call; 2·M·N·K of each matmul-like call), scaled by the
-  step scale and by the knobs that grow one op (`WORK_KNOBS`), as max(bytes / HBM bandwidth, flops /
-  dense BF16 rate) — a floor for those ops, not their time.
+  knobs that grow the number of ops (`DEVICE_KNOBS`: the count knobs less the timed repetitions) and one
+  op's size (`WORK_KNOBS`), as max(bytes / HBM bandwidth, flops / dense BF16 rate) — a floor for those
+  ops, not their time.
 
 Host and device are added although a GPU overlaps them (asynchronous launches): an upper estimate.
 Every constant is stated below with where it comes from. It is a model, not a measurement: the first GPU
@@ -32,6 +34,7 @@ run's records are what calibrate it (compare `predicted_s` with the run's second
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import dataclass, field
@@ -55,10 +58,11 @@ HOST_S = {
 # The chapter's own Python (scheduler, bookkeeping) runs at this CPU's speed times this factor on the
 # H200 host: 1.0, taken equal (both are x86 server cores; an assumption, not a measurement).
 PYTHON_SPEED = 1.0
-# What counting one torch call costs the dry run outside the call (the TorchFunctionMode's Python),
-# subtracted from its Python time: 10.7 µs per call, measured on this CPU under load by
-# `rehearsal.counting_overhead_s()` (60,000 calls with and without the mode).
-COUNTING_OVERHEAD_S = 10.7e-6
+# What counting one torch call costs the dry run beyond the call itself (the TorchFunctionMode's Python),
+# subtracted from its Python time: per kind, the median of three 20,000-call loops with and without the
+# counter on this CPU under load (`rehearsal.counting_overhead_s()`): a kernel call (an add, its bytes
+# counted) 15 µs, a view 6.3 µs, a metadata read 2.7 µs; a host read is counted as a kernel call.
+COUNTING_OVERHEAD_S = {"kernel_calls": 15e-6, "view_calls": 6.3e-6, "metadata_calls": 2.7e-6, "scalar_reads": 15e-6}
 # One Triton specialisation compiled cold for sm_90 (TTIR -> TTGIR -> LLIR -> PTX -> ptxas, and the
 # disassembly `compiled.compile_launch` adds), CPU seconds of the process and its ptxas, measured on this
 # CPU for eight launches (chord-w4a16's decode linear and MoE GEMM, attention's flash forward and dQ,
@@ -68,9 +72,18 @@ TRITON_COMPILE_S = 3.0
 CACHE_HIT_S = 0.03     # a warmed specialisation: the cache key, reading the cubin, cuModuleLoad (estimate)
 WARM_JOBS = 16         # the warm step compiles on every core of the lent machine (16)
 WARM_START_S = 8.0     # the warm step's processes start and import torch + triton (estimate)
-TORCH_COMPILE_GRAPH_S = 12.0   # one Inductor graph cold, where the dry run compiled none to measure
-TIMED_SIDES = 2        # each timed launch runs beside the one it is compared with (interleaved)
+# One torch.compile graph cold on the H200 host: Dynamo's trace, AOTAutograd, Inductor's lowering and
+# the Triton compiles of its generated kernels (in parallel, on the host's 16 cores). 15 s, an estimate
+# for graphs of this book's size (a few hundred ops, tens of generated kernels); the dry run's own
+# compile seconds are wall time of Inductor's C++ backend on a loaded 2-core CPU and are not used.
+TORCH_COMPILE_GRAPH_S = 15.0
 WARMUP_REPS = 3        # `measure.benchmark` warm-up calls before the timed ones
+# `measure.benchmark` takes samples until `min_time_s` (0.2 s) and at most `max_reps` (200): a launch of
+# microseconds is sampled 200 times. Triton kernels are timed only on a GPU (never in the dry run), so
+# each gpu-preset launch is priced as one such benchmark: its samples' device time (cost model) and host
+# time (the launch plus the per-sample sync and events).
+BENCH_SAMPLES = 200
+SAMPLE_SYNC_S = 30e-6  # a timed sample's CUDA events, synchronize and L2 flush on the host (estimate)
 CARD = "H200"
 
 # Chapters whose gpu-preset launches `scripts/gpu_measure.sh` compiles ahead (`compiled.inspect` into
@@ -79,7 +92,8 @@ WARMED = ("chord-w4a16", "attention-test-matrix", "deterministic-attention", "gd
           "kimi-topk-tail-fusion", "minimax-m3-moe", "sglang-fused-comm", "te-mxfp8-recipes")
 
 # How each chapter's step count grows from the dry run to the gpu preset: (knob, how), how is
-# "value" (count = the knob), "len" (a list knob: its length), "sum" (its sum) or "prod" (its product).
+# "value" (count = the knob), "len" (a list knob: its length), "sum" (its sum) or "prod" (its product),
+# or (what, function of the params) for a count several knobs make together.
 COUNT_KNOBS: dict[str, tuple[tuple[str, str], ...]] = {
     "h3-vae-fusion": (("reps", "value"), ("layers", "value")),
     "h3-tiled-decode": (("reps", "value"), ("overlaps", "len"), ("latent_frames", "value")),
@@ -91,10 +105,12 @@ COUNT_KNOBS: dict[str, tuple[tuple[str, str], ...]] = {
     "kimi-topk-tail-fusion": (("tokens", "len"), ("reps", "value")),
     "chord-w4a16": (("m_sweep", "len"), ("decode_m", "len"), ("reps", "value")),
     "minimax-m3-moe": (("concurrency", "len"), ("tps", "len"), ("eps", "len"), ("reps", "value")),
-    "tiered-kv-offload": (("num_requests", "value"), ("output_len", "value"), ("n_layers", "value"),
-                          ("repeats", "value"), ("host_sweep", "len")),
+    # engine runs: 2 workloads x 3 configurations per repeat, and the host sweep once; steps per run grow
+    # with the requests and their output tokens, torch calls per step with the layers
+    "tiered-kv-offload": (("engine runs", lambda p: 6 * p["repeats"] + len(str(p["host_sweep"]).split(","))),
+                          ("num_requests", "value"), ("output_len", "value"), ("n_layers", "value")),
     "sglang-fused-comm": (("reps", "value"), ("allreduce_numels", "len"), ("vocabs", "len"), ("batches", "len")),
-    "deterministic-attention": (("batch_sizes", "len"), ("reps", "value")),
+    "deterministic-attention": (("batch_sizes", "len"),),
     "te-mxfp8-recipes": (("train_steps", "value"), ("ep_reps", "value")),
     "gdn-backward-check": (("head_dims", "len"), ("lengths", "len")),
     "attention-test-matrix": (("head_dims", "len"), ("shapes", "len")),
@@ -102,7 +118,21 @@ COUNT_KNOBS: dict[str, tuple[tuple[str, str], ...]] = {
 }
 # Per record (name prefix -> knobs): the dry run's counts between that record's creation and the next
 # grow by these knobs instead of the chapter's. The longest matching prefix wins.
-PHASE_KNOBS: dict[str, dict[str, tuple[tuple[str, str], ...]]] = {}
+PHASE_KNOBS: dict[str, dict[str, tuple]] = {
+    # the copy and file-tier benchmarks, then every engine run, then the restores (records made after)
+    "tiered-kv-offload": {"copy-": (("copy_block_mb", "len"), ("copy_total_mb", "value")),
+                          "filesystem": (("file_total_mb", "value"),),
+                          "restore-": (("restore_reps", "value"),)},
+    # the sweeps (records made after them), the fixed-size correctness rows, the matmul sweep, and the
+    # engine's runs, which follow the creation of their record
+    "deterministic-attention": {"batch-invariance": (("batch_sizes", "len"),),
+                                "lean-invariance": (("batch_sizes", "len"),),
+                                "matmul-invariance": (),
+                                "engine-determinism": (("mm_m_values", "len"),),
+                                "^engine-determinism": (("e2e_requests", "value"), ("e2e_new_tokens", "value"),
+                                                        ("e2e_layers", "value"))},
+    "upgrade-record": {"serving": (("serve_requests", "value"), ("new_tokens", "value"), ("n_layers", "value"))},
+}
 # How one torch op's work grows from the dry run to the gpu preset: {"bytes": knobs, "flops": knobs}, each
 # (knob, how, power). Unlisted: the op sizes are taken as the dry run's (then the device part is a floor).
 WORK_KNOBS: dict[str, dict[str, tuple[tuple[str, str, int], ...]]] = {
@@ -137,6 +167,23 @@ WORK_KNOBS: dict[str, dict[str, tuple[tuple[str, str, int], ...]]] = {
     "attention-test-matrix": {"bytes": (("base_k", "value", 1), ("n_heads", "value", 1)),
                               "flops": (("base_q", "value", 1), ("base_k", "value", 1), ("n_heads", "value", 1))},
 }
+# The timed repetitions do not scale the counts: `measure.benchmark` repeats a call for at least
+# `min_time_s`, so at the dry run's small sizes it already ran at least as many as the gpu preset's `reps`
+# (and Triton's timed loops, GPU only, are priced apart: BENCH_SAMPLES). How the number of torch ops on
+# the device grows (their size is WORK_KNOBS'): the count knobs less the repetitions, unless listed here.
+# The chapters whose `reps` is `measure.benchmark`'s `min_reps` (elsewhere a repetition is a whole run,
+# and it scales the counts).
+REPETITION_KNOBS: dict[str, frozenset] = {s: frozenset({"reps"}) for s in (
+    "chord-w4a16", "deterministic-attention", "h3-tiled-decode", "h3-vae-fusion", "kimi-topk-tail-fusion",
+    "minimax-m3-moe", "sglang-fused-comm")}
+
+
+def _steps_only(knobs, slug: str):
+    reps = REPETITION_KNOBS.get(slug, frozenset())
+    return tuple(k for k in knobs if k[0] not in reps)
+DEVICE_KNOBS: dict[str, tuple] = {
+    "h3-vae-fusion": (),    # the encoder's convolutions dominate; the decoder's layers are a small share
+}
 # List knobs whose entries are distinct shapes, so distinct kernel specialisations, for the kernels the
 # compile tables do not list (their dry-run specialisations are scaled by these).
 SHAPE_KNOBS: dict[str, tuple[str, ...]] = {
@@ -169,9 +216,12 @@ def count_scale(slug: str, gpu: dict, rehearsal: dict, knobs=None) -> float:
     scale = 1.0
     for k in (COUNT_KNOBS.get(slug, ()) if knobs is None else knobs):
         name, how, power = (k + (1,))[:3]
-        if name not in gpu or name not in rehearsal:
+        if callable(how):          # a count several knobs make together: how(params)
+            a, b = float(how(gpu)), float(how(rehearsal))
+        elif name not in gpu or name not in rehearsal:
             continue
-        a, b = _measure(gpu[name], how), _measure(rehearsal[name], how)
+        else:
+            a, b = _measure(gpu[name], how), _measure(rehearsal[name], how)
         if a > 0 and b > 0:
             scale *= (a / b) ** power
     return scale
@@ -181,25 +231,44 @@ def shape_scale(slug: str, gpu: dict, rehearsal: dict) -> float:
     return count_scale(slug, gpu, rehearsal, [(k, "len") for k in SHAPE_KNOBS.get(slug, ())])
 
 
-def phase_knobs(slug: str, record: str):
+def phase_knobs(slug: str, before: str, after: str):
+    """The knobs of the work done between the creation of record `before` and of record `after`: a
+    PHASE_KNOBS key "NAME" matches `after` (a record made once its work is done), "^NAME" matches
+    `before` (a record made before its work); the longest match wins, else the chapter's COUNT_KNOBS."""
     table = PHASE_KNOBS.get(slug, {})
-    best = max((p for p in table if record.startswith(p)), key=len, default=None)
+    hits = [k for k in table if (k.startswith("^") and before.startswith(k[1:])) or
+            (not k.startswith("^") and after.startswith(k))]
+    best = max(hits, key=len, default=None)
     return COUNT_KNOBS.get(slug, ()) if best is None else table[best]
 
 
-def gpu_compiles(slug: str) -> tuple[int, set[str]]:
-    """(distinct specialisations, kernel names) of the chapter's gpu-preset launches, as the compile
-    tables list them (0 and {} for a chapter without `gpu_launches`)."""
+def _phases(counts: dict) -> list[tuple[str, str, dict]]:
+    """(before, after, counts) of each phase; an older dry run kept [before, counts] only (the next
+    phase's `before` is taken as `after` then)."""
+    raw = counts.get("phases") or []
+    out = []
+    for i, ph in enumerate(raw):
+        if len(ph) == 3:
+            out.append((ph[0], ph[1], ph[2]))
+        else:
+            out.append((ph[0], raw[i + 1][0] if i + 1 < len(raw) else "", ph[1]))
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def gpu_compiles(slug: str) -> tuple[int, frozenset, int]:
+    """(distinct specialisations, kernel names, launches) of the chapter's gpu-preset launches, as the
+    compile tables list them ((0, {}, 0) for a chapter without `gpu_launches`)."""
     from . import compiled
 
     try:
         if not compiled.has_launches(slug):
-            return 0, set()
+            return 0, frozenset(), 0
         launches = compiled.launches_for(slug)
     except Exception:
-        return 0, set()
-    names = {getattr(getattr(la.kernel, "fn", la.kernel), "__name__", "?") for la in launches}
-    return len(compiled.dedupe(launches)), names
+        return 0, frozenset(), 0
+    names = frozenset(getattr(getattr(la.kernel, "fn", la.kernel), "__name__", "?") for la in launches)
+    return len(compiled.dedupe(launches)), names, len(launches)
 
 
 def triton_device_seconds(slug: str) -> tuple[float, str]:
@@ -282,28 +351,27 @@ def predict(slug: str, counts: dict, budget_s: float) -> Prediction:
     gpu, small = m.PRESETS["gpu"], counts["params"]
     u = HOST_S
     # -- host: the counted steps, scaled per phase (or chapter-wide), priced per step
-    phases = counts.get("phases") or []
+    phases = _phases(counts)
     scaled = {"kernel_calls": 0.0, "view_calls": 0.0, "scalar_reads": 0.0, "triton_launches": 0.0}
     if phases:
-        for name, d in phases:
-            s = count_scale(slug, gpu, small, phase_knobs(slug, name))
+        for before, after, d in phases:
+            s = count_scale(slug, gpu, small, _steps_only(phase_knobs(slug, before, after), slug))
             for k in scaled:
                 scaled[k] += s * d.get(k, 0)
     else:   # a dry run without phases (older counts): every torch call is a kernel call
-        s = count_scale(slug, gpu, small)
+        s = count_scale(slug, gpu, small, _steps_only(COUNT_KNOBS.get(slug, ()), slug))
         scaled["kernel_calls"] = s * (counts.get("kernel_calls", counts.get("torch_calls", 0)) -
                                       (0 if "kernel_calls" in counts else counts.get("scalar_reads", 0)))
         scaled["view_calls"] = s * counts.get("view_calls", 0)
         scaled["scalar_reads"] = s * counts.get("scalar_reads", 0)
         scaled["triton_launches"] = s * counts.get("triton_launches", 0)
-    raw_kernels = max(1.0, float(sum(d.get("kernel_calls", 0) for _, d in phases)) if phases
+    raw_kernels = max(1.0, float(sum(d.get("kernel_calls", 0) for _, _, d in phases)) if phases
                       else float(counts.get("kernel_calls", counts.get("torch_calls", 0)) or 1))
-    scale = scaled["kernel_calls"] / raw_kernels if scaled["kernel_calls"] else count_scale(slug, gpu, small)
+    scale = scaled["kernel_calls"] / raw_kernels if scaled["kernel_calls"] else \
+        count_scale(slug, gpu, small, _steps_only(COUNT_KNOBS.get(slug, ()), slug))
     python_s = counts.get("python_cpu_s")
-    if python_s is not None and "counting_overhead_s" not in counts:   # the counting's own Python, out
-        python_s = max(0.0, python_s - counts.get("torch_calls", 0) * COUNTING_OVERHEAD_S)
-    elif python_s is not None:
-        python_s = max(0.0, python_s - counts.get("torch_calls", 0) * counts["counting_overhead_s"])
+    if python_s is not None:   # the counting's own Python, out
+        python_s = max(0.0, python_s - sum(counts.get(k, 0) * v for k, v in COUNTING_OVERHEAD_S.items()))
     host = {
         f"{_fmt(scaled['kernel_calls'])} torch kernel calls": scaled["kernel_calls"] * u["kernel_call"],
         f"{_fmt(scaled['view_calls'])} torch view calls": scaled["view_calls"] * u["view_call"],
@@ -315,7 +383,10 @@ def predict(slug: str, counts: dict, budget_s: float) -> Prediction:
     if python_s is not None:
         host["the chapter's own Python"] = scale * python_s * PYTHON_SPEED
     # -- compile
-    n_gpu, listed = gpu_compiles(slug)
+    n_gpu, listed, n_launch = gpu_compiles(slug)
+    if n_launch:
+        host[f"{n_launch} timed Triton benchmarks x {BENCH_SAMPLES} samples (GPU only)"] = \
+            n_launch * (BENCH_SAMPLES + WARMUP_REPS) * (u["triton_launch"] + SAMPLE_SYNC_S)
     kernels = counts.get("triton_kernels") or {}
     unlisted_specs = 0.0
     if kernels and listed:
@@ -336,20 +407,20 @@ def predict(slug: str, counts: dict, budget_s: float) -> Prediction:
             unlisted_specs * TRITON_COMPILE_S
     graphs = int(counts.get("compiled_graphs", 0) or 0)
     if graphs:
-        per = counts.get("compile_cpu_s", 0.0) / graphs if counts.get("compile_cpu_s") else TORCH_COMPILE_GRAPH_S
-        comp[f"{graphs} torch.compile graphs ({per:.3g} s each, cold)"] = graphs * per
+        comp[f"{graphs} torch.compile graphs ({TORCH_COMPILE_GRAPH_S:g} s each, cold)"] = graphs * TORCH_COMPILE_GRAPH_S
     # -- device
     one_pass, model = triton_device_seconds(slug)
-    reps = int(gpu.get("reps", 1) or 1)
     device = {}
     if one_pass:
-        device[f"Triton launches, {model}"] = one_pass * (reps + WARMUP_REPS) * TIMED_SIDES
+        device[f"Triton launches x {BENCH_SAMPLES + WARMUP_REPS}, {model}"] = one_pass * (BENCH_SAMPLES + WARMUP_REPS)
     from . import compiled
 
     card = compiled.CARDS[CARD]
     w = WORK_KNOBS.get(slug, {})
-    b = counts.get("torch_bytes", 0.0) * scale * count_scale(slug, gpu, small, w.get("bytes", ()))
-    f = counts.get("torch_flops", 0.0) * scale * count_scale(slug, gpu, small, w.get("flops", ()))
+    dknobs = DEVICE_KNOBS.get(slug, _steps_only(COUNT_KNOBS.get(slug, ()), slug))
+    steps = count_scale(slug, gpu, small, dknobs)
+    b = counts.get("torch_bytes", 0.0) * steps * count_scale(slug, gpu, small, w.get("bytes", ()))
+    f = counts.get("torch_flops", 0.0) * steps * count_scale(slug, gpu, small, w.get("flops", ()))
     if b or f:
         t = max(b / (card["hbm_tbps"] * 1e12), f / (card["bf16_tflops"] * 1e12))
         device[f"torch ops at datasheet ceilings ({_fmt(b)}B, {_fmt(f)}FLOP)"] = t

@@ -218,7 +218,7 @@ def _budget_predictions(args, chosen) -> int:
             budgets.save_dry_run(counts)
     print(f"{'chapter':<24} {'budget_s':>8} {'predicted_s':>11} {'host_s':>7} {'compile_s':>9} {'device_s':>8}  "
           f"binds (all predicted)")
-    over, missing, preds, dry_cpu = [], [], {}, 0.0
+    over, missing, preds, dry_cpu, dry_proc = [], [], {}, 0.0, 0.0
     for slug in chosen:
         b = presets.budget_for(slug, args.preset)
         if b is None:
@@ -231,6 +231,7 @@ def _budget_predictions(args, chosen) -> int:
         p = budgets.predict(slug, counts[slug], sum(b))
         preds[slug] = p
         dry_cpu += p.dry_run_cpu_s or 0.0
+        dry_proc += float(counts[slug].get("process_cpu_s", counts[slug].get("cpu_s", 0.0)) or 0.0)
         flag = "" if p.fits else "  OVER BUDGET"
         print(f"{slug:<24} {p.budget_s:>8g} {p.total_s:>11.3g} {p.host_s:>7.3g} {p.compile_s:>9.3g} {p.device_s:>8.3g}  "
               f"{p.binds} (steps x{p.scale:.3g}){flag}")
@@ -248,7 +249,8 @@ def _budget_predictions(args, chosen) -> int:
         total += t
         print(f"# part {i if not args.part else args.part}: predicted {t:.0f} s (warm step {warm:.0f} s, ceilings "
               f"{presets.CEILINGS_S} s, {presets.STARTUP_ALLOWANCE_S} s start-up per chapter, packing {presets.PACKING_S} s)")
-    print(f"# predicted total {total:.0f} s of {presets.GPU_RUN_TOTAL_S} s; dry run took {dry_cpu:.0f} s on this CPU")
+    print(f"# predicted total {total:.0f} s of {presets.GPU_RUN_TOTAL_S} s; the dry run took {dry_cpu:.0f} s of wall "
+          f"time, {dry_proc:.0f} s of CPU time (wall where a chapter's counts predate the CPU count) on this CPU")
     if total > presets.GPU_RUN_TOTAL_S:
         too_long.append(f"the run ({total:.0f} s)")
     if over or missing or too_long:

@@ -35,6 +35,7 @@ KEEP_GPU: dict[str, tuple[str, ...]] = {
 # here); `inferbook.budgets` scales the counts by the number of shapes.
 SIZE_NAMES: dict[str, tuple[str, ...]] = {
     "attention-test-matrix": ("shapes",),
+    "omni-h3-workflows": ("model",),    # the served model's size must match the smoke sizes (its presets)
 }
 
 
@@ -243,26 +244,25 @@ class _TorchCallCounter:
             yield self
 
 
-def counting_overhead_s(n: int = 20000) -> float:
-    """CPU seconds the counting adds to one torch call outside it (the mode's Python), on this CPU: a
-    loop of cheap calls (an add, a shape read, a view) with and without `_TorchCallCounter`."""
+def counting_overhead_s(n: int = 20000) -> dict:
+    """CPU seconds the counting adds to one torch call beyond the call, on this CPU, per kind: loops of
+    `n` cheap calls (an add: a kernel call; a view; a shape read: metadata) with and without
+    `_TorchCallCounter` (`inferbook.budgets.COUNTING_OVERHEAD_S` holds the values measured here)."""
     x = torch.zeros(8, 8)
-
-    def loop():
-        for _ in range(n):
-            y = x.add(1.0)
-            _ = y.shape
-            y.view(64)
-
-    t0 = time.thread_time()
-    loop()
-    base = time.thread_time() - t0
-    c = _TorchCallCounter()
-    with c.counting():
+    loops = {"kernel_calls": lambda: x.add(1.0), "view_calls": lambda: x.view(64), "metadata_calls": lambda: x.shape}
+    out = {}
+    for kind, call in loops.items():
         t0 = time.thread_time()
-        loop()
-        counted = time.thread_time() - t0
-    return max(0.0, (counted - base) / max(1, c.calls))
+        for _ in range(n):
+            call()
+        base = time.thread_time() - t0
+        with _TorchCallCounter().counting():
+            t0 = time.thread_time()
+            for _ in range(n):
+                call()
+            counted = time.thread_time() - t0
+        out[kind] = max(0.0, (counted - base) / n)
+    return out
 
 
 def _compile_seconds() -> float:
@@ -281,10 +281,12 @@ def rehearse(slug: str, params: dict | None = None, seed: int = 0) -> dict:
     triton_kernels ({name: launches}), compiled_graphs, and the CPU seconds split: torch_cpu_s (inside
     torch calls), triton_cpu_s (inside Triton launches), compile_cpu_s (torch.compile), python_cpu_s (the
     rest of the main thread's CPU time: the chapter's and the engine's own Python, with the counting's
-    own cost in it, which `counting_overhead_s` per call measures); cpu_s is the dry
+    own cost in it, which `counting_overhead_s` measures per call), load_average_1m (the machine's load
+    at the end: a loaded CPU runs Python slower); cpu_s is the dry
     run's wall time} and `phases`: the same counts between the
-    creation of one record and the next, keyed by the record's name (what a record's name shows of a
-    chapter's structure). Raises what the chapter raises: that is the point."""
+    creation of one record and the next, as [the earlier record's name, the later one's, counts] (a
+    chapter that builds a record after measuring it does that work before the record's creation).
+    Raises what the chapter raises: that is the point."""
     from .context import setup
 
     params = dict(rehearsal_params(slug) if params is None else params)
@@ -301,7 +303,7 @@ def rehearse(slug: str, params: dict | None = None, seed: int = 0) -> dict:
         delta = {k: snap[k] - last["snap"][k] for k in ("kernel_calls", "view_calls", "scalar_reads")}
         delta["triton_launches"] = n - last["launches"]
         if any(delta.values()):
-            phases.append([last["name"], delta])
+            phases.append([last["name"], next_name, delta])
         last.update(snap=snap, launches=n, name=next_name)
 
     def counted_new_record(name, **kw):
@@ -315,7 +317,6 @@ def rehearse(slug: str, params: dict | None = None, seed: int = 0) -> dict:
     cpu_s, thread_s = time.perf_counter() - t0, time.thread_time() - c0
     close_phase("")
     compile_s = _compile_seconds() - compile_before
-    overhead = counting_overhead_s()
     snap = calls.snapshot()
     failed = [f"{r.name}: {c['name']}" for r in records for c in r.checks if not c["passed"]]
     return {"slug": slug, "params": {k: list(v) if isinstance(v, tuple) else v for k, v in params.items()},
@@ -324,9 +325,15 @@ def rehearse(slug: str, params: dict | None = None, seed: int = 0) -> dict:
             "triton_specialisations": len(launches.specialisations),
             "triton_kernels": dict(sorted(launches.launches.items())),
             "triton_cpu_s": launches.seconds, "compile_cpu_s": compile_s,
-            "thread_cpu_s": thread_s, "counting_overhead_s": overhead,
+            "thread_cpu_s": thread_s, "load_average_1m": _load(),
             "python_cpu_s": max(0.0, thread_s - snap["torch_cpu_s"] - launches.seconds - compile_s),
             "compiled_graphs": _unique_graphs() - graphs_before, "phases": phases}
+
+
+def _load() -> float | None:
+    import os
+
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
 
 
 def _unique_graphs() -> int:
