@@ -247,16 +247,16 @@ BUDGETS_S: dict[str, dict[str, tuple[float, float]]] = {"gpu": {
     "h3-tiled-decode": (14, 0),
     "comfy-generic-loops": (18, 0),
     "omni-h3-workflows": (5, 0),
-    "kimi-spec-budget": (27, 0),          # 2K-token prompts through the engine, two policies
+    "kimi-spec-budget": (26, 0),          # 2K-token prompts through the engine, two policies
     "kimi-dspark-acceptance": (28, 0),
     "kimi-topk-tail-fusion": (7, 2),
     "chord-w4a16": (4, 2),                # Triton W4A16 kernels at every decode M, warmed ahead
     "minimax-m3-moe": (4, 1),
-    "tiered-kv-offload": (20, 0),
+    "tiered-kv-offload": (15, 0),
     "sglang-fused-comm": (7, 1),
     "deterministic-attention": (18, 50),  # the engine's RMSNorm and linear kernels at its own shapes compile cold
     "te-mxfp8-recipes": (14, 2),
-    "gdn-backward-check": (8, 2),
+    "gdn-backward-check": (29, 2),       # the harness's Python per case and head dim binds it
     "attention-test-matrix": (5, 4),      # ~90 flash specialisations, compiled ahead by the warm step
     "upgrade-record": (6, 48),            # three torch.compile graphs of the decoder, cold
 }}
