@@ -103,18 +103,25 @@ timeout -s INT -k 3 "${CEILINGS_TIMEOUT:-20}" "$PY" -m inferbook.cli ceilings --
 echo "ceilings: exit $? ($(tail -n 1 "$LOG_DIR/ceilings.log")) at $(elapsed) s"
 printf "chapter\texit\tseconds\tlast line\n" > "$LOG_DIR/summary.tsv"
 GRACE="${KILL_GRACE:-3}"   # inferbook.presets.KILL_GRACE_S
-# Warm the Triton cache for chord-w4a16 (about fifty kernels against its 8 s compile budget): compile its
-# gpu-preset launches ahead, for this GPU, in parallel, into the cache the chapter's JIT reads. Best effort:
-# where the runtime's cache key differs from the ahead-of-time one, the chapter compiles as before.
-if [ "$DEVICE" = cuda ] && printf '%s\n' "${slugs[@]}" | grep -qx chord-w4a16; then
-  timeout -k 3 120 "$PY" -c "import os, torch
+# Warm the Triton cache before the chapters (each part warms its own): compile every gpu-preset launch of
+# the kernel chapters given, for this GPU, on every core, into the cache the chapters' JIT reads, so a
+# chapter pays a cache load per kernel instead of a cold compile (`inferbook budgets` prices both; about
+# 350 specialisations in all, ~3 s of CPU each). Best effort and bounded (WARM_TIMEOUT, inferbook.presets
+# .WARM_TIMEOUT_S): where the runtime's cache key differs from the ahead-of-time one, the chapter compiles.
+if [ "$DEVICE" = cuda ]; then
+  WARM_SLUGS="$("$PY" -c "import sys
+from inferbook import compiled
+k = set(compiled.kernel_chapters()); print(','.join(s for s in sys.argv[1:] if s in k))" "${slugs[@]}" 2>/dev/null)"
+  if [ -n "$WARM_SLUGS" ]; then
+    timeout -k 3 "${WARM_TIMEOUT:-$("$PY" -c 'from inferbook import presets; print(presets.WARM_TIMEOUT_S)')}" "$PY" -c "import os, sys, torch
 from inferbook import compiled
 cap = torch.cuda.get_device_capability(); t = f'sm_{cap[0]}{cap[1]}'
 if t in compiled.TARGETS:
-    compiled.inspect(['chord-w4a16'], [t], jobs=os.cpu_count() or 4,
+    compiled.inspect(sys.argv[1].split(','), [t], jobs=os.cpu_count() or 4,
                      cache_dir=os.environ.get('TRITON_CACHE_DIR') or os.path.expanduser('~/.triton/cache'))" \
-    > "$LOG_DIR/warm-chord-w4a16.log" 2>&1
-  echo "warm chord-w4a16 Triton cache: exit $? at $(elapsed) s"
+      "$WARM_SLUGS" > "$LOG_DIR/warm-triton.log" 2>&1
+    echo "warm Triton cache ($WARM_SLUGS): exit $? at $(elapsed) s"
+  fi
 fi
 for slug in "${slugs[@]}"; do
   left=$(( TOTAL_S - 5 - GRACE - $(elapsed) ))   # 5 s to pack the tarball

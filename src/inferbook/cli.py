@@ -184,7 +184,7 @@ def cmd_budgets(args) -> int:
             raise UserError(f"--part {args.part!r}: K must be in 1..N")
         chosen = presets.budget_parts(args.preset, n)[k - 1]
     if args.table:
-        part_s = presets.CEILINGS_S + presets.PACKING_S
+        part_s = presets.CEILINGS_S + presets.PACKING_S + presets.WARM_TIMEOUT_S
         for slug in chosen:
             b = presets.budget_for(slug, args.preset)
             if b is None:
@@ -193,9 +193,10 @@ def cmd_budgets(args) -> int:
             print(f"{slug} {b[0]:g} {b[1]:g} {int(round(sum(b) + presets.STARTUP_ALLOWANCE_S))}")
         if args.part:
             print(f"# part {args.part}: worst case {part_s:g} s")
-        print(f"# worst case {presets.worst_case_total_s(args.preset):g} s of {presets.GPU_RUN_TOTAL_S} s "
-              f"(ceilings {presets.CEILINGS_S} s, {presets.STARTUP_ALLOWANCE_S} s start-up and {presets.KILL_GRACE_S} s "
-              f"kill grace per chapter, packing {presets.PACKING_S} s)")
+        print(f"# worst case {presets.worst_case_total_s(args.preset, presets.RUN_PARTS):g} s of {presets.GPU_RUN_TOTAL_S} s "
+              f"in {presets.RUN_PARTS} parts (each: ceilings {presets.CEILINGS_S} s, warm step {presets.WARM_TIMEOUT_S} s, "
+              f"packing {presets.PACKING_S} s; {presets.STARTUP_ALLOWANCE_S} s start-up and {presets.KILL_GRACE_S} s "
+              f"kill grace per chapter)")
         return 0
     return _budget_predictions(args, chosen)
 
@@ -216,8 +217,8 @@ def _budget_predictions(args, chosen) -> int:
         if args.save:
             budgets.save_dry_run(counts)
     print(f"{'chapter':<24} {'budget_s':>8} {'predicted_s':>11} {'host_s':>7} {'compile_s':>9} {'device_s':>8}  "
-          f"binding  device model")
-    over, missing, total, dry_cpu = [], [], 0.0, 0.0
+          f"binds (all predicted)")
+    over, missing, preds, dry_cpu, dry_proc = [], [], {}, 0.0, 0.0
     for slug in chosen:
         b = presets.budget_for(slug, args.preset)
         if b is None:
@@ -228,17 +229,33 @@ def _budget_predictions(args, chosen) -> int:
             print(f"{slug:<24} {sum(b):>8g} {'—':>11}  ({why})")
             continue
         p = budgets.predict(slug, counts[slug], sum(b))
-        total += p.total_s + presets.STARTUP_ALLOWANCE_S
+        preds[slug] = p
         dry_cpu += p.dry_run_cpu_s or 0.0
+        dry_proc += float(counts[slug].get("process_cpu_s", counts[slug].get("cpu_s", 0.0)) or 0.0)
         flag = "" if p.fits else "  OVER BUDGET"
         print(f"{slug:<24} {p.budget_s:>8g} {p.total_s:>11.3g} {p.host_s:>7.3g} {p.compile_s:>9.3g} {p.device_s:>8.3g}  "
-              f"{p.binding:<8} {p.device_model} (counts x{p.scale:.3g}){flag}")
+              f"{p.binds} (steps x{p.scale:.3g}){flag}")
         if not p.fits:
             over.append(slug)
-    print(f"# predicted total {total:.0f} s with {presets.STARTUP_ALLOWANCE_S} s start-up per chapter, "
-          f"of {presets.GPU_RUN_TOTAL_S} s; dry run took {dry_cpu:.0f} s on this CPU")
-    if over or missing:
-        print(f"# predicted over budget: {', '.join(over) or 'none'}; without dry-run counts: {', '.join(missing) or 'none'}")
+    # the run: each part is one scripts/gpu_measure.sh call (ceilings, the warm step, its chapters, packing)
+    n = presets.RUN_PARTS if not args.part else int(args.part.split("/")[1])
+    parts = [presets.budget_parts(args.preset, n)[int(args.part.split("/")[0]) - 1]] if args.part else \
+        presets.budget_parts(args.preset, n)
+    total, too_long = 0.0, []
+    for i, part in enumerate(parts, 1):
+        ps = [preds[s] for s in part if s in preds]
+        warm = budgets.warm_step_s(ps)
+        t = presets.CEILINGS_S + presets.PACKING_S + warm + sum(p.total_s + presets.STARTUP_ALLOWANCE_S for p in ps)
+        total += t
+        print(f"# part {i if not args.part else args.part}: predicted {t:.0f} s (warm step {warm:.0f} s, ceilings "
+              f"{presets.CEILINGS_S} s, {presets.STARTUP_ALLOWANCE_S} s start-up per chapter, packing {presets.PACKING_S} s)")
+    print(f"# predicted total {total:.0f} s of {presets.GPU_RUN_TOTAL_S} s; the dry run took {dry_cpu:.0f} s of wall "
+          f"time, {dry_proc:.0f} s of CPU time (wall where a chapter's counts predate the CPU count) on this CPU")
+    if total > presets.GPU_RUN_TOTAL_S:
+        too_long.append(f"the run ({total:.0f} s)")
+    if over or missing or too_long:
+        print(f"# predicted over budget: {', '.join(over + too_long) or 'none'}; "
+              f"without dry-run counts: {', '.join(missing) or 'none'}")
         return 1
     return 0
 

@@ -72,7 +72,7 @@ PRESETS = {
                 vit_tile_budget_mib=3.0),
     # float16, as ComfyUI runs H3's VAE (`working_dtypes = [torch.float16, torch.float32]`)
     "gpu": dict(channels="384,384,192,96", z_dim=16, latent_frames=5, latent_h=60, latent_w=104, dtype="float16",
-                tile=32, overlap=8, overlaps="0,8,16", reps=10, vit="16,64,8", vit_latent="5,16,28",
+                tile=32, overlap=8, overlaps="0,8,16", reps=3, vit="16,64,8", vit_latent="5,16,28",
                 vit_tile_budget_mib=128.0),
 }
 

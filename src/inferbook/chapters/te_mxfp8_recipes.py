@@ -67,7 +67,7 @@ PRESETS = {
                 check_n=133, quant_m=1024, quant_k=2048, n_groups=6, max_rows=48,
                 ep_ranks=2, ep_tokens=256, ep_hidden=1024, ep_inter=256, ep_experts=8, ep_topk=2, ep_reps=15),
     # the EP ranks: gloo on CPU; on a GPU machine NCCL with a GPU per rank, else one GPU holds every rank's slice
-    "gpu": dict(m=4096, k=4096, n=4096, d_in=256, d_hidden=1024, train_batch=1024, train_steps=300, check_m=1031,
+    "gpu": dict(m=4096, k=4096, n=4096, d_in=256, d_hidden=1024, train_batch=1024, train_steps=150, check_m=1031,
                 check_n=2053, quant_m=8192, quant_k=8192, n_groups=16, max_rows=300,
                 ep_ranks=4, ep_tokens=512, ep_hidden=2048, ep_inter=512, ep_experts=16, ep_topk=4, ep_reps=15),
 }

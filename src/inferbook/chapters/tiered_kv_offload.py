@@ -88,11 +88,15 @@ PRESETS = {
                 max_num_seqs=4, max_num_batched_tokens=512, device_blocks=72, host_blocks=24, file_blocks=36,
                 host_sweep="0.5,1,1.5", copy_block_mb="1,4", copy_total_mb=64, file_total_mb=16,
                 use_peer=True, admit_after=2, repeats=3, restore_reps=8),
-    "gpu": dict(d_model=1024, n_layers=8, n_heads=16, n_kv_heads=8, ffn=2816, vocab=32000, dtype="bfloat16",
-                block_size=16, prefix_len=2048, suffix_len=128, output_len=32, num_prefixes=16, num_requests=64,
-                max_num_seqs=8, max_num_batched_tokens=8192, device_blocks=2048, host_blocks=1024, file_blocks=512,
-                host_sweep="0.25,0.5,0.75,1,1.5,2", copy_block_mb="1,2,4,8,16", copy_total_mb=1024, file_total_mb=512,
-                use_peer=True, admit_after=2, repeats=5, restore_reps=15),
+    # gpu: sized to the lent machine's minutes (`inferbook budgets --preset gpu`): every engine step's
+    # Python and per-layer calls bind it, so fewer layers, requests and output tokens; half the prefixes,
+    # each still asked for four times, with the tiers and the running batch halved so they hold the same
+    # shares of them as before
+    "gpu": dict(d_model=1024, n_layers=2, n_heads=16, n_kv_heads=8, ffn=2816, vocab=32000, dtype="bfloat16",
+                block_size=16, prefix_len=2048, suffix_len=128, output_len=8, num_prefixes=8, num_requests=32,
+                max_num_seqs=4, max_num_batched_tokens=8192, device_blocks=1024, host_blocks=512, file_blocks=256,
+                host_sweep="0.5,1,1.5,2", copy_block_mb="1,2,4,8,16", copy_total_mb=1024, file_total_mb=512,
+                use_peer=True, admit_after=2, repeats=3, restore_reps=15),
 }
 
 WORKLOADS = ("shared", "none")

@@ -54,11 +54,14 @@ PRESETS = {
     "smoke": dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn=176, vocab=256, batch=2,
                   prompt_len=16, new_tokens=8, dtype="float32", reps=3, serve_requests=6, request_rate=50.0,
                   max_concurrency=2),
-    "cpu": dict(d_model=256, n_layers=4, n_heads=8, n_kv_heads=2, ffn=688, vocab=2048, batch=4,
+    # cpu: two layers, where most of the time is torch.compile's (its graph grows with the layers)
+    "cpu": dict(d_model=256, n_layers=2, n_heads=8, n_kv_heads=2, ffn=688, vocab=2048, batch=4,
                 prompt_len=128, new_tokens=16, dtype="float32", reps=3, serve_requests=8, request_rate=20.0,
                 max_concurrency=4),
-    "gpu": dict(d_model=1024, n_layers=8, n_heads=16, n_kv_heads=4, ffn=2816, vocab=32000, batch=8,
-                prompt_len=2048, new_tokens=128, dtype="bfloat16", reps=10, serve_requests=64, request_rate=16.0,
+    # gpu: sized to the lent machine's minutes (`inferbook budgets --preset gpu`): torch.compile's cold
+    # graphs bind it, and they grow with the layers
+    "gpu": dict(d_model=1024, n_layers=4, n_heads=16, n_kv_heads=4, ffn=2816, vocab=32000, batch=8,
+                prompt_len=2048, new_tokens=32, dtype="bfloat16", reps=5, serve_requests=16, request_rate=16.0,
                 max_concurrency=16),
 }
 
