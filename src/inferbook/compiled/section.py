@@ -226,6 +226,8 @@ class CompilerSection:
                 out[f"{p}_{short}_predicted"] = f"{_us(sum(q['seconds'] for q in preds))} predicted on {TARGET_CARD[t]}"
             else:
                 out[f"{p}_{short}_bound"] = out[f"{p}_{short}_predicted"] = "no prediction (table without machine code)"
+        names = [f"{t} ({TARGET_CARD[t]})" for t in self.targets]
+        out[f"{p}_targets"] = (", ".join(names[:-1]) + " and " + names[-1]) if len(names) > 1 else "".join(names)
         out[f"{p}_failures"] = ("none" if not f["failures"] else
                                 f"{len(f['failures'])}: " + "; ".join(f["failures"][:4]) +
                                 (" …" if len(f["failures"]) > 4 else ""))
