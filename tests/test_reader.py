@@ -120,3 +120,14 @@ def test_a_chart_sharing_its_cell_becomes_a_figure_of_its_own():
     assert [c.metadata["mystnb"]["figure"]["caption"] for c in code[1:]] == ["A.", "B."]
     assert [c.metadata["mystnb"]["figure"]["name"] for c in code[1:]] == ["fig-chord-w4a16-1", "fig-chord-w4a16-2"]
     assert all(c.metadata["tags"] == ["remove-input"] for c in code[1:])
+
+
+def test_refusal_reasons_read_as_a_list_with_values_as_code():
+    md = nb.differences("a vs b: refused", ["local shapes for 'attention' differ: {'q': [1, 2]} vs {'q': [3]}",
+                                            "hardware differs", "odd: a `tick`"])._repr_markdown_()
+    lines = md.splitlines()
+    assert lines[0] == "a vs b: refused" and lines[1] == ""
+    assert lines[2] == "- local shapes for 'attention' differ: `{'q': [1, 2]} vs {'q': [3]}`"
+    assert lines[3] == "- hardware differs"
+    assert lines[4] == "- odd: `a 'tick'`"      # a backtick inside a value cannot break the code span
+    assert nb.differences("t", []).text.endswith("No differences.")

@@ -95,6 +95,18 @@ def verdicts(items: Iterable[tuple], *, digits: int = 3, none: str = "No pair wa
     return _Markdown("\n".join(lines) + "\n" if lines else none)
 
 
+def differences(title: str, reasons: Iterable[str], *, none: str = "No differences.") -> _Markdown:
+    """Why `compare()` refuses a pair (`comparability`), or the allowed differences it lists
+    (`Comparison.context`), as Markdown: `title`, then one item per reason with its label as prose and
+    its values as inline code, so a shape dict reads as data rather than as garbled prose."""
+    items = []
+    for reason in reasons:
+        label, sep, values = str(reason).partition(": ")
+        values = values.replace("`", "'")
+        items.append(f"- {label}: `{values}`" if sep and values else f"- {label}")
+    return _Markdown(f"{title}\n\n" + ("\n".join(items) + "\n" if items else none))
+
+
 def table(rows: Iterable[dict] | Iterable[RunRecord], columns: list[str] | None = None):
     """A DataFrame of rows (or of records' measurements). Displayed on a page through
     `format_table` (registered for every DataFrame when this module is imported in a notebook)."""
