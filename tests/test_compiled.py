@@ -649,10 +649,12 @@ def test_committed_compile_tables_are_current_and_clean():
         if doc is None:
             stale.append(f"{slug}: no table")
             continue
-        want = [compiled.launch_fingerprint(la) for la in compiled.launches_for(slug)]
         # every NVIDIA target; an AMD target wherever the table has it (the integrator's full regeneration
-        # adds gfx942 and gfx950 to every table)
-        for t in list(compiled.NVIDIA_TARGETS) + [t for t in compiled.AMD_TARGETS if t in doc.get("targets", [])]:
+        # adds gfx942 and gfx950 to every table); each target's launches built for it (device.pick_config)
+        targets = list(compiled.NVIDIA_TARGETS) + [t for t in compiled.AMD_TARGETS if t in doc.get("targets", [])]
+        built = compiled.launches_by_target(slug, targets)
+        for t in targets:
+            want = [compiled.launch_fingerprint(la) for la in built[t]]
             got = sorted((r for r in doc["rows"] if r["target"] == t), key=lambda r: r["index"])
             have = [compiled.row_fingerprint(r) for r in got]
             if have != want:

@@ -79,3 +79,64 @@ def test_setup_picks_the_rocm_wheel_when_rocm_smi_is_on_path(tmp_path, tool, ind
         assert index in out and "rocm-smi found" in out
     else:
         assert "whl/rocm" not in out and "rocm-smi found" not in out
+
+
+# ---------------------------------------------------------------------------------------------------
+# Per-target launch configs (device.pick_config): the runtime path and the compile tables' builds agree
+
+CONFIGS = {"nvidia": "nv", "hip": "amd", "gfx950": "cdna4"}
+
+
+def test_pick_config_on_a_faked_rocm_device_takes_the_amd_entry(rocm, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    cuda = torch.device("cuda")
+    assert dev.kernel_target(cuda) == "gfx942" and dev.target_vendor("gfx942") == "hip"
+    assert dev.pick_config(CONFIGS, cuda) == "amd"           # vendor key: gfx942 has no entry of its own
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda d=None: SimpleNamespace(**{**vars(MI300X), "gcnArchName": "gfx950:sramecc+:xnack-"}))
+    assert dev.pick_config(CONFIGS, cuda) == "cdna4"         # the exact target wins
+    assert dev.wants_gpu_config(cuda) and not dev.wants_gpu_config("cpu")
+
+
+def test_pick_config_on_a_faked_cuda_device_and_without_a_gpu(monkeypatch):
+    monkeypatch.setattr(torch.version, "hip", None, raising=False)
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d=None: SimpleNamespace(major=9, minor=0))
+    assert dev.kernel_target("cuda") == "sm_90" and dev.pick_config(CONFIGS, "cuda") == "nv"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    # a builder's stand-in CUDA device on a machine with no GPU: the NVIDIA config, as before
+    assert dev.kernel_target("cuda") is None and dev.pick_config(CONFIGS, "cuda") == "nv"
+    assert dev.kernel_target("cpu") is None and dev.target_vendor(None) is None
+
+
+def test_building_for_names_the_target_whatever_the_device():
+    assert dev.build_target() is None
+    with dev.building_for("gfx942") as build:
+        assert not build.asked
+        assert dev.pick_config(CONFIGS, "cpu") == "amd" and dev.wants_gpu_config("cpu")
+        assert build.asked and dev.build_target() == "gfx942"
+        with dev.building_for("sm_80"):
+            assert dev.pick_config(CONFIGS, "cuda") == "nv"
+        assert dev.kernel_target("cuda") == "gfx942"
+    assert dev.build_target() is None and not dev.wants_gpu_config("cpu")
+
+
+def test_launches_are_built_per_target_only_where_a_config_asks(monkeypatch):
+    from inferbook import compiled
+
+    calls = []
+
+    def build(slug, target):
+        calls.append(target)
+        with dev.building_for(target) as b:
+            cfg = dev.pick_config(CONFIGS, "cuda") if slug == "asks" else "same"
+        return [cfg], b.asked
+
+    monkeypatch.setattr(compiled, "_build_launches", build)
+    targets = ["sm_80", "sm_90", "gfx942", "gfx950"]
+    assert compiled.launches_by_target("asks", targets) == {"sm_80": ["nv"], "sm_90": ["nv"], "gfx942": ["amd"],
+                                                            "gfx950": ["cdna4"]}
+    assert calls == targets
+    calls.clear()
+    assert compiled.launches_by_target("never", targets) == {t: ["same"] for t in targets} and calls == ["sm_80"]

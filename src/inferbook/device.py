@@ -11,7 +11,7 @@ and `inferbook.measure` refuses to time Triton while it is on.
 from __future__ import annotations
 
 import contextlib
-
+import contextvars
 import functools
 import os
 import platform
@@ -179,6 +179,92 @@ def gcn_arch(device: torch.device) -> str | None:
     props = torch.cuda.get_device_properties(device)
     name = str(getattr(props, "gcnArchName", "") or "")
     return name.split(":")[0] or None
+
+
+# ---------------------------------------------------------------------------------------------------
+# Per-target launch configs: which compile target a kernel's config is chosen for
+#
+# A config function (tile sizes, warps, stages, a dot precision) that differs between NVIDIA and AMD asks
+# `pick_config({"nvidia": ..., "hip": ..., "gfx942": ...}, device)`. The runtime launcher and its launch
+# builder (what `inferbook inspect` compiles) call the same function: on a real GPU the device's own arch
+# decides; inside `building_for(target)` (the compile tables' builds, or a test running a target's GPU
+# tiles in the interpreter) the named target does. Outside both (a builder's stand-in CUDA device on a
+# machine without a GPU) the NVIDIA config is taken, as before this mechanism existed.
+
+class BuildTarget:
+    """What `building_for` holds: the target, and whether any config asked it (`kernel_target`)."""
+
+    def __init__(self, target: str | None):
+        self.target = target
+        self.asked = False
+
+
+_BUILD: contextvars.ContextVar[BuildTarget | None] = contextvars.ContextVar("inferbook_build_target", default=None)
+
+
+@contextlib.contextmanager
+def building_for(target: str | None):
+    """Inside this block, launch configs are chosen for `target` ('sm_90', 'gfx942', ...; None: no
+    override), whatever the tensors' device: `compiled.launches_for(slug, target)` builds each target's
+    launches in one. Yields a `BuildTarget` whose `asked` says afterwards whether a config asked the
+    target: a build that never asked made the same launches for every target."""
+    build = BuildTarget(target)
+    token = _BUILD.set(build if target is not None else None)
+    try:
+        yield build
+    finally:
+        _BUILD.reset(token)
+
+
+def build_target() -> str | None:
+    """The target `building_for` set, or None outside it."""
+    b = _BUILD.get()
+    return b.target if b is not None else None
+
+
+def _device_target(device: torch.device) -> str | None:
+    if gpu_vendor() == "rocm":
+        return gcn_arch(device)
+    props = torch.cuda.get_device_properties(device)
+    return f"sm_{props.major}{props.minor}"
+
+
+def kernel_target(device) -> str | None:
+    """The compile target whose launch config a kernel for `device` takes: the `building_for` target
+    when one is set; on a GPU its arch ('gfx942' on MI300X through a ROCm build, 'sm_90' on H100);
+    None otherwise (CPU, the interpreter, a stand-in CUDA device where no GPU is present)."""
+    b = _BUILD.get()
+    if b is not None:
+        b.asked = True
+        return b.target
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return _device_target(device)
+
+
+def target_vendor(target: str | None) -> str | None:
+    """'hip' for a gfx target, 'nvidia' for an sm target, None for None."""
+    if target is None:
+        return None
+    return "hip" if str(target).startswith("gfx") else "nvidia"
+
+
+def wants_gpu_config(device) -> bool:
+    """Whether a launch for `device` takes a GPU config (its tensors are on a GPU, or `building_for`
+    names a target: a GPU config checked in the interpreter) rather than the interpreter's own."""
+    return torch.device(device).type == "cuda" or _BUILD.get() is not None
+
+
+def pick_config(configs: dict, device):
+    """The entry of `configs` for `kernel_target(device)`: keyed by a target ('gfx942', 'sm_90'), a
+    vendor ('hip', 'nvidia'); the most specific key present wins and 'nvidia' (required) is the
+    default, also where the target is unknown. Values are returned as they are (copy a dict you edit)."""
+    t = kernel_target(device)
+    for key in (t, target_vendor(t)):
+        if key is not None and key in configs:
+            return configs[key]
+    return configs["nvidia"]
 
 
 def _rocm_driver() -> str | None:

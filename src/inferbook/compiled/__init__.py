@@ -400,22 +400,43 @@ def has_launches(slug: str) -> bool:
     return hasattr(toc.load_module(toc.get_chapter(slug)), "gpu_launches")
 
 
-def launches_for(slug: str) -> list[Launch]:
-    """The Triton launches chapter `slug` makes at its gpu preset ([] for chapters without kernels).
+def launches_for(slug: str, target: str | None = None) -> list[Launch]:
+    """The Triton launches chapter `slug` makes at its gpu preset ([] for chapters without kernels),
+    built for `target` (inside `device.building_for(target)`: config functions that ask
+    `device.pick_config` choose that target's config; None: the NVIDIA configs, as a CUDA device has).
     `py:package.module:function` names a function returning launches instead (the cost model's
     hand-checked kernels: `py:inferbook.compiled.calibration:launches`)."""
+    return _build_launches(slug, target)[0]
+
+
+def _build_launches(slug: str, target: str | None) -> tuple[list[Launch], bool]:
+    """(launches, whether a config asked the target)."""
     from .. import toc
+    from ..device import building_for
 
-    if slug.startswith("py:"):
-        import importlib
+    with building_for(target) as build:
+        if slug.startswith("py:"):
+            import importlib
 
-        mod_name, fn_name = slug[3:].split(":")
-        return list(getattr(importlib.import_module(mod_name), fn_name)({}))
-    mod = toc.load_module(toc.get_chapter(slug))
-    fn = getattr(mod, "gpu_launches", None)
-    if fn is None:
-        return []
-    return list(fn(gpu_params(slug)))
+            mod_name, fn_name = slug[3:].split(":")
+            launches = list(getattr(importlib.import_module(mod_name), fn_name)({}))
+        else:
+            fn = getattr(toc.load_module(toc.get_chapter(slug)), "gpu_launches", None)
+            launches = [] if fn is None else list(fn(gpu_params(slug)))
+    return launches, build.asked
+
+
+def launches_by_target(slug: str, targets) -> dict[str, list[Launch]]:
+    """{target: `launches_for(slug, target)`} for each of `targets`, built once when no config asked
+    the target (the path to a config's first question is the same for every target, so a build that
+    asked nothing is every target's)."""
+    out: dict[str, list[Launch]] = {}
+    for t in targets:
+        launches, asked = _build_launches(slug, t)
+        out[t] = launches
+        if not asked:
+            return {t2: launches for t2 in targets}
+    return out
 
 
 def kernel_chapters() -> list[str]:
@@ -658,8 +679,8 @@ def _worker(out_path: str, slugs: list[str], targets: list[str], shard: int, sha
     jobs = []
     rows = []
     for slug in slugs:
-        try:
-            launches = launches_for(slug)
+        try:       # each target's own launches: a config may differ per target (device.pick_config)
+            by_target = launches_by_target(slug, targets)
         except Exception as e:  # a builder that no longer matches its kernel: a failure row, named
             if shard == 0:
                 for t in targets:
@@ -667,7 +688,7 @@ def _worker(out_path: str, slugs: list[str], targets: list[str], shard: int, sha
                                  "ok": False, "error": f"building the launches failed: {type(e).__name__}: {e}"[:600],
                                  "smem_limit_kb": SMEM_LIMIT_KB[TARGETS[t]], "source": "", "kernel": ""})
             continue
-        jobs += [(slug, i, launch, t) for i, launch in enumerate(launches) for t in targets]
+        jobs += [(slug, i, launch, t) for t in targets for i, launch in enumerate(by_target[t])]
     with open(out_path, "w") as f:
         for r in rows:
             f.write(json.dumps(r) + "\n")
