@@ -688,16 +688,55 @@ def _worker(out_path: str, slugs: list[str], targets: list[str], shard: int, sha
                                  "ok": False, "error": f"building the launches failed: {type(e).__name__}: {e}"[:600],
                                  "smem_limit_kb": SMEM_LIMIT_KB[TARGETS[t]], "source": "", "kernel": ""})
             continue
-        jobs += [(slug, i, launch, t) for t in targets for i, launch in enumerate(by_target[t])]
+        nvidia = None
+        for t in targets:
+            if t in AMD_TARGETS and nvidia is None:
+                nvidia = next((by_target[n] for n in targets if n in NVIDIA_TARGETS), None) or launches_for(slug, "sm_90")
+            pairs = nvidia_counterparts(by_target[t], nvidia) if t in AMD_TARGETS else [None] * len(by_target[t])
+            jobs += [(slug, i, launch, t, nv) for i, (launch, nv) in enumerate(zip(by_target[t], pairs))]
     with open(out_path, "w") as f:
         for r in rows:
             f.write(json.dumps(r) + "\n")
-        for j, (slug, i, launch, t) in enumerate(jobs):
+        for j, (slug, i, launch, t, nv) in enumerate(jobs):
             if j % shards != shard:
                 continue
             r = compile_launch(launch, t)
+            if nv is not None:
+                r["nvidia_config"] = nvidia_config_facts(launch, nv, compile_launch(nv, t))
             f.write(json.dumps({"slug": slug, "index": i, **r}, default=str) + "\n")
             f.flush()
+
+
+def nvidia_counterparts(amd: list[Launch], nvidia: list[Launch]) -> list[Launch | None]:
+    """For each launch built for an AMD target, the launch the NVIDIA configs make in its place where
+    the two differ (None where they are the same): paired by position when both lists have the same
+    kernels in the same order, else by name and kernel."""
+    def kern(la):
+        return getattr(la.kernel, "fn", la.kernel)
+
+    if len(amd) == len(nvidia) and all(kern(a) is kern(b) for a, b in zip(amd, nvidia)):
+        pairs = list(nvidia)
+    else:
+        by_name = {}
+        for b in nvidia:
+            by_name.setdefault((b.name, kern(b)), b)
+        pairs = [by_name.get((a.name, kern(a))) for a in amd]
+    return [b if b is not None and launch_fingerprint(b) != launch_fingerprint(a) else None for a, b in zip(amd, pairs)]
+
+
+def nvidia_config_facts(launch: Launch, nvidia: Launch, row: dict) -> dict:
+    """What the NVIDIA config of a launch made on an AMD target (`row`, from `compile_launch`): the
+    keyword arguments that differ ({name: [nvidia, amd]}) and its LDS, VGPRs, AGPRs, scratch, or its
+    compile error. Kept in the AMD row as `nvidia_config`, so a page can say how the NVIDIA tile fares."""
+    differ = {k: [_jsonable(nvidia.kwargs.get(k)), _jsonable(launch.kwargs.get(k))]
+              for k in sorted(set(launch.kwargs) | set(nvidia.kwargs)) if nvidia.kwargs.get(k) != launch.kwargs.get(k)}
+    out = {"launch": nvidia.name, "differ": differ, "ok": bool(row.get("ok"))}
+    if not row.get("ok"):
+        out["error"] = row.get("error", "")[:300]
+        return out
+    out.update({k: row.get(k) for k in ("shared_kb", "smem_limit_kb", "smem_ok", "vgprs", "agprs", "scratch_bytes",
+                                         "num_warps", "num_stages", "mma")})
+    return out
 
 
 def repo_root() -> Path:
