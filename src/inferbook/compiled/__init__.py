@@ -534,8 +534,7 @@ def compile_launch(launch: Launch, target: str) -> dict:
         with contextlib.redirect_stdout(buf):
             ck = launch.kernel.run(*[_stand_in(a) for a in launch.args], grid=(1,), warmup=True, **kw)
     except Exception as e:  # a compile error is a result: keep its first lines
-        msg = f"{type(e).__name__}: {e}".strip().splitlines()
-        return {**row, "ok": False, "error": " ".join(msg[:3])[:600],
+        return {**row, "ok": False, "error": _error_text(e),
                 "compile_s": round(time.perf_counter() - t0, 2)}
     ptx = ck.asm.get("ptx", "")
     facts = _facts_dir() / f"{ck.hash}-{arch}.log"
@@ -605,6 +604,16 @@ def amd_loads(asm: str) -> dict:
             "tma": 0}
 
 
+def _error_text(e: Exception) -> str:
+    """A compile error for the table: its first three lines (where in the kernel) and, when the
+    message is longer, its last line (Triton's CompilationError puts the reason there)."""
+    msg = [x.strip() for x in f"{type(e).__name__}: {e}".strip().splitlines() if x.strip()]
+    head = " ".join(msg[:3])
+    if len(msg) <= 3:
+        return head[:600]
+    return head[:590 - len(msg[-1][:300])] + " … " + msg[-1][:300]
+
+
 def _compile_hip(launch: Launch, target: str, row: dict) -> dict:
     """`compile_launch` for a CDNA target: HSACO through Triton's AMD backend (no GPU, no ROCm);
     LDS from the kernel's metadata, VGPRs/AGPRs, spills and scratch from the AMDGCN."""
@@ -616,8 +625,7 @@ def _compile_hip(launch: Launch, target: str, row: dict) -> dict:
     try:
         ck = launch.kernel.run(*[_stand_in(a) for a in launch.args], grid=(1,), warmup=True, **dict(launch.kwargs))
     except Exception as e:
-        msg = f"{type(e).__name__}: {e}".strip().splitlines()
-        return {**row, "ok": False, "error": " ".join(msg[:3])[:600], "compile_s": round(time.perf_counter() - t0, 2)}
+        return {**row, "ok": False, "error": _error_text(e), "compile_s": round(time.perf_counter() - t0, 2)}
     asm = ck.asm.get("amdgcn", "")
     md = ck.metadata
     meta_ = amd_metadata(asm)

@@ -309,7 +309,7 @@ def targets_sentence(slug: str, targets=("sm_90", "gfx950"), root: Path | None =
 
 
 def _values(vals) -> str:
-    return ", ".join(dict.fromkeys(str(v) for v in vals))
+    return " or ".join(dict.fromkeys(str(v) for v in vals))
 
 
 def amd_config_sentence(slug: str, root: Path | None = None) -> str:
@@ -333,14 +333,13 @@ def amd_config_sentence(slug: str, root: Path | None = None) -> str:
                 groups.setdefault(tuple(sorted(nv["differ"])), []).append(r)
         for keys, rows in groups.items():
             ours = " and ".join(f"{k} {_values(r['nvidia_config']['differ'][k][1] for r in rows)}" for k in keys)
-            theirs = ", ".join(f"{k} {_values(r['nvidia_config']['differ'][k][0] for r in rows)}" for k in keys)
+            theirs = " and ".join(f"{k} {_values(r['nvidia_config']['differ'][k][0] for r in rows)}" for k in keys)
             head = (f"on {t} ({TARGET_GPUS[t]}, {SMEM_LIMIT_KB[t]} KB of LDS) {plural(len(rows), 'launch', 'launches')} "
                     f"run{'s' if len(rows) == 1 else ''} {ours} where the NVIDIA config has {theirs}")
             nvs = [r["nvidia_config"] for r in rows]
             failed = [n for n in nvs if not n["ok"]]
             if failed:
-                err = failed[0].get("error", "").split("\n")[-1].strip()
-                err = err.rsplit("   ", 1)[-1].strip() or err
+                err = failed[0].get("error", "").rsplit(" … ", 1)[-1].strip()
                 clauses.append(f"{head}: the NVIDIA config does not compile there for {count(len(failed), 'launch', 'launches')}"
                                f" ({err[-120:]})")
                 continue
