@@ -430,13 +430,17 @@ def launches_by_target(slug: str, targets) -> dict[str, list[Launch]]:
     """{target: `launches_for(slug, target)`} for each of `targets`, built once when no config asked
     the target (the path to a config's first question is the same for every target, so a build that
     asked nothing is every target's)."""
+    return _launches_and_asked(slug, targets)[0]
+
+
+def _launches_and_asked(slug: str, targets) -> tuple[dict[str, list[Launch]], bool]:
     out: dict[str, list[Launch]] = {}
     for t in targets:
         launches, asked = _build_launches(slug, t)
         out[t] = launches
         if not asked:
-            return {t2: launches for t2 in targets}
-    return out
+            return {t2: launches for t2 in targets}, False
+    return out, True
 
 
 def kernel_chapters() -> list[str]:
@@ -688,7 +692,7 @@ def _worker(out_path: str, slugs: list[str], targets: list[str], shard: int, sha
     rows = []
     for slug in slugs:
         try:       # each target's own launches: a config may differ per target (device.pick_config)
-            by_target = launches_by_target(slug, targets)
+            by_target, asked = _launches_and_asked(slug, targets)
         except Exception as e:  # a builder that no longer matches its kernel: a failure row, named
             if shard == 0:
                 for t in targets:
@@ -698,21 +702,35 @@ def _worker(out_path: str, slugs: list[str], targets: list[str], shard: int, sha
             continue
         nvidia = None
         for t in targets:
-            if t in AMD_TARGETS and nvidia is None:
+            if t in AMD_TARGETS and nvidia is None and asked:     # a build that asked no target: nothing differs
                 nvidia = next((by_target[n] for n in targets if n in NVIDIA_TARGETS), None) or launches_for(slug, "sm_90")
-            pairs = nvidia_counterparts(by_target[t], nvidia) if t in AMD_TARGETS else [None] * len(by_target[t])
+            pairs = (nvidia_counterparts(by_target[t], nvidia) if t in AMD_TARGETS and nvidia is not None
+                     else [None] * len(by_target[t]))
             jobs += [(slug, i, launch, t, nv) for i, (launch, nv) in enumerate(zip(by_target[t], pairs))]
+    sampled: dict[tuple, int] = {}
     with open(out_path, "w") as f:
         for r in rows:
             f.write(json.dumps(r) + "\n")
         for j, (slug, i, launch, t, nv) in enumerate(jobs):
+            if nv is not None:      # the NVIDIA config compiled for the first COUNTERPARTS_PER_KIND of a kind
+                kind = (slug, t, getattr(launch.kernel, "__name__", str(launch.kernel)),
+                        json.dumps(nvidia_config_facts(launch, nv, {})["differ"], sort_keys=True, default=str))
+                sampled[kind] = sampled.get(kind, 0) + 1
             if j % shards != shard:
                 continue
             r = compile_launch(launch, t)
             if nv is not None:
-                r["nvidia_config"] = nvidia_config_facts(launch, nv, compile_launch(nv, t))
+                r["nvidia_config"] = (nvidia_config_facts(launch, nv, compile_launch(nv, t))
+                                      if sampled[kind] <= COUNTERPARTS_PER_KIND else
+                                      {**nvidia_config_facts(launch, nv, {}), "ok": None, "compiled": False})
             f.write(json.dumps({"slug": slug, "index": i, **r}, default=str) + "\n")
             f.flush()
+
+
+# An AMD row whose config differs from NVIDIA's gets the NVIDIA config compiled beside it for the first
+# few launches of each kind (same kernel, same differing keyword arguments on a target); the rest say
+# `compiled: False` (the attention matrix has dozens of one kind, each a slow compile on a CPU).
+COUNTERPARTS_PER_KIND = 3
 
 
 def nvidia_counterparts(amd: list[Launch], nvidia: list[Launch]) -> list[Launch | None]:

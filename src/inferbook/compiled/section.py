@@ -324,7 +324,7 @@ def amd_config_sentence(slug: str, root: Path | None = None) -> str:
     amd = [t for t in AMD_TARGETS if any(r["target"] == t for r in doc["rows"])]
     if not amd:
         return "not compiled for gfx942 or gfx950"
-    clauses = []
+    clauses, where_said = [], None
     for t in amd:
         groups: dict[tuple, list[dict]] = {}
         for r in doc["rows"]:
@@ -334,19 +334,24 @@ def amd_config_sentence(slug: str, root: Path | None = None) -> str:
         for keys, rows in groups.items():
             ours = " and ".join(f"{k} {_values(r['nvidia_config']['differ'][k][1] for r in rows)}" for k in keys)
             theirs = " and ".join(f"{k} {_values(r['nvidia_config']['differ'][k][0] for r in rows)}" for k in keys)
-            head = (f"on {t} ({TARGET_GPUS[t]}, {SMEM_LIMIT_KB[t]} KB of LDS) {plural(len(rows), 'launch', 'launches')} "
+            where = f"on {t} ({TARGET_GPUS[t]}, {SMEM_LIMIT_KB[t]} KB of LDS) " if where_said != t else ""
+            where_said = t
+            head = (f"{where}{plural(len(rows), 'launch', 'launches')} "
                     f"run{'s' if len(rows) == 1 else ''} {ours} where the NVIDIA config has {theirs}")
-            nvs = [r["nvidia_config"] for r in rows]
+            nvs = [r["nvidia_config"] for r in rows if r["nvidia_config"].get("compiled", True)]
+            some = "" if len(nvs) == len(rows) else f", compiled for {len(nvs)} of them,"
             failed = [n for n in nvs if not n["ok"]]
             if failed:
                 err = failed[0].get("error", "").rsplit(" … ", 1)[-1].strip()
-                clauses.append(f"{head}: the NVIDIA config does not compile there for {count(len(failed), 'launch', 'launches')}"
-                               f" ({err[-120:]})")
+                clauses.append(f"{head}: the NVIDIA config{some} does not compile there for "
+                               f"{count(len(failed), 'launch', 'launches')} ({err[-120:]})")
+                continue
+            if not nvs:
                 continue
             over = sum(1 for n in nvs if not n.get("smem_ok", True))
             nv_scr = max(n.get("scratch_bytes") or 0 for n in nvs)
             our_scr = max(r.get("scratch_bytes") or 0 for r in rows)
-            clauses.append(f"{head}: the NVIDIA config needs up to {max(n['shared_kb'] for n in nvs):.1f} KB of LDS"
+            clauses.append(f"{head}: the NVIDIA config{some} needs up to {max(n['shared_kb'] for n in nvs):.1f} KB of LDS"
                            + (f" ({over} over the limit)" if over else "")
                            + (f" and spills ({nv_scr} B of scratch)" if nv_scr else "")
                            + f", the AMD one up to {max(r['shared_kb'] for r in rows):.1f} KB"
