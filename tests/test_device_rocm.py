@@ -140,3 +140,47 @@ def test_launches_are_built_per_target_only_where_a_config_asks(monkeypatch):
     assert calls == targets
     calls.clear()
     assert compiled.launches_by_target("never", targets) == {t: ["same"] for t in targets} and calls == ["sm_80"]
+
+
+def test_the_runtime_launch_on_a_faked_mi300x_takes_the_amd_configs(rocm, monkeypatch):
+    """What the launchers would run on a ROCm GPU (no building_for: the device's own gfx942) is what
+    `inferbook inspect --target gfx942` records; nothing is launched."""
+    from inferbook import compiled
+    from inferbook.attention import flash
+    from inferbook.numerics import gdn_chunk
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    cuda = torch.device("cuda")
+    runtime = gdn_chunk.chunked_launches(1, 256, 2, 128, 128)        # builds with torch.device("cuda")
+    with dev.building_for("gfx942"):
+        table = gdn_chunk.chunked_launches(1, 256, 2, 128, 128)
+    assert [compiled.launch_fingerprint(a) for a in runtime] == [compiled.launch_fingerprint(b) for b in table]
+    state = next(la for la in runtime if "state" in la.name)
+    assert state.kwargs["num_stages"] == 1 and state.kwargs["PRECISION"] == "ieee"
+    assert flash.block_config(cuda, 128, "fwd")["num_stages"] == 2
+    with dev.building_for("gfx950"):                                # 160 KB of LDS: NVIDIA's three stages
+        assert flash.block_config(cuda, 128, "fwd")["num_stages"] == 3
+    with dev.building_for("sm_90"):
+        state = next(la for la in gdn_chunk.chunked_launches(1, 256, 2, 128, 128) if "state" in la.name)
+        assert state.kwargs["num_stages"] == 3 and state.kwargs["PRECISION"] == "tf32"
+
+
+def test_the_nvidia_config_beside_an_amd_row_is_said_from_the_table(tmp_path):
+    from inferbook import compiled
+    from inferbook.compiled.section import amd_config_sentence
+
+    k1, k2 = object(), object()
+    nv = [compiled.Launch("a", k1, [], dict(num_stages=3)), compiled.Launch("b", k2, [], dict(num_stages=2))]
+    amd = [compiled.Launch("a", k1, [], dict(num_stages=1)), compiled.Launch("b", k2, [], dict(num_stages=2))]
+    assert [x and x.name for x in compiled.nvidia_counterparts(amd, nv)] == ["a", None]
+    assert [x and x.name for x in compiled.nvidia_counterparts(amd[:1], nv[::-1])] == ["a"]   # by name
+    facts = compiled.nvidia_config_facts(amd[0], nv[0], {"ok": True, "shared_kb": 80.0, "smem_limit_kb": 64,
+                                                         "smem_ok": False, "scratch_bytes": 44})
+    assert facts["differ"] == {"num_stages": [3, 1]} and facts["shared_kb"] == 80.0
+    row = dict(slug="x", index=0, launch="a", target="gfx942", ok=True, shared_kb=32.0, smem_limit_kb=64, smem_ok=True,
+               scratch_bytes=0, nvidia_config=facts)
+    compiled.save_table("x", [row], root=tmp_path)
+    text = amd_config_sentence("x", tmp_path)
+    assert text == ("on gfx942 (MI300X, 64 KB of LDS) 1 launch runs num_stages 1 where the NVIDIA config has "
+                    "num_stages 3: the NVIDIA config needs up to 80.0 KB of LDS (1 over the limit) and spills "
+                    "(44 B of scratch), the AMD one up to 32.0 KB, no scratch")

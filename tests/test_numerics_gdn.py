@@ -346,3 +346,27 @@ def test_chunked_triton_in_the_harness_and_a_misread_chunk_state_is_caught(monke
     with pytest.raises(ValueError, match="K, V <= 256"):
         gdn_chunk.chunked_triton(*(torch.zeros(1, 2, 1, 264),) * 2, torch.zeros(1, 2, 1, 8), torch.zeros(1, 2, 1),
                                  torch.zeros(1, 2, 1))
+
+
+def test_chunked_triton_at_the_amd_gpu_config():
+    """The chunked kernels at the GPU tiles of the AMD config (`device.pick_config`'s 'hip' entry, which
+    `inferbook inspect --target gfx942` compiles) in the interpreter: at K 128 the state kernel splits
+    V into BV 64 blocks (two programs, the second masked at V 96) and runs one stage; the NVIDIA build
+    keeps its three stages and tf32."""
+    from inferbook import device
+    from inferbook.numerics import gdn_chunk
+
+    with device.building_for("gfx942"):
+        c = gdn_chunk.chunk_blocks(128, 96, torch.device("cpu"))
+        (amd_state,) = [la for la in gdn_chunk.chunked_launches(1, 70, 1, 128, 96) if "state" in la.name]
+    with device.building_for("sm_90"):
+        (nv_state,) = [la for la in gdn_chunk.chunked_launches(1, 70, 1, 128, 96) if "state" in la.name]
+    assert c["BV_STATE"] == 64 and c["BV_O"] == 64 and c["stages_state"] == 1 and c["gpu_precision"] == "ieee"
+    assert (amd_state.kwargs["num_stages"], amd_state.kwargs["PRECISION"]) == (1, "ieee")
+    assert (nv_state.kwargs["num_stages"], nv_state.kwargs["PRECISION"]) == (3, "tf32")
+    inp = gdn.make_inputs(1, 70, 1, 128, 96, "random", seed=3)
+    args = [inp[x].bfloat16() for x in NAMES]
+    with device.building_for("gfx942"), torch.no_grad():
+        o, S = gdn_chunk.chunked_triton(*(a.to(DEV) for a in args), initial_state=inp["h0"].float().to(DEV))
+    o_r, S_r = gdn.recurrent(*(a.double() for a in args), initial_state=inp["h0"].double())
+    assert gdn.rel_rms(o.cpu(), o_r) <= 6e-3 and gdn.rel_rms(S.cpu(), S_r) <= 6e-3

@@ -525,7 +525,7 @@ def block_config(device: torch.device, head_dim: int, kind: str, head_dim_v: int
     matrix); the 113x203 shape still spans several tiles with ragged tails.
     """
     block_d = max(16, triton.next_power_of_2(head_dim)) if triton is not None else head_dim
-    if device.type != "cuda":
+    if not _device.wants_gpu_config(device):
         return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_D=block_d, num_warps=4, num_stages=1)
     if kind == "fwd":
         widest = max(head_dim, head_dim_v or head_dim)
@@ -535,7 +535,10 @@ def block_config(device: torch.device, head_dim: int, kind: str, head_dim_v: int
         if block_d <= 64:
             return dict(BLOCK_M=128, BLOCK_N=64, BLOCK_D=block_d, num_warps=4, num_stages=3)
         if block_d <= 128:
-            return dict(BLOCK_M=128, BLOCK_N=64, BLOCK_D=block_d, num_warps=8, num_stages=3)
+            # gfx942 (MI300X, 64 KB of LDS per workgroup): the same tiles, two stages (three stages' copies
+            # of the K and V tiles beside q need 80 KB there); gfx950's 160 KB takes NVIDIA's three
+            cfg = dict(BLOCK_M=128, BLOCK_N=64, BLOCK_D=block_d, num_warps=8, num_stages=3)
+            return dict(_device.pick_config({"nvidia": cfg, "gfx942": {**cfg, "num_stages": 2}}, device))
         return dict(BLOCK_M=64, BLOCK_N=32, BLOCK_D=block_d, num_warps=8, num_stages=2)
     if kind == "dkdv":
         if block_d <= 128:

@@ -430,13 +430,17 @@ def launches_by_target(slug: str, targets) -> dict[str, list[Launch]]:
     """{target: `launches_for(slug, target)`} for each of `targets`, built once when no config asked
     the target (the path to a config's first question is the same for every target, so a build that
     asked nothing is every target's)."""
+    return _launches_and_asked(slug, targets)[0]
+
+
+def _launches_and_asked(slug: str, targets) -> tuple[dict[str, list[Launch]], bool]:
     out: dict[str, list[Launch]] = {}
     for t in targets:
         launches, asked = _build_launches(slug, t)
         out[t] = launches
         if not asked:
-            return {t2: launches for t2 in targets}
-    return out
+            return {t2: launches for t2 in targets}, False
+    return out, True
 
 
 def kernel_chapters() -> list[str]:
@@ -534,8 +538,7 @@ def compile_launch(launch: Launch, target: str) -> dict:
         with contextlib.redirect_stdout(buf):
             ck = launch.kernel.run(*[_stand_in(a) for a in launch.args], grid=(1,), warmup=True, **kw)
     except Exception as e:  # a compile error is a result: keep its first lines
-        msg = f"{type(e).__name__}: {e}".strip().splitlines()
-        return {**row, "ok": False, "error": " ".join(msg[:3])[:600],
+        return {**row, "ok": False, "error": _error_text(e),
                 "compile_s": round(time.perf_counter() - t0, 2)}
     ptx = ck.asm.get("ptx", "")
     facts = _facts_dir() / f"{ck.hash}-{arch}.log"
@@ -605,6 +608,16 @@ def amd_loads(asm: str) -> dict:
             "tma": 0}
 
 
+def _error_text(e: Exception) -> str:
+    """A compile error for the table: its first three lines (where in the kernel) and, when the
+    message is longer, its last line (Triton's CompilationError puts the reason there)."""
+    msg = [x.strip() for x in f"{type(e).__name__}: {e}".strip().splitlines() if x.strip()]
+    head = " ".join(msg[:3])
+    if len(msg) <= 3:
+        return head[:600]
+    return head[:590 - len(msg[-1][:300])] + " … " + msg[-1][:300]
+
+
 def _compile_hip(launch: Launch, target: str, row: dict) -> dict:
     """`compile_launch` for a CDNA target: HSACO through Triton's AMD backend (no GPU, no ROCm);
     LDS from the kernel's metadata, VGPRs/AGPRs, spills and scratch from the AMDGCN."""
@@ -616,8 +629,7 @@ def _compile_hip(launch: Launch, target: str, row: dict) -> dict:
     try:
         ck = launch.kernel.run(*[_stand_in(a) for a in launch.args], grid=(1,), warmup=True, **dict(launch.kwargs))
     except Exception as e:
-        msg = f"{type(e).__name__}: {e}".strip().splitlines()
-        return {**row, "ok": False, "error": " ".join(msg[:3])[:600], "compile_s": round(time.perf_counter() - t0, 2)}
+        return {**row, "ok": False, "error": _error_text(e), "compile_s": round(time.perf_counter() - t0, 2)}
     asm = ck.asm.get("amdgcn", "")
     md = ck.metadata
     meta_ = amd_metadata(asm)
@@ -680,7 +692,7 @@ def _worker(out_path: str, slugs: list[str], targets: list[str], shard: int, sha
     rows = []
     for slug in slugs:
         try:       # each target's own launches: a config may differ per target (device.pick_config)
-            by_target = launches_by_target(slug, targets)
+            by_target, asked = _launches_and_asked(slug, targets)
         except Exception as e:  # a builder that no longer matches its kernel: a failure row, named
             if shard == 0:
                 for t in targets:
@@ -688,16 +700,69 @@ def _worker(out_path: str, slugs: list[str], targets: list[str], shard: int, sha
                                  "ok": False, "error": f"building the launches failed: {type(e).__name__}: {e}"[:600],
                                  "smem_limit_kb": SMEM_LIMIT_KB[TARGETS[t]], "source": "", "kernel": ""})
             continue
-        jobs += [(slug, i, launch, t) for t in targets for i, launch in enumerate(by_target[t])]
+        nvidia = None
+        for t in targets:
+            if t in AMD_TARGETS and nvidia is None and asked:     # a build that asked no target: nothing differs
+                nvidia = next((by_target[n] for n in targets if n in NVIDIA_TARGETS), None) or launches_for(slug, "sm_90")
+            pairs = (nvidia_counterparts(by_target[t], nvidia) if t in AMD_TARGETS and nvidia is not None
+                     else [None] * len(by_target[t]))
+            jobs += [(slug, i, launch, t, nv) for i, (launch, nv) in enumerate(zip(by_target[t], pairs))]
+    sampled: dict[tuple, int] = {}
     with open(out_path, "w") as f:
         for r in rows:
             f.write(json.dumps(r) + "\n")
-        for j, (slug, i, launch, t) in enumerate(jobs):
+        for j, (slug, i, launch, t, nv) in enumerate(jobs):
+            if nv is not None:      # the NVIDIA config compiled for the first COUNTERPARTS_PER_KIND of a kind
+                kind = (slug, t, getattr(launch.kernel, "__name__", str(launch.kernel)),
+                        json.dumps(nvidia_config_facts(launch, nv, {})["differ"], sort_keys=True, default=str))
+                sampled[kind] = sampled.get(kind, 0) + 1
             if j % shards != shard:
                 continue
             r = compile_launch(launch, t)
+            if nv is not None:
+                r["nvidia_config"] = (nvidia_config_facts(launch, nv, compile_launch(nv, t))
+                                      if sampled[kind] <= COUNTERPARTS_PER_KIND else
+                                      {**nvidia_config_facts(launch, nv, {}), "ok": None, "compiled": False})
             f.write(json.dumps({"slug": slug, "index": i, **r}, default=str) + "\n")
             f.flush()
+
+
+# An AMD row whose config differs from NVIDIA's gets the NVIDIA config compiled beside it for the first
+# few launches of each kind (same kernel, same differing keyword arguments on a target); the rest say
+# `compiled: False` (the attention matrix has dozens of one kind, each a slow compile on a CPU).
+COUNTERPARTS_PER_KIND = 3
+
+
+def nvidia_counterparts(amd: list[Launch], nvidia: list[Launch]) -> list[Launch | None]:
+    """For each launch built for an AMD target, the launch the NVIDIA configs make in its place where
+    the two differ (None where they are the same): paired by position when both lists have the same
+    kernels in the same order, else by name and kernel."""
+    def kern(la):
+        return getattr(la.kernel, "fn", la.kernel)
+
+    if len(amd) == len(nvidia) and all(kern(a) is kern(b) for a, b in zip(amd, nvidia)):
+        pairs = list(nvidia)
+    else:
+        by_name = {}
+        for b in nvidia:
+            by_name.setdefault((b.name, kern(b)), b)
+        pairs = [by_name.get((a.name, kern(a))) for a in amd]
+    return [b if b is not None and launch_fingerprint(b) != launch_fingerprint(a) else None for a, b in zip(amd, pairs)]
+
+
+def nvidia_config_facts(launch: Launch, nvidia: Launch, row: dict) -> dict:
+    """What the NVIDIA config of a launch made on an AMD target (`row`, from `compile_launch`): the
+    keyword arguments that differ ({name: [nvidia, amd]}) and its LDS, VGPRs, AGPRs, scratch, or its
+    compile error. Kept in the AMD row as `nvidia_config`, so a page can say how the NVIDIA tile fares."""
+    differ = {k: [_jsonable(nvidia.kwargs.get(k)), _jsonable(launch.kwargs.get(k))]
+              for k in sorted(set(launch.kwargs) | set(nvidia.kwargs)) if nvidia.kwargs.get(k) != launch.kwargs.get(k)}
+    out = {"launch": nvidia.name, "differ": differ, "ok": bool(row.get("ok"))}
+    if not row.get("ok"):
+        out["error"] = row.get("error", "")[:300]
+        return out
+    out.update({k: row.get(k) for k in ("shared_kb", "smem_limit_kb", "smem_ok", "vgprs", "agprs", "scratch_bytes",
+                                         "num_warps", "num_stages", "mma")})
+    return out
 
 
 def repo_root() -> Path:

@@ -228,6 +228,7 @@ class CompilerSection:
                 out[f"{p}_{short}_bound"] = out[f"{p}_{short}_predicted"] = "no prediction (table without machine code)"
         names = [f"{t} ({TARGET_CARD[t]})" for t in self.targets]
         out[f"{p}_targets"] = (", ".join(names[:-1]) + " and " + names[-1]) if len(names) > 1 else "".join(names)
+        out[f"{p}_amd_configs"] = amd_config_sentence(self.slug, self.root)
         out[f"{p}_failures"] = ("none" if not f["failures"] else
                                 f"{len(f['failures'])}: " + "; ".join(f["failures"][:4]) +
                                 (" …" if len(f["failures"]) > 4 else ""))
@@ -298,3 +299,56 @@ def targets_sentence(slug: str, targets=("sm_90", "gfx950"), root: Path | None =
         out += ("; " if out else "") + f"not compiled with machine-code facts for {', '.join(missing)} yet " \
                f"(inferbook inspect {slug} --target {missing[0]} --save)"  # glued as plain text: no backticks
     return out + "."
+
+
+def _values(vals) -> str:
+    return " or ".join(dict.fromkeys(str(v) for v in vals))
+
+
+def amd_config_sentence(slug: str, root: Path | None = None) -> str:
+    """How the NVIDIA configs fare on CDNA, from the AMD rows' `nvidia_config` (what the NVIDIA config
+    of the same launch made on that target, compiled beside the AMD one by `inferbook inspect`): one
+    clause per target and kind of change, e.g. 'on gfx942 (MI300X, 64 KB of LDS) 2 launches run
+    num_stages 1 where the NVIDIA config has 3, 2: the NVIDIA config needs up to 80.0 KB of LDS (2 over
+    the limit), the AMD one up to 32.0 KB'. Where no AMD row differs: a sentence saying so."""
+    from . import AMD_TARGETS, SMEM_LIMIT_KB, TARGET_GPUS
+
+    doc = load_table(slug, root) or {"rows": []}
+    amd = [t for t in AMD_TARGETS if any(r["target"] == t for r in doc["rows"])]
+    if not amd:
+        return "not compiled for gfx942 or gfx950"
+    clauses, where_said = [], None
+    for t in amd:
+        groups: dict[tuple, list[dict]] = {}
+        for r in doc["rows"]:
+            nv = r.get("nvidia_config")
+            if r["target"] == t and nv and r.get("ok"):
+                groups.setdefault(tuple(sorted(nv["differ"])), []).append(r)
+        for keys, rows in groups.items():
+            ours = " and ".join(f"{k} {_values(r['nvidia_config']['differ'][k][1] for r in rows)}" for k in keys)
+            theirs = " and ".join(f"{k} {_values(r['nvidia_config']['differ'][k][0] for r in rows)}" for k in keys)
+            where = f"on {t} ({TARGET_GPUS[t]}, {SMEM_LIMIT_KB[t]} KB of LDS) " if where_said != t else ""
+            where_said = t
+            head = (f"{where}{plural(len(rows), 'launch', 'launches')} "
+                    f"run{'s' if len(rows) == 1 else ''} {ours} where the NVIDIA config has {theirs}")
+            nvs = [r["nvidia_config"] for r in rows if r["nvidia_config"].get("compiled", True)]
+            some = "" if len(nvs) == len(rows) else f", compiled for {len(nvs)} of them,"
+            failed = [n for n in nvs if not n["ok"]]
+            if failed:
+                err = failed[0].get("error", "").rsplit(" … ", 1)[-1].strip()
+                clauses.append(f"{head}: the NVIDIA config{some} does not compile there for "
+                               f"{count(len(failed), 'launch', 'launches')} ({err[-120:]})")
+                continue
+            if not nvs:
+                continue
+            over = sum(1 for n in nvs if not n.get("smem_ok", True))
+            nv_scr = max(n.get("scratch_bytes") or 0 for n in nvs)
+            our_scr = max(r.get("scratch_bytes") or 0 for r in rows)
+            clauses.append(f"{head}: the NVIDIA config{some} needs up to {max(n['shared_kb'] for n in nvs):.1f} KB of LDS"
+                           + (f" ({over} over the limit)" if over else "")
+                           + (f" and spills ({nv_scr} B of scratch)" if nv_scr else "")
+                           + f", the AMD one up to {max(r['shared_kb'] for r in rows):.1f} KB"
+                           + (f" with {our_scr} B of scratch" if our_scr else ", no scratch"))
+    if not clauses:
+        return f"on {' and '.join(amd)} every launch runs the NVIDIA config (it fits)"
+    return "; ".join(clauses)

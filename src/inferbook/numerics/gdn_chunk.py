@@ -230,18 +230,30 @@ def chunk_blocks(K: int, V: int, device: torch.device) -> dict:
     autotuner picks 32 or 64), so the state is <= 8K values per program; at K 256 the state kernel runs
     8 warps and 2 stages (4 warps spill on sm_90; 3 stages exceed sm_80's shared memory), at K 128 8 warps
     (4 spill on sm_80 and sm_100). The
-    interpreter runs one program at a time: there the whole of V is one block."""
+    interpreter runs one program at a time: there the whole of V is one block.
+
+    AMD (CDNA, `device.pick_config`'s 'hip' entry), same tiles: from K 128 the state kernel runs one
+    stage (the software pipeline's extra copies of the w, u and k tiles sit in LDS: with NVIDIA's 3
+    stages at K 128 and 2 at K 256 they outgrow gfx942's 64 KB, and at K 256 the kernel spills VGPRs on
+    gfx942 and gfx950), and every dot takes `input_precision="ieee"` (`PRECISION`): for bf16/fp16
+    operands the precision changes nothing, and gfx950's backend rejects the "tf32" NVIDIA passes.
+    The compile tables record, beside each AMD row, what the NVIDIA config made on that target."""
     bk = max(16, min(64, triton.next_power_of_2(K)))
     bk_state = max(16, triton.next_power_of_2(K))
     bv_full = max(16, triton.next_power_of_2(V))
-    if device.type == "cuda":
+    if _device.wants_gpu_config(device):
         bv_state = min(bv_full, 64 if bk_state <= 128 else 32)
         bv_o = min(bv_full, 64)
     else:
         bv_state = bv_o = bv_full
     big = bk_state > 128
-    return dict(BK=bk, BK_STATE=bk_state, BV_WY=min(bv_full, 64), BV_STATE=bv_state, BV_O=bv_o,
-                warps_wy=4, warps_state=8 if bk_state >= 128 else 4, stages_state=2 if big else 3, warps_o=4)
+    out = dict(BK=bk, BK_STATE=bk_state, BV_WY=min(bv_full, 64), BV_STATE=bv_state, BV_O=bv_o,
+               warps_wy=4, warps_state=8 if bk_state >= 128 else 4, stages_state=2 if big else 3, warps_o=4,
+               gpu_precision="tf32")
+    if _device.wants_gpu_config(device):
+        amd = dict(out, stages_state=1 if bk_state >= 128 else out["stages_state"], gpu_precision="ieee")
+        out = _device.pick_config({"nvidia": out, "hip": amd}, device)
+    return out
 
 
 def chunk_tables(lengths: list[int], chunk: int = CHUNK) -> tuple[list[int], list[int]]:
@@ -267,7 +279,7 @@ def _launches(q, k, v, g, beta, h0, cu, idx, offs, g_cum, A, w, u, h, v_new, ht,
     c = chunk_blocks(K, V, device)
     flags = dict(USE_L2NORM=l2norm, DT=getattr(tl, _TL_DTYPE[q.dtype]),
                  EMULATE=_device.bf16_cast_needs_emulation(device), DOT_FP32=_device.dot_needs_fp32(device),
-                 PRECISION="ieee" if q.dtype == torch.float32 or _device.dot_needs_fp32(device) else "tf32")
+                 PRECISION="ieee" if q.dtype == torch.float32 or _device.dot_needs_fp32(device) else c["gpu_precision"])
     dt = str(q.dtype)[6:]
     src = "numerics/gdn_chunk.py:chunked_triton"
     return [
