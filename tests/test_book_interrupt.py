@@ -77,10 +77,20 @@ def _env(root: Path, marker: Path, hold: bool) -> dict:
     return env
 
 
+def _as_a_shell_starts_it():
+    """Run in the child before exec: SIGINT as an interactive shell hands it over (default action, not
+    blocked). A pytest-xdist worker can pass its children an ignored or blocked SIGINT once other tests
+    have run in it (seen in the full suite: the child slept through SIGINT and ran to exit 0), and
+    then the test would measure the worker, not inferbook."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _run(root, marker, hold):
     return subprocess.Popen([sys.executable, "-m", "inferbook.cli", "run", "upgrade-record", "--device", "cpu",
                              "--preset", "smoke"], cwd=root, env=_env(root, marker, hold),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_as_a_shell_starts_it)
 
 
 def _wait_for(marker: Path, proc, timeout=120):

@@ -45,6 +45,15 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+def _as_a_shell_starts_it():
+    """Run in the child before exec: SIGINT as an interactive shell hands it over (default action, not
+    blocked). A pytest-xdist worker can pass its children an ignored or blocked SIGINT once other tests
+    have run in it (seen in the full suite: the child slept through SIGINT and ran to exit 0), and
+    then the test would measure the worker, not inferbook."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _start(tmp_path: Path, tag: str, fast: bool = False, hold_first: float = 0.0):
     marks = tmp_path / f"marks-{tag}"
     marks.mkdir()
@@ -53,7 +62,7 @@ def _start(tmp_path: Path, tag: str, fast: bool = False, hold_first: float = 0.0
                FAKE_HOLD_FIRST=str(hold_first), OMP_NUM_THREADS="1")
     env.pop("INFERBOOK_SAVE_REFERENCE", None)
     proc = subprocess.Popen([sys.executable, "-c", SCRIPT], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+                            text=True, preexec_fn=_as_a_shell_starts_it)
     return proc, marks
 
 
