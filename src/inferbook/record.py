@@ -409,6 +409,30 @@ def read_file_bounded(path: str | os.PathLike, *, what: str = "file", max_bytes:
         os.close(fd)
 
 
+def json_depth(text: str) -> int:
+    """Deepest bracket nesting of JSON text (brackets inside strings ignored): a linear scan, so a
+    hostile file cannot make a parser recurse before it is refused. Used for workflow files and the KV
+    file tier's block headers, which are checked before `json.loads` sees them."""
+    depth = best = 0
+    in_str = esc = False
+    for ch in text:
+        if in_str:
+            if esc:
+                esc = False
+            elif ch == "\\":
+                esc = True
+            elif ch == '"':
+                in_str = False
+        elif ch == '"':
+            in_str = True
+        elif ch in "[{":
+            depth += 1
+            best = max(best, depth)
+        elif ch in "]}":
+            depth -= 1
+    return best
+
+
 def check_json_bounds(data: Any, where: str) -> None:
     """Refuse JSON nested deeper than MAX_JSON_DEPTH, holding more than MAX_JSON_VALUES values, or an
     int beyond MAX_JSON_INT (one UserError line). Iterative: no recursion on hostile input."""

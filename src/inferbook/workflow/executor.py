@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import UserError, choices
+from ..record import json_depth
 from ..words import count
 
 # ---------------------------------------------------------------------------
@@ -271,28 +272,6 @@ def parse_workflow(text: str, *, source: str = "workflow") -> dict[str, Spec]:
     except RecursionError:
         raise WorkflowError(f"{source} nests JSON too deeply to parse") from None
     return workflow_from_dict(data, source=source)
-
-
-def json_depth(text: str) -> int:
-    """Deepest bracket nesting of JSON text (brackets inside strings ignored), without recursion."""
-    depth = best = 0
-    in_str = esc = False
-    for ch in text:
-        if in_str:
-            if esc:
-                esc = False
-            elif ch == "\\":
-                esc = True
-            elif ch == '"':
-                in_str = False
-        elif ch == '"':
-            in_str = True
-        elif ch in "[{":
-            depth += 1
-            best = max(best, depth)
-        elif ch in "]}":
-            depth -= 1
-    return best
 
 
 def value_depth(value: Any, limit: int = MAX_JSON_DEPTH) -> int:

@@ -25,35 +25,13 @@ from pathlib import Path
 
 import torch
 
+from ...record import json_depth
 from .layout import row_memoryview
 from .tiers import TierStats
 
 MAGIC = b"IBKVBLK2"
 MAX_HEADER_BYTES = 1 << 16
 READ_CHUNK_BYTES = 4 << 20
-
-
-def header_nesting_ok(text: str, max_depth: int = 1) -> bool:
-    """Whether `text` (JSON) nests arrays/objects at most `max_depth` deep, outside strings — a linear
-    scan, so a hostile header cannot make the parser recurse."""
-    depth, in_str, esc = 0, False, False
-    for ch in text:
-        if in_str:
-            if esc:
-                esc = False
-            elif ch == "\\":
-                esc = True
-            elif ch == '"':
-                in_str = False
-        elif ch == '"':
-            in_str = True
-        elif ch in "[{":
-            depth += 1
-            if depth > max_depth:
-                return False
-        elif ch in "]}":
-            depth -= 1
-    return True
 
 
 class FileTier:
@@ -176,7 +154,7 @@ class FileTier:
                 if hlen > MAX_HEADER_BYTES:
                     return self._corrupt(p, "header too long")
                 text = f.read(hlen).decode()
-                if not header_nesting_ok(text):
+                if json_depth(text) > 1:          # a flat object: nothing nested to recurse on
                     return self._corrupt(p, "header nests deeper than one level")
                 header = json.loads(text)
                 if not isinstance(header, dict):     # valid JSON, but a list, number or string
