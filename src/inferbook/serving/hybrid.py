@@ -174,11 +174,7 @@ class HybridRunner(ModelRunner):
     @torch.no_grad()
     def forward(self, batch):
         """As `ModelRunner.forward`, with recurrent layers in place of attention where the model has them."""
-        from .model_runner import paged_attention, write_pool
-
-        m, cfg = self.model, self.model.cfg
-        T = batch.tokens.shape[0]
-        H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        m = self.model
         cos, sin = m.cos[batch.positions], m.sin[batch.positions]
         x = m.embed(batch.tokens)
         for i, layer in enumerate(m.layers):
@@ -186,17 +182,7 @@ class HybridRunner(ModelRunner):
             if layer.attn is None:
                 x = x + self._recurrent(layer, self.rec_index[i], h, batch)
             else:
-                a, j = layer.attn, self.attn_index[i]
-                q = apply_rope(a.wq(h).view(T, H, D).transpose(0, 1)[None], cos, sin)[0]
-                k = apply_rope(a.wk(h).view(T, Hkv, D).transpose(0, 1)[None], cos, sin)[0]
-                v = a.wv(h).view(T, Hkv, D)
-                write_pool(self.k_cache[j], batch.slots, k.transpose(0, 1))
-                write_pool(self.v_cache[j], batch.slots, v)
-                out = torch.empty(H, T, D, dtype=x.dtype, device=x.device)
-                for start, n, kv_slots, pos in batch.spans:
-                    out[:, start:start + n] = paged_attention(q[:, start:start + n], self.k_cache[j], self.v_cache[j],
-                                                              kv_slots, pos)
-                x = x + a.wo(out.transpose(0, 1).reshape(T, cfg.d_model))
+                x = x + self.attention(layer.attn, h, batch, cos, sin, self.attn_index[i])
             h = layer.mlp_norm(x)
             x = x + layer.w_down(F.silu(layer.w_gate(h)) * layer.w_up(h))
         hidden = m.norm(x[batch.logit_rows])

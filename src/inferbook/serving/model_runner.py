@@ -69,25 +69,12 @@ class ModelRunner:
         """-> (logits [R, vocab] fp32, draft features [R, d_model x layers read]) for `batch.logit_rows`:
         the final (normed) hidden state, or with `feature_layers` set, the outputs of those layers
         (the last one normed, as the final hidden state) concatenated."""
-        m, cfg = self.model, self.model.cfg
-        T = batch.tokens.shape[0]
-        H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        m = self.model
         cos, sin = m.cos[batch.positions], m.sin[batch.positions]
         x = m.embed(batch.tokens)                                        # [T, d]
         features = []
         for i, layer in enumerate(m.layers):
-            a = layer.attn
-            h = layer.attn_norm(x)
-            q = apply_rope(a.wq(h).view(T, H, D).transpose(0, 1)[None], cos, sin)[0]      # [H, T, D]
-            k = apply_rope(a.wk(h).view(T, Hkv, D).transpose(0, 1)[None], cos, sin)[0]    # [Hkv, T, D]
-            v = a.wv(h).view(T, Hkv, D)
-            write_pool(self.k_cache[i], batch.slots, k.transpose(0, 1))
-            write_pool(self.v_cache[i], batch.slots, v)
-            out = torch.empty(H, T, D, dtype=x.dtype, device=x.device)
-            for start, n, kv_slots, pos in batch.spans:
-                out[:, start:start + n] = paged_attention(q[:, start:start + n], self.k_cache[i], self.v_cache[i],
-                                                          kv_slots, pos)
-            x = x + a.wo(out.transpose(0, 1).reshape(T, cfg.d_model))
+            x = x + self.attention(layer.attn, layer.attn_norm(x), batch, cos, sin, i)
             h = layer.mlp_norm(x)
             x = x + layer.w_down(F.silu(layer.w_gate(h)) * layer.w_up(h))
             if self.feature_layers and i + 1 in self.feature_layers[:-1]:
@@ -96,6 +83,23 @@ class ModelRunner:
         logits = m.lm_head(hidden).float()
         return logits, (torch.cat(features + [hidden], dim=-1) if self.feature_layers else hidden)
 
+
+    def attention(self, a, h: torch.Tensor, batch: Batch, cos: torch.Tensor, sin: torch.Tensor, j: int) -> torch.Tensor:
+        """One attention layer over the batch: h [T, d] (normed) -> the projected output [T, d]. Writes the
+        batch's K and V into pool `j` (k_cache[j], v_cache[j]) at its slots, then attends span by span."""
+        cfg = self.model.cfg
+        T = h.shape[0]
+        H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        q = apply_rope(a.wq(h).view(T, H, D).transpose(0, 1)[None], cos, sin)[0]      # [H, T, D]
+        k = apply_rope(a.wk(h).view(T, Hkv, D).transpose(0, 1)[None], cos, sin)[0]    # [Hkv, T, D]
+        v = a.wv(h).view(T, Hkv, D)
+        write_pool(self.k_cache[j], batch.slots, k.transpose(0, 1))
+        write_pool(self.v_cache[j], batch.slots, v)
+        out = torch.empty(H, T, D, dtype=h.dtype, device=h.device)
+        for start, n, kv_slots, pos in batch.spans:
+            out[:, start:start + n] = paged_attention(q[:, start:start + n], self.k_cache[j], self.v_cache[j],
+                                                      kv_slots, pos)
+        return a.wo(out.transpose(0, 1).reshape(T, cfg.d_model))
 
 def write_pool(pool: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
     """pool[slot] = x for each slot. pool: one layer's [slots, Hkv, D] (flat), or its
