@@ -227,3 +227,35 @@ def test_committed_vllm_rows_load_and_pair_with_ours():
         for q in pairs.values():
             assert q["ours_launch"].endswith("gate_up + down (M" + q["shape"].split()[0][1:] + ")")
             assert len(q["peer_launches"]) == 2 and q["ours_s"] > 0 and q["peer_s"] > 0
+
+
+def test_save_only_one_peer_keeps_the_other_peers_rows(tmp_path, monkeypatch):
+    """`save(slug, only="vllm")` compiles vLLM's launches only (compiling stubbed here) and keeps gemlite's
+    committed rows, their chosen configs and versions as they were; vLLM's old rows are replaced."""
+    import json
+
+    from inferbook.compiled import DATA_DIR
+
+    gem = {"launch": "gemlite: k cfg 2/3 @ S", "kernel": "k", "target": "sm_90", "index": 0, "side": "peer",
+           "peer": "gemlite", "ok": True, "sass": {}}
+    stale = {**gem, "launch": "vllm: old @ S2", "kernel": "old", "peer": "vllm", "index": 1}
+    path = tmp_path / DATA_DIR / "peers" / "chord-w4a16.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"rows": [gem, stale], "sweep": {"chosen": {"k @ S": 1}},
+                                "peer_versions": {"gemlite": "0.6"}}))
+    built = []
+
+    def fake_inspect(specs, targets, jobs=1):
+        built.append((specs, targets))
+        return [{"launch": "vllm: fused_moe_kernel_gptq_awq gate_up cfg 16x64x32 G1 w4 s3 @ S2", "kernel": "fused_moe_kernel_gptq_awq",
+                 "target": t, "index": 0, "ok": True, "sass": {}} for t in targets]
+
+    monkeypatch.setattr(peers, "usable", lambda p: True)
+    monkeypatch.setattr(compiled, "inspect", fake_inspect)
+    monkeypatch.setattr(compiled, "predict_rows", lambda rs, card, root=None: [{"seconds": 1.0} for _ in rs])
+    doc = json.loads(peers.save("chord-w4a16", root=tmp_path, only="vllm").read_text())
+    assert {tuple(s) for s, _ in built} == {(peers.PEER_SPECS["chord-w4a16"]["vllm"],)}
+    assert [r for r in doc["rows"] if r["peer"] == "gemlite"] == [gem]
+    new = [r for r in doc["rows"] if r["peer"] == "vllm"]
+    assert sorted(r["target"] for r in new) == sorted(TARGETS) and all(r["index"] > gem["index"] for r in new)
+    assert doc["sweep"]["chosen"]["k @ S"] == 1 and doc["peer_versions"]["gemlite"] == "0.6"

@@ -1056,7 +1056,8 @@ def save(slug: str, targets=("sm_80", "sm_90", "sm_100"), jobs: int = 1, root: P
     then the chosen configs on the other targets; write data/compiled/peers/<slug>.json. `reuse_sweep`:
     take the sweep target's rows from the committed table and recompile the other targets only. `only`:
     compile that one peer's launches (`PEER_SPECS`) and keep the committed table's rows of the others
-    (so adding vLLM's rows to chord-w4a16's table does not need gemlite installed)."""
+    (so adding vLLM's rows to chord-w4a16's table does not need gemlite installed); without it, a table
+    of several peers keeps the committed rows of those not usable here."""
     import triton
 
     from . import _dump, inspect
@@ -1068,6 +1069,7 @@ def save(slug: str, targets=("sm_80", "sm_90", "sm_100"), jobs: int = 1, root: P
         raise UserError(f"no peer for {slug!r}; choose {choices(PEERS)}")
     spec = PEERS[slug]
     kept: list[dict] = []
+    absent: list[str] = []
     if only is not None:
         from ..errors import UserError, choices
 
@@ -1078,11 +1080,16 @@ def save(slug: str, targets=("sm_80", "sm_90", "sm_100"), jobs: int = 1, root: P
         spec = peer_spec(slug, only)
         prev = load(slug, root)
         kept = [r for r in (prev["rows"] if prev else []) if not (r.get("side") == "peer" and r.get("peer") == only)]
+    elif len(peers_of(slug)) > 1:     # a peer not usable here keeps its committed rows rather than losing them
+        absent = [p for p in peers_of(slug) if not usable(p)]
+        prev = load(slug, root) if absent else None
+        kept = [r for r in (prev["rows"] if prev else []) if r.get("side") == "peer" and r.get("peer") in absent]
     os.environ.pop(CONFIG_ENV, None)
     old = load(slug, root) if reuse_sweep else None
     if old is not None:
         rows = [r for r in old["rows"] if r["target"] == SWEEP_TARGET
-                and (only is None or (r.get("side") == "peer" and r.get("peer") == only))]
+                and (only is None or (r.get("side") == "peer" and r.get("peer") == only))
+                and not (r.get("side") == "peer" and r.get("peer") in absent)]
     else:
         rows = _annotate(inspect([spec], [SWEEP_TARGET], jobs=jobs), slug)
     chosen = choose(rows)
@@ -1099,7 +1106,8 @@ def save(slug: str, targets=("sm_80", "sm_90", "sm_100"), jobs: int = 1, root: P
     if kept:      # the other peers' rows first, as committed; this peer's after them
         base = 1 + max((r.get("index", 0) for r in kept), default=-1)
         for r in rows:
-            r["index"] = base + r.get("index", 0)
+            if r.get("index", 0) < base:     # a reused sweep row is already after them
+                r["index"] = base + r.get("index", 0)
         prev = load(slug, root) or {}
         chosen = {**{k: v for k, v in prev.get("sweep", {}).get("chosen", {}).items() if k not in chosen}, **chosen}
         versions = {**prev.get("peer_versions", {}), **versions}      # the kept rows' peers as they were compiled
@@ -1169,7 +1177,13 @@ def _main(argv: list[str]) -> int:
     if a.only is not None and a.only not in peers_of(a.slug):
         print(f"{a.slug} has no peer {a.only!r}; choose {', '.join(peers_of(a.slug))}", file=sys.stderr)
         return 2
-    path = save(a.slug, targets, a.jobs, reuse_sweep=a.reuse_sweep, only=a.only)
+    from ..errors import UserError
+
+    try:
+        path = save(a.slug, targets, a.jobs, reuse_sweep=a.reuse_sweep, only=a.only)
+    except UserError as e:          # bad input or an absent peer: one line, exit 2
+        print(e, file=sys.stderr)
+        return 2
     doc = json.loads(path.read_text())
     print(f"{path}: {len(doc['rows'])} rows; chosen {doc['sweep']['chosen']}")
     print(sentence(a.slug, doc["rows"]))
