@@ -41,17 +41,18 @@ def test_every_peer_table_is_committed_clean_and_on_three_targets():
         for t in TARGETS:
             if t == peers.SWEEP_TARGET:
                 continue
-            keys = [(peers._shape_of(r["launch"]), r["kernel"]) for r in doc["rows"] if r["target"] == t]
+            keys = [(peers._shape_of(r["launch"]), peers._step_of(r["launch"])) for r in doc["rows"] if r["target"] == t]
             assert len(keys) == len(set(keys)), f"{slug} {t}: more than one config per kernel"
 
 
-def _check(slug, doc, side, launches):
+def _check(slug, doc, side, launches, peer=None):
     want = [compiled.launch_fingerprint(la) for la in launches]
-    sweep = [compiled.row_fingerprint(r) for r in doc["rows"] if r["target"] == peers.SWEEP_TARGET and r["side"] == side]
+    sweep = [compiled.row_fingerprint(r) for r in doc["rows"] if r["target"] == peers.SWEEP_TARGET and r["side"] == side
+             and (peer is None or r.get("peer") == peer)]
     assert sweep == want, f"{slug} {side} rows stale; regenerate with `{REGENERATE}`"
     names = {w["launch"]: w for w in want}
     for t in TARGETS:
-        for r in (r for r in doc["rows"] if r["target"] == t and r["side"] == side):
+        for r in (r for r in doc["rows"] if r["target"] == t and r["side"] == side and (peer is None or r.get("peer") == peer)):
             assert compiled.row_fingerprint(r) == names.get(r["launch"]), f"{slug} {t}: {r['launch']} stale"
 
 
@@ -62,29 +63,30 @@ def test_our_rows_in_the_gdn_peer_table_are_current():
     _check("gdn-backward-check", doc, "ours", [la for s in peers.gdn_shapes(P) for la in peers.our_chunk_gdn(*s)])
 
 
-@pytest.mark.parametrize("slug", sorted(peers.PEERS))
-def test_peer_rows_are_current_where_the_peer_imports(slug, monkeypatch):
-    peer = peers.PEER_OF[slug]
+@pytest.mark.parametrize("slug,peer", [(s, p) for s in sorted(peers.PEERS) for p in peers.peers_of(s)])
+def test_peer_rows_are_current_where_the_peer_imports(slug, peer, monkeypatch):
     if not peers.usable(peer):
-        pytest.skip(f"{peer} is not importable here ({peers.available()[peer]})")
+        pytest.skip(f"{peer} is not usable here ({peers.available()[peer]})")
     monkeypatch.delenv(peers.CONFIG_ENV, raising=False)
     doc = peers.load(slug)
-    built = [la for la in compiled.launches_for(peers.PEERS[slug]) if not la.name.startswith("ours: ")]
-    _check(slug, doc, "peer", built)
+    built = [la for la in compiled.launches_for(peers.peer_spec(slug, peer)) if not la.name.startswith("ours: ")]
+    _check(slug, doc, "peer", built, peer)
 
 
 def test_each_page_sets_ours_beside_its_peer_with_the_binding_bounds():
     """Every committed peer table pairs with ours at every shape it holds (H200, sm_90), and the
     compiler section's third line says ours / peer per shape with both sides' binding bound."""
     for slug, doc in _tables().items():
-        peer = doc["peer"]
-        shapes = {peers._shape_of(r["launch"]) or r["launch"].split(" ", 2)[-1] for r in doc["rows"] if r["side"] == "peer"}
+        shapes = {(r["peer"], peers._shape_of(r["launch"]) or r["launch"].split(" ", 2)[-1])
+                  for r in doc["rows"] if r["side"] == "peer"}
         pairs = peers.compare(slug, doc["rows"], "sm_90", "H200")
-        assert {q["shape"] for q in pairs} == shapes, f"{slug}: shapes without ours beside the peer"
+        assert {(q["peer"], q["shape"]) for q in pairs} == shapes, f"{slug}: shapes without ours beside the peer"
         line = compiled.CompilerSection(slug).lines[2]
-        assert f"ours / {peer} = " in line and "predicted" in line, (slug, line)
+        for peer in {p for p, _ in shapes}:
+            assert f"ours / {peer} = " in line and "predicted" in line, (slug, line)
         for q in pairs:
-            assert f"{q['shape']} {q['ours_over_peer']:.2f}× (ours {q['ours_bound']}-bound, {peer} {q['peer_bound']}-bound)" in line, (slug, line)
+            assert (f"{q['shape']} {q['ours_over_peer']:.2f}× (ours {q['ours_bound']}-bound, {q['peer']} "
+                    f"{q['peer_bound']}-bound)") in line, (slug, line)
 
 
 def test_config_choice_takes_the_fastest_predicted(monkeypatch):
@@ -112,3 +114,148 @@ def test_time_beside_interleaves_and_merges_rounds():
     assert calls[:4] == ["o", "o", "p", "p"]                          # warmed first
     seq = "".join(calls[4:])                                           # round 1 ours, peer; round 2 peer, ours; ...
     assert seq.startswith("o") and "pppppp" in seq and "oooooo" in seq
+
+
+# ---------------------------------------------------------------------------------------------------
+# vLLM: its fused_moe.py read by path (never imported); a fake package stands in where vLLM is absent
+
+FAKE_FUSED_MOE = """\
+raise RuntimeError("the module body of fused_moe.py ran")
+import vllm.envs as envs
+
+BLOCK: tl.constexpr = 16
+UNUSED: tl.constexpr = 3
+
+
+@triton.jit
+def helper(x, B: tl.constexpr):
+    return x + B
+
+
+@triton.jit
+def kern(x_ptr, n):
+    i = tl.arange(0, BLOCK)
+    tl.store(x_ptr + i, helper(tl.load(x_ptr + i, mask=i < n), BLOCK), mask=i < n)
+
+
+@triton.jit
+def other_kernel(x_ptr):
+    tl.store(x_ptr, 1)
+
+
+def pick(n):
+    return {"BLOCK_SIZE_M": 16 if n <= 20 else 64}
+
+
+SIDE_EFFECT = print("module-level statement ran")
+"""
+
+
+def _fake_vllm(tmp_path, monkeypatch):
+    pkg = tmp_path / "vllm"
+    (pkg / "model_executor/layers/fused_moe").mkdir(parents=True)
+    (pkg / "__init__.py").write_text('raise RuntimeError("vllm/__init__.py ran")\n')
+    f = pkg / "model_executor/layers/fused_moe/fused_moe.py"
+    f.write_text(FAKE_FUSED_MOE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(peers, "_VLLM", {})
+    return f
+
+
+def test_vllm_loader_refuses_cleanly_without_vllm(monkeypatch):
+    """No vllm package on the path: one line saying how to get it; nothing built, nothing imported."""
+    import importlib.util
+    import sys
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a, **k: None if name == "vllm" else real(name, *a, **k))
+    monkeypatch.setattr(peers, "_VLLM", {})
+    with pytest.raises(ModuleNotFoundError, match="pip install --no-deps"):
+        peers.vllm_fused_moe_file()
+    assert not peers.usable("vllm")
+    why = peers.available()["vllm"]
+    assert why.startswith("ModuleNotFoundError") and "\n" not in why and "PYTHONPATH" in why
+    assert peers.chord_w4a16_vllm() == []
+    assert not any(m == "vllm" or m.startswith("vllm.") for m in sys.modules)
+
+
+def test_defs_from_source_takes_the_named_kernel_and_its_helpers_only(tmp_path, monkeypatch):
+    """The fake fused_moe.py raises at its first line and its package `__init__` raises: neither runs.
+    The named jit kernel comes with the jit helper and the constexpr it calls; the other kernel, the
+    unused constexpr, the plain function and the module-level statements are not executed."""
+    import inspect
+    import sys
+
+    import triton
+    import triton.language as tl
+
+    f = _fake_vllm(tmp_path, monkeypatch)
+    assert peers.vllm_fused_moe_file() == f                      # found without running vllm/__init__.py
+    assert "vllm" not in sys.modules
+    ns = {"triton": triton, "tl": tl}
+    got = peers.defs_from_source(f, ["kern"], ns)
+    assert set(got) == {"kern", "helper", "BLOCK"}
+    assert not {"other_kernel", "UNUSED", "pick", "SIDE_EFFECT", "envs"} & set(ns)
+    assert callable(getattr(ns["kern"], "fn", None)) and ns["BLOCK"] == 16        # jit (or interpreted, as tests run)
+    assert inspect.getsource(ns["kern"].fn).lstrip().startswith("@triton.jit\ndef kern(")   # the file's own text
+    with compiled.recording("fake") as launches:                 # a real kernel: it launches (recorded)
+        ns["kern"][(1,)](compiled.meta((16,), __import__("torch").float32), 7)
+    assert [la.name for la in launches] == ["kern"]
+    assert peers.defs_from_source(f, ["pick"], {})["pick"](30) == {"BLOCK_SIZE_M": 64}   # a plain function on request
+    with pytest.raises(KeyError, match="not_there"):
+        peers.defs_from_source(f, ["not_there"], {})
+
+
+def test_committed_vllm_rows_load_and_pair_with_ours():
+    """chord-w4a16's table holds vLLM's gate/up and down launches at every MoE decode shape on three
+    targets, and `compare` sets ours (both GEMMs of our fastest layout) beside them; no vLLM needed."""
+    from inferbook.moe import w4a16
+
+    doc = peers.load("chord-w4a16")
+    P = compiled.gpu_params("chord-w4a16")
+    keys = [peers.moe_shape_key(*s, w4a16.GROUP_SIZE) for s in peers.moe_shapes(P)]
+    assert len(keys) == 3
+    rows = [r for r in doc["rows"] if r.get("peer") == "vllm"]
+    for t in TARGETS:
+        for key in keys:
+            steps = sorted(peers._step_of(r["launch"]) for r in rows if r["target"] == t and peers._shape_of(r["launch"]) == key)
+            assert steps == ["fused_moe_kernel_gptq_awq down", "fused_moe_kernel_gptq_awq gate_up"], (t, key, steps)
+    assert all(r["ok"] and r["kernel"] == "fused_moe_kernel_gptq_awq" for r in rows)
+    for t, card in (("sm_80", "A100"), ("sm_90", "H200"), ("sm_100", "B200")):
+        pairs = {q["shape"]: q for q in peers.compare("chord-w4a16", doc["rows"], t, card) if q["peer"] == "vllm"}
+        assert set(pairs) == set(keys), t
+        for q in pairs.values():
+            assert q["ours_launch"].endswith("gate_up + down (M" + q["shape"].split()[0][1:] + ")")
+            assert len(q["peer_launches"]) == 2 and q["ours_s"] > 0 and q["peer_s"] > 0
+
+
+def test_save_only_one_peer_keeps_the_other_peers_rows(tmp_path, monkeypatch):
+    """`save(slug, only="vllm")` compiles vLLM's launches only (compiling stubbed here) and keeps gemlite's
+    committed rows, their chosen configs and versions as they were; vLLM's old rows are replaced."""
+    import json
+
+    from inferbook.compiled import DATA_DIR
+
+    gem = {"launch": "gemlite: k cfg 2/3 @ S", "kernel": "k", "target": "sm_90", "index": 0, "side": "peer",
+           "peer": "gemlite", "ok": True, "sass": {}}
+    stale = {**gem, "launch": "vllm: old @ S2", "kernel": "old", "peer": "vllm", "index": 1}
+    path = tmp_path / DATA_DIR / "peers" / "chord-w4a16.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"rows": [gem, stale], "sweep": {"chosen": {"k @ S": 1}},
+                                "peer_versions": {"gemlite": "0.6"}}))
+    built = []
+
+    def fake_inspect(specs, targets, jobs=1):
+        built.append((specs, targets))
+        return [{"launch": "vllm: fused_moe_kernel_gptq_awq gate_up cfg 16x64x32 G1 w4 s3 @ S2", "kernel": "fused_moe_kernel_gptq_awq",
+                 "target": t, "index": 0, "ok": True, "sass": {}} for t in targets]
+
+    monkeypatch.setattr(peers, "usable", lambda p: True)
+    monkeypatch.setattr(compiled, "inspect", fake_inspect)
+    monkeypatch.setattr(compiled, "predict_rows", lambda rs, card, root=None: [{"seconds": 1.0} for _ in rs])
+    doc = json.loads(peers.save("chord-w4a16", root=tmp_path, only="vllm").read_text())
+    assert {tuple(s) for s, _ in built} == {(peers.PEER_SPECS["chord-w4a16"]["vllm"],)}
+    assert [r for r in doc["rows"] if r["peer"] == "gemlite"] == [gem]
+    new = [r for r in doc["rows"] if r["peer"] == "vllm"]
+    assert sorted(r["target"] for r in new) == sorted(TARGETS) and all(r["index"] > gem["index"] for r in new)
+    assert doc["sweep"]["chosen"]["k @ S"] == 1 and doc["peer_versions"]["gemlite"] == "0.6"

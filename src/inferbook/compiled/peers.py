@@ -21,14 +21,36 @@ a peer that is not installed, or that cannot be imported on this machine, is ski
   stand-in package (`_gemlite_modules`), with the device questions `utils.py` asks at import answered as
   on an H100 (why, in its docstring). The shapes (M 1, 2, 16) come from the chapter's parameters, never
   from our kernel's rows, so our W4A16 kernels can change without making these rows stale.
-- vLLM's Triton fused-MoE kernels (`fused_moe_kernel`, and `fused_moe_kernel_gptq_awq`, its INT4 W4A16
-  form, the one chord's MoE decode would face): not wired. vLLM 0.33's wheel (336 MB) installs with
-  --no-deps into a side directory, but `vllm/model_executor/layers/fused_moe/fused_moe.py` imports
-  `vllm.envs`, `vllm._custom_ops` (compiled `_C` extensions built for vLLM's pinned CUDA PyTorch),
-  `vllm.platforms` and the config stack at module level; that chain needs vLLM's ~55 pinned
-  dependencies (transformers 5.16-5.21, fastapi, pydantic, xgrammar, ...): tried here, the first import
-  stopped at `regex`, and with it installed did not finish in 300 s on this machine. Vendoring the kernel
-  source was ruled out, so it is left out; `available()` says why wherever it is asked.
+- vLLM's Triton fused-MoE INT4 W4A16 kernel (`fused_moe_kernel_gptq_awq`, the Triton kernel chord's MoE
+  decode would face in vLLM) at chord-w4a16's MoE decode shapes (`chord_w4a16_vllm`: M 1, 2, 16 tokens
+  per expert, T = ceil(E*M/k) tokens top-8 over Kimi-K2 EP8's 48 local experts, H 7168, I 2048), gate/up
+  and down, in the same table as gemlite. vLLM is never imported: `import vllm...fused_moe` needs vLLM's
+  ~55 pinned dependencies and its compiled `_C` ops. Instead `vllm_fused_moe_file` finds the installed
+  package's `model_executor/layers/fused_moe/fused_moe.py` (`importlib.util.find_spec("vllm")`, which
+  does not run the package's `__init__`) and `defs_from_source` parses it with `ast` and executes only
+  named top-level definitions (`VLLM_TAKE`), with every `@triton.jit` helper and module-level constexpr
+  they reference, in a namespace of `triton`, `tl`, `torch` and stand-ins; nothing else of the file runs.
+  *Taken from vLLM at run time, never copied here*: the kernel and its jit helper `write_zeros_to_output`;
+  `invoke_fused_moe_wna16_triton_kernel` (the launch itself: grid cdiv(EM, BLOCK_SIZE_M) * cdiv(N,
+  BLOCK_SIZE_N) with EM cut to T*k*BLOCK_SIZE_M when T < BLOCK_SIZE_M, strides, constexprs);
+  `get_moe_wna16_block_config` (BLOCK_SIZE_N / K: 32 x 64 at one token, else 64 x 32);
+  `get_default_config` (BLOCK_SIZE_M 16 / 32 / 64 at T <= 20 / 40 / more, GROUP_SIZE_M 1; no num_warps or
+  num_stages, so Triton's 4 and 3); `should_moe_wna16_use_cuda` (asked as on an NVIDIA GPU: at T*k/E <= 6
+  tokens per expert vLLM runs its CUDA `moe_wna16_gemm` instead, so at M 1 and 2 these rows are the
+  Triton path vLLM takes elsewhere, and the launch name says so); `get_config_file_name` (a tuned
+  `E=..,N=..,device_name=NVIDIA_H200,dtype=int4_w4a16.json` in fused_moe/configs would be used, closest M,
+  as `try_get_optimal_moe_config` does; vLLM 0.33 ships none for E 48, N 2048). *Ours*: the stand-ins
+  (`envs.VLLM_BATCH_INVARIANT` False, `current_platform`, `next_power_of_2`, the device name H200), and
+  the arguments `fused_experts_impl` would pass, rebuilt here because running it needs
+  `vllm._custom_ops`: vLLM's buffers (w13 [E, 2I, H/2] and w2 [E, H, I/2] uint8, bf16 scales [E, N,
+  K/32], no zero points; caches 1 and 3 as views of one buffer), and the routing tables at the sizes
+  `moe_align_block_size` allocates (`vllm_align_shapes`; its sort is a CUDA op). The early-exit blocks
+  past num_tokens_post_padded (3 of 51 M-blocks at M 2, 12 of 60 at M 16, balanced routing) are counted
+  as full CTAs by the cost model. Not on either side: vLLM's `moe_align_block_size`, `silu_and_mul` and
+  `moe_sum` (CUDA ops; our gate/up does SiLU * up in its epilogue) and our combine. Get the peer with
+  `pip install --no-deps --target DIR vllm==0.33.0` and DIR on PYTHONPATH (336 MB; it is not in the
+  `[peers]` extra: its pinned dependencies would replace this environment's); `python -m
+  inferbook.compiled.peers chord-w4a16 --save --only vllm` recompiles its rows and keeps gemlite's.
 
 **Autotuned peers.** fla, torchao and gemlite pick their launch by benchmarking configs on the GPU,
 which this machine cannot do. `traced(configs="all")` records one launch per config the peer's own
@@ -62,7 +84,7 @@ SWEEP_CARD = "H200"
 # peer name -> the module whose import says it is usable here
 PEER_MODULES = {"liger-kernel": "liger_kernel.ops.rms_norm", "fla-core": "fla.ops.gated_delta_rule.chunk",
                 "torchao": "torchao.prototype.mx_formats.kernels", "gemlite": "gemlite",
-                "vllm": "vllm.model_executor.layers.fused_moe.fused_moe"}
+                "vllm": "vllm.model_executor.layers.fused_moe.fused_moe"}     # vllm: read by path, never imported
 
 
 def available() -> dict[str, str]:
@@ -75,12 +97,18 @@ def available() -> dict[str, str]:
                 _gemlite_modules()
                 out[name] = "ok (kernel modules loaded by path; the package import asserts a CUDA PyTorch)"
                 continue
+            if name == "vllm":
+                V = _vllm()
+                out[name] = (f"ok ({V['version']}: kernel and config functions read from {V['file']}; "
+                             "the package is not imported)")
+                continue
             __import__(module)
             out[name] = "ok"
         except BaseException as e:                  # not installed, or it refuses a CPU-only torch at import
             if isinstance(e, KeyboardInterrupt):
                 raise
-            out[name] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:160] if str(e).strip() else ''}"
+            msg = str(e).strip().splitlines()[0][:160 if name != "vllm" else 240] if str(e).strip() else ""
+            out[name] = f"{type(e).__name__}: {msg}"
     return out
 
 
@@ -89,6 +117,8 @@ def usable(peer: str) -> bool:
     try:
         if peer == "gemlite":
             _gemlite_modules()
+        elif peer == "vllm":
+            _vllm()
         else:
             __import__(PEER_MODULES[peer])
         return True
@@ -500,6 +530,11 @@ def gemlite_w4a16(M: int, N: int, K: int, group: int = 32, configs="all") -> lis
 
 
 def chord_w4a16(params=None) -> list:
+    """gemlite at the dense decode shapes, then vLLM at the MoE decode shapes (each where it is usable)."""
+    return chord_w4a16_gemlite(params) + chord_w4a16_vllm(params)
+
+
+def chord_w4a16_gemlite(params=None) -> list:
     from . import gpu_params
 
     P = gpu_params("chord-w4a16")
@@ -511,6 +546,229 @@ def chord_w4a16(params=None) -> list:
 
     return [la for M, N, K in chord_shapes(P)
             for la in gemlite_w4a16(M, N, K, w4a16.GROUP_SIZE, configs=_configs(f"M{M} N{N} K{K} g{w4a16.GROUP_SIZE}"))]
+
+
+def chord_w4a16_vllm(params=None) -> list:
+    from . import gpu_params
+
+    if not usable("vllm"):
+        return []
+    from ..moe import w4a16
+
+    return [la for shape in moe_shapes(gpu_params("chord-w4a16")) for la in vllm_moe_w4a16(*shape, w4a16.GROUP_SIZE)]
+
+
+# ---------------------------------------------------------------------------------------------------
+# vLLM: the Triton fused-MoE INT4 W4A16 kernel (chord-w4a16's MoE decode)
+
+VLLM_VERSION = "0.33.0"       # the release these launches were read from (the table records the one found)
+VLLM_FUSED_MOE = ("model_executor", "layers", "fused_moe", "fused_moe.py")
+# What is taken from vLLM's fused_moe.py (by name; every @triton.jit helper they call comes along): the
+# kernel, and the plain-Python functions that choose its config and build its launch.
+VLLM_TAKE = ("fused_moe_kernel_gptq_awq", "get_default_config", "should_moe_wna16_use_cuda",
+             "get_moe_wna16_block_config", "_ensure_block_size_k_divisible", "invoke_fused_moe_wna16_triton_kernel",
+             "get_config_file_name")
+VLLM_HOWTO = (f"pip install --no-deps --target DIR vllm=={VLLM_VERSION} and put DIR on PYTHONPATH (the package is "
+              "only read, never imported)")
+_VLLM: dict = {}
+
+
+def vllm_fused_moe_file() -> Path:
+    """The installed vllm package's fused_moe.py, found without importing anything of vLLM's
+    (`find_spec` on a top-level package does not run its `__init__`). ModuleNotFoundError, one line, if absent."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.origin:
+        raise ModuleNotFoundError(f"No module named 'vllm' ({VLLM_HOWTO})")
+    path = Path(spec.origin).parent.joinpath(*VLLM_FUSED_MOE)
+    if not path.is_file():
+        raise ModuleNotFoundError(f"the vllm package at {Path(spec.origin).parent} has no {'/'.join(VLLM_FUSED_MOE)}")
+    return path
+
+
+def _is_jit(node) -> bool:
+    """A def decorated `@triton.jit` / `@jit` (with or without a call)."""
+    import ast
+
+    for d in getattr(node, "decorator_list", []):
+        d = d.func if isinstance(d, ast.Call) else d
+        if (isinstance(d, ast.Attribute) and d.attr == "jit") or (isinstance(d, ast.Name) and d.id == "jit"):
+            return True
+    return False
+
+
+def defs_from_source(path: Path, names, namespace: dict, text: str | None = None) -> dict:
+    """Execute, in `namespace`, only the top-level function definitions `names` of the Python file at
+    `path` (with their decorators), plus every `@triton.jit` function and every module-level
+    `NAME: tl.constexpr = ...` / `NAME = tl.constexpr(...)` they reference (transitively); nothing else
+    of the file runs (its imports, its other statements). Compiled under the file's own name and line
+    numbers, so `inspect.getsource` (which Triton's `jit` reads) finds each kernel's text in the file.
+    KeyError naming what is missing if a wanted definition is not there."""
+    import ast
+
+    src = text if text is not None else Path(path).read_text()
+    tree = ast.parse(src, filename=str(path))
+    defs = {n.name: n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    consts = {}
+    for n in tree.body:
+        if isinstance(n, ast.AnnAssign):
+            target = n.target
+        else:
+            target = n.targets[0] if isinstance(n, ast.Assign) and len(n.targets) == 1 else None
+        if not isinstance(target, ast.Name) or n.value is None:
+            continue
+        seg = ast.unparse(n.annotation if isinstance(n, ast.AnnAssign) else n.value)
+        if "constexpr" in seg:
+            consts[target.id] = n
+    missing = [k for k in names if k not in defs]
+    if missing:
+        raise KeyError(f"{path}: no top-level definition of {', '.join(missing)}")
+    take, todo = [], list(names)
+    while todo:
+        name = todo.pop()
+        if name in take:
+            continue
+        take.append(name)
+        node = defs.get(name) or consts[name]
+        for ref in {x.id for x in ast.walk(node) if isinstance(x, ast.Name)}:
+            if ref not in take and ((ref in defs and _is_jit(defs[ref])) or ref in consts):
+                todo.append(ref)
+    body = sorted((defs.get(n) or consts[n] for n in take), key=lambda node: node.lineno)     # file order
+    code = compile(ast.Module(body=body, type_ignores=[]), str(path), "exec")
+    exec(code, namespace)      # noqa: S102 - the peer's own definitions, read from its installed file
+    return {n: namespace[n] for n in take}
+
+
+class _Platform:
+    """Stand-in for `vllm.platforms.current_platform`: the two questions the taken functions ask."""
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+
+    def is_cuda(self) -> bool:
+        return self.cuda
+
+    def is_rocm(self) -> bool:
+        return False
+
+
+def _vllm_namespace(cuda: bool) -> dict:
+    import types
+
+    import triton
+    import triton.language as tl
+    from typing import Any
+
+    return {"__name__": "inferbook_peer_vllm_fused_moe", "triton": triton, "tl": tl, "torch": torch, "Any": Any,
+            "envs": types.SimpleNamespace(VLLM_BATCH_INVARIANT=False, VLLM_TUNED_CONFIG_FOLDER=None),
+            "current_platform": _Platform(cuda),
+            # vllm.utils.math_utils.next_power_of_2 / platform_utils.get_device_name_as_file_name, as they answer
+            "next_power_of_2": lambda n: 1 if n < 1 else 1 << (int(n) - 1).bit_length(),
+            "get_device_name_as_file_name": lambda: "NVIDIA_H200"}
+
+
+def _vllm() -> dict:
+    """{'triton': vLLM's functions with `current_platform.is_cuda()` False (its Triton path), 'cuda': the
+    same functions asked as on an NVIDIA GPU (which path vLLM takes there), 'file', 'version'}."""
+    if not _VLLM:
+        import importlib.metadata as md
+
+        path = vllm_fused_moe_file()
+        text = path.read_text()
+        _VLLM.update({"triton": defs_from_source(path, VLLM_TAKE, _vllm_namespace(False), text),
+                      "cuda": defs_from_source(path, ("should_moe_wna16_use_cuda",), _vllm_namespace(True), text),
+                      "file": str(path)})
+        try:
+            _VLLM["version"] = md.version("vllm")
+        except md.PackageNotFoundError:
+            _VLLM["version"] = "?"
+    return _VLLM
+
+
+def moe_shapes(params: dict) -> list[tuple[int, int, int, int, int, int]]:
+    """(m, T, k, E, H, I) of chord-w4a16's MoE decode at its gpu preset, as `gpu_launches` builds them:
+    m tokens per expert (1, 2 and 16 of `decode_m`: the rows its decode kernel is built for), T = ceil(E*m/k)
+    tokens routed top-k over the E local experts (Kimi-K2 EP8: 48), hidden H, expert FFN size I."""
+    E, H, I = int(params["decode_experts"]), int(params["decode_hidden"]), int(params["decode_inter"])
+    k = min(int(params["top_k"]), E)
+    ms = [int(m) for m in str(params["decode_m"]).split(",") if int(m) in (1, 2, 16)]
+    return [(m, -(-E * m // k), k, E, H, I) for m in ms]
+
+
+def moe_shape_key(m, T, k, E, H, I, group: int = 32) -> str:
+    return f"M{m} T{T} k{k} E{E} H{H} I{I} g{group}"
+
+
+def vllm_align_shapes(numel: int, block_m: int, experts: int) -> tuple[int, int]:
+    """(len(sorted_token_ids), len(expert_ids)) as vLLM's `moe_align_block_size` allocates them (its Python
+    wrapper's sizes; the sort itself is `vllm._custom_ops`, a CUDA op, not run): every route plus
+    block_m - 1 padding per expert, at most numel * block_m where fewer routes than experts; one expert
+    id per block_m rows. num_tokens_post_padded is int32 [1]."""
+    padded = numel + experts * (block_m - 1)
+    if numel < experts:
+        padded = min(numel * block_m, padded)
+    return padded, -(-padded // block_m)
+
+
+def vllm_config(T: int, k: int, E: int, H: int, I: int, group: int = 32) -> tuple[dict, str, bool]:
+    """(config, where it came from, whether vLLM on an NVIDIA GPU would take its CUDA `moe_wna16_gemm`
+    instead of this Triton kernel) for int4_w4a16 with `group` scales at T tokens, as vLLM's
+    `try_get_optimal_moe_config` decides: a tuned JSON shipped in fused_moe/configs for
+    E, N = I (w2's packed K x 2), device NVIDIA_H200, dtype int4_w4a16 if there is one (closest M), else
+    its `get_default_config` on the Triton path."""
+    V = _vllm()
+    fns = V["triton"]
+    name = fns["get_config_file_name"](E, I, "int4_w4a16", [0, group])
+    tuned = Path(V["file"]).parent / "configs" / name
+    if tuned.is_file():
+        table = {int(a): b for a, b in json.loads(tuned.read_text()).items() if a != "triton_version"}
+        config, origin = dict(table[min(table, key=lambda x: abs(x - T))]), f"tuned {name}"
+    else:
+        config, origin = fns["get_default_config"](T, E, I, H, k, "int4_w4a16", [0, group]), \
+            f"get_default_config (no {name} in vLLM {V['version']})"
+    on_cuda = bool(V["cuda"]["should_moe_wna16_use_cuda"](T * k, group, E, 4))
+    return config, origin, on_cuda
+
+
+def vllm_moe_w4a16(m: int, T: int, k: int, E: int, H: int, I: int, group: int = 32) -> list:
+    """vLLM's two `fused_moe_kernel_gptq_awq` launches of `fused_experts_impl` (gate/up, then down with the
+    router weights) for INT4 weights, bf16 group scales, no zero points (symmetric, the shift 8 as
+    zero, as ours), bf16 activations x [T, H] routed top-k over E experts, through vLLM's own
+    `invoke_fused_moe_wna16_triton_kernel` (its grid, strides, BLOCK_SIZE_N / K). The buffers are
+    vLLM's: w13 [E, 2I, H/2] and w2 [E, H, I/2] uint8 (two nibbles per byte along K), scales
+    [E, N, K/group], intermediate_cache1 [T, k, 2I], cache2 [T*k, I], cache3 [T, k, H] (both views of one
+    buffer of T*k*max(2I, H)), the routing tables at `vllm_align_shapes`. Not traced: the
+    `moe_align_block_size` sort, `silu_and_mul` between the two GEMMs and `moe_sum` after them (CUDA ops
+    of vllm._custom_ops, not Triton)."""
+    import triton.language as tl
+
+    V = _vllm()
+    config, origin, on_cuda = vllm_config(T, k, E, H, I, group)
+    bf, u8, i32, f32 = torch.bfloat16, torch.uint8, torch.int32, torch.float32
+    mt = lambda *s, dt: torch.empty(*s, dtype=dt, device="meta")   # noqa: E731
+    n_sorted, n_blocks = vllm_align_shapes(T * k, config["BLOCK_SIZE_M"], E)
+    sorted_ids, expert_ids, post = mt(n_sorted, dt=i32), mt(n_blocks, dt=i32), mt(1, dt=i32)
+    topk_w = mt(T, k, dt=f32)
+    cache13 = mt(T * k * max(2 * I, H), dt=bf)
+    x = mt(T, H, dt=bf)
+    stages = (("gate_up", x, mt(E, 2 * I, H // 2, dt=u8), mt(E, 2 * I, H // group, dt=bf),
+               cache13[:T * k * 2 * I].view(T, k, 2 * I), False, k),
+              ("down", mt(T * k, I, dt=bf), mt(E, H, I // 2, dt=u8), mt(E, H, I // group, dt=bf),
+               cache13[:T * k * H].view(T, k, H), True, 1))
+    out = []
+    for stage, A, B, S, C, mul_w, top_k in stages:
+        with traced(f"vllm/{'/'.join(VLLM_FUSED_MOE)}:invoke_fused_moe_wna16_triton_kernel", None) as launches:
+            V["triton"]["invoke_fused_moe_wna16_triton_kernel"](
+                A, B, C, S, None, topk_w, sorted_ids, expert_ids, post, mul_w, top_k, dict(config),
+                compute_type=tl.bfloat16, use_int8_w8a16=False, use_int4_w4a16=True, block_shape=[0, group])
+        for la in launches:
+            kw = la.kwargs
+            la.name = (f"{la.name} {stage} cfg {kw['BLOCK_SIZE_M']}x{kw['BLOCK_SIZE_N']}x{kw['BLOCK_SIZE_K']} "
+                       f"G{kw['GROUP_SIZE_M']} w{kw.get('num_warps', 4)} s{kw.get('num_stages', 3)}"
+                       + (" (on CUDA vLLM runs moe_wna16_gemm here)" if on_cuda else ""))
+        out += launches
+    return _label(out, "vllm", moe_shape_key(m, T, k, E, H, I, group))
 
 
 # A peer's kernel that does not compile for a target, and why (the table keeps the failed row: a fact
@@ -530,6 +788,20 @@ PEERS = {"sglang-fused-comm": "py:inferbook.compiled.peers:sglang_fused_comm",
          "chord-w4a16": "py:inferbook.compiled.peers:chord_w4a16"}
 PEER_OF = {"sglang-fused-comm": "liger-kernel", "gdn-backward-check": "fla-core", "te-mxfp8-recipes": "torchao",
            "chord-w4a16": "gemlite"}
+# a chapter whose table holds several peers (rows named '<peer>: ...'): {slug: {peer: the launch spec that
+# builds that peer's launches only}} (`save(slug, only=peer)` recompiles one and keeps the others' rows)
+PEER_SPECS = {"chord-w4a16": {"gemlite": "py:inferbook.compiled.peers:chord_w4a16_gemlite",
+                              "vllm": "py:inferbook.compiled.peers:chord_w4a16_vllm"}}
+
+
+def peers_of(slug: str) -> list[str]:
+    """Every peer of chapter `slug`'s table, its first (`PEER_OF`) first."""
+    return list(dict.fromkeys([PEER_OF[slug], *PEER_SPECS.get(slug, {})]))
+
+
+def peer_spec(slug: str, peer: str) -> str:
+    """The launch spec that builds only `peer`'s launches for `slug`."""
+    return PEER_SPECS.get(slug, {}).get(peer) or PEERS[slug]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -569,6 +841,28 @@ def _ours_from_chapter(slug: str, target: str, card: str, root: Path | None = No
             pat = re.compile(rf"\bM{M} N{N} K{K}\b")
             out[f"M{M} N{N} K{K} g{w4a16.GROUP_SIZE}"] = [
                 p for p in preds if pat.search(p["launch"]) and not re.search(r"gate_up|down|\bT\d+", p["launch"])]
+        for shape in moe_shapes(_params(slug)):
+            out[moe_shape_key(*shape, w4a16.GROUP_SIZE)] = _our_moe_paths(preds, *shape)
+    return out
+
+
+def _our_moe_paths(preds: list[dict], m: int, T: int, k: int, E: int, H: int, I: int) -> list[dict]:
+    """Our MoE decode at one shape, one candidate per layout the chapter table holds at it: its gate/up
+    and down GEMMs summed ('seconds'), the longer one's bound, named '<layout> gate_up + down'. Our gate/up
+    applies SiLU(gate) * up in its epilogue; the combine after the down GEMM is left out, as vLLM's
+    `moe_sum` (and its `silu_and_mul`, `moe_align_block_size`: CUDA ops) are on its side."""
+    pat = re.compile(rf"^decode M{m} (gate_up|down) (\S+) T{T} k{k} E{E} H{H} I{I}\b")
+    by_layout: dict[str, dict[str, dict]] = {}
+    for p in preds:
+        hit = pat.match(p["launch"])
+        if hit:
+            by_layout.setdefault(hit.group(2), {}).setdefault(hit.group(1), p)
+    out = []
+    for layout, steps in by_layout.items():
+        if set(steps) == {"gate_up", "down"}:
+            longer = max(steps.values(), key=lambda p: p["seconds"])
+            out.append({**longer, "seconds": sum(p["seconds"] for p in steps.values()),
+                        "launch": f"{layout} gate_up + down (M{m})"})
     return out
 
 
@@ -651,10 +945,11 @@ def compare(slug: str, peer_rows: list[dict], target: str = "sm_90", card: str =
     return out
 
 
-def sentence(slug: str, rows: list[dict], target: str = "sm_90", card: str = "H200", root: Path | None = None) -> str:
+def sentence(slug: str, rows: list[dict], target: str = "sm_90", card: str = "H200", root: Path | None = None,
+             peer: str | None = None) -> str:
     """'Beside fla-core (same shape, same model, H200, predicted): ours / fla-core = <shape> 1.23× (ours
-    latency-bound, fla-core issue-bound).' — or '' where nothing pairs."""
-    pairs = compare(slug, rows, target, card, root)
+    latency-bound, fla-core issue-bound).' — or '' where nothing pairs. `peer`: that peer's part only."""
+    pairs = [q for q in compare(slug, rows, target, card, root) if peer is None or q["peer"] == peer]
     if not pairs:
         return ""
     parts = []
@@ -664,7 +959,7 @@ def sentence(slug: str, rows: list[dict], target: str = "sm_90", card: str = "H2
                      + "; ".join(f"{q['shape']} {q['ours_over_peer']:.2f}× (ours {q['ours_bound']}-bound, "
                                  f"{peer} {q['peer_bound']}-bound)" for q in qs) + ".")
     fails = {}
-    for r in rows:
+    for r in rows if peer is None else []:
         why = PEER_KNOWN_FAILURES.get((slug, r["target"], r.get("kernel")))
         if why and not r.get("ok"):
             fails.setdefault((r["target"], why), []).append(r["kernel"])
@@ -734,7 +1029,7 @@ def _annotate(rows: list[dict], slug: str) -> list[dict]:
     for r in rows:
         head = r["launch"].split(": ", 1)[0] if " @ " in r["launch"] else ""
         r["side"] = "ours" if head == "ours" else "peer"
-        r["peer"] = PEER_OF[slug]
+        r["peer"] = head if head in peers_of(slug) else PEER_OF[slug]
         r["slug"] = slug
     return rows
 
@@ -756,10 +1051,13 @@ def choose(rows: list[dict], card: str = SWEEP_CARD) -> dict[str, int]:
 
 
 def save(slug: str, targets=("sm_80", "sm_90", "sm_100"), jobs: int = 1, root: Path | None = None,
-         reuse_sweep: bool = False) -> Path:
+         reuse_sweep: bool = False, only: str | None = None) -> Path:
     """Compile `slug`'s peer launches (and ours where the peer table holds them): the sm_90 config sweep,
     then the chosen configs on the other targets; write data/compiled/peers/<slug>.json. `reuse_sweep`:
-    take the sweep target's rows from the committed table and recompile the other targets only."""
+    take the sweep target's rows from the committed table and recompile the other targets only. `only`:
+    compile that one peer's launches (`PEER_SPECS`) and keep the committed table's rows of the others
+    (so adding vLLM's rows to chord-w4a16's table does not need gemlite installed); without it, a table
+    of several peers keeps the committed rows of those not usable here."""
     import triton
 
     from . import _dump, inspect
@@ -770,10 +1068,28 @@ def save(slug: str, targets=("sm_80", "sm_90", "sm_100"), jobs: int = 1, root: P
 
         raise UserError(f"no peer for {slug!r}; choose {choices(PEERS)}")
     spec = PEERS[slug]
+    kept: list[dict] = []
+    absent: list[str] = []
+    if only is not None:
+        from ..errors import UserError, choices
+
+        if only not in peers_of(slug):
+            raise UserError(f"{slug!r} has no peer {only!r}; choose {choices(peers_of(slug))}")
+        if not usable(only):
+            raise UserError(f"{only} is not usable here ({available()[only]})")
+        spec = peer_spec(slug, only)
+        prev = load(slug, root)
+        kept = [r for r in (prev["rows"] if prev else []) if not (r.get("side") == "peer" and r.get("peer") == only)]
+    elif len(peers_of(slug)) > 1:     # a peer not usable here keeps its committed rows rather than losing them
+        absent = [p for p in peers_of(slug) if not usable(p)]
+        prev = load(slug, root) if absent else None
+        kept = [r for r in (prev["rows"] if prev else []) if r.get("side") == "peer" and r.get("peer") in absent]
     os.environ.pop(CONFIG_ENV, None)
     old = load(slug, root) if reuse_sweep else None
     if old is not None:
-        rows = [r for r in old["rows"] if r["target"] == SWEEP_TARGET]
+        rows = [r for r in old["rows"] if r["target"] == SWEEP_TARGET
+                and (only is None or (r.get("side") == "peer" and r.get("peer") == only))
+                and not (r.get("side") == "peer" and r.get("peer") in absent)]
     else:
         rows = _annotate(inspect([spec], [SWEEP_TARGET], jobs=jobs), slug)
     chosen = choose(rows)
@@ -786,11 +1102,21 @@ def save(slug: str, targets=("sm_80", "sm_90", "sm_100"), jobs: int = 1, root: P
             os.environ.pop(CONFIG_ENV, None)
     from . import TARGETS
 
+    versions = _versions()
+    if kept:      # the other peers' rows first, as committed; this peer's after them
+        base = 1 + max((r.get("index", 0) for r in kept), default=-1)
+        for r in rows:
+            if r.get("index", 0) < base:     # a reused sweep row is already after them
+                r["index"] = base + r.get("index", 0)
+        prev = load(slug, root) or {}
+        chosen = {**{k: v for k, v in prev.get("sweep", {}).get("chosen", {}).items() if k not in chosen}, **chosen}
+        versions = {**prev.get("peer_versions", {}), **versions}      # the kept rows' peers as they were compiled
+        rows = kept + rows
     tix = {t: n for n, t in enumerate(TARGETS)}
     keep = [{k: v for k, v in r.items() if k != "compile_s"} for r in rows]
     keep.sort(key=lambda r: (tix.get(r["target"], 99), r.get("index", 0)))
     doc = {"chapter": slug, "peer": PEER_OF[slug], "triton": triton.__version__, "torch": torch.__version__,
-           "git": git_state().get("commit", "unknown"), "peer_versions": _versions(),
+           "git": git_state().get("commit", "unknown"), "peer_versions": versions,
            "targets": sorted({r["target"] for r in keep}, key=list(TARGETS).index),
            "sweep": {"target": SWEEP_TARGET, "card": SWEEP_CARD, "chosen": chosen},
            "note": "ahead-of-time compile on a CPU machine (no GPU, no driver), by inferbook.compiled.peers: the "
@@ -807,7 +1133,7 @@ def _versions() -> dict:
     import importlib.metadata as md
 
     out = {}
-    for dist in ("liger-kernel", "fla-core", "torchao", "gemlite"):
+    for dist in ("liger-kernel", "fla-core", "torchao", "gemlite", "vllm"):
         try:
             out[dist] = md.version(dist)
         except md.PackageNotFoundError:
@@ -830,6 +1156,7 @@ def _main(argv: list[str]) -> int:
     ap.add_argument("--jobs", type=int, default=1)
     ap.add_argument("--save", action="store_true")
     ap.add_argument("--reuse-sweep", action="store_true", help="keep the committed sm_90 sweep; recompile the rest")
+    ap.add_argument("--only", metavar="PEER", help="compile this peer's rows only, keeping the table's other peers' rows")
     ap.add_argument("--available", action="store_true", help="print which peers import here and exit")
     a = ap.parse_args(argv)
     if a.available:
@@ -847,7 +1174,16 @@ def _main(argv: list[str]) -> int:
         for la in launches_for(PEERS[a.slug]):
             print(la.name, la.grid)
         return 0
-    path = save(a.slug, targets, a.jobs, reuse_sweep=a.reuse_sweep)
+    if a.only is not None and a.only not in peers_of(a.slug):
+        print(f"{a.slug} has no peer {a.only!r}; choose {', '.join(peers_of(a.slug))}", file=sys.stderr)
+        return 2
+    from ..errors import UserError
+
+    try:
+        path = save(a.slug, targets, a.jobs, reuse_sweep=a.reuse_sweep, only=a.only)
+    except UserError as e:          # bad input or an absent peer: one line, exit 2
+        print(e, file=sys.stderr)
+        return 2
     doc = json.loads(path.read_text())
     print(f"{path}: {len(doc['rows'])} rows; chosen {doc['sweep']['chosen']}")
     print(sentence(a.slug, doc["rows"]))
