@@ -385,33 +385,14 @@ def _measure(ctx, P: dict) -> list[RunRecord]:
                 if tiers is not None:
                     tiers.close()
                 shutil.rmtree(scratch_root / name.replace("/", "-").replace("+", "-"), ignore_errors=True)
+                # its last run (the sweep runs once): the record is completed, and so saved, now
+                if mult is not None or rep == P["repeats"] - 1:
+                    finish_engine_record(first[name], runs[name], outputs, dtype)
     finally:
         if peer is not None:
             peer.stop()
         shutil.rmtree(scratch_root, ignore_errors=True)
-    for name, rec in first.items():
-        # times: the median over repeats (every run kept); counts: the first run's (the same workload each time)
-        rs = runs[name]
-        # one sample per run: the run's median TTFT. The requests of one run share its machine load, so
-        # they are not independent samples; comparisons go over runs (`verdicts`).
-        rec.add_timing("ttft", Timing(label=f"{name} median ttft per run", samples_s=[r.median("ttft_s") for r in rs],
-                                      timer="perf_counter", warmup=0), phase="ttft")
-        for metric, fn in (("mean_ttft", lambda r: r.mean("ttft_s")), ("median_ttft", lambda r: r.median("ttft_s")),
-                           ("output_throughput", lambda r: r.output_throughput),
-                           ("total_throughput", lambda r: r.total_throughput), ("duration", lambda r: r.duration_s)):
-            m = rec.get(metric)
-            vals = [fn(r) for r in rs]
-            m["value"], m["runs"], m["aggregate"] = statistics.median(vals), vals, f"median of {len(vals)} run(s)"
-        ref = outputs[f"{rec.workload['workload']}/no tiers"]
-        if dtype == torch.float32:
-            # restored KV is bit-equal (checked below); the suffix prefill then runs other shapes than the
-            # recompute, which fp32 rounding differences cannot turn into another greedy token on these models
-            rec.add_check("same greedy tokens as without tiers (fp32)", all(r.outputs == ref for r in rs))
-        else:  # bf16/fp16: other batch shapes may round a near-tie the other way; a share, not a check
-            same = sum(a == b for r in rs for a, b in zip(r.outputs, ref)) / max(1, sum(len(ref) for _ in rs))
-            rec.add("same_output_share", same, "fraction of requests", phase="total",
-                    note=f"{dtype}: the suffix prefill runs other shapes than the recompute")
-        records.append(rec)
+    records += first.values()
 
     # 5. one request: its prefix restored (host, file) against recomputed, on this model
     rv = restore_vs_recompute(model, P, scratch_root, ctx.seed)
@@ -427,6 +408,32 @@ def _measure(ctx, P: dict) -> list[RunRecord]:
         rec.add_check("the prefix came from this source", all(n == want for n in rv["restored_tokens"][src]))
         records.append(rec)
     return records
+
+
+def finish_engine_record(rec: RunRecord, rs: list, outputs: dict, dtype) -> None:
+    """An engine configuration's record once all its runs are done: times as the median over its runs,
+    and its greedy tokens against the same workload's run without tiers (which runs first each repeat)."""
+    name = rec.name
+    # times: the median over repeats (every run kept); counts: the first run's (the same workload each time)
+    # one sample per run: the run's median TTFT. The requests of one run share its machine load, so
+    # they are not independent samples; comparisons go over runs (`verdicts`).
+    rec.add_timing("ttft", Timing(label=f"{name} median ttft per run", samples_s=[r.median("ttft_s") for r in rs],
+                                  timer="perf_counter", warmup=0), phase="ttft")
+    for metric, fn in (("mean_ttft", lambda r: r.mean("ttft_s")), ("median_ttft", lambda r: r.median("ttft_s")),
+                       ("output_throughput", lambda r: r.output_throughput),
+                       ("total_throughput", lambda r: r.total_throughput), ("duration", lambda r: r.duration_s)):
+        m = rec.get(metric)
+        vals = [fn(r) for r in rs]
+        m["value"], m["runs"], m["aggregate"] = statistics.median(vals), vals, f"median of {len(vals)} run(s)"
+    ref = outputs[f"{rec.workload['workload']}/no tiers"]
+    if dtype == torch.float32:
+        # restored KV is bit-equal (checked below); the suffix prefill then runs other shapes than the
+        # recompute, which fp32 rounding differences cannot turn into another greedy token on these models
+        rec.add_check("same greedy tokens as without tiers (fp32)", all(r.outputs == ref for r in rs))
+    else:  # bf16/fp16: other batch shapes may round a near-tie the other way; a share, not a check
+        same = sum(a == b for r in rs for a, b in zip(r.outputs, ref)) / max(1, sum(len(ref) for _ in rs))
+        rec.add("same_output_share", same, "fraction of requests", phase="total",
+                note=f"{dtype}: the suffix prefill runs other shapes than the recompute")
 
 
 # ---------------------------------------------------------------------------
