@@ -394,14 +394,16 @@ def _measure(ctx, P: dict) -> list[RunRecord]:
         shutil.rmtree(scratch_root, ignore_errors=True)
     records += first.values()
 
-    # 5. one request: its prefix restored (host, file) against recomputed, on this model
+    # 5. one request: its prefix restored (host, file) against recomputed, on this model; the records are
+    # made first, so the dry run's counts after them are the restores' alone (`budgets.PHASE_KNOBS`)
+    restore = {src: ctx.new_record(f"restore-{src}", variant=f"prefix from {src}", workload={
+        "model": f"tiny-decoder L{cfg.n_layers} d{cfg.d_model} h{cfg.n_heads}/{cfg.n_kv_heads} V{cfg.vocab} "
+                 f"({cfg.n_params() / 1e6:.2f}M params)", "dtype": P["dtype"], "prefix_len": P["prefix_len"],
+        "suffix_len": P["suffix_len"], "requests": "one at a time, device prefix cache off"}, topology={"ranks": 1})
+        for src in RESTORE_SOURCES}
     rv = restore_vs_recompute(model, P, scratch_root, ctx.seed)
     shutil.rmtree(scratch_root, ignore_errors=True)
-    for src in RESTORE_SOURCES:
-        rec = ctx.new_record(f"restore-{src}", variant=f"prefix from {src}", workload={
-            "model": f"tiny-decoder L{cfg.n_layers} d{cfg.d_model} h{cfg.n_heads}/{cfg.n_kv_heads} V{cfg.vocab} "
-                     f"({cfg.n_params() / 1e6:.2f}M params)", "dtype": P["dtype"], "prefix_len": P["prefix_len"],
-            "suffix_len": P["suffix_len"], "requests": "one at a time, device prefix cache off"}, topology={"ranks": 1})
+    for src, rec in restore.items():
         rec.add_timing("first_token_time", rv[src], phase="ttft")
         rec.add("restored_tokens_median", statistics.median(rv["restored_tokens"][src]), "tokens", phase="ttft")
         want = 0 if src == "recompute" else P["prefix_len"] // P["block_size"] * P["block_size"]
