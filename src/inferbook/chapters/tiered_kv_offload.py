@@ -89,13 +89,15 @@ PRESETS = {
                 host_sweep="0.5,1,1.5", copy_block_mb="1,4", copy_total_mb=64, file_total_mb=16,
                 use_peer=True, admit_after=2, repeats=3, restore_reps=8),
     # gpu: sized to the lent machine's minutes (`inferbook budgets --preset gpu`): every engine step's
-    # Python and per-layer calls bind it, so fewer layers, requests and output tokens; half the prefixes,
-    # each still asked for four times, with the tiers and the running batch halved so they hold the same
-    # shares of them as before
+    # Python and per-layer calls bind it, so fewer layers, requests and output tokens (4: TTFT is the
+    # point); six prefixes, each still asked for four times, with the device, host and file tiers cut in
+    # the same proportion so they hold the same shares of them; the copy benchmark's Python per block
+    # and the file tier's per-block fsync bind their parts, so three block sizes of 256 MB and 32 MB
+    # through the file tier
     "gpu": dict(d_model=1024, n_layers=2, n_heads=16, n_kv_heads=8, ffn=2816, vocab=32000, dtype="bfloat16",
-                block_size=16, prefix_len=2048, suffix_len=128, output_len=8, num_prefixes=8, num_requests=32,
-                max_num_seqs=4, max_num_batched_tokens=8192, device_blocks=1024, host_blocks=512, file_blocks=256,
-                host_sweep="0.5,1,1.5,2", copy_block_mb="1,2,4,8,16", copy_total_mb=1024, file_total_mb=512,
+                block_size=16, prefix_len=2048, suffix_len=128, output_len=4, num_prefixes=6, num_requests=24,
+                max_num_seqs=4, max_num_batched_tokens=8192, device_blocks=768, host_blocks=384, file_blocks=192,
+                host_sweep="0.5,1,1.5,2", copy_block_mb="1,4,16", copy_total_mb=256, file_total_mb=32,
                 use_peer=True, admit_after=2, repeats=3, restore_reps=15),
 }
 
