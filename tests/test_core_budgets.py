@@ -122,3 +122,31 @@ def test_the_committed_dry_run_predicts_every_chapter_within_its_budget(capsys):
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "OVER BUDGET" not in out and "binds" in out
+
+
+def test_cpu_only_records_are_left_out_and_each_phase_scales_its_own_python(monkeypatch):
+    monkeypatch.setattr(budgets, "gpu_compiles", lambda slug: (0, frozenset(), 0))
+    monkeypatch.setattr(budgets, "triton_device_seconds", lambda slug: (0.0, "test"))
+    slug = "chord-w4a16"
+    assert "cpu-" in budgets.CPU_ONLY_RECORDS[slug]
+
+    def phase(kernels, python, nbytes):
+        return {"kernel_calls": kernels, "view_calls": 0, "scalar_reads": 0, "metadata_calls": 0, "triton_launches": 0,
+                "torch_bytes": nbytes, "torch_flops": 0.0, "python_cpu_s": python}
+    routing, roofline, cpu = phase(100, 0.2, 1e6), phase(10, 0.1, 0.0), phase(5000, 5.0, 1e9)
+    c = _counts(slug, kernel_calls=5110, torch_bytes=1e6 + 1e9, torch_flops=0.0, python_cpu_s=5.3,
+                phases=[["(before the first record)", "routing", routing], ["roofline-model", "cpu-bf16", roofline],
+                        ["cpu-bf16", "cpu-w4a16", cpu]])
+    p = budgets.predict(slug, c, budget_s=6)
+    g = rehearsal.chapter_module(slug).PRESETS["gpu"]
+    m_sweep = budgets.count_scale(slug, g, c["params"], (("m_sweep", "len"),))
+    assert m_sweep > 1
+    o = budgets.COUNTING_OVERHEAD_S["kernel_calls"]
+    # the router once, the roofline table per M; the CPU timing phase not at all
+    assert p.parts["host"]["the chapter's own Python"] == pytest.approx((0.2 - 100 * o) + m_sweep * (0.1 - 10 * o))
+    kernel_row = next(v for k, v in p.parts["host"].items() if k.endswith("torch kernel calls"))
+    assert kernel_row == pytest.approx((100 + 10 * m_sweep) * budgets.HOST_S["kernel_call"])
+    size = budgets.count_scale(slug, g, c["params"], budgets.WORK_KNOBS[slug]["bytes"])
+    card = __import__("inferbook.compiled", fromlist=["CARDS"]).CARDS[budgets.CARD]
+    assert p.device_s == pytest.approx(1e6 * size / (card["hbm_tbps"] * 1e12))   # the CPU phase's 1 GB left out
+    assert any("CPU-only" in n for n in p.notes)

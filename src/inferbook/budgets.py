@@ -13,7 +13,10 @@ this CPU) counts the chapter's work; each count is scaled to the gpu preset and 
   itself cost (`COUNTING_OVERHEAD_S`), at `PYTHON_SPEED` — measured on a loaded shared CPU, where cache
   contention slows Python, so an upper estimate. Counts scale from the dry run to the gpu preset by the knobs that multiply steps
   (`COUNT_KNOBS`, less the timed repetitions: see REPETITION_KNOBS), per record where the chapter's phases grow by different knobs (`PHASE_KNOBS`: the
-  dry run keeps the counts between one record's creation and the next).
+  dry run keeps the counts between one record's creation and the next, and in a newer dry run each
+  phase's own Python seconds, so its Python scales by its knobs too). A record whose work is a branch
+  only this CPU takes (`CPU_ONLY_RECORDS`: a CPU timing path where the GPU times Triton kernels) is
+  left out.
 - **compile**. Triton: the distinct specialisations of the chapter's gpu-preset launches
   (`compiled.launches_for`, the launches the committed compile tables list, at the gpu shapes), plus
   the dry run's specialisations of kernels those lists do not hold. `scripts/gpu_measure.sh` compiles
@@ -24,9 +27,10 @@ this CPU) counts the chapter's work; each count is scaled to the gpu preset and 
   the SASS of the sm_90 compile table), each timed as one benchmark of BENCH_SAMPLES samples (their
   launches and syncs are host work too); torch ops at the H200's datasheet ceilings: the dry run's bytes and flops
   (tensor arguments and results of each kernel call; 2·M·N·K of each matmul-like call), scaled by the
-  knobs that grow the number of ops (`DEVICE_KNOBS`: the count knobs less the timed repetitions) and one
-  op's size (`WORK_KNOBS`), as max(bytes / HBM bandwidth, flops / dense BF16 rate) — a floor for those
-  ops, not their time.
+  knobs that grow the number of ops (`DEVICE_KNOBS`: the count knobs less the timed repetitions; per
+  phase, its knobs, where the dry run kept its bytes) and one op's size (`WORK_KNOBS`; not for the
+  `PHASE_SIZED` phases, whose knobs are sizes), as max(bytes / HBM bandwidth, flops / dense BF16
+  rate) — a floor for those ops, not their time.
 
 Host and device are added although a GPU overlaps them (asynchronous launches): an upper estimate.
 Every constant is stated below with where it comes from. It is a model, not a measurement: the first GPU
@@ -105,9 +109,9 @@ COUNT_KNOBS: dict[str, tuple[tuple[str, str], ...]] = {
     "kimi-topk-tail-fusion": (("tokens", "len"), ("reps", "value")),
     "chord-w4a16": (("m_sweep", "len"), ("decode_m", "len"), ("reps", "value")),
     "minimax-m3-moe": (("concurrency", "len"), ("tps", "len"), ("eps", "len"), ("reps", "value")),
-    # engine runs: 2 workloads x 3 configurations per repeat, and the host sweep once; steps per run grow
+    # engine runs: 2 workloads x 4 configurations per repeat, and the host sweep once; steps per run grow
     # with the requests and their output tokens, torch calls per step with the layers
-    "tiered-kv-offload": (("engine runs", lambda p: 6 * p["repeats"] + len(str(p["host_sweep"]).split(","))),
+    "tiered-kv-offload": (("engine runs", lambda p: 8 * p["repeats"] + len(str(p["host_sweep"]).split(","))),
                           ("num_requests", "value"), ("output_len", "value"), ("n_layers", "value")),
     "sglang-fused-comm": (("reps", "value"), ("allreduce_numels", "len"), ("vocabs", "len"), ("batches", "len")),
     "deterministic-attention": (("batch_sizes", "len"),),
@@ -119,10 +123,12 @@ COUNT_KNOBS: dict[str, tuple[tuple[str, str], ...]] = {
 # Per record (name prefix -> knobs): the dry run's counts between that record's creation and the next
 # grow by these knobs instead of the chapter's. The longest matching prefix wins.
 PHASE_KNOBS: dict[str, dict[str, tuple]] = {
-    # the copy and file-tier benchmarks, then every engine run, then the restores (records made after)
-    "tiered-kv-offload": {"copy-": (("copy_block_mb", "len"), ("copy_total_mb", "value")),
+    # the copy and file-tier benchmarks (records made after), every engine run (the later repeats' too,
+    # before the restores' records), then the restores (records made before)
+    "tiered-kv-offload": {"copy-": (("copy blocks", lambda p: sum(float(p["copy_total_mb"]) / float(mb) for mb in
+                                                                  str(p["copy_block_mb"]).split(",") if mb.strip())),),
                           "filesystem": (("file_total_mb", "value"),),
-                          "restore-": (("restore_reps", "value"),)},
+                          "^restore-": (("restore_reps", "value"),)},
     # the sweeps (records made after them), the fixed-size correctness rows, the matmul sweep, and the
     # engine's runs, which follow the creation of their record
     "deterministic-attention": {"batch-invariance": (("batch_sizes", "len"),),
@@ -132,6 +138,14 @@ PHASE_KNOBS: dict[str, dict[str, tuple]] = {
                                 "^engine-determinism": (("e2e_requests", "value"), ("e2e_new_tokens", "value"),
                                                         ("e2e_layers", "value"))},
     "upgrade-record": {"serving": (("serve_requests", "value"), ("new_tokens", "value"), ("n_layers", "value"))},
+    # each recipe's training steps and the EP exchange's repetitions (made before its record); the rest
+    # ("": every other phase) once: their timed repetitions are `measure.benchmark`'s, or Triton's on a GPU
+    "te-mxfp8-recipes": {"": (), "^recipe:": (("train_steps", "value"),), "mxfp8-dispatch": (("ep_reps", "value"),)},
+    # the router (one batch, its size only), the kernel checks and the layouts (once per layout, at the
+    # model's shapes) do not repeat per M; the roofline table has a row per M of the sweep; the sweeps
+    # themselves are the GPU's Triton benchmarks (priced apart) and, on this CPU, CPU_ONLY_RECORDS
+    "chord-w4a16": {"routing": (), "^routing": (), "^kernel-checks": (), "^layouts": (),
+                    "^roofline-model": (("m_sweep", "len"),)},
 }
 # How one torch op's work grows from the dry run to the gpu preset: {"bytes": knobs, "flops": knobs}, each
 # (knob, how, power). Unlisted: the op sizes are taken as the dry run's (then the device part is a floor).
@@ -183,6 +197,16 @@ def _steps_only(knobs, slug: str):
     return tuple(k for k in knobs if k[0] not in reps)
 DEVICE_KNOBS: dict[str, tuple] = {
     "h3-vae-fusion": (),    # the encoder's convolutions dominate; the decoder's layers are a small share
+    # its torch ops on a GPU (the checks' fp32 references, the weights' quantization) run once per
+    # layout, not once per M of the sweeps: those are Triton launches, priced by the cost model
+    "chord-w4a16": (),
+}
+# Records whose work is a branch the gpu preset does not take on a GPU: a CPU-only timing path, where the
+# GPU run times Triton kernels instead (priced above: the compile tables' launches, BENCH_SAMPLES each,
+# and the cost model). The dry run's counts from such a record's creation to the next record's are left
+# out of the host and device parts (prefixes of the record made before that work, as PHASE_KNOBS' "^NAME").
+CPU_ONLY_RECORDS: dict[str, tuple[str, ...]] = {
+    "chord-w4a16": ("cpu-",),   # `cpu_timings`: torch bf16 vs dequantize + matmul on this CPU; `gpu_timings` on a GPU
 }
 # List knobs whose entries are distinct shapes, so distinct kernel specialisations, for the kernels the
 # compile tables do not list (their dry-run specialisations are scaled by these).
@@ -231,14 +255,24 @@ def shape_scale(slug: str, gpu: dict, rehearsal: dict) -> float:
     return count_scale(slug, gpu, rehearsal, [(k, "len") for k in SHAPE_KNOBS.get(slug, ())])
 
 
+# Phases whose knobs already hold the size of their ops (a copy or a file of N MB): their bytes and
+# flops grow by those knobs, not also by WORK_KNOBS (keys as PHASE_KNOBS').
+PHASE_SIZED: dict[str, tuple[str, ...]] = {"tiered-kv-offload": ("copy-", "filesystem")}
+
+
+def _phase_key(table, before: str, after: str):
+    hits = [k for k in table if (k.startswith("^") and before.startswith(k[1:])) or
+            (not k.startswith("^") and after.startswith(k))]
+    return max(hits, key=len, default=None)
+
+
 def phase_knobs(slug: str, before: str, after: str):
     """The knobs of the work done between the creation of record `before` and of record `after`: a
     PHASE_KNOBS key "NAME" matches `after` (a record made once its work is done), "^NAME" matches
-    `before` (a record made before its work); the longest match wins, else the chapter's COUNT_KNOBS."""
+    `before` (a record made before its work); the longest match wins ("" matches every phase: the
+    chapter's default), else the chapter's COUNT_KNOBS."""
     table = PHASE_KNOBS.get(slug, {})
-    hits = [k for k in table if (k.startswith("^") and before.startswith(k[1:])) or
-            (not k.startswith("^") and after.startswith(k))]
-    best = max(hits, key=len, default=None)
+    best = _phase_key(table, before, after)
     return COUNT_KNOBS.get(slug, ()) if best is None else table[best]
 
 
@@ -352,12 +386,23 @@ def predict(slug: str, counts: dict, budget_s: float) -> Prediction:
     u = HOST_S
     # -- host: the counted steps, scaled per phase (or chapter-wide), priced per step
     phases = _phases(counts)
+    cpu_only = CPU_ONLY_RECORDS.get(slug, ())
+    left_out = [ph for ph in phases if ph[0].startswith(cpu_only)] if cpu_only else []
+    phases = [ph for ph in phases if ph not in left_out]
     scaled = {"kernel_calls": 0.0, "view_calls": 0.0, "scalar_reads": 0.0, "triton_launches": 0.0}
+    # a newer dry run keeps each phase's metadata reads, Python seconds, bytes and flops too
+    per_phase = bool(phases) and all("python_cpu_s" in d for _, _, d in phases)
+    phase_python, phase_metadata = 0.0, 0.0
     if phases:
         for before, after, d in phases:
             s = count_scale(slug, gpu, small, _steps_only(phase_knobs(slug, before, after), slug))
             for k in scaled:
                 scaled[k] += s * d.get(k, 0)
+            if per_phase:   # its Python less what counting its calls cost, at its own scale
+                phase_python += s * max(0.0, d["python_cpu_s"] - sum(d.get(k, 0) * v for k, v in COUNTING_OVERHEAD_S.items()))
+                phase_metadata += s * d.get("metadata_calls", 0)
+    elif counts.get("phases"):
+        pass    # every phase is a CPU-only branch: nothing of it runs on the GPU
     else:   # a dry run without phases (older counts): every torch call is a kernel call
         s = count_scale(slug, gpu, small, _steps_only(COUNT_KNOBS.get(slug, ()), slug))
         scaled["kernel_calls"] = s * (counts.get("kernel_calls", counts.get("torch_calls", 0)) -
@@ -372,15 +417,17 @@ def predict(slug: str, counts: dict, budget_s: float) -> Prediction:
     python_s = counts.get("python_cpu_s")
     if python_s is not None:   # the counting's own Python, out
         python_s = max(0.0, python_s - sum(counts.get(k, 0) * v for k, v in COUNTING_OVERHEAD_S.items()))
+    metadata = phase_metadata if per_phase else scale * counts.get("metadata_calls", 0)
     host = {
         f"{_fmt(scaled['kernel_calls'])} torch kernel calls": scaled["kernel_calls"] * u["kernel_call"],
         f"{_fmt(scaled['view_calls'])} torch view calls": scaled["view_calls"] * u["view_call"],
-        f"{_fmt(scale * counts.get('metadata_calls', 0))} metadata reads":
-            scale * counts.get("metadata_calls", 0) * u["metadata_call"],
+        f"{_fmt(metadata)} metadata reads": metadata * u["metadata_call"],
         f"{_fmt(scaled['scalar_reads'])} host reads (syncs)": scaled["scalar_reads"] * u["scalar_read"],
         f"{_fmt(scaled['triton_launches'])} Triton launches": scaled["triton_launches"] * u["triton_launch"],
     }
-    if python_s is not None:
+    if per_phase:
+        host["the chapter's own Python"] = phase_python * PYTHON_SPEED
+    elif python_s is not None:
         host["the chapter's own Python"] = scale * python_s * PYTHON_SPEED
     # -- compile
     n_gpu, listed, n_launch = gpu_compiles(slug)
@@ -418,13 +465,27 @@ def predict(slug: str, counts: dict, budget_s: float) -> Prediction:
     card = compiled.CARDS[CARD]
     w = WORK_KNOBS.get(slug, {})
     dknobs = DEVICE_KNOBS.get(slug, _steps_only(COUNT_KNOBS.get(slug, ()), slug))
-    steps = count_scale(slug, gpu, small, dknobs)
-    b = counts.get("torch_bytes", 0.0) * steps * count_scale(slug, gpu, small, w.get("bytes", ()))
-    f = counts.get("torch_flops", 0.0) * steps * count_scale(slug, gpu, small, w.get("flops", ()))
+    wb, wf = count_scale(slug, gpu, small, w.get("bytes", ())), count_scale(slug, gpu, small, w.get("flops", ()))
+    if per_phase and all("torch_bytes" in d for _, _, d in phases):
+        # each phase's ops grow by its own knobs (as its host steps), unless DEVICE_KNOBS names the chapter's;
+        # the CPU-only phases' ops are not the GPU's
+        b = f = 0.0
+        for before, after, d in phases:
+            steps = count_scale(slug, gpu, small, dknobs if slug in DEVICE_KNOBS else
+                                _steps_only(phase_knobs(slug, before, after), slug))
+            sized = _phase_key(PHASE_SIZED.get(slug, ()), before, after) is not None
+            b += d["torch_bytes"] * steps * (1.0 if sized else wb)
+            f += d.get("torch_flops", 0.0) * steps * (1.0 if sized else wf)
+    else:
+        steps = count_scale(slug, gpu, small, dknobs)
+        b = counts.get("torch_bytes", 0.0) * steps * wb
+        f = counts.get("torch_flops", 0.0) * steps * wf
     if b or f:
         t = max(b / (card["hbm_tbps"] * 1e12), f / (card["bf16_tflops"] * 1e12))
         device[f"torch ops at datasheet ceilings ({_fmt(b)}B, {_fmt(f)}FLOP)"] = t
     notes = [] if not counts.get("checks_failed") else [f"dry run failed {len(counts['checks_failed'])} check(s)"]
+    if left_out:
+        notes.append(f"{len(left_out)} CPU-only phase(s) left out ({', '.join(sorted({ph[0] for ph in left_out}))})")
     return Prediction(slug, budget_s, {"host": host, "compile": comp, "device": device}, warm_s, scale,
                       counts.get("cpu_s"), counts, notes)
 

@@ -285,7 +285,9 @@ def rehearse(slug: str, params: dict | None = None, seed: int = 0) -> dict:
     at the end: a loaded CPU runs Python slower); cpu_s is the dry
     run's wall time} and `phases`: the same counts between the
     creation of one record and the next, as [the earlier record's name, the later one's, counts] (a
-    chapter that builds a record after measuring it does that work before the record's creation).
+    chapter that builds a record after measuring it does that work before the record's creation); a
+    phase's counts are kernel_calls, view_calls, scalar_reads, metadata_calls, torch_bytes, torch_flops,
+    triton_launches and its python_cpu_s (as the run's, between the two records' creation).
     Raises what the chapter raises: that is the point."""
     from .context import setup
 
@@ -295,16 +297,24 @@ def rehearse(slug: str, params: dict | None = None, seed: int = 0) -> dict:
     calls = _TorchCallCounter()
     launches = _LaunchCounter(calls)
     phases: list[list] = []
-    last = {"snap": calls.snapshot(), "launches": 0, "name": "(before the first record)"}
+
+    def python_s():   # the main thread's CPU seconds outside torch calls, Triton launches and torch.compile
+        return time.thread_time() - calls.seconds - launches.seconds - _compile_seconds()
+
+    last = {"snap": calls.snapshot(), "launches": 0, "name": "(before the first record)", "python": python_s()}
     new_record = ctx.new_record
 
     def close_phase(next_name):
-        snap, n = calls.snapshot(), int(sum(launches.launches.values()))
-        delta = {k: snap[k] - last["snap"][k] for k in ("kernel_calls", "view_calls", "scalar_reads")}
+        snap, n, py = calls.snapshot(), int(sum(launches.launches.values())), python_s()
+        delta = {k: snap[k] - last["snap"][k] for k in ("kernel_calls", "view_calls", "scalar_reads", "metadata_calls",
+                                                        "torch_bytes", "torch_flops")}
         delta["triton_launches"] = n - last["launches"]
         if any(delta.values()):
+            # the phase's own Python, so a phase scales its Python by its own knobs (`budgets.predict`)
+            delta["python_cpu_s"] = max(0.0, py - last["python"])
             phases.append([last["name"], next_name, delta])
-        last.update(snap=snap, launches=n, name=next_name)
+            last["python"] = py
+        last.update(snap=snap, launches=n, name=next_name)   # a phase without calls: its Python goes to the next
 
     def counted_new_record(name, **kw):
         close_phase(name)

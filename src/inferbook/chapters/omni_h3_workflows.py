@@ -197,17 +197,25 @@ def run_workflows_timed(ctx, p: dict, out_dir: Path, in_dir: Path) -> dict[str, 
         if mismatches:
             raise ValueError(f"{kind}: " + "; ".join(mismatches))
     runs = {kind: [] for kind in wfs}
+    out: dict[str, tuple[RunRecord, dict]] = {}
     omni_server.restart(ctx.device, torch.float32)   # so the first request pays the server's model load
-    for _ in range(1 + p["repeats"]):
+    # each record is made (and so saved, `Context.new_record`) once its cold run is done, and its warm
+    # timings are added as its last warm run completes: a run stopped in the repeats keeps the cold numbers
+    for i in range(1 + p["repeats"]):
         for kind, wf in wfs.items():
             runs[kind].append(executor_for(ctx, out_dir / kind, in_dir).run(wf))
-    return {kind: _record(ctx, kind, wfs[kind], runs[kind], p) for kind in wfs}
+            if i == 0:
+                out[kind] = _cold_record(ctx, kind, wf, runs[kind][0], p)
+            if i == p["repeats"]:
+                _add_warm(ctx, out[kind][0], runs[kind][1:])
+                out[kind][1]["warm"] = runs[kind][1:]
+    return out
 
 
-def _record(ctx, kind: str, wf: dict, runs: list, p: dict) -> tuple[RunRecord, dict]:
+def _cold_record(ctx, kind: str, wf: dict, cold, p: dict) -> tuple[RunRecord, dict]:
+    """The workflow's record from its first (cold) run: workload, backends, cold time, the saved file's check."""
     from ..diffusion.media import check_media
 
-    cold, warm = runs[0], runs[1:]
     frames = served_frames(p["model"], p["duration"])
     ev = next(e for e in cold.events if e["kind"] == "server_stages")
     info = check_media(cold.output("save"), **expected_media(p["width"], p["height"], frames))
@@ -228,10 +236,19 @@ def _record(ctx, kind: str, wf: dict, runs: list, p: dict) -> tuple[RunRecord, d
     rec.set_backend("vae_decode", "eager", reason="inferbook.diffusion.vae Ops('eager'), on the server",
                     shapes={"latent": [1, 16, T, h, w]}, dtype="float32")
     rec.set_backend("save", "PyAV libx264 + aac", shapes={"frames": [frames, p["height"], p["width"], 3]})
-    timer = "perf_counter around the node" + (" + cuda sync" if ctx.device.type == "cuda" else "")
     rec.add("cold_total", cold.seconds, "s", phase="cold_start", note="first run: the server builds its model")
     rec.add("server_load", server_seconds(cold)["load"], "s", phase="server: model load",
             note="server-side, first request only; a ComfyUI client cannot see it")
+    rec.add_check("saved MP4 matches the request (decoded whole: frames, fps, size, non-silent 32 kHz stereo, "
+                  "durations agree)", info["ok"], error=float(len(info["problems"])), tolerance=0.0,
+                  problems="; ".join(info["problems"]), audio_duration_s=info["audio_duration"],
+                  video_duration_s=info["video_duration"])
+    return rec, {"probe": info, "cold": cold, "warm": [], "path": cold.output("save")}
+
+
+def _add_warm(ctx, rec: RunRecord, warm: list) -> None:
+    """The warm runs' client and server stage timings, wall times and the round-trip check, into `rec`."""
+    timer = "perf_counter around the node" + (" + cuda sync" if ctx.device.type == "cuda" else "")
     for stage in CLIENT_STAGES:
         xs = [client_seconds(r)[stage] for r in warm]
         rec.add_timing(stage, Timing(stage, xs, "perf_counter", 0), phase=f"client: {stage}", note=timer,
@@ -244,15 +261,10 @@ def _record(ctx, kind: str, wf: dict, runs: list, p: dict) -> tuple[RunRecord, d
     walls = [r.seconds for r in warm]
     rec.add_timing("workflow_wall", Timing("workflow_wall", walls, "perf_counter", 0), phase="total",
                    note="Executor.run, warm")
-    rec.add_check("saved MP4 matches the request (decoded whole: frames, fps, size, non-silent 32 kHz stereo, "
-                  "durations agree)", info["ok"], error=float(len(info["problems"])), tolerance=0.0,
-                  problems="; ".join(info["problems"]), audio_duration_s=info["audio_duration"],
-                  video_duration_s=info["video_duration"])
     inside = [sum(server_seconds(r)[s] for s in ("load",) + SERVER_STAGES) for r in warm]
     request = [client_seconds(r)["request"] for r in warm]
     rec.add_check("the request's round trip covers the server's stages", all(a >= b for a, b in zip(request, inside)),
                   error=min(a - b for a, b in zip(request, inside)), tolerance=0.0)
-    return rec, {"probe": info, "cold": cold, "warm": warm, "path": cold.output("save")}
 
 
 def _reference_counts(result) -> dict:

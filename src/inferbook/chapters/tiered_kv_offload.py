@@ -89,13 +89,15 @@ PRESETS = {
                 host_sweep="0.5,1,1.5", copy_block_mb="1,4", copy_total_mb=64, file_total_mb=16,
                 use_peer=True, admit_after=2, repeats=3, restore_reps=8),
     # gpu: sized to the lent machine's minutes (`inferbook budgets --preset gpu`): every engine step's
-    # Python and per-layer calls bind it, so fewer layers, requests and output tokens; half the prefixes,
-    # each still asked for four times, with the tiers and the running batch halved so they hold the same
-    # shares of them as before
+    # Python and per-layer calls bind it, so fewer layers, requests and output tokens (4: TTFT is the
+    # point); six prefixes, each still asked for four times, with the device, host and file tiers cut in
+    # the same proportion so they hold the same shares of them; the copy benchmark's Python per block
+    # and the file tier's per-block fsync bind their parts, so three block sizes of 256 MB and 32 MB
+    # through the file tier
     "gpu": dict(d_model=1024, n_layers=2, n_heads=16, n_kv_heads=8, ffn=2816, vocab=32000, dtype="bfloat16",
-                block_size=16, prefix_len=2048, suffix_len=128, output_len=8, num_prefixes=8, num_requests=32,
-                max_num_seqs=4, max_num_batched_tokens=8192, device_blocks=1024, host_blocks=512, file_blocks=256,
-                host_sweep="0.5,1,1.5,2", copy_block_mb="1,2,4,8,16", copy_total_mb=1024, file_total_mb=512,
+                block_size=16, prefix_len=2048, suffix_len=128, output_len=4, num_prefixes=6, num_requests=24,
+                max_num_seqs=4, max_num_batched_tokens=8192, device_blocks=768, host_blocks=384, file_blocks=192,
+                host_sweep="0.5,1,1.5,2", copy_block_mb="1,4,16", copy_total_mb=256, file_total_mb=32,
                 use_peer=True, admit_after=2, repeats=3, restore_reps=15),
 }
 
@@ -385,48 +387,57 @@ def _measure(ctx, P: dict) -> list[RunRecord]:
                 if tiers is not None:
                     tiers.close()
                 shutil.rmtree(scratch_root / name.replace("/", "-").replace("+", "-"), ignore_errors=True)
+                # its last run (the sweep runs once): the record is completed, and so saved, now
+                if mult is not None or rep == P["repeats"] - 1:
+                    finish_engine_record(first[name], runs[name], outputs, dtype)
     finally:
         if peer is not None:
             peer.stop()
         shutil.rmtree(scratch_root, ignore_errors=True)
-    for name, rec in first.items():
-        # times: the median over repeats (every run kept); counts: the first run's (the same workload each time)
-        rs = runs[name]
-        # one sample per run: the run's median TTFT. The requests of one run share its machine load, so
-        # they are not independent samples; comparisons go over runs (`verdicts`).
-        rec.add_timing("ttft", Timing(label=f"{name} median ttft per run", samples_s=[r.median("ttft_s") for r in rs],
-                                      timer="perf_counter", warmup=0), phase="ttft")
-        for metric, fn in (("mean_ttft", lambda r: r.mean("ttft_s")), ("median_ttft", lambda r: r.median("ttft_s")),
-                           ("output_throughput", lambda r: r.output_throughput),
-                           ("total_throughput", lambda r: r.total_throughput), ("duration", lambda r: r.duration_s)):
-            m = rec.get(metric)
-            vals = [fn(r) for r in rs]
-            m["value"], m["runs"], m["aggregate"] = statistics.median(vals), vals, f"median of {len(vals)} run(s)"
-        ref = outputs[f"{rec.workload['workload']}/no tiers"]
-        if dtype == torch.float32:
-            # restored KV is bit-equal (checked below); the suffix prefill then runs other shapes than the
-            # recompute, which fp32 rounding differences cannot turn into another greedy token on these models
-            rec.add_check("same greedy tokens as without tiers (fp32)", all(r.outputs == ref for r in rs))
-        else:  # bf16/fp16: other batch shapes may round a near-tie the other way; a share, not a check
-            same = sum(a == b for r in rs for a, b in zip(r.outputs, ref)) / max(1, sum(len(ref) for _ in rs))
-            rec.add("same_output_share", same, "fraction of requests", phase="total",
-                    note=f"{dtype}: the suffix prefill runs other shapes than the recompute")
-        records.append(rec)
+    records += first.values()
 
-    # 5. one request: its prefix restored (host, file) against recomputed, on this model
+    # 5. one request: its prefix restored (host, file) against recomputed, on this model; the records are
+    # made first, so the dry run's counts after them are the restores' alone (`budgets.PHASE_KNOBS`)
+    restore = {src: ctx.new_record(f"restore-{src}", variant=f"prefix from {src}", workload={
+        "model": f"tiny-decoder L{cfg.n_layers} d{cfg.d_model} h{cfg.n_heads}/{cfg.n_kv_heads} V{cfg.vocab} "
+                 f"({cfg.n_params() / 1e6:.2f}M params)", "dtype": P["dtype"], "prefix_len": P["prefix_len"],
+        "suffix_len": P["suffix_len"], "requests": "one at a time, device prefix cache off"}, topology={"ranks": 1})
+        for src in RESTORE_SOURCES}
     rv = restore_vs_recompute(model, P, scratch_root, ctx.seed)
     shutil.rmtree(scratch_root, ignore_errors=True)
-    for src in RESTORE_SOURCES:
-        rec = ctx.new_record(f"restore-{src}", variant=f"prefix from {src}", workload={
-            "model": f"tiny-decoder L{cfg.n_layers} d{cfg.d_model} h{cfg.n_heads}/{cfg.n_kv_heads} V{cfg.vocab} "
-                     f"({cfg.n_params() / 1e6:.2f}M params)", "dtype": P["dtype"], "prefix_len": P["prefix_len"],
-            "suffix_len": P["suffix_len"], "requests": "one at a time, device prefix cache off"}, topology={"ranks": 1})
+    for src, rec in restore.items():
         rec.add_timing("first_token_time", rv[src], phase="ttft")
         rec.add("restored_tokens_median", statistics.median(rv["restored_tokens"][src]), "tokens", phase="ttft")
         want = 0 if src == "recompute" else P["prefix_len"] // P["block_size"] * P["block_size"]
         rec.add_check("the prefix came from this source", all(n == want for n in rv["restored_tokens"][src]))
         records.append(rec)
     return records
+
+
+def finish_engine_record(rec: RunRecord, rs: list, outputs: dict, dtype) -> None:
+    """An engine configuration's record once all its runs are done: times as the median over its runs,
+    and its greedy tokens against the same workload's run without tiers (which runs first each repeat)."""
+    name = rec.name
+    # times: the median over repeats (every run kept); counts: the first run's (the same workload each time)
+    # one sample per run: the run's median TTFT. The requests of one run share its machine load, so
+    # they are not independent samples; comparisons go over runs (`verdicts`).
+    rec.add_timing("ttft", Timing(label=f"{name} median ttft per run", samples_s=[r.median("ttft_s") for r in rs],
+                                  timer="perf_counter", warmup=0), phase="ttft")
+    for metric, fn in (("mean_ttft", lambda r: r.mean("ttft_s")), ("median_ttft", lambda r: r.median("ttft_s")),
+                       ("output_throughput", lambda r: r.output_throughput),
+                       ("total_throughput", lambda r: r.total_throughput), ("duration", lambda r: r.duration_s)):
+        m = rec.get(metric)
+        vals = [fn(r) for r in rs]
+        m["value"], m["runs"], m["aggregate"] = statistics.median(vals), vals, f"median of {len(vals)} run(s)"
+    ref = outputs[f"{rec.workload['workload']}/no tiers"]
+    if dtype == torch.float32:
+        # restored KV is bit-equal (checked below); the suffix prefill then runs other shapes than the
+        # recompute, which fp32 rounding differences cannot turn into another greedy token on these models
+        rec.add_check("same greedy tokens as without tiers (fp32)", all(r.outputs == ref for r in rs))
+    else:  # bf16/fp16: other batch shapes may round a near-tie the other way; a share, not a check
+        same = sum(a == b for r in rs for a, b in zip(r.outputs, ref)) / max(1, sum(len(ref) for _ in rs))
+        rec.add("same_output_share", same, "fraction of requests", phase="total",
+                note=f"{dtype}: the suffix prefill runs other shapes than the recompute")
 
 
 # ---------------------------------------------------------------------------
