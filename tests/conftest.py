@@ -1,4 +1,5 @@
 import os
+import signal
 
 # Tests run two at a time (pytest -n 2 on 2 cores), and chapter kernels inherit this
 # environment: one math thread each avoids oversubscription, which made loops of small
@@ -25,3 +26,18 @@ def _one_math_thread():
     import torch
 
     torch.set_num_threads(1)
+
+
+def _as_a_shell_starts_it():
+    """Run in the child before exec: SIGINT as an interactive shell hands it over (default action, not
+    blocked). A pytest-xdist worker can pass its children an ignored or blocked SIGINT once other tests
+    have run in it (seen in the full suite: the child slept through SIGINT and ran to exit 0), and
+    then the test would measure the worker, not inferbook."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+@pytest.fixture
+def sigint_as_a_shell_hands_it():
+    """The `preexec_fn` for a child that a test sends SIGINT (see `_as_a_shell_starts_it`)."""
+    return _as_a_shell_starts_it
