@@ -41,3 +41,15 @@ def _as_a_shell_starts_it():
 def sigint_as_a_shell_hands_it():
     """The `preexec_fn` for a child that a test sends SIGINT (see `_as_a_shell_starts_it`)."""
     return _as_a_shell_starts_it
+
+
+# The files that take minutes each, longest first: `make test` runs `pytest -n 2 --dist loadfile`, which
+# hands each worker whole files in collection order, so a long file collected last would leave one
+# worker alone at the end. Run first, the two workers take them in parallel and share the many short
+# files after (longest-first scheduling).
+SLOW_FILES = ("test_book_pages.py", "test_rehearsal.py", "test_compiled.py")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: n for n, name in enumerate(SLOW_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(SLOW_FILES)))   # stable: the rest keep their order
