@@ -50,7 +50,7 @@ book: $(VENV)/.book
 	$(BIN)/inferbook book $(BOOK_ARGS)
 
 test: $(VENV)/.dev
-	$(BIN)/python -m pytest -n 2 --dist loadfile $(TEST_ARGS)
+	$(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder $(TEST_ARGS)
 
 wheelhouse: | $(BIN)/python
 	mkdir -p $(WHEELHOUSE)

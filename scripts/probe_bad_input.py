@@ -102,6 +102,9 @@ sys.exit(0)
 
 
 def record_files(files: Path) -> None:
+    """The hostile results files, written into `files` (tests/test_bad_input_probe.py uses the same ones
+    in-process): out-of-range and mistyped fields, nesting past the parser's limits, random bytes, one byte
+    over the size limit, a FIFO, and good files to compare against."""
     from inferbook import record
 
     good = record.RunRecord(chapter="upgrade-record", name="a", hardware={"device_type": "cpu", "cpu_model": "x"})
@@ -116,10 +119,12 @@ def record_files(files: Path) -> None:
     variant("huge-int.json", lambda r: r["measurements"][0].__setitem__("value", 10 ** 400))
     variant("list-name.json", lambda r: r.__setitem__("name", ["a"]))
     variant("dict-unit.json", lambda r: r["measurements"][0].__setitem__("unit", {"s": 1}))
+    variant("list-commit.json", lambda r: r.__setitem__("git", {"commit": ["x"]}))
+    variant("list-lifecycle.json", lambda r: r["measurements"][0].__setitem__("lifecycle", ["steady"]))
     variant("list-workload.json", lambda r: r.__setitem__("workload", {"batch": [[1], {"x": 2}]}))
-    (files / "deep.json").write_text("[" * 100000 + "]" * 100000)
-    with open(files / "random-50mb.json", "wb") as f:
-        f.write(os.urandom(50 * 2 ** 20))
+    (files / "deep.json").write_text("[" * 100 + "]" * 100)
+    (files / "deeper.json").write_text("[" * 100_000 + "]" * 100_000)   # past the parser's own recursion limit
+    (files / "big.json").write_bytes(os.urandom(record.MAX_RESULTS_BYTES + 1))
     (files / "random-4k.json").write_bytes(os.urandom(4096))
     os.mkfifo(files / "fifo.json")
     (files / "good.json").write_text(json.dumps(base))
@@ -221,10 +226,11 @@ def cases(files: Path, tmp: Path):
         ("compare dict unit", ib + ["results", "--compare", f("dict-unit.json"), f("good.json")], {}, 2, "unit"),
         ("compare nested workload", ib + ["results", "--compare", f("list-workload.json"), f("good.json")], {}, None,
          ""),
-        ("compare 100000-deep", ib + ["results", "--compare", f("deep.json"), f("good.json")], {}, 2, "deeper"),
+        ("compare 100-deep", ib + ["results", "--compare", f("deep.json"), f("good.json")], {}, 2, "deeper"),
+        ("compare 100000-deep", ib + ["results", "--compare", f("deeper.json"), f("good.json")], {}, 2, "deeper"),
         ("compare /dev/zero", ib + ["results", "--compare", "/dev/zero", f("good.json")], {}, 2, "device"),
         ("compare FIFO", ib + ["results", "--compare", f("fifo.json"), f("good.json")], {}, 2, "FIFO"),
-        ("compare 50 MB random", ib + ["results", "--compare", f("random-50mb.json"), f("good.json")], {}, 2,
+        ("compare 32 MiB + 1 random", ib + ["results", "--compare", f("big.json"), f("good.json")], {}, 2,
          "at most"),
         ("compare 4 kB random", ib + ["results", "--compare", f("random-4k.json"), f("good.json")], {}, 2,
          "results file"),

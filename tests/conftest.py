@@ -1,4 +1,5 @@
 import os
+import signal
 
 # Tests run two at a time (pytest -n 2 on 2 cores), and chapter kernels inherit this
 # environment: one math thread each avoids oversubscription, which made loops of small
@@ -25,3 +26,30 @@ def _one_math_thread():
     import torch
 
     torch.set_num_threads(1)
+
+
+def _as_a_shell_starts_it():
+    """Run in the child before exec: SIGINT as an interactive shell hands it over (default action, not
+    blocked). A pytest-xdist worker can pass its children an ignored or blocked SIGINT once other tests
+    have run in it (seen in the full suite: the child slept through SIGINT and ran to exit 0), and
+    then the test would measure the worker, not inferbook."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+@pytest.fixture
+def sigint_as_a_shell_hands_it():
+    """The `preexec_fn` for a child that a test sends SIGINT (see `_as_a_shell_starts_it`)."""
+    return _as_a_shell_starts_it
+
+
+# The files that take minutes each, longest first: `make test` runs `pytest -n 2 --dist loadfile`, which
+# hands each worker whole files in collection order, so a long file collected last would leave one
+# worker alone at the end. Run first, the two workers take them in parallel and share the many short
+# files after (longest-first scheduling).
+SLOW_FILES = ("test_book_pages.py", "test_rehearsal.py", "test_compiled.py")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: n for n, name in enumerate(SLOW_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(SLOW_FILES)))   # stable: the rest keep their order

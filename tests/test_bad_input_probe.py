@@ -2,11 +2,22 @@
 folders): each is exit 2, exactly one line on stderr, no traceback, and nothing written. In-process
 CLI calls; the work functions refuse to run, so "before any work" is checked too."""
 import json
-import os
 
 import pytest
 
 from inferbook import cli, context, record
+
+
+def _probe():
+    """scripts/probe_bad_input.py as a module (the subprocess probe of the same inputs)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "probe_bad_input.py"
+    spec = importlib.util.spec_from_file_location("probe_bad_input", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 @pytest.fixture
@@ -23,26 +34,7 @@ def sandbox(tmp_path, monkeypatch):
     monkeypatch.setenv("INFERBOOK_REFERENCE_DIR", str(tmp_path / "ref"))
     files = tmp_path / "files"
     files.mkdir()
-    good = record.RunRecord(chapter="upgrade-record", name="a", hardware={"device_type": "cpu", "cpu_model": "x"})
-    good.add("t", 1.0, "s")
-    base = {"inferbook_results": 1, "complete": True, "records": [good.to_dict()]}
-
-    def variant(name, edit):
-        d = json.loads(json.dumps(base))
-        edit(d["records"][0])
-        (files / name).write_text(json.dumps(d))
-
-    variant("huge-int.json", lambda r: r["measurements"][0].__setitem__("value", 10 ** 400))
-    variant("list-name.json", lambda r: r.__setitem__("name", ["a"]))
-    variant("dict-unit.json", lambda r: r["measurements"][0].__setitem__("unit", {"s": 1}))
-    variant("list-commit.json", lambda r: r.__setitem__("git", {"commit": ["x"]}))
-    variant("list-lifecycle.json", lambda r: r["measurements"][0].__setitem__("lifecycle", ["steady"]))
-    (files / "deep.json").write_text("[" * 100 + "]" * 100)
-    (files / "deeper.json").write_text("[" * 100_000 + "]" * 100_000)   # past the parser's own recursion limit
-    (files / "random.json").write_bytes(os.urandom(4096))
-    (files / "big.json").write_bytes(b" " * (record.MAX_RESULTS_BYTES + 1))
-    os.mkfifo(files / "fifo.json")
-    (files / "good.json").write_text(json.dumps(base))
+    _probe().record_files(files)        # the probe script's own hostile files
     return tmp_path, files
 
 
@@ -101,7 +93,7 @@ def _cases(files):
         (["results", "--compare", f("list-lifecycle.json"), f("good.json")], "lifecycle"),
         (["results", "--compare", f("deep.json"), f("good.json")], "deeper than"),
         (["results", "--compare", f("deeper.json"), f("good.json")], "nested deeper than 32 levels"),
-        (["results", "--compare", f("random.json"), f("good.json")], "results file"),
+        (["results", "--compare", f("random-4k.json"), f("good.json")], "results file"),
         (["results", "--compare", f("big.json"), f("good.json")], "at most"),
         (["results", "--compare", f("fifo.json"), f("good.json")], "is a FIFO"),
         (["results", "--compare", "/dev/zero", f("good.json")], "is a device"),

@@ -77,20 +77,11 @@ def _env(root: Path, marker: Path, hold: bool) -> dict:
     return env
 
 
-def _as_a_shell_starts_it():
-    """Run in the child before exec: SIGINT as an interactive shell hands it over (default action, not
-    blocked). A pytest-xdist worker can pass its children an ignored or blocked SIGINT once other tests
-    have run in it (seen in the full suite: the child slept through SIGINT and ran to exit 0), and
-    then the test would measure the worker, not inferbook."""
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
-def _run(root, marker, hold):
+def _run(root, marker, hold, preexec):
     return subprocess.Popen([sys.executable, "-m", "inferbook.cli", "run", "upgrade-record", "--device", "cpu",
                              "--preset", "smoke"], cwd=root, env=_env(root, marker, hold),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=_as_a_shell_starts_it)
+                            preexec_fn=preexec)
 
 
 def _wait_for(marker: Path, proc, timeout=120):
@@ -106,16 +97,16 @@ def _digest(path: Path) -> str:
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["SIGINT", "SIGKILL"])
-def test_interrupted_run_keeps_the_good_notebook(checkout, tmp_path, sig):
+def test_interrupted_run_keeps_the_good_notebook(checkout, tmp_path, sig, sigint_as_a_shell_hands_it):
     executed = checkout / "_build" / "executed"
-    good = _run(checkout, tmp_path / "m0", hold=False)
+    good = _run(checkout, tmp_path / "m0", hold=False, preexec=sigint_as_a_shell_hands_it)
     out, err = good.communicate(timeout=300)
     assert good.returncode == 0, err
     nb, meta = executed / "upgrade-record.ipynb", executed / "upgrade-record.meta.json"
     before = (_digest(nb), meta.read_text())
     assert json.loads(meta.read_text())["notebook_sha256"] == before[0]
 
-    proc = _run(checkout, tmp_path / "m1", hold=True)
+    proc = _run(checkout, tmp_path / "m1", hold=True, preexec=sigint_as_a_shell_hands_it)
     _wait_for(tmp_path / "m1", proc)
     assert list(executed.glob(".upgrade-record.*.tmp.ipynb")), "execution must write into a temporary"
     proc.send_signal(sig)

@@ -45,16 +45,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def _as_a_shell_starts_it():
-    """Run in the child before exec: SIGINT as an interactive shell hands it over (default action, not
-    blocked). A pytest-xdist worker can pass its children an ignored or blocked SIGINT once other tests
-    have run in it (seen in the full suite: the child slept through SIGINT and ran to exit 0), and
-    then the test would measure the worker, not inferbook."""
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
-def _start(tmp_path: Path, tag: str, fast: bool = False, hold_first: float = 0.0):
+def _start(tmp_path: Path, tag: str, preexec, fast: bool = False, hold_first: float = 0.0):
     marks = tmp_path / f"marks-{tag}"
     marks.mkdir()
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), INFERBOOK_RESULTS=str(tmp_path / "res"),
@@ -62,7 +53,7 @@ def _start(tmp_path: Path, tag: str, fast: bool = False, hold_first: float = 0.0
                FAKE_HOLD_FIRST=str(hold_first), OMP_NUM_THREADS="1")
     env.pop("INFERBOOK_SAVE_REFERENCE", None)
     proc = subprocess.Popen([sys.executable, "-c", SCRIPT], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, preexec_fn=_as_a_shell_starts_it)
+                            text=True, preexec_fn=preexec)
     return proc, marks
 
 
@@ -76,8 +67,8 @@ def _wait(marker: Path, proc, timeout=120):
 
 @pytest.mark.parametrize("point", ["first", "later"])
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL], ids=["SIGINT", "SIGTERM", "SIGKILL"])
-def test_interrupted_measure_keeps_the_last_complete_results(tmp_path, sig, point):
-    good, _ = _start(tmp_path, "good", fast=True)
+def test_interrupted_measure_keeps_the_last_complete_results(tmp_path, sig, point, sigint_as_a_shell_hands_it):
+    good, _ = _start(tmp_path, "good", sigint_as_a_shell_hands_it, fast=True)
     out, err = good.communicate(timeout=120)
     assert good.returncode == 0, err
     path = tmp_path / "res" / "upgrade-record.json"
@@ -85,7 +76,7 @@ def test_interrupted_measure_keeps_the_last_complete_results(tmp_path, sig, poin
     assert json.loads(before)["complete"] is True
     assert not record.partial_path(path).exists(), "a complete run removes the partial file"
 
-    proc, marks = _start(tmp_path, "stopped")
+    proc, marks = _start(tmp_path, "stopped", sigint_as_a_shell_hands_it)
     _wait(marks / point, proc)
     proc.send_signal(sig)
     out, err = proc.communicate(timeout=120)
@@ -110,7 +101,7 @@ def test_interrupted_measure_keeps_the_last_complete_results(tmp_path, sig, poin
     finally:
         os.environ.pop("INFERBOOK_RESULTS")
 
-    again, _ = _start(tmp_path, "again", fast=True)
+    again, _ = _start(tmp_path, "again", sigint_as_a_shell_hands_it, fast=True)
     assert again.communicate(timeout=120) and again.returncode == 0
     assert json.loads(path.read_text())["records"][0]["name"] == "probe-again"
     assert not record.partial_path(path).exists()

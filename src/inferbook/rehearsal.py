@@ -47,6 +47,8 @@ FAST: dict[str, dict] = {
     "upgrade-record": {"new_tokens": 2, "reps": 1, "serve_requests": 2},
     # the served model's size is a choice, not a code path: its presets (sizes) must match the smoke sizes
     "omni-h3-workflows": {"model": "toy-h3-tiny"},
+    # bfloat16 and timer='wall' are the gpu branches: one request per slot, one repeat of each level
+    "kimi-spec-budget": {"requests_per_slot": 1, "repeats": 1},
 }
 
 

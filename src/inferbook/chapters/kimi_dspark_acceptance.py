@@ -67,7 +67,7 @@ PARAMETERS = {
 }
 
 PRESETS = {
-    "smoke": dict(prompts_per_task=2, output_len=24, timer="process"),
+    "smoke": dict(prompts_per_task=2, output_len=12, timer="process"),   # two a task: the page compares per-request rates
     "cpu": dict(prompts_per_task=12, output_len=96, timer="process"),
     # gpu: sized to the lent machine's minutes (`inferbook budgets --preset gpu`): the engine's Python and
     # eager calls per token bind it; the cpu preset holds the larger sample. 18 output tokens (from 24)

@@ -683,8 +683,10 @@ def machine_facts(ck, launch: Launch, isa: str) -> dict:
             "flops_per_cta": ir["flops_per_cta"], "dots": ir["dots"]}
 
 
-def _worker(out_path: str, slugs: list[str], targets: list[str], shard: int, shards: int) -> None:
-    """Compile every shards-th (launch, target) job of `slugs`, starting at `shard`; one JSON row per line."""
+def _worker(out_path: str, slugs: list[str], targets: list[str], shard: int, shards: int,
+            only: dict[str, list[int]] | None = None) -> None:
+    """Compile every shards-th (launch, target) job of `slugs`, starting at `shard`; one JSON row per line.
+    `only` ({slug: launch indices}): just those launches (see `inspect`)."""
     from .. import device
 
     assert not device.triton_interpreted(), "the Triton interpreter is on in the compiling process"
@@ -706,7 +708,8 @@ def _worker(out_path: str, slugs: list[str], targets: list[str], shard: int, sha
                 nvidia = next((by_target[n] for n in targets if n in NVIDIA_TARGETS), None) or launches_for(slug, "sm_90")
             pairs = (nvidia_counterparts(by_target[t], nvidia) if t in AMD_TARGETS and nvidia is not None
                      else [None] * len(by_target[t]))
-            jobs += [(slug, i, launch, t, nv) for i, (launch, nv) in enumerate(zip(by_target[t], pairs))]
+            jobs += [(slug, i, launch, t, nv) for i, (launch, nv) in enumerate(zip(by_target[t], pairs))
+                     if only is None or i in only.get(slug, ())]
     sampled: dict[tuple, int] = {}
     with open(out_path, "w") as f:
         for r in rows:
@@ -775,9 +778,11 @@ def default_cache_dir() -> Path:
 
 
 def inspect(slugs: list[str], targets: list[str], *, jobs: int = 2, cache_dir: str | Path | None = None,
-            timeout_s: float = 7200) -> list[dict]:
+            timeout_s: float = 7200, only: dict[str, list[int]] | None = None) -> list[dict]:
     """Compile every gpu-preset launch of `slugs` for `targets` in `jobs` subprocesses with the
-    interpreter off; returns one row per (launch, target), in launch order."""
+    interpreter off; returns one row per (launch, target), in launch order. `only` ({slug: launch
+    indices, as in the saved tables}) compiles just those launches of each slug (the test suite's
+    representatives); the jobs are dealt out after that choice, so the processes share them evenly."""
     for t in targets:
         if t not in TARGETS:
             raise UserError(f"unknown target {t!r}; choose {choices(TARGETS)} or all")
@@ -788,11 +793,15 @@ def inspect(slugs: list[str], targets: list[str], *, jobs: int = 2, cache_dir: s
            "PYTHONPATH": os.pathsep.join([str(repo_root() / "src"), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
     jobs = max(1, int(jobs))
     with tempfile.TemporaryDirectory() as d:
+        extra = []
+        if only is not None:
+            (Path(d) / "only.json").write_text(json.dumps({s: sorted(map(int, ix)) for s, ix in only.items()}))
+            extra = [str(Path(d) / "only.json")]
         procs = []
         for k in range(jobs):
             out = Path(d) / f"rows{k}.jsonl"
             cmd = [sys.executable, "-m", "inferbook.compiled", "_worker", str(out), ",".join(slugs),
-                   ",".join(targets), str(k), str(jobs)]
+                   ",".join(targets), str(k), str(jobs), *extra]
             log = open(Path(d) / f"log{k}.txt", "w")   # a file, not a pipe: a full pipe would stall the worker
             procs.append((out, log, subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)))
         rows = []
@@ -1098,7 +1107,8 @@ from .section import CompilerSection, chapter_section  # noqa: E402,F401
 def _main(argv: list[str]) -> int:
     if argv and argv[0] == "_worker":
         out, slugs, targets, shard, shards = argv[1:6]
-        _worker(out, [s for s in slugs.split(",") if s], targets.split(","), int(shard), int(shards))
+        only = json.loads(Path(argv[6]).read_text()) if len(argv) > 6 else None
+        _worker(out, [s for s in slugs.split(",") if s], targets.split(","), int(shard), int(shards), only)
         return 0
     print("usage: inferbook inspect CHAPTER [--target sm_80|sm_90|sm_100|all]", file=sys.stderr)
     return 2
