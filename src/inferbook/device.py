@@ -299,6 +299,11 @@ def _hardware_info(device_str: str) -> dict:
         "machine": platform.machine(),
         "os": platform.platform(),
     }
+    # `inferbook book --jobs N` on CPU: this chapter executed beside up to N-1 others, so its timings
+    # shared the cores (torch_threads says its share). Absent when it ran alone.
+    jobs = os.environ.get("INFERBOOK_BOOK_JOBS", "")
+    if device.type == "cpu" and jobs.isdigit() and int(jobs) > 1:
+        info["book_jobs"] = int(jobs)
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         info.update({
