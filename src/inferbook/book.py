@@ -264,6 +264,7 @@ def execute(slug: str, *, device: str = "auto", preset: str = "auto", seed: int 
     os.environ["INFERBOOK_RESULTS"] = str(results_dir)
     os.environ["INFERBOOK_SAVE_REFERENCE"] = "1" if save_reference else "0"
     started = time.perf_counter()
+    cpu_started = _children_cpu_s()
     meta = {"chapter": slug, "title": info.title, "parameters": run_params, "hash": input_hash(slug, run_params),
             "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
     guard = _GoodResults(results_dir / f"{slug}.json")
@@ -287,6 +288,9 @@ def execute(slug: str, *, device: str = "auto", preset: str = "auto", seed: int 
             raise ChapterFailed(slug, None, type(e).__name__, _first_line(str(e))) from None
         meta.update(status="ok", seconds=round(time.perf_counter() - started, 2),
                     device=_device_of_run(results_dir, slug))
+        cpu = _children_cpu_s() - cpu_started
+        if cpu > 0:  # the kernel's CPU time once it is reaped: what a chapter costs, whatever else ran
+            meta["cpu_seconds"] = round(cpu, 2)
         _commit_execution(tmp_nb, out_nb, meta, slug, executed_dir)
         for stale in failed_paths(slug, executed_dir):  # the latest execution is this good one
             stale.unlink(missing_ok=True)
@@ -301,6 +305,18 @@ def execute(slug: str, *, device: str = "auto", preset: str = "auto", seed: int 
         in_nb.unlink(missing_ok=True)
         tmp_nb.unlink(missing_ok=True)
     return meta
+
+
+def _children_cpu_s() -> float:
+    """User + system CPU seconds of this process's reaped children (the Jupyter kernels, and what they
+    waited for): on a shared machine a chapter's cost, where its wall time is inflated by others' work."""
+    try:
+        import resource
+
+        ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return ru.ru_utime + ru.ru_stime
+    except (ImportError, OSError):
+        return 0.0
 
 
 class _GoodResults:
@@ -818,7 +834,8 @@ def build_book(*, chapters: list[str] | None = None, force: bool = False, keep_g
             if action == "execute":
                 try:
                     meta = runs.result(slug)
-                    log(f"[{i}/{len(built)}] {slug}: ok in {meta['seconds']:.1f} s on {meta.get('device')}")
+                    cpu = f" (CPU {meta['cpu_seconds']:.1f} s)" if meta.get("cpu_seconds") else ""
+                    log(f"[{i}/{len(built)}] {slug}: ok in {meta['seconds']:.1f} s{cpu} on {meta.get('device')}")
                 except ChapterFailed as e:
                     log(f"[{i}/{len(built)}] {e}")
                     failures.append(e)

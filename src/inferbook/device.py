@@ -34,7 +34,67 @@ def configure_triton_interpreter() -> bool:
     quiet_profiler_log()
     if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
         os.environ["TRITON_INTERPRET"] = "1"
-    return triton_interpreted()
+    on = triton_interpreted()
+    if on:
+        skip_repatching_in_device_calls()
+    return on
+
+
+def skip_repatching_in_device_calls() -> bool:
+    """Let the Triton interpreter patch `triton.language` once per launch, not again at every call of a
+    @triton.jit helper inside the kernel. Returns whether the shortcut is in place.
+
+    Triton 3.9's interpreter patches the language modules (`_patch_lang`: `inspect.getmembers` over
+    tl, tl.core, tl.math and the tensor class) when a launch starts, undoing it when the launch ends, and
+    again at each device-function call, per program, without undoing that. Inside a launch the
+    second patch finds every builtin already replaced and re-sets the other attributes to fresh but
+    equal definitions: it changes nothing, and was 28 % of deterministic-attention's CPU run (a py-spy
+    profile of its engine steps). So a device function whose language modules the enclosing launch
+    already patched skips it; one seeing another module (or a call outside a launch) is patched as
+    before. Only the interpreter's bookkeeping changes, never what a kernel computes. Left alone
+    when this Triton's interpreter lacks the internals it relies on."""
+    try:
+        import inspect
+
+        import triton.language as tl
+        from triton.runtime import interpreter as ti
+    except Exception:
+        return False
+    if getattr(ti, "_inferbook_skips_repatching", False):
+        return True
+    original = getattr(ti, "_patch_lang", None)
+    scope_class = getattr(ti, "_LangPatchScope", None)
+    if original is None or scope_class is None or not hasattr(ti, "GridExecutor") or not hasattr(ti, "InterpretedFunction"):
+        return False
+    launches: list[dict] = []   # the launch in progress: its kernel, its language modules, whether patched
+
+    def langs_of(fn) -> frozenset:
+        return frozenset(id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core))
+
+    def patch_lang(fn):
+        launch = launches[-1] if launches else None
+        langs = langs_of(fn)
+        if launch is not None and launch["patched"] and langs and langs <= launch["langs"]:
+            return scope_class()          # already in force for this launch: an empty scope, nothing to undo
+        scope = original(fn)
+        if launch is not None and fn is launch["fn"]:
+            launch["patched"] = True      # the launch's own patch, which the launch undoes when it ends
+        return scope
+
+    grid_call = ti.GridExecutor.__call__
+
+    def launch(self, *args, **kwargs):
+        launches.append({"fn": self.fn, "langs": langs_of(self.fn), "patched": False})
+        try:
+            return grid_call(self, *args, **kwargs)
+        finally:
+            launches.pop()
+
+    ti._inferbook_originals = (original, grid_call)   # for the test that compares the two paths' bits
+    ti.GridExecutor.__call__ = launch
+    ti._patch_lang = patch_lang
+    ti._inferbook_skips_repatching = True
+    return True
 
 
 # Kineto (torch.profiler's engine, used where a chapter observes which kernel ran) logs every
