@@ -90,9 +90,32 @@ def skip_repatching_in_device_calls() -> bool:
         finally:
             launches.pop()
 
-    ti._inferbook_originals = (original, grid_call)   # for the test that compares the two paths' bits
+    # The launch's own patch lists each module's members with `inspect.getmembers` (a dir(), a getattr
+    # and a sort over hundreds of names), at every launch: 17 % of the same profile once the above was
+    # in place, the engine launching thousands of small kernels. A module's members do not change, so
+    # the names that can be builtins are listed once per module (those that are builtins, and those an
+    # unfinished patch replaced by its wrapper); each launch still reads every one of them and patches
+    # those that are builtins now, as Triton's loop does.
+    patch_builtin = getattr(ti, "_patch_builtin", None)
+    patch_attr = getattr(ti, "_patch_attr", None)
+    builtin_names: dict[int, tuple] = {}
+
+    def patch_builtin_listed(pkg, builder, scope):
+        names = builtin_names.get(id(pkg))
+        if names is None:
+            names = builtin_names[id(pkg)] = tuple(
+                name for name, member in inspect.getmembers(pkg)
+                if tl.core.is_builtin(member) or getattr(member, "__qualname__", "") == "_patch_attr.<locals>.<lambda>")
+        for name in names:
+            member = getattr(pkg, name, None)
+            if tl.core.is_builtin(member):
+                patch_attr(pkg, name, member, builder, scope)
+
+    ti._inferbook_originals = (original, grid_call, patch_builtin)   # for the test comparing both paths' bits
     ti.GridExecutor.__call__ = launch
     ti._patch_lang = patch_lang
+    if patch_builtin is not None and patch_attr is not None:
+        ti._patch_builtin = patch_builtin_listed
     ti._inferbook_skips_repatching = True
     return True
 
