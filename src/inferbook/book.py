@@ -264,6 +264,7 @@ def execute(slug: str, *, device: str = "auto", preset: str = "auto", seed: int 
     os.environ["INFERBOOK_RESULTS"] = str(results_dir)
     os.environ["INFERBOOK_SAVE_REFERENCE"] = "1" if save_reference else "0"
     started = time.perf_counter()
+    cpu_started = _children_cpu_s()
     meta = {"chapter": slug, "title": info.title, "parameters": run_params, "hash": input_hash(slug, run_params),
             "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
     guard = _GoodResults(results_dir / f"{slug}.json")
@@ -287,6 +288,9 @@ def execute(slug: str, *, device: str = "auto", preset: str = "auto", seed: int 
             raise ChapterFailed(slug, None, type(e).__name__, _first_line(str(e))) from None
         meta.update(status="ok", seconds=round(time.perf_counter() - started, 2),
                     device=_device_of_run(results_dir, slug))
+        cpu = _children_cpu_s() - cpu_started
+        if cpu > 0:  # the kernel's CPU time once it is reaped: what a chapter costs, whatever else ran
+            meta["cpu_seconds"] = round(cpu, 2)
         _commit_execution(tmp_nb, out_nb, meta, slug, executed_dir)
         for stale in failed_paths(slug, executed_dir):  # the latest execution is this good one
             stale.unlink(missing_ok=True)
@@ -301,6 +305,18 @@ def execute(slug: str, *, device: str = "auto", preset: str = "auto", seed: int 
         in_nb.unlink(missing_ok=True)
         tmp_nb.unlink(missing_ok=True)
     return meta
+
+
+def _children_cpu_s() -> float:
+    """User + system CPU seconds of this process's reaped children (the Jupyter kernels, and what they
+    waited for): on a shared machine a chapter's cost, where its wall time is inflated by others' work."""
+    try:
+        import resource
+
+        ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return ru.ru_utime + ru.ru_stime
+    except (ImportError, OSError):
+        return 0.0
 
 
 class _GoodResults:
@@ -594,13 +610,185 @@ def sphinx_build(stage_dir: Path, html_dir: Path, doctrees: Path) -> None:
         raise RuntimeError(f"sphinx build failed (exit {res.returncode}):\n{res.stdout[-4000:]}\n{res.stderr[-8000:]}")
 
 
+def cpu_cores() -> int:
+    """Cores this process may run on (the affinity mask, as a container's CPU limit sets it)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+JOBS_ENV = "INFERBOOK_BOOK_JOBS"   # read by device.hardware_info: the record says it ran beside others
+
+
+def book_jobs(jobs: int | str, device: str) -> int:
+    """How many chapters execute at once. `auto`: 2 on a CPU-only run on 2 or more cores, else 1.
+
+    Why 2 and not one per core: a CPU chapter spends much of its time on one core (kernel start-up and
+    imports, Triton's interpreter, Python loops of small ops), so two chapters side by side fill a
+    2-core machine that one leaves half idle; more than two would split the cores further and make
+    each chapter's timings noisier for little gain. A GPU run stays sequential whatever is asked:
+    one GPU, and chapters timed side by side on it would contend."""
+    from .device import resolve_device
+
+    if jobs == "auto":
+        wanted = 2 if cpu_cores() >= 2 else 1
+    else:
+        try:
+            wanted = int(jobs)
+        except (TypeError, ValueError):
+            raise UserError(f"--jobs must be a positive integer or 'auto', got {jobs!r}") from None
+        if isinstance(jobs, bool) or wanted < 1:
+            raise UserError(f"--jobs must be a positive integer or 'auto', got {jobs!r}")
+    if wanted > 1 and resolve_device(device).type != "cpu":
+        return 1
+    return wanted
+
+
+def _worker_env(jobs: int) -> dict[str, str]:
+    """What a chapter executing beside others inherits: the cores split between the jobs (torch reads
+    OMP_NUM_THREADS for its intra-op threads; a value the user set is kept), and the job count, which
+    its records carry."""
+    env = {JOBS_ENV: str(jobs)}
+    if "OMP_NUM_THREADS" not in os.environ:
+        env["OMP_NUM_THREADS"] = str(max(1, cpu_cores() // jobs))
+    return env
+
+
+def _execute_in_worker(conn, slug: str, kwargs: dict, env: dict) -> None:
+    """Body of a forked worker: one `execute`, its outcome sent back. In its own process group, so a
+    Ctrl-C at the terminal reaches it once, forwarded by the parent (a second SIGINT could cut its
+    clean-up short). Interrupted or terminated, `execute` has already cleaned up: exit quietly."""
+    import signal
+
+    os.setpgid(0, 0)
+    os.environ.update(env)
+    try:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})  # blocked by the parent
+        meta = execute(slug, **kwargs)
+        conn.send(("ok", meta))
+    except ChapterFailed as e:
+        conn.send(("failed", (e.slug, e.cell, e.ename, e.evalue)))
+    except Exception as e:  # noqa: BLE001 -- re-raised in the parent, as the sequential run raises it
+        try:
+            conn.send(("raise", e))
+        except Exception:  # an exception that does not pickle: its type and message
+            conn.send(("raise", RuntimeError(f"{type(e).__name__}: {e}")))
+    except BaseException:  # KeyboardInterrupt, SIGTERM's exception: nothing to report
+        os._exit(130)
+    finally:
+        conn.close()
+
+
+class _Executions:
+    """Executes the chapters of a build, `jobs` at a time, in book order; `result(slug)` waits for one.
+
+    jobs == 1: each chapter in this process when asked for, as before. jobs > 1: forked workers (the
+    Jupyter kernel each one starts does the work), up to `jobs` running, started in book order as
+    others end. Each worker commits its own notebook, meta and results with `execute`'s guarantees, so
+    a killed or interrupted build never replaces a good executed notebook or a complete results file."""
+
+    def __init__(self, slugs: list[str], jobs: int, kwargs: dict, log, labels: dict[str, str]):
+        self.queue = list(slugs)
+        self.jobs = jobs
+        self.kwargs = kwargs
+        self.log = log
+        self.labels = labels
+        self.running: dict[str, tuple] = {}
+        self.done: dict[str, tuple] = {}
+        self.env = _worker_env(jobs) if jobs > 1 else {}
+
+    def _start(self) -> None:
+        import multiprocessing as mp
+        import signal
+
+        ctx = mp.get_context("fork")  # the worker sees this process's state (a test's stand-in book too)
+        while self.queue and len(self.running) < self.jobs:
+            slug = self.queue.pop(0)
+            self.log(f"{self.labels[slug]} executing ({self.kwargs['status'][slug]}, beside up to "
+                     f"{self.jobs - 1} other chapter{'s' if self.jobs > 2 else ''}, "
+                     f"{self.env.get('OMP_NUM_THREADS', os.environ.get('OMP_NUM_THREADS', '?'))} torch thread(s) each) ...")
+            here, there = ctx.Pipe(duplex=False)
+            kw = {k: v for k, v in self.kwargs.items() if k != "status"}
+            proc = ctx.Process(target=_execute_in_worker, args=(there, slug, kw, self.env), daemon=False)
+            # a signal that comes while the worker starts waits until it is inside its `try` (else it
+            # would print a traceback of multiprocessing's start-up); here it waits for the line below
+            mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+            try:
+                proc.start()
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+            there.close()
+            self.running[slug] = (proc, here)
+
+    def _collect(self, timeout: float | None = None) -> None:
+        from multiprocessing.connection import wait
+
+        ready = wait([conn for _, conn in self.running.values()], timeout)
+        for slug, (proc, conn) in list(self.running.items()):
+            if conn not in ready:
+                continue
+            try:
+                outcome = conn.recv()
+            except EOFError:  # the worker died without a word (killed, out of memory)
+                proc.join()
+                outcome = ("failed", (slug, None, "WorkerDied", f"the process executing it ended with code {proc.exitcode}"))
+            proc.join()
+            conn.close()
+            del self.running[slug]
+            self.done[slug] = outcome
+
+    def result(self, slug: str):
+        """The chapter's meta; raises what its execution raised (ChapterFailed, UserError, ...)."""
+        if self.jobs == 1:
+            self.log(f"{self.labels[slug]} executing ({self.kwargs['status'][slug]}) ...")
+            kw = {k: v for k, v in self.kwargs.items() if k != "status"}
+            return execute(slug, **kw)
+        try:
+            while slug not in self.done:
+                self._start()
+                self._collect()
+        except BaseException as e:  # Ctrl-C or SIGTERM: the workers are told once, then waited for
+            self.stop(signal_name="SIGINT" if isinstance(e, KeyboardInterrupt) else "SIGTERM")
+            raise
+        kind, value = self.done.pop(slug)  # the next chapter starts once this outcome is handled:
+        # a failure without --keep-going starts nothing more
+        if kind == "ok":
+            return value
+        if kind == "failed":
+            raise ChapterFailed(*value)
+        raise value
+
+    def stop(self, signal_name: str = "SIGINT", grace_s: float = 60.0) -> None:
+        """Start nothing more; interrupt the running workers (their `execute` cleans up) and wait."""
+        import signal
+
+        self.queue.clear()
+        for proc, _ in self.running.values():
+            try:
+                os.kill(proc.pid, getattr(signal, signal_name))
+            except OSError:
+                pass
+        deadline = time.monotonic() + grace_s
+        for slug, (proc, conn) in list(self.running.items()):
+            proc.join(max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():  # SIGKILL loses nothing good either: the temporaries are cleaned later
+                proc.kill()
+                proc.join()
+            conn.close()
+        self.running.clear()
+
+
 def build_book(*, chapters: list[str] | None = None, force: bool = False, keep_going: bool = False,
-               device: str = "auto", preset: str = "auto", progress: bool = True, log=print) -> dict:
+               device: str = "auto", preset: str = "auto", progress: bool = True, jobs: int | str = 1,
+               log=print) -> dict:
     """Execute what changed, stage, and build HTML. Returns {slug: meta}.
 
     `chapters` limits which chapters may be (re)executed; the others keep their cached
-    pages. Raises ChapterFailed on the first failure unless `keep_going`.
+    pages. Raises ChapterFailed on the first failure (in book order) unless `keep_going`.
+    `jobs` chapters execute at once on CPU (`book_jobs`); the log stays in book order.
     """
+    jobs = book_jobs(jobs, device)
     built = [c.slug for c in built_chapters()]
     if chapters:
         for s in chapters:
@@ -620,37 +808,54 @@ def build_book(*, chapters: list[str] | None = None, force: bool = False, keep_g
     clean_orphans(paths()["results"])  # temporaries of records written by a killed run
     metas: dict[str, dict | None] = {}
     failures: list[ChapterFailed] = []
+    plan = []
     for i, slug in enumerate(built, 1):
         st = chapter_status(slug, run_params)
         selected = chapters is None or slug in chapters
         if slug in missing and (force or st != "cached"):
-            log(f"[{i}/{len(built)}] {slug}: not executed: {missing[slug]}")
-            failures.append(ChapterFailed(slug, None, "MissingRequirement", missing[slug]))
-            meta = read_meta(slug)
-            metas[slug] = meta if executed_ok(slug, meta) else None
-            continue
-        if selected and (force or st != "cached"):
-            log(f"[{i}/{len(built)}] {slug}: executing ({st}) ...")
-            try:
-                meta = execute(slug, device=device, preset=preset, progress=progress)
-                log(f"[{i}/{len(built)}] {slug}: ok in {meta['seconds']:.1f} s on {meta.get('device')}")
-            except ChapterFailed as e:
-                log(f"[{i}/{len(built)}] {e}")
-                failures.append(e)
-                if not keep_going:
-                    raise
-                meta = read_meta(slug)
-                failed = read_failed_meta(slug)
-                if meta is not None and meta.get("status") == "ok" and failed is not None:
-                    meta = {**meta, "latest_failure": failed}  # the good page stays, marked
+            plan.append((i, slug, st, "missing"))
+        elif selected and (force or st != "cached"):
+            plan.append((i, slug, st, "execute"))
         else:
-            meta = read_meta(slug)
-            if executed_ok(slug, meta):
-                log(f"[{i}/{len(built)}] {slug}: {st}, reused")
-            else:  # not selected, and its notebook is missing or torn: a placeholder, never a broken page
-                meta = None
-                log(f"[{i}/{len(built)}] {slug}: {st}, no usable executed notebook")
-        metas[slug] = meta
+            plan.append((i, slug, st, "reuse"))
+    labels = {slug: f"[{i}/{len(built)}] {slug}:" for i, slug, _, _ in plan}
+    to_run = [slug for _, slug, _, action in plan if action == "execute"]
+    runs = _Executions(to_run, min(jobs, max(1, len(to_run))), log=log, labels=labels,
+                       kwargs={"device": device, "preset": preset, "progress": progress and jobs == 1,
+                               "status": {slug: st for _, slug, st, _ in plan}})
+    try:
+        for i, slug, st, action in plan:
+            if action == "missing":
+                log(f"[{i}/{len(built)}] {slug}: not executed: {missing[slug]}")
+                failures.append(ChapterFailed(slug, None, "MissingRequirement", missing[slug]))
+                meta = read_meta(slug)
+                metas[slug] = meta if executed_ok(slug, meta) else None
+                continue
+            if action == "execute":
+                try:
+                    meta = runs.result(slug)
+                    cpu = f" (CPU {meta['cpu_seconds']:.1f} s)" if meta.get("cpu_seconds") else ""
+                    log(f"[{i}/{len(built)}] {slug}: ok in {meta['seconds']:.1f} s{cpu} on {meta.get('device')}")
+                except ChapterFailed as e:
+                    log(f"[{i}/{len(built)}] {e}")
+                    failures.append(e)
+                    if not keep_going:
+                        raise
+                    meta = read_meta(slug)
+                    failed = read_failed_meta(slug)
+                    if meta is not None and meta.get("status") == "ok" and failed is not None:
+                        meta = {**meta, "latest_failure": failed}  # the good page stays, marked
+            else:
+                meta = read_meta(slug)
+                if executed_ok(slug, meta):
+                    log(f"[{i}/{len(built)}] {slug}: {st}, reused")
+                else:  # not selected, and its notebook is missing or torn: a placeholder, never a broken page
+                    meta = None
+                    log(f"[{i}/{len(built)}] {slug}: {st}, no usable executed notebook")
+            metas[slug] = meta
+    finally:
+        if runs.running:  # a failure without --keep-going (or an error) ends the build: stop the others
+            runs.stop()
     p = paths()
     stage_dir = stage(metas)
     t0 = time.perf_counter()

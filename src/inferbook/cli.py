@@ -3,7 +3,7 @@
     inferbook list
     inferbook run CHAPTER [-p NAME VALUE]... [--device D] [--preset P] [--seed N] [--save-reference]
     inferbook measure CHAPTER [-p NAME VALUE]... [--device D] [--preset P] [--budget S|none] [--save-reference]
-    inferbook book [--force] [--keep-going] [--chapters SLUG ...]
+    inferbook book [--force] [--keep-going] [--chapters SLUG ...] [--jobs N|auto]
     inferbook results [--chapter C] [--compare A B]
     inferbook ceilings [--device D] [--save-reference]
     inferbook budgets [--preset P] [--part K/N] [--table] [--dry-run [--save]]
@@ -266,7 +266,7 @@ def cmd_book(args) -> int:
 
     check_output_dirs()
     book.build_book(chapters=args.chapters or None, force=args.force, keep_going=args.keep_going,
-                    device=args.device, preset=args.preset, progress=sys.stderr.isatty())
+                    device=args.device, preset=args.preset, progress=sys.stderr.isatty(), jobs=args.jobs)
     return 0
 
 
@@ -412,6 +412,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chapters", nargs="+", metavar="SLUG", help="only (re)execute these chapters")
     p.add_argument("--device", default="auto")
     p.add_argument("--preset", default="auto")
+    p.add_argument("--jobs", default="auto", metavar="N|auto",
+                   help="chapters executed at once: auto (default) is 2 on a CPU-only run with 2+ cores, "
+                        "else 1; a GPU run is always sequential")
     p.set_defaults(fn=cmd_book)
     p = sub.add_parser("results", help="list run records, or compare two")
     p.add_argument("--chapter")

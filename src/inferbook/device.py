@@ -34,7 +34,90 @@ def configure_triton_interpreter() -> bool:
     quiet_profiler_log()
     if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
         os.environ["TRITON_INTERPRET"] = "1"
-    return triton_interpreted()
+    on = triton_interpreted()
+    if on:
+        skip_repatching_in_device_calls()
+    return on
+
+
+def skip_repatching_in_device_calls() -> bool:
+    """Let the Triton interpreter patch `triton.language` once per launch, not again at every call of a
+    @triton.jit helper inside the kernel. Returns whether the shortcut is in place.
+
+    Triton 3.9's interpreter patches the language modules (`_patch_lang`: `inspect.getmembers` over
+    tl, tl.core, tl.math and the tensor class) when a launch starts, undoing it when the launch ends, and
+    again at each device-function call, per program, without undoing that. Inside a launch the
+    second patch finds every builtin already replaced and re-sets the other attributes to fresh but
+    equal definitions: it changes nothing, and was 28 % of deterministic-attention's CPU run (a py-spy
+    profile of its engine steps). So a device function whose language modules the enclosing launch
+    already patched skips it; one seeing another module (or a call outside a launch) is patched as
+    before. Only the interpreter's bookkeeping changes, never what a kernel computes. Left alone
+    when this Triton's interpreter lacks the internals it relies on."""
+    try:
+        import inspect
+
+        import triton.language as tl
+        from triton.runtime import interpreter as ti
+    except Exception:
+        return False
+    if getattr(ti, "_inferbook_skips_repatching", False):
+        return True
+    original = getattr(ti, "_patch_lang", None)
+    scope_class = getattr(ti, "_LangPatchScope", None)
+    if original is None or scope_class is None or not hasattr(ti, "GridExecutor") or not hasattr(ti, "InterpretedFunction"):
+        return False
+    launches: list[dict] = []   # the launch in progress: its kernel, its language modules, whether patched
+
+    def langs_of(fn) -> frozenset:
+        return frozenset(id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core))
+
+    def patch_lang(fn):
+        launch = launches[-1] if launches else None
+        langs = langs_of(fn)
+        if launch is not None and launch["patched"] and langs and langs <= launch["langs"]:
+            return scope_class()          # already in force for this launch: an empty scope, nothing to undo
+        scope = original(fn)
+        if launch is not None and fn is launch["fn"]:
+            launch["patched"] = True      # the launch's own patch, which the launch undoes when it ends
+        return scope
+
+    grid_call = ti.GridExecutor.__call__
+
+    def launch(self, *args, **kwargs):
+        launches.append({"fn": self.fn, "langs": langs_of(self.fn), "patched": False})
+        try:
+            return grid_call(self, *args, **kwargs)
+        finally:
+            launches.pop()
+
+    # The launch's own patch lists each module's members with `inspect.getmembers` (a dir(), a getattr
+    # and a sort over hundreds of names), at every launch: 17 % of the same profile once the above was
+    # in place, the engine launching thousands of small kernels. A module's members do not change, so
+    # the names that can be builtins are listed once per module (those that are builtins, and those an
+    # unfinished patch replaced by its wrapper); each launch still reads every one of them and patches
+    # those that are builtins now, as Triton's loop does.
+    patch_builtin = getattr(ti, "_patch_builtin", None)
+    patch_attr = getattr(ti, "_patch_attr", None)
+    builtin_names: dict[int, tuple] = {}
+
+    def patch_builtin_listed(pkg, builder, scope):
+        names = builtin_names.get(id(pkg))
+        if names is None:
+            names = builtin_names[id(pkg)] = tuple(
+                name for name, member in inspect.getmembers(pkg)
+                if tl.core.is_builtin(member) or getattr(member, "__qualname__", "") == "_patch_attr.<locals>.<lambda>")
+        for name in names:
+            member = getattr(pkg, name, None)
+            if tl.core.is_builtin(member):
+                patch_attr(pkg, name, member, builder, scope)
+
+    ti._inferbook_originals = (original, grid_call, patch_builtin)   # for the test comparing both paths' bits
+    ti.GridExecutor.__call__ = launch
+    ti._patch_lang = patch_lang
+    if patch_builtin is not None and patch_attr is not None:
+        ti._patch_builtin = patch_builtin_listed
+    ti._inferbook_skips_repatching = True
+    return True
 
 
 # Kineto (torch.profiler's engine, used where a chapter observes which kernel ran) logs every
@@ -299,6 +382,11 @@ def _hardware_info(device_str: str) -> dict:
         "machine": platform.machine(),
         "os": platform.platform(),
     }
+    # `inferbook book --jobs N` on CPU: this chapter executed beside up to N-1 others, so its timings
+    # shared the cores (torch_threads says its share). Absent when it ran alone.
+    jobs = os.environ.get("INFERBOOK_BOOK_JOBS", "")
+    if device.type == "cpu" and jobs.isdigit() and int(jobs) > 1:
+        info["book_jobs"] = int(jobs)
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         info.update({

@@ -74,7 +74,13 @@ def provenance(records) -> str:
     dirty = " (with uncommitted changes)" if git.get("dirty") else ""
     seed = (r.parameters or {}).get("seed")
     seed = f", seed {seed}" if seed is not None else ""
-    return f"commit `{commit}`{dirty}, preset `{r.preset}`{seed}, on {hardware_label(r.hardware)}"
+    hw = r.hardware or {}
+    beside = ""
+    if isinstance(hw.get("book_jobs"), int) and hw["book_jobs"] > 1:  # `inferbook book --jobs N` on CPU
+        others = hw["book_jobs"] - 1
+        beside = (f", executed beside up to {others} other chapter{'s' if others > 1 else ''} "
+                  f"({hw.get('torch_threads', '?')} torch thread(s)): its timings shared the cores")
+    return f"commit `{commit}`{dirty}, preset `{r.preset}`{seed}, on {hardware_label(r.hardware)}{beside}"
 
 
 def chapter_box(slug: str, records=None) -> str:
