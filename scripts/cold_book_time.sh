@@ -9,6 +9,8 @@ src=$(git rev-parse --show-toplevel)
 work=$(mktemp -d "${TMPDIR:-/tmp}/cold-book.XXXXXX")
 git clone -q --no-hardlinks "$src" "$work/repo"
 cd "$work/repo"
+# cold compiler caches too (Inductor's C++ and Triton's), as on a new machine: a warm one would hide compiles
+export TORCHINDUCTOR_CACHE_DIR="$work/inductor-cache" TRITON_CACHE_DIR="$work/triton-cache"
 echo "clone of $(git rev-parse --short HEAD) in $work/repo; cores: $(nproc); load before: $(cut -d' ' -f1-3 /proc/loadavg)"
 set +e
 /usr/bin/time -f "%e %U %S" -o "$work/time" make book BOOK_ARGS="$*" > "$work/book.log" 2>&1
