@@ -520,7 +520,8 @@ def block_config(device: torch.device, head_dim: int, kind: str, head_dim_v: int
     GPU: 128x64 forward tiles up to D=128; D=192/256 pad to 256 and halve the tiles to keep the
     fp32 accumulators in registers; MLA-sized heads (d or dv > 256) 32x32 with 8 warps (q [32, 576] and
     the [32, 512] accumulator in registers: no spill on sm_90).
-    Backward at d 192/256: dK/dV 32x64 (wgmma on sm_90), dQ 32x16 (64-row dQ tiles spill). Interpreter: 64x64 — each interpreted op costs far more than
+    Backward at d 192/256: dK/dV 32x64 (wgmma on sm_90), dQ 32x16 with two stages on NVIDIA (64-row dQ
+    tiles spill). Interpreter: 64x64 — each interpreted op costs far more than
     its arithmetic, so fewer, larger tiles run fastest (measured: 32x32 is ~4x slower on the smoke
     matrix); the 113x203 shape still spans several tiles with ragged tails.
     """
@@ -548,7 +549,11 @@ def block_config(device: torch.device, head_dim: int, kind: str, head_dim_v: int
         return dict(BLOCK_M=32, BLOCK_N=64, BLOCK_D=block_d, num_warps=8, num_stages=1)
     if block_d <= 128:  # dq
         return dict(BLOCK_M=64, BLOCK_N=32, BLOCK_D=block_d, num_warps=8, num_stages=2)
-    return dict(BLOCK_M=32, BLOCK_N=16, BLOCK_D=block_d, num_warps=8, num_stages=1)
+    # d 192/256 dQ, 32x16: two stages on NVIDIA (K and V stream through shared memory by cp.async
+    # instead of being held in registers: one stage spilled 8 B at d 192 on sm_90 and sm_100, at 128
+    # registers; two use 105-140, no spill on sm_80/90/100). AMD keeps the one stage it was checked with.
+    cfg = dict(BLOCK_M=32, BLOCK_N=16, BLOCK_D=block_d, num_warps=8, num_stages=2)
+    return dict(_device.pick_config({"nvidia": cfg, "hip": {**cfg, "num_stages": 1}}, device))
 
 
 def select_backend(device: torch.device) -> tuple[str, str]:
