@@ -923,13 +923,20 @@ if triton is not None:
         tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :], acc, mask=m_ok[:, None] & n_ok[None, :])
 
 
-def mx_gemm_config(interpreted: bool) -> dict:
+def mx_gemm_config(interpreted: bool, device="cuda") -> dict:
     """Tiles: 128 x 128 x 128, 8 warps (no spills on sm_90 and sm_100), 2 stages on a GPU (the tile tcgen05's block-scaled MMA wants; two
     stages keep sm_80's register-decode path inside its shared memory); one 32 x 32 x 64 program per
-    tile in the interpreter."""
+    tile in the interpreter. sm_80 (`device.pick_config`: the target `device` or `building_for`
+    names) takes BLOCK_K 32: there both operands are decoded to fp32 in registers before the BF16
+    MMA, and a 128-wide K step holds two [128, 128] decoded tiles per program — ptxas spilled 36 KB
+    (BLOCK_K 64: 1.4 KB; 32: none, 217 registers). Same M x N tile, so the decode still amortizes
+    over 128 rows and columns."""
     if interpreted:
         return dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=64)
-    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=2)
+    from .. import device as _device
+
+    cfg = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=2)
+    return dict(_device.pick_config({"nvidia": cfg, "sm_80": {**cfg, "BLOCK_K": 32}}, device))
 
 
 def _check_gemm_operand(t, name: str, k: int | None = None) -> None:
@@ -960,7 +967,8 @@ def mx_gemm(a: MXTensor, b: MXTensor, *, block: dict | str | None = None) -> tor
     N = b.elements.shape[0]
     ok = triton is not None and (a.elements.device.type == "cuda" or _interpreted())
     on_gpu = a.elements.device.type == "cuda"
-    cfg = dict(mx_gemm_config(False) if block == "gpu" else (block or mx_gemm_config(not on_gpu)))
+    dev = a.elements.device
+    cfg = dict(mx_gemm_config(False, dev) if block == "gpu" else (block or mx_gemm_config(not on_gpu, dev)))
     if K % cfg["BLOCK_K"]:
         raise ValueError(f"mx_gemm: K = {K} must be a multiple of BLOCK_K = {cfg['BLOCK_K']}")
     if not ok:
