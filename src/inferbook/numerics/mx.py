@@ -802,11 +802,17 @@ def _rowcol_launch(x, er, sr, ec, sc, fmt: str, block: int, scale_rounding: str)
     M, N = x.shape
     NBN, MBM = -(-N // block), -(-M // block)
     tc = ROWCOL_TILE_COLS
+    # fp32 x on sm_80: 8 warps (4 held 32 fp32 values of x, |x| and the codes per thread and spilled
+    # 136 B at 255 registers; 8: none, 117). bf16 x, and other targets, keep 4: 8 warps cost the timed
+    # bf16 quantize issue slots (predicted 190 -> 248 us on A100 at 8192^2)
+    from .. import device as _device
+
+    warps = _device.pick_config({"nvidia": 4, "sm_80": 8}, x.device) if x.element_size() == 4 else 4
     return Launch(f"mx_quantize_rowcol {fmt} {scale_rounding} {block} {str(x.dtype)[6:]} {M}x{N} tile {block}x{tc}",
                   mx_quantize_rowcol_kernel, [x, er, sr, ec, sc, M, N, NBN, MBM, x.stride(0), x.stride(1)],
                   dict(BLOCK=block, TC=tc, EMAX=f.emax, EMIN=f.emin, MBITS=f.mbits, SIGN_SHIFT=f.sign_shift,
                        MAX_NORMAL=f.max_normal, MAX_MANT=f.max_mant, NAN_CODE=f.nan_code,
-                       ROUND_UP=scale_rounding == "up"),
+                       ROUND_UP=scale_rounding == "up", **({"num_warps": warps} if warps != 4 else {})),
                   "numerics/mx.py:quantize_rowcol_triton", (MBM, triton.cdiv(N, tc)))
 
 
