@@ -540,7 +540,10 @@ def block_config(device: torch.device, head_dim: int, kind: str, head_dim_v: int
             # of the K and V tiles beside q need 80 KB there); gfx950's 160 KB takes NVIDIA's three
             cfg = dict(BLOCK_M=128, BLOCK_N=64, BLOCK_D=block_d, num_warps=8, num_stages=3)
             return dict(_device.pick_config({"nvidia": cfg, "gfx942": {**cfg, "num_stages": 2}}, device))
-        return dict(BLOCK_M=64, BLOCK_N=32, BLOCK_D=block_d, num_warps=8, num_stages=2)
+        # sm_100: ptxas (Triton's --regAllocOptLevel=2) held these to 128 registers and spilled 32 B at
+        # d192/dv96 with softcap; `maxnreg` lifts the cap (no spill on any d 192/256 forward there)
+        cfg = dict(BLOCK_M=64, BLOCK_N=32, BLOCK_D=block_d, num_warps=8, num_stages=2)
+        return dict(_device.pick_config({"nvidia": cfg, "sm_100": {**cfg, "maxnreg": 255}}, device))
     if kind == "dkdv":
         if block_d <= 128:
             return dict(BLOCK_M=32, BLOCK_N=64, BLOCK_D=block_d, num_warps=8, num_stages=2)
@@ -705,7 +708,8 @@ def _forward_launch(q, k, v, sinks, meta: _Meta, out, lse, *, kv_mode: int, page
     kwargs = dict(CAUSAL=meta.causal, VARLEN_Q=meta.varlen, KV_MODE=kv_mode, PACK_GQA=pack,
                   HAS_SINKS=sinks is not None, WINDOW=tuple(meta.window) != (-1, -1), SOFTCAP=meta.softcap > 0,
                   DOT_FP32=_device.dot_needs_fp32(device), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], **tiles,
-                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+                  **({"maxnreg": cfg["maxnreg"]} if "maxnreg" in cfg else {}))
     return Launch("fwd", _attn_fwd_kernel, args, kwargs, "attention/flash.py:_forward", grid)
 
 
