@@ -254,3 +254,16 @@ def test_d256_configs_per_target():
             assert flash.block_config(cpu, 192, "dq")["num_stages"] == stages, target
             assert flash.block_config(cpu, 256, "fwd").get("maxnreg") == maxnreg, target
             assert flash.block_config(cpu, 128, "dq")["num_stages"] == 2 and "maxnreg" not in flash.block_config(cpu, 128, "fwd")
+
+
+def test_softcap_backward_lifts_the_register_cap_on_sm100_only():
+    from inferbook.device import building_for
+
+    def regs(target, softcap):
+        q = torch.zeros(1, 64, 2, 96)
+        with building_for(target):
+            las = flash.attention_launches(q, q, q, backward=True, softcap=softcap)
+        return {la.name: la.kwargs.get("maxnreg") for la in las if la.name.startswith("bwd")}
+
+    assert set(regs("sm_100", 30.0).values()) == {255}
+    assert set(regs("sm_100", 0.0).values()) == {None} and set(regs("sm_90", 30.0).values()) == {None}
