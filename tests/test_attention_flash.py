@@ -241,3 +241,29 @@ def test_torch_backend_is_the_reference():
     out = flash.attention(q, k, v, backend="torch")
     ref, _ = flash.attention_reference(q, k, v)
     assert torch.equal(out, ref.to(q.dtype))
+
+
+def test_d256_configs_per_target():
+    # d 192/256: dQ takes two stages on NVIDIA (one spilled 8 B at d192 on sm_90/sm_100), AMD keeps one;
+    # the sm_100 forward lifts ptxas's 128-register cap (`maxnreg`; it spilled 32 B), other targets don't
+    from inferbook.device import building_for
+
+    cpu = torch.device("cpu")
+    for target, stages, maxnreg in (("sm_80", 2, None), ("sm_90", 2, None), ("sm_100", 2, 255), ("gfx942", 1, None)):
+        with building_for(target):
+            assert flash.block_config(cpu, 192, "dq")["num_stages"] == stages, target
+            assert flash.block_config(cpu, 256, "fwd").get("maxnreg") == maxnreg, target
+            assert flash.block_config(cpu, 128, "dq")["num_stages"] == 2 and "maxnreg" not in flash.block_config(cpu, 128, "fwd")
+
+
+def test_softcap_backward_lifts_the_register_cap_on_sm100_only():
+    from inferbook.device import building_for
+
+    def regs(target, softcap):
+        q = torch.zeros(1, 64, 2, 96)
+        with building_for(target):
+            las = flash.attention_launches(q, q, q, backward=True, softcap=softcap)
+        return {la.name: la.kwargs.get("maxnreg") for la in las if la.name.startswith("bwd")}
+
+    assert set(regs("sm_100", 30.0).values()) == {255}
+    assert set(regs("sm_100", 0.0).values()) == {None} and set(regs("sm_90", 30.0).values()) == {None}

@@ -180,6 +180,17 @@ def test_rowcol_one_pass_equals_two_reference_passes(fmt, rule, shape):
     assert torch.equal(mx.dequantize(c).cpu().nan_to_num(), mx.dequantize(cols).nan_to_num())
 
 
+def test_rowcol_warps_per_target():
+    # fp32 x on sm_80 takes 8 warps (4 spilled 136 B there); bf16, and every other target, keep 4
+    from inferbook.device import building_for
+
+    for target, dtype, warps in (("sm_80", torch.float32, 8), ("sm_80", torch.bfloat16, 4),
+                                 ("sm_90", torch.float32, 4), ("gfx942", torch.float32, 4)):
+        with building_for(target):
+            (la,) = mx.quantize_rowcol_launches((67, 133), dtype)
+        assert la.kwargs.get("num_warps", 4) == warps, (target, dtype)
+
+
 def test_rowcol_one_pass_bf16_strided_and_bytes():
     base = (torch.randn(40, 300, generator=torch.Generator().manual_seed(2)) * 30).bfloat16()
     x = base[:, ::2]

@@ -520,7 +520,8 @@ def block_config(device: torch.device, head_dim: int, kind: str, head_dim_v: int
     GPU: 128x64 forward tiles up to D=128; D=192/256 pad to 256 and halve the tiles to keep the
     fp32 accumulators in registers; MLA-sized heads (d or dv > 256) 32x32 with 8 warps (q [32, 576] and
     the [32, 512] accumulator in registers: no spill on sm_90).
-    Backward at d 192/256: dK/dV 32x64 (wgmma on sm_90), dQ 32x16 (64-row dQ tiles spill). Interpreter: 64x64 — each interpreted op costs far more than
+    Backward at d 192/256: dK/dV 32x64 (wgmma on sm_90), dQ 32x16 with two stages on NVIDIA (64-row dQ
+    tiles spill). Interpreter: 64x64 — each interpreted op costs far more than
     its arithmetic, so fewer, larger tiles run fastest (measured: 32x32 is ~4x slower on the smoke
     matrix); the 113x203 shape still spans several tiles with ragged tails.
     """
@@ -539,7 +540,10 @@ def block_config(device: torch.device, head_dim: int, kind: str, head_dim_v: int
             # of the K and V tiles beside q need 80 KB there); gfx950's 160 KB takes NVIDIA's three
             cfg = dict(BLOCK_M=128, BLOCK_N=64, BLOCK_D=block_d, num_warps=8, num_stages=3)
             return dict(_device.pick_config({"nvidia": cfg, "gfx942": {**cfg, "num_stages": 2}}, device))
-        return dict(BLOCK_M=64, BLOCK_N=32, BLOCK_D=block_d, num_warps=8, num_stages=2)
+        # sm_100: ptxas (Triton's --regAllocOptLevel=2) held these to 128 registers and spilled 32 B at
+        # d192/dv96 with softcap; `maxnreg` lifts the cap (no spill on any d 192/256 forward there)
+        cfg = dict(BLOCK_M=64, BLOCK_N=32, BLOCK_D=block_d, num_warps=8, num_stages=2)
+        return dict(_device.pick_config({"nvidia": cfg, "sm_100": {**cfg, "maxnreg": 255}}, device))
     if kind == "dkdv":
         if block_d <= 128:
             return dict(BLOCK_M=32, BLOCK_N=64, BLOCK_D=block_d, num_warps=8, num_stages=2)
@@ -548,7 +552,11 @@ def block_config(device: torch.device, head_dim: int, kind: str, head_dim_v: int
         return dict(BLOCK_M=32, BLOCK_N=64, BLOCK_D=block_d, num_warps=8, num_stages=1)
     if block_d <= 128:  # dq
         return dict(BLOCK_M=64, BLOCK_N=32, BLOCK_D=block_d, num_warps=8, num_stages=2)
-    return dict(BLOCK_M=32, BLOCK_N=16, BLOCK_D=block_d, num_warps=8, num_stages=1)
+    # d 192/256 dQ, 32x16: two stages on NVIDIA (K and V stream through shared memory by cp.async
+    # instead of being held in registers: one stage spilled 8 B at d 192 on sm_90 and sm_100, at 128
+    # registers; two use 105-140, no spill on sm_80/90/100). AMD keeps the one stage it was checked with.
+    cfg = dict(BLOCK_M=32, BLOCK_N=16, BLOCK_D=block_d, num_warps=8, num_stages=2)
+    return dict(_device.pick_config({"nvidia": cfg, "hip": {**cfg, "num_stages": 1}}, device))
 
 
 def select_backend(device: torch.device) -> tuple[str, str]:
@@ -700,7 +708,8 @@ def _forward_launch(q, k, v, sinks, meta: _Meta, out, lse, *, kv_mode: int, page
     kwargs = dict(CAUSAL=meta.causal, VARLEN_Q=meta.varlen, KV_MODE=kv_mode, PACK_GQA=pack,
                   HAS_SINKS=sinks is not None, WINDOW=tuple(meta.window) != (-1, -1), SOFTCAP=meta.softcap > 0,
                   DOT_FP32=_device.dot_needs_fp32(device), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], **tiles,
-                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+                  **({"maxnreg": cfg["maxnreg"]} if "maxnreg" in cfg else {}))
     return Launch("fwd", _attn_fwd_kernel, args, kwargs, "attention/flash.py:_forward", grid)
 
 
@@ -742,6 +751,10 @@ def _backward_launches(dout, q, k, v, lse, delta, dq, dk, dv, meta: _Meta, *, de
     flags = dict(CAUSAL=meta.causal, VARLEN=meta.varlen, KV_MODE=1 if meta.varlen else 0,
                  WINDOW=tuple(meta.window) != (-1, -1), SOFTCAP=meta.softcap > 0, DOT_FP32=dot_fp32)
     block_dv = head_tiles(D, DV)["BLOCK_DV"]
+    # softcap on sm_100: ptxas held dK/dV to 128 registers (48 B spilled at d96/dv48) and dQ to 64 (8 B at
+    # d96); `maxnreg` lifts the cap, no prediction worse. Not without softcap: there the cap is what
+    # keeps the throughput backward resident (lifting it: d128 causal dK/dV predicted 1.27 -> 2.18 ms)
+    regs = _device.pick_config({"nvidia": {}, "sm_100": {"maxnreg": 255}}, device) if meta.softcap > 0 else {}
     launches = []
     cfg = block_config(device, max(D, DV), "dkdv")
     cfg["BLOCK_D"] = head_tiles(D)["BLOCK_D"]
@@ -753,7 +766,7 @@ def _backward_launches(dout, q, k, v, lse, delta, dq, dk, dv, meta: _Meta, *, de
             *common, gk[0], gk[1], gk[2], *_strides4(dv, meta.varlen)[:3], lse.stride(0),
             meta.seqlen_q, meta.seqlen_k, D, DV, group, *scales, meta.scale, *window],
             dict(**flags, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=cfg["BLOCK_D"], BLOCK_DV=block_dv,
-                 num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]), "attention/flash.py:_backward", grid))
+                 num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **regs), "attention/flash.py:_backward", grid))
     cfg = block_config(device, max(D, DV), "dq")
     cfg["BLOCK_D"] = head_tiles(D)["BLOCK_D"]
     gq = _strides4(dq, meta.varlen)
@@ -764,7 +777,7 @@ def _backward_launches(dout, q, k, v, lse, delta, dq, dk, dv, meta: _Meta, *, de
             *common, gq[0], gq[1], gq[2], lse.stride(0),
             meta.seqlen_q, meta.seqlen_k, D, DV, group, *scales, meta.scale, *window],
             dict(**flags, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=cfg["BLOCK_D"], BLOCK_DV=block_dv,
-                 num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]), "attention/flash.py:_backward", grid))
+                 num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **regs), "attention/flash.py:_backward", grid))
     return launches
 
 

@@ -237,13 +237,17 @@ def _lean_launches(q, k, v, lens, pieces, prog_ptr, unit_ptr, mid_acc, mid_m, mi
     BLOCK_G = max(16, triton.next_power_of_2(G))
     emu = _device.bf16_cast_needs_emulation(device)
     src = "attention/lean.py:lean_decode_attention"
+    # NVIDIA: ptxas (Triton's --regAllocOptLevel=2) held the stream-K kernel to 128 registers and
+    # spilled 8 B at D 40 on sm_90; `maxnreg` lifts that cap (157 registers, no spill). AMD has no such
+    # option (Triton refuses the keyword there)
+    regs = _device.pick_config({"nvidia": {"maxnreg": 255}, "hip": {}}, device)
     launches = []
     if plan["pieces"]:
         launches.append(Launch("stream-K", _lean_kernel,
                                [q, k, v, lens, pieces, prog_ptr, mid_acc, mid_m, mid_l, scale * LOG2E,
                                 q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2)],
                                dict(G=G, D=D, BLOCK_G=BLOCK_G, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N,
-                                    DOT_FP32=_device.dot_needs_fp32(device), EMU=emu, num_warps=4),
+                                    DOT_FP32=_device.dot_needs_fp32(device), EMU=emu, num_warps=4, **regs),
                                src, (plan["ctas"],)))
     launches.append(Launch("merge", _lean_merge_kernel, [mid_acc, mid_m, mid_l, unit_ptr, out, B, H],
                            dict(G=G, D=D, BLOCK_D=BLOCK_D, EMU=emu, num_warps=1), src, (B, H)))

@@ -417,7 +417,7 @@ def gemm_paths(ctx, m: int, k: int, n: int) -> RunRecord:
         "quantize x and W (MXFP8)": (lambda: (fn(x, "e4m3"), fn(w, "e4m3")), chosen == "triton"),
         "dequantize + GEMM": (lambda: mx.dequantize(qx).to(gemm_dtype) @ mx.dequantize(qw).to(gemm_dtype).T, False),
     }
-    if is_gpu and k % mx.mx_gemm_config(False)["BLOCK_K"] == 0:   # the block-scaled GEMM on the codes themselves
+    if is_gpu and k % mx.mx_gemm_config(False, ctx.device)["BLOCK_K"] == 0:   # the block-scaled GEMM on the codes themselves
         paths["MX GEMM (tl.dot_scaled)"] = (lambda: mx.mx_gemm(qx, qw), True)
     for name, (f, uses_triton) in paths.items():
         t = benchmark(f, ctx.device, label=name, uses_triton=uses_triton, **reps)
@@ -427,7 +427,7 @@ def gemm_paths(ctx, m: int, k: int, n: int) -> RunRecord:
     sub = lambda q: mx.MXTensor(q.elements[:r].contiguous(), q.scales[:r].contiguous(), q.fmt, q.axis, q.block,
                                 q.scale_rounding, q.dtype, q.backend)
     sx, sw = sub(qx), sub(qw)
-    cfg = mx.mx_gemm_config(not is_gpu)
+    cfg = mx.mx_gemm_config(not is_gpu, ctx.device)
     if k % cfg["BLOCK_K"] == 0:
         c, ref = mx.mx_gemm(sx, sw), mx.mx_gemm_reference(sx, sw)
         bound = k * 2.0 ** -24 * (mx.dequantize(sx).abs().double() @ mx.dequantize(sw).abs().double().T).float()

@@ -678,10 +678,15 @@ def _down_tail_launch(a, qw, sc, ids, w, c, H, I, k, q_es, s_es, *, fused: bool,
                       cfg: dict, grid):
     """The token-major tail's `down_tail_kernel` launch (`compiled.Launch`): a [T*k, I] bf16, w2 words
     and scales, ids int32 / w fp32 [T, k], c = out [T, H] bf16 (fused) or rows [T*k, H]."""
+    from .. import device as _device
     from ..compiled import Launch
 
+    # NVIDIA: ptxas (Triton's --regAllocOptLevel=2) held this kernel to 128 registers and spilled 8 B
+    # (MXFP4, fused, sm_100); `maxnreg` lifts the cap. AMD has no such option (Triton refuses it there)
+    regs = _device.pick_config({"nvidia": {"maxnreg": 255}, "hip": {}}, a.device)
     return Launch("down_tail token-major", down_tail_kernel, [a, qw, sc, ids, w, c, H, I, k, q_es, s_es],
-                  dict(FUSED=fused, OUT_BF16=c.dtype == torch.bfloat16, LAYOUT=code, GROUP=group, EMULATE=emu, **cfg),
+                  dict(FUSED=fused, OUT_BF16=c.dtype == torch.bfloat16, LAYOUT=code, GROUP=group, EMULATE=emu, **cfg,
+                       **regs),
                   "moe/fused_moe.py:moe_tail", grid)
 
 

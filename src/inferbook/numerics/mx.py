@@ -802,11 +802,17 @@ def _rowcol_launch(x, er, sr, ec, sc, fmt: str, block: int, scale_rounding: str)
     M, N = x.shape
     NBN, MBM = -(-N // block), -(-M // block)
     tc = ROWCOL_TILE_COLS
+    # fp32 x on sm_80: 8 warps (4 held 32 fp32 values of x, |x| and the codes per thread and spilled
+    # 136 B at 255 registers; 8: none, 117). bf16 x, and other targets, keep 4: 8 warps cost the timed
+    # bf16 quantize issue slots (predicted 190 -> 248 us on A100 at 8192^2)
+    from .. import device as _device
+
+    warps = _device.pick_config({"nvidia": 4, "sm_80": 8}, x.device) if x.element_size() == 4 else 4
     return Launch(f"mx_quantize_rowcol {fmt} {scale_rounding} {block} {str(x.dtype)[6:]} {M}x{N} tile {block}x{tc}",
                   mx_quantize_rowcol_kernel, [x, er, sr, ec, sc, M, N, NBN, MBM, x.stride(0), x.stride(1)],
                   dict(BLOCK=block, TC=tc, EMAX=f.emax, EMIN=f.emin, MBITS=f.mbits, SIGN_SHIFT=f.sign_shift,
                        MAX_NORMAL=f.max_normal, MAX_MANT=f.max_mant, NAN_CODE=f.nan_code,
-                       ROUND_UP=scale_rounding == "up"),
+                       ROUND_UP=scale_rounding == "up", **({"num_warps": warps} if warps != 4 else {})),
                   "numerics/mx.py:quantize_rowcol_triton", (MBM, triton.cdiv(N, tc)))
 
 
@@ -923,13 +929,20 @@ if triton is not None:
         tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :], acc, mask=m_ok[:, None] & n_ok[None, :])
 
 
-def mx_gemm_config(interpreted: bool) -> dict:
+def mx_gemm_config(interpreted: bool, device="cuda") -> dict:
     """Tiles: 128 x 128 x 128, 8 warps (no spills on sm_90 and sm_100), 2 stages on a GPU (the tile tcgen05's block-scaled MMA wants; two
     stages keep sm_80's register-decode path inside its shared memory); one 32 x 32 x 64 program per
-    tile in the interpreter."""
+    tile in the interpreter. sm_80 (`device.pick_config`: the target `device` or `building_for`
+    names) takes BLOCK_K 32: there both operands are decoded to fp32 in registers before the BF16
+    MMA, and a 128-wide K step holds two [128, 128] decoded tiles per program — ptxas spilled 36 KB
+    (BLOCK_K 64: 1.4 KB; 32: none, 217 registers). Same M x N tile, so the decode still amortizes
+    over 128 rows and columns."""
     if interpreted:
         return dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=64)
-    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=2)
+    from .. import device as _device
+
+    cfg = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=2)
+    return dict(_device.pick_config({"nvidia": cfg, "sm_80": {**cfg, "BLOCK_K": 32}}, device))
 
 
 def _check_gemm_operand(t, name: str, k: int | None = None) -> None:
@@ -960,7 +973,8 @@ def mx_gemm(a: MXTensor, b: MXTensor, *, block: dict | str | None = None) -> tor
     N = b.elements.shape[0]
     ok = triton is not None and (a.elements.device.type == "cuda" or _interpreted())
     on_gpu = a.elements.device.type == "cuda"
-    cfg = dict(mx_gemm_config(False) if block == "gpu" else (block or mx_gemm_config(not on_gpu)))
+    dev = a.elements.device
+    cfg = dict(mx_gemm_config(False, dev) if block == "gpu" else (block or mx_gemm_config(not on_gpu, dev)))
     if K % cfg["BLOCK_K"]:
         raise ValueError(f"mx_gemm: K = {K} must be a multiple of BLOCK_K = {cfg['BLOCK_K']}")
     if not ok:
