@@ -997,12 +997,11 @@ def decode_asm(device) -> bool:
 # where the average has 1.5); 9 splits of 3 or 4 runs (288 CTAs, at most 2 per SM, all resident at
 # once) do. The cost model reads the trips of the middle program (3 runs); the busiest SM holds one
 # 4-run and one 3-run CTA, which the model's waves bound does not see (about 7/6 of its loop time).
-# 2 stages instead of 3: fewer instructions in and around the loop (the third buffer's index and wait
-# bookkeeping), for a longer latency chain (one DRAM latency a run, not half of one), which at 3-4 runs
-# a CTA costs less than the instructions saved on the busiest SM.
+# 3 stages, not 2: 2 save a few loop instructions but wait one DRAM latency a run instead of half of
+# one, which the 4-run CTAs cannot hide.
 DECODE_TARGETS = {
     "nvidia": dict(sms=H200_SMS, even_split=True, num_stages=3),
-    "sm_100": dict(sms=148, even_split=False, num_stages=2),
+    "sm_100": dict(sms=148, even_split=False, num_stages=3),
 }
 
 
