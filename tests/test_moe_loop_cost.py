@@ -73,3 +73,14 @@ def test_decode_launches_are_not_instruction_bound(target):
     assert len(rows) >= 6
     for r in rows:
         assert r["issue / memory time"] <= 0.9 and r["% of copy ceiling"] >= 80, r
+
+
+def test_b200_decode_launches_meet_issue_21s_bar():
+    # issue 21's bar as it states it, on B200 (sm_100, its own split-K): the issue bound at least 0.9 of
+    # the copy ceiling (issue time <= memory time / 0.9) and >= 80 % of the copy ceiling predicted
+    from inferbook import toc
+    C = toc.load_module(toc.CHAPTERS["chord-w4a16"])
+    rows = [r for r in C.decode_bound_rows("sm_100") if "serving" in r["kernel"]]
+    assert len(rows) >= 6
+    for r in rows:
+        assert r["issue / memory time"] <= 1 / 0.9 and r["% of copy ceiling"] >= 80, r

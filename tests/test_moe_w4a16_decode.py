@@ -96,7 +96,7 @@ def test_decode_gpu_tiles_in_the_interpreter():
 
 @pytest.mark.parametrize("m", [1, 5])
 def test_decode_gpu_tiles_whole_column_blocks(m):
-    # N a multiple of BLOCK_N 128 (EVEN_N): the scales are read as int32 pairs (`scale_pairs`) -- the path
+    # N a multiple of BLOCK_N 128 (EVEN_N): a run's scales are one [64, 8] int32 load (`run_scales`) -- the path
     # every gpu-preset launch takes; K 768 = 3 runs over a split of 3
     q, d = _case(256, 768, 32, seed=m)
     cfg = W.decode_config(m, 256, 768)
@@ -110,7 +110,7 @@ def test_decode_nan_never_passes():
     # one NaN scale in the weights the kernel reads (the reference reads the clean ones): the output's NaN fails
     q, d = _case(256, 512, 32)
     s = d.scales.clone()
-    s[3, 17] = float("nan")
+    s[1, 8, 3, 1] = float("nan")   # run 1, column 17, group 3 of the run
     bad = W.DecodeW4(d.qweight, s, d.shape, d.group_size)
     x = _x(1, 512)
     out = W.decode_linear(x, bad, block="gpu")
@@ -126,6 +126,31 @@ def test_decode_config_fills_the_sms():
     ctas = -(-4096 // cfg["BLOCK_N"]) * cfg["SPLIT_K"]
     assert 1.5 * W.H200_SMS <= ctas <= 2 * W.H200_SMS
     assert cfg["SPLIT_K"] <= 7168 // W.RUN and (7168 // W.RUN) % cfg["SPLIT_K"] == 0
+
+
+def test_decode_sm100_config_uneven_split():
+    # B200 (sm_100, 148 SMs): 9 splits of the 28 runs at N 4096, K 7168 (3 or 4 runs each, 288 CTAs <= 2 per
+    # SM); the other NVIDIA targets keep whole equal splits
+    from inferbook import device
+    with device.building_for("sm_100"):
+        cfg = W.decode_config(1, 4096, 7168)
+    assert cfg["SPLIT_K"] == 9 and 32 * 9 <= 2 * 148
+    with device.building_for("sm_90"):
+        assert W.decode_config(1, 4096, 7168)["SPLIT_K"] == 7
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_decode_uneven_split_in_the_interpreter(deterministic):
+    # 7 runs over 5 splits (1, 1, 2, 1, 2 runs) at the GPU tiles, both reductions: every run summed once
+    from inferbook import device
+    q, d = _case(256, 7 * 256, 32, seed=3)
+    with device.building_for("sm_100"):
+        cfg = W.decode_config(2, 256, 7 * 256, sms=5)
+    assert cfg["SPLIT_K"] == 5 and 7 % 5
+    x = _x(2, 7 * 256)
+    out = W.decode_linear(x, d, block=cfg, deterministic=deterministic)
+    err, tol, ok = within_tolerance(out, W.decode_reference(x, d), W.linear_torch(x, q))
+    assert ok, (err, tol)
 
 
 def test_decode_can_fail():
@@ -184,7 +209,7 @@ def test_moe_decode_from_every_layout_and_its_refusals():
                                        FM.fused_moe_torch(x, w13, w2, tw, ids))
     assert ok, (err, tol)
     # planted bug: gate and up halves swapped in the repacked table -> caught
-    bad = W.DecodeW4(torch.roll(d13.qweight, 64, dims=-1), torch.roll(d13.scales, 64, dims=-1), d13.shape, 32)
+    bad = W.DecodeW4(torch.roll(d13.qweight, 64, dims=-1), torch.roll(d13.scales, 32, dims=-3), d13.shape, 32)
     _, _, ok = FM.within_tolerance(FM.fused_moe_decode(x, bad, d2, tw, ids), ref, FM.fused_moe_torch(x, w13, w2, tw, ids))
     assert not ok
     with pytest.raises(ValueError, match="DecodeW4"):

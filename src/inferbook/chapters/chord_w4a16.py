@@ -836,8 +836,8 @@ def packing_map(layout: str, words=(0, 1, 16, 17), N: int = 32, K: int = 64) -> 
 
 _DECODE_ROLES = {"w4a16_decode_kernel": "decode kernel, dense (serving path)",
                  "moe_decode_kernel": "decode kernel, fused MoE (serving path)",
-                 "_w4a16_linear_kernel": "tiled dense, indexed (teaching comparison)",
-                 "moe_gemm_kernel": "tiled fused MoE (teaching comparison)"}
+                 "_w4a16_linear_kernel": "tiled dense, indexed (the prefill tiling at a decode M: comparison)",
+                 "moe_gemm_kernel": "tiled fused MoE (the prefill tiling at a decode M: comparison)"}
 
 
 def decode_bound_rows(target: str = "sm_90", card: str | None = None) -> list[dict]:

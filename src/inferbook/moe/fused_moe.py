@@ -498,7 +498,7 @@ def fused_moe_decode_launches(tokens: int, top_k: int, experts: int, hidden: int
                                      ("down", act, meta((T * k, H), inter_dtype), H, I, False)):
         rows = 2 * N if gated else N
         Kp = -(-K // RUN) * RUN
-        q_es, s_es = Kp // 8 * rows, -(-Kp // group_size) * rows
+        q_es, s_es = Kp // 8 * rows, (Kp // RUN) * (-(-rows // 2)) * (RUN // group_size) * 2   # pack_decode's shapes
         cfg = moe_decode_config(False, gated)
         out.append(_decode_gemm_launch(f"{name} {stage} decode-packed T{T} k{k} E{E} H{H} I{I} M{max_m} cfg 16x{cfg['BLOCK_N']}x256"
                                        .strip(), a, meta((E, q_es), i32), meta((E, s_es), bf16), c, counts, dest, roww,

@@ -54,7 +54,7 @@ except Exception:  # pragma: no cover - exercised only without triton
     triton = None
     tl = None
 
-from ..device import dot_needs_fp32, kernel_target, target_vendor, triton_backend_for
+from ..device import dot_needs_fp32, kernel_target, pick_config, target_vendor, triton_backend_for
 
 LAYOUTS = ("indexed", "grouped_contiguous", "grouped_masked")
 # Kernel-side codes; 3 is plain BF16 weights [E, N, K] (the baseline the kernels share code with).
@@ -715,8 +715,9 @@ RUN_WORDS = RUN // 8
 class DecodeW4:
     """INT4 weights repacked for the decode kernels: qweight int32 [Kp/8, N] (Kp = K rounded up to
     256; runs of 256 K values, word j of a run holding K offset 32 i + j in nibble i, +8 offset, pad
-    value 0), scales bf16 [Kp/g rounded up, N] (pad 0); [E, ...] in front for E experts. `shape` is
-    the logical (N, K) or (E, N, K)."""
+    value 0), scales bf16 [Kp/256, ceil(N/2), 256/g, 2] (run, column pair, group of the run, column of
+    the pair; pad 0): a column pair's groups of one run are adjacent, so a kernel reads a run's scales
+    in one wide load; [E, ...] in front for E experts. `shape` is the logical (N, K) or (E, N, K)."""
 
     qweight: torch.Tensor
     scales: torch.Tensor
@@ -746,11 +747,12 @@ class DecodeW4:
 
 def pack_decode(q: PackedW4) -> DecodeW4:
     """Repack an INT4 weight [N, K] or [E, N, K] (any layout) for the decode kernels (offline, once, as
-    Marlin's repack is). The group size must be a multiple of 32 (one group per nibble tile)."""
+    Marlin's repack is). The group size must be 32, 64, 128 or 256 (whole nibble tiles, whole groups a run)."""
     if not isinstance(q, PackedW4) or len(q.shape) not in (2, 3):
         raise ValueError(f"pack_decode needs a PackedW4 [N, K] or [E, N, K], got {getattr(q, 'shape', type(q).__name__)}")
-    if q.group_size % 32:
-        raise ValueError(f"the decode kernel needs a group size that is a multiple of 32, got {q.group_size}")
+    if q.group_size % 32 or RUN % q.group_size:
+        raise ValueError(f"the decode kernel needs a group size of 32, 64, 128 or 256 (a multiple of 32 that "
+                         f"divides {RUN}), got {q.group_size}")
     vals, s = unpack(q)                                            # [E, N, K] int8, [E, N, K/g]
     E, N, K = vals.shape
     Kp = -(-K // RUN) * RUN
@@ -765,7 +767,11 @@ def pack_decode(q: PackedW4) -> DecodeW4:
     word = (u << shifts).sum(3)                                    # [E, N, runs, 32]
     word = torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
     qweight = word.reshape(E, N, Kp // 8).transpose(1, 2).contiguous()   # [E, Kp/8, N]
-    scales = s.transpose(1, 2).contiguous()
+    P, GR = -(-N // 2), RUN // q.group_size
+    if 2 * P != N:   # odd N: a zero column completes the last pair
+        s = torch.cat([s, torch.zeros((E, 1, groups_p), dtype=s.dtype, device=s.device)], 1)
+    # [E, column pair, column of the pair, run, group of the run] -> [E, run, pair, group, column]
+    scales = s.reshape(E, P, 2, Kp // RUN, GR).permute(0, 3, 1, 4, 2).contiguous()
     if len(q.shape) == 2:
         qweight, scales = qweight[0], scales[0]
     return DecodeW4(qweight, scales, tuple(q.shape), q.group_size)
@@ -780,7 +786,8 @@ def unpack_decode(d: DecodeW4) -> tuple[torch.Tensor, torch.Tensor]:
     word = word.to(torch.int64) & 0xFFFFFFFF
     shifts = (torch.arange(8, device=word.device, dtype=torch.int64) * 4).reshape(1, 1, 1, 8, 1)
     vals = (((word >> shifts) & 0xF) - OFFSET).reshape(E, N, Kp)[..., :K].to(torch.int8)
-    s = d.scales.reshape(E, -1, N).transpose(1, 2)[..., :K // d.group_size].contiguous()
+    sc = d.scales.reshape(E, *d.scales.shape[-4:])                 # [E, runs, pairs, groups a run, 2]
+    s = sc.permute(0, 2, 4, 1, 3).reshape(E, 2 * sc.shape[2], -1)[:, :N, :K // d.group_size].contiguous()
     return vals.reshape(*d.shape), s.reshape(*d.shape[:-1], K // d.group_size)
 
 
@@ -851,35 +858,50 @@ if triton is not None:
             return (((words >> (4 * I)) & 0xF) + 128).to(tl.float32).to(tl.bfloat16)
 
     @triton.jit
-    def scale_pairs(pair_ptrs):
+    def widen_pairs(pairs):
         """fp32 [2 P] scales from P int32 words of two bf16 scales each (columns 2p, 2p + 1; the low half
-        is the even column), widened in registers. A load of fewer elements than the CTA has threads is
-        one Triton rematerializes in the layout its user wants (here the MMA accumulator's columns), so
-        the scales go straight to the registers that multiply the accumulator: no shared-memory round
-        trip and no barrier per group."""
-        pairs = tl.load(pair_ptrs)
+        is the even column), widened in registers (a shift and a mask: bf16 is fp32's upper half)."""
         lo = (pairs << 16).to(tl.float32, bitcast=True)
         hi = (pairs & -65536).to(tl.float32, bitcast=True)
-        return tl.reshape(tl.join(lo, hi), (2 * pair_ptrs.shape[0],))
+        return tl.reshape(tl.join(lo, hi), (2 * pairs.shape[0],))
+
+    @triton.jit
+    def run_scales(s_ptr, r, pair0, pairs_per_row, P: tl.constexpr):
+        """The eight group scales of run r for column pairs pair0 .. pair0 + P - 1, as eight [P] int32
+        words (two bf16 columns each), from `pack_decode`'s [runs, N/2, 8, 2] scale layout: one
+        column pair's eight groups are 32 contiguous bytes, so the whole run's scales are one
+        [P, 8] load (wide loads; Triton moves it into the accumulator's column layout through shared
+        memory, once per run), split into groups in registers."""
+        sq = tl.load(s_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+                     + (r * pairs_per_row + pair0 + tl.arange(0, P))[:, None] * 8 + tl.arange(0, 8)[None, :])
+        even, odd = tl.split(tl.reshape(sq, (P, 4, 2)))              # groups 0 2 4 6 | 1 3 5 7
+        g04, g26 = tl.split(tl.reshape(even, (P, 2, 2)))
+        g15, g37 = tl.split(tl.reshape(odd, (P, 2, 2)))
+        g0, g4 = tl.split(g04)
+        g2, g6 = tl.split(g26)
+        g1, g5 = tl.split(g15)
+        g3, g7 = tl.split(g37)
+        return g0, g1, g2, g3, g4, g5, g6, g7
 
     @triton.jit
     def decode_run(acc, x_ptr, stride_xm, offs_m, m_ok, qw_ptr, s_ptr, row_stride, n0, offs_n, n_ok, K, r, neg,
                    GROUP: tl.constexpr, ASM: tl.constexpr, DOT_FP32: tl.constexpr, EVEN_N: tl.constexpr,
                    EVEN_K: tl.constexpr):
         """acc [BLOCK_M, BLOCK_N] fp32 += x[offs_m, run r] @ W[offs_n, run r].T for one run of 256 K values:
-        one [32, BLOCK_N] word tile (row stride `row_stride` words), eight nibble tiles of one group each,
-        each through two MMAs (128 + u, then the constant -136) and its column scale."""
+        one [32, BLOCK_N] word tile (row stride `row_stride` words), eight nibble tiles of one group each
+        (or GROUP/32 tiles a group), each through two MMAs (128 + u, then the constant -136) and its
+        column scale. Scales: `pack_decode`'s [runs, ceil(row_stride / 2), 256 / GROUP, 2] layout."""
         offs_j = tl.arange(0, 32)
         if EVEN_N:  # N a multiple of BLOCK_N: no column mask in the loop
             words = tl.load(qw_ptr + (r * 32 + offs_j)[:, None] * row_stride + offs_n[None, :])
         else:
             words = tl.load(qw_ptr + (r * 32 + offs_j)[:, None] * row_stride + offs_n[None, :], mask=n_ok[None, :],
                             other=0)
-        PAIRS: tl.constexpr = EVEN_N and 256 % GROUP == 0
-        if PAIRS:  # this run's first scale row as int32 pairs; group rows follow at half the row stride
-            half = row_stride // 2
-            s_run = (s_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + (r * (256 // GROUP)) * half + n0 // 2
-                     + tl.arange(0, offs_n.shape[0] // 2))
+        PAIRS: tl.constexpr = EVEN_N and GROUP == 32
+        GR: tl.constexpr = 256 // GROUP                             # groups a run
+        pairs_per_row = (row_stride + 1) // 2
+        if PAIRS:  # the run's 8 groups x BLOCK_N columns in one load
+            g0, g1, g2, g3, g4, g5, g6, g7 = run_scales(s_ptr, r, n0 // 2, pairs_per_row, offs_n.shape[0] // 2)
         for i in tl.static_range(8):
             k = r * 256 + 32 * i
             if EVEN_K:  # K a multiple of 256: only the rows beyond M are masked
@@ -889,11 +911,28 @@ if triton is not None:
                             mask=m_ok[:, None] & ((k + offs_j)[None, :] < K), other=0.0)
             b = nibble_bf16(words, i, ASM)                         # 128 + u, exact in bf16
             if PAIRS:
-                s = scale_pairs(s_run + ((32 * i) // GROUP) * half)
-            elif EVEN_N:
-                s = tl.load(s_ptr + (k // GROUP) * row_stride + offs_n).to(tl.float32)
+                if i == 0:
+                    s = widen_pairs(g0)
+                elif i == 1:
+                    s = widen_pairs(g1)
+                elif i == 2:
+                    s = widen_pairs(g2)
+                elif i == 3:
+                    s = widen_pairs(g3)
+                elif i == 4:
+                    s = widen_pairs(g4)
+                elif i == 5:
+                    s = widen_pairs(g5)
+                elif i == 6:
+                    s = widen_pairs(g6)
+                else:
+                    s = widen_pairs(g7)
             else:
-                s = tl.load(s_ptr + (k // GROUP) * row_stride + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+                s_off = ((r * pairs_per_row + offs_n // 2) * GR + (32 * i) // GROUP) * 2 + offs_n % 2
+                if EVEN_N:
+                    s = tl.load(s_ptr + s_off).to(tl.float32)
+                else:
+                    s = tl.load(s_ptr + s_off, mask=n_ok, other=0.0).to(tl.float32)
             if DOT_FP32:  # the interpreter: its bf16 dot is wrong (device.dot_needs_fp32)
                 part = tl.dot(a.to(tl.float32), b.to(tl.float32), tl.dot(a.to(tl.float32), neg))
             else:
@@ -910,12 +949,14 @@ if triton is not None:
             return tl.full((32, BLOCK_N), -136.0, tl.bfloat16)
 
     @triton.jit
-    def w4a16_decode_kernel(x_ptr, qw_ptr, s_ptr, out_ptr, M, N, K, stride_xm, RUNS_PER_SPLIT,
+    def w4a16_decode_kernel(x_ptr, qw_ptr, s_ptr, out_ptr, M, N, K, stride_xm, SPLITS,
                             GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                             ASM: tl.constexpr, DOT_FP32: tl.constexpr, ATOMIC: tl.constexpr,
                             EVEN_N: tl.constexpr = False, EVEN_K: tl.constexpr = False):
         """out[pid_k, m, n] (fp32) = Σ over this split's runs of x[m, k] W[n, k]; ATOMIC adds into out[m, n].
-        x bf16 [M, K]; qw int32 [Kp/8, N] and s bf16 [Kp/GROUP, N] from `pack_decode`."""
+        x bf16 [M, K]; qw int32 [Kp/8, N] and s bf16 [Kp/GROUP, N] from `pack_decode`. Split pid_k of
+        SPLITS takes runs [pid_k runs / SPLITS, (pid_k + 1) runs / SPLITS): whole runs, the counts
+        differing by at most one, so the split count can fit the SM count where the runs do not divide."""
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         offs_m = tl.arange(0, BLOCK_M)
@@ -923,8 +964,8 @@ if triton is not None:
         n_ok = offs_n < N
         m_ok = offs_m < M
         runs = (K + 255) // 256
-        r0 = pid_k * RUNS_PER_SPLIT
-        r1 = tl.minimum(r0 + RUNS_PER_SPLIT, runs)
+        r0 = (pid_k * runs) // SPLITS
+        r1 = ((pid_k + 1) * runs) // SPLITS
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         neg = decode_neg(BLOCK_N, DOT_FP32)
         for r in range(r0, r1):
@@ -949,38 +990,55 @@ def decode_asm(device) -> bool:
 
 
 
-def decode_config(m: int, n: int, k: int, *, sms: int = H200_SMS, interpreted: bool = False) -> dict:
+# Per target (`device.pick_config`): the SMs the split-K fills, whether the split must divide the
+# runs evenly, and the pipeline depth. B200 (sm_100, 148 SMs) reads HBM 1.67x faster than H200 but
+# issues only 1.11x more instructions, so its grid must fill 148 SMs without a long tail: at N 4096,
+# K 7168 no split of the 28 runs into equal whole parts does (7 splits: 224 CTAs, the busiest SM 2
+# where the average has 1.5); 9 splits of 3 or 4 runs (288 CTAs, at most 2 per SM, all resident at
+# once) do. The cost model reads the trips of the middle program (3 runs); the busiest SM holds one
+# 4-run and one 3-run CTA, which the model's waves bound does not see (about 7/6 of its loop time).
+# 3 stages, not 2: 2 save a few loop instructions but wait one DRAM latency a run instead of half of
+# one, which the 4-run CTAs cannot hide.
+DECODE_TARGETS = {
+    "nvidia": dict(sms=H200_SMS, even_split=True, num_stages=3),
+    "sm_100": dict(sms=148, even_split=False, num_stages=3),
+}
+
+
+def decode_config(m: int, n: int, k: int, *, sms: int | None = None, interpreted: bool = False, device=None) -> dict:
     """Tiles and split-K of the decode kernel. BLOCK_N 128 (4 warps, one m16 x 32 MMA strip per
     warp); split K over runs so the grid holds about 2 CTAs (8 warps) per SM -- what the kernel's
     registers let an SM hold at once -- each split >= 1 run. Fewer, longer splits amortise each CTA's
     prologue (the pipeline's fill) and epilogue over more runs: at N 4096, K 7168 a split of 7 (224 CTAs,
     4 runs each) is predicted faster than one of 10 that gives every SM two CTAs (3 runs each), which
-    spends more of its issue slots outside the main loop.
-    The interpreter: one wide program per split (its cost is per program)."""
+    spends more of its issue slots outside the main loop. Where the target allows uneven splits
+    (`DECODE_TARGETS`) the split count is the one nearest 2 CTAs per SM and splits differ by one run.
+    `device`: whose target picks the entry (`device.pick_config`; default a CUDA device, i.e. the
+    `building_for` target or the GPU's). The interpreter: one wide program per split (its cost is per program)."""
     if m > DECODE_MAX_M:
         raise ValueError(f"the decode kernel takes M <= {DECODE_MAX_M} rows, got {m}")
     runs = max(1, -(-k // RUN))
     if interpreted:
         return dict(BLOCK_M=16, BLOCK_N=64, SPLIT_K=min(2, runs))
+    t = pick_config(DECODE_TARGETS, torch.device("cuda") if device is None else device)
     bn = 128
     n_blocks = -(-n // bn)
-    split = max(1, min(runs, round(2 * sms / n_blocks)))
-    per = -(-runs // split)
-    split = -(-runs // per)                                        # no empty split
-    return dict(BLOCK_M=16, BLOCK_N=bn, SPLIT_K=split, num_warps=4, num_stages=3)
+    split = max(1, min(runs, round(2 * (sms or t["sms"]) / n_blocks)))
+    if t["even_split"]:
+        per = -(-runs // split)
+        split = -(-runs // per)                                    # whole equal splits, no empty one
+    return dict(BLOCK_M=16, BLOCK_N=bn, SPLIT_K=split, num_warps=4, num_stages=t["num_stages"])
 
 
 def _decode_launch(x2, qweight, scales, out, n: int, k: int, group_size: int, cfg: dict, *, device, atomic: bool):
     from ..compiled import Launch
 
     M = x2.shape[0]
-    runs = max(1, -(-k // RUN))
-    per = -(-runs // cfg["SPLIT_K"])
     kw = {key: v for key, v in cfg.items() if key != "SPLIT_K"}
     emu = dot_needs_fp32(device)
     return Launch(f"w4a16 decode M{M} N{n} K{k} cfg {cfg['BLOCK_M']}x{cfg['BLOCK_N']}x256 split{cfg['SPLIT_K']}"
                   f"{' atomic' if atomic else ''}", w4a16_decode_kernel,
-                  [x2, qweight, scales, out, M, n, k, x2.stride(0), per],
+                  [x2, qweight, scales, out, M, n, k, x2.stride(0), cfg["SPLIT_K"]],
                   dict(GROUP=group_size, ASM=decode_asm(device), DOT_FP32=emu, ATOMIC=atomic, EVEN_N=n % cfg["BLOCK_N"] == 0,
                        EVEN_K=k % RUN == 0, **kw),
                   "moe/w4a16.py:decode_linear", (triton.cdiv(n, cfg["BLOCK_N"]), cfg["SPLIT_K"]))
@@ -1008,7 +1066,7 @@ def decode_linear(x: torch.Tensor, d: DecodeW4, *, deterministic: bool = True, b
         out = (x2 @ dequantize_decode(d, torch.bfloat16).T) if M and N else torch.empty((M, N), dtype=torch.bfloat16, device=x.device)
         return (out.reshape(*lead, N), None) if return_kernel else out.reshape(*lead, N)
     interp = x.device.type != "cuda"
-    cfg = dict(decode_config(M, N, K) if block == "gpu" else (block or decode_config(M, N, K, interpreted=interp)))
+    cfg = dict(decode_config(M, N, K, device=x.device) if block == "gpu" else (block or decode_config(M, N, K, interpreted=interp, device=x.device)))
     if deterministic:
         part = torch.empty((cfg["SPLIT_K"], M, N), dtype=torch.float32, device=x.device)
     else:
@@ -1033,7 +1091,7 @@ def decode_launches(m: int, n: int, k: int, *, group_size: int = GROUP_SIZE, det
     out = meta((cfg["SPLIT_K"], m, n) if deterministic else (m, n), torch.float32)
     kp = -(-k // RUN) * RUN                                        # pack_decode's shapes: the real bytes
     la = _decode_launch(meta((m, k), torch.bfloat16), meta((kp // 8, n), torch.int32),
-                        meta((-(-kp // group_size), n), torch.bfloat16), out, n, k,
+                        meta((kp // RUN, -(-n // 2), RUN // group_size, 2), torch.bfloat16), out, n, k,
                         group_size, cfg, device=torch.device("cuda"), atomic=not deterministic)
     if name:
         la.name = name
