@@ -18,8 +18,8 @@ Four kernels, in fla's order, chunk size BT = 64, rows [TT, H, *] as the forward
 3. `gdn_chunk_dqkwg_kernel` (fla `chunk_o.py: chunk_bwd_kernel_dqkwg`), one program per (block of K,
    chunk, head): over V blocks ds = do v_new^T, dq = do h^T, dk = v_new dh^T, dw = -dv2 h^T and the
    G_last gradient sum(h * dh); then the gates, ds masked (i >= j *before* the exp) and rounded, dq += ds k,
-   dk += ds^T q and dg (the gradient of the cumulative gate G) = sum(dq q) - sum(dk k) (+ G_last's at the
-   chunk's last row), one fp32 dg per K block (summed later, as fla's `dg.sum(0)`).
+   dk += ds^T q, and dg (the gradient of the cumulative gate G; + G_last's at the chunk's last row), one
+   fp32 dg per K block (summed later, as fla's `dg.sum(0)`).
 4. `gdn_chunk_wy_bwd_kernel` (fla `gated_delta_rule/wy_fast.py: prepare_wy_repr_bwd_kernel`), one
    program per (chunk, head): through w = A (beta exp(G) k) and u = A (beta v): dk2, dv, dbeta and dA,
    then through A = (I + L)^-1: dL = -A^T dA A^T (strictly lower), L_ij = beta_i k_i.k_j exp(G_i - G_j),
@@ -37,7 +37,9 @@ same); exp(G) q for the dh update is rounded to the input dtype (fla multiplies 
 then takes fp32 operands, TF32 on NVIDIA); gate differences are masked before the exp everywhere (fla
 masks after in dv_local and the dA step; the values kept are the same, the discarded ones are never
 inf); dg's sum over K blocks, the dg2 add and the reverse cumsum are folded into kernel 4; natural-log
-units (exp, not exp2); dk from kernels 3 and 4 are added in fp32 and rounded once (fla adds two bf16
+units (exp, not exp2); dg's in-chunk part is taken as rows minus columns of ds * (q k^T) (one more
+[BT, BT] dot; fla takes q.dq - k.dk, whose diagonal cancels only up to rounding: with g = -1e3, where
+the true dg is 0, that noise is 1.4x the harness's fp32 floor at T = 45); dk from kernels 3 and 4 are added in fp32 and rounded once (fla adds two bf16
 tensors); in-kernel L2 normalisation of q, k (`use_qk_l2norm`) is done by `gdn.l2norm` in PyTorch before
 the kernels, so autograd differentiates it (fla has `l2norm_bwd`); no grouped value heads (HV > H).
 """
@@ -200,11 +202,17 @@ if triton is not None:
         dg_last += tl.sum(tl.sum(b_dk * b_k.to(tl.float32), 1), 0)
         incl = (o_i[:, None] >= o_i[None, :]) & m_t[:, None] & m_t[None, :]
         b_ds = b_ds * tl.exp(tl.where(incl, b_G[:, None] - b_G[None, :], float("-inf"))) * scale
+        # dG_i of the in-chunk term P_ij = q_i.k_j exp(G_i - G_j) is sum_j dP_ij P_ij - sum_j dP_ji P_ji, by
+        # rows minus columns of one matrix, so the diagonal (exp(0): no dependence on G) cancels exactly.
+        # fla takes q.dq - k.dk after adding ds k and ds^T q, where the diagonal cancels only up to
+        # rounding: with g = -1e3 (true dg = 0) that leaves fp32 noise above the harness's floor.
+        b_dsP = b_ds * tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION)
+        b_dg = (tl.sum(b_dq * b_q.to(tl.float32), 1) - tl.sum(b_dk * b_k.to(tl.float32), 1)
+                + tl.sum(b_dsP, 1) - tl.sum(b_dsP, 0))
+        b_dg = tl.where(rows == last_row, b_dg + dg_last, b_dg)
         b_dsb = _operand(b_ds, DT, EMULATE, DOT_FP32)
         b_dq = tl.dot(b_dsb, b_k, b_dq, input_precision=PRECISION)
         b_dk = tl.dot(tl.trans(b_dsb), b_q, b_dk, input_precision=PRECISION)
-        b_dg = tl.sum(b_dq * b_q.to(tl.float32), 1) - tl.sum(b_dk * b_k.to(tl.float32), 1)
-        b_dg = tl.where(rows == last_row, b_dg + dg_last, b_dg)
         tl.store(dq + rows[:, None] * K + o_k[None, :], cast_rtne(b_dq, DT, EMULATE), mask=m_tk)
         tl.store(dk + rows[:, None] * K + o_k[None, :], cast_rtne(b_dk, DT, EMULATE), mask=m_tk)
         tl.store(dg + i_k.to(tl.int64) * TT * H + rows, b_dg, mask=m_t)
