@@ -13,7 +13,7 @@ Four kernels, in fla's order, chunk size BT = 64, rows [TT, H, *] as the forward
    one program per (block of V, sequence, head), *backwards* over chunks: the state gradient dh [K, BV]
    stays fp32 in registers, starting from dS (the final state's gradient); per chunk it is stored (input
    dtype) as the gradient of the state leaving the chunk, dv2 = exp(G_last - G) k dh + dv_local
-   (stored), and dh <- exp(G_last) dh + scale (exp(G) q)^T do - w^T dv2; after the first chunk it is the
+   (stored), and dh <- exp(G_last) dh + scale q^T (exp(G) do) - w^T dv2; after the first chunk it is the
    initial state's gradient dh0 (fp32).
 3. `gdn_chunk_dqkwg_kernel` (fla `chunk_o.py: chunk_bwd_kernel_dqkwg`), one program per (block of K,
    chunk, head): over V blocks ds = do v_new^T, dq = do h^T, dk = v_new dh^T, dw = -dv2 h^T and the
@@ -33,8 +33,8 @@ and dg in fp32; the dot operands built in fp32 (ds, dA, beta exp(G) k, beta v, d
 rounded to the input dtype first. Where ours differs from fla: the forward's intermediates (g_cum, A, w,
 u, h, v_new) are kept from the forward rather than recomputed in the backward (fla recomputes w, u by
 `recompute_w_u_fwd` and h, v_new by `chunk_gated_delta_rule_fwd_h` to save memory; the values are the
-same); exp(G) q for the dh update is rounded to the input dtype (fla multiplies in fp32 and its dot
-then takes fp32 operands, TF32 on NVIDIA); gate differences are masked before the exp everywhere (fla
+same); the dh update takes q^T (exp(G) do), exp(G) do rounded to the input dtype (fla forms exp(G) q
+in fp32 and its dot then takes fp32 operands, TF32 on NVIDIA; an fp32 [64, 256] q spills at K 256); gate differences are masked before the exp everywhere (fla
 masks after in dv_local and the dA step; the values kept are the same, the discarded ones are never
 inf); dg's sum over K blocks, the dg2 add and the reverse cumsum are folded into kernel 4; natural-log
 units (exp, not exp2); dg's in-chunk part is taken as rows minus columns of ds * (q k^T) (one more
@@ -147,12 +147,14 @@ if triton is not None:
             b_dv = b_dv * tl.where(m_t, tl.exp(b_G_last - b_G), 0.0)[:, None]
             b_dv += tl.load(dv + rows[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
             tl.store(dv2 + rows[:, None] * V + o_v[None, :], cast_rtne(b_dv, DT, EMULATE), mask=m_tv)
-            b_q = tl.load(q + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
-            b_qg = _operand(b_q * tl.exp(b_G)[:, None], DT, EMULATE, DOT_FP32)
+            # (exp(G) q)^T do as q^T (exp(G) do): the gate scales the [BT, BV] tile, not the [BT, K] one (an
+            # fp32 copy of q at K 256 spills on sm_90)
+            b_q = _ld(q + rows[:, None] * K + o_k[None, :], m_tk, DOT_FP32)
+            b_do = tl.load(do + rows[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
+            b_dog = _operand(b_do * tl.where(m_t, tl.exp(b_G), 0.0)[:, None], DT, EMULATE, DOT_FP32)
             b_w = _ld(w + rows[:, None] * K + o_k[None, :], m_tk, DOT_FP32)
-            b_do = _ld(do + rows[:, None] * V + o_v[None, :], m_tv, DOT_FP32)
             b_dh = (b_dh * tl.exp(b_G_last)
-                    + tl.dot(tl.trans(b_qg), b_do, input_precision=PRECISION) * scale
+                    + tl.dot(tl.trans(b_q), b_dog, input_precision=PRECISION) * scale
                     - tl.dot(tl.trans(b_w), _operand(b_dv, DT, EMULATE, DOT_FP32), input_precision=PRECISION))
         if HAS_H0:
             tl.store(dh0 + s_off, b_dh, mask=m_s)
@@ -293,8 +295,9 @@ if triton is not None:
 def bwd_blocks(K: int, V: int, device: torch.device) -> dict:
     """Tiles and warps of the four backward kernels. On a GPU: BK = BV = 64 in dv_local, dqkwg and wy
     (fla's tiling on Ada-class shared memory; fla takes 128 on Hopper), the dhu kernel holds all of K and a
-    BV block of the fp32 dh as the forward's state kernel (`gdn_chunk.chunk_blocks`); 8 warps for dqkwg's
-    four [64, 64] fp32 accumulators. The interpreter runs one program at a time: there one block covers
+    BV block of the fp32 dh as the forward's state kernel (`gdn_chunk.chunk_blocks`; BV 16 at K 256); 8 warps for dqkwg's
+    four [64, 64] fp32 accumulators and for wy's [64, 64] A, A^T, dA and k k^T (4 warps spill on sm_90 from
+    K 64). The interpreter runs one program at a time: there one block covers
     all of K and V."""
     c = gdn_chunk.chunk_blocks(K, V, device)
     full_k = max(16, triton.next_power_of_2(K))
@@ -302,8 +305,10 @@ def bwd_blocks(K: int, V: int, device: torch.device) -> dict:
     gpu = _device.wants_gpu_config(device)
     bk = min(full_k, 64) if gpu else full_k
     bv = min(full_v, 64) if gpu else full_v
-    return dict(BK=bk, BV=bv, BK_STATE=c["BK_STATE"], BV_STATE=c["BV_STATE"], warps_state=c["warps_state"],
-                stages_state=c["stages_state"], warps_dqkwg=8, warps=4, gpu_precision=c["gpu_precision"])
+    # dhu at K 256: BV 16 (the forward's 32 spills on sm_90: dhu holds k, q and w tiles of [64, 256])
+    bv_dhu = min(c["BV_STATE"], 16) if gpu and c["BK_STATE"] > 128 else c["BV_STATE"]
+    return dict(BK=bk, BV=bv, BK_STATE=c["BK_STATE"], BV_STATE=bv_dhu, warps_state=c["warps_state"],
+                stages_state=c["stages_state"], warps_dqkwg=8, warps_wy=8, warps=4, gpu_precision=c["gpu_precision"])
 
 
 def _bwd_launches(q, k, v, beta, g_cum, A, w, h, v_new, do, dht, h0, cu, idx, offs, dv_local, dv2, dh, dh0,
@@ -334,7 +339,7 @@ def _bwd_launches(q, k, v, beta, g_cum, A, w, h, v_new, do, dht, h0, cu, idx, of
                dict(BT=chunk, BK=c["BK"], BV=c["BV"], num_warps=c["warps_dqkwg"], **flags), src, (nk, n_chunks, H)),
         Launch(f"gdn chunk bwd wy K{K} V{V} {dt}", gdn_chunk_wy_bwd_kernel,
                [k, v, beta, g_cum, A, dw, dv2, dk_qk, dg_qk, dk, dv, db, dg, cu, idx, TT, H, K, V, nk],
-               dict(BT=chunk, BK=c["BK"], BV=c["BV"], num_warps=c["warps"], **flags), src, (n_chunks, H)),
+               dict(BT=chunk, BK=c["BK"], BV=c["BV"], num_warps=c["warps_wy"], **flags), src, (n_chunks, H)),
     ]
 
 
