@@ -18,7 +18,7 @@ from ..errors import UserError
 from ..measure import benchmark, ceilings
 from ..presets import Param
 from ..record import RunRecord
-from ..numerics import gdn, gdn_chunk, small_op_threads
+from ..numerics import gdn, gdn_chunk, gdn_chunk_bwd, small_op_threads
 
 # The results page's headline: (record name prefix, measurement).
 HEADLINE = ('harness:recurrent', 'cases passed', 'Harness cases the recurrent reference passes')
@@ -104,6 +104,8 @@ def coverage_cases(coverage: str, head_dims: tuple, chunk_size: int, long_len: i
 
 TRITON_FWD = "triton fused recurrent (forward only)"
 TRITON_CHUNK = "triton chunked on tl.dot (forward only)"
+TRITON_CHUNK_BWD = "ours: chunked tl.dot, forward + backward"
+TRITON_BACKENDS = (TRITON_FWD, TRITON_CHUNK, TRITON_CHUNK_BWD)
 FLA_EMULATED = "fla precision, emulated in PyTorch"
 BF16_STATE = "recurrent, state kept in BF16 (must fail)"
 NOISY = "fla precision + 0.4 % noise on o (must fail)"
@@ -128,11 +130,14 @@ def backends(chunk_size: int, device=None) -> dict:
     if device is not None and triton_backend_for(device)[0]:
         out[TRITON_FWD] = gdn.recurrent_triton
         out[TRITON_CHUNK] = gdn_chunk.chunked_triton
+        out[TRITON_CHUNK_BWD] = gdn_chunk_bwd.chunked_triton_autograd
         if torch.device(device).type == "cuda":   # bf16/fp16 on a GPU: its fp32 cases are "not run"
-            def chunk_gpu(*a, **kw):
-                return gdn_chunk.chunked_triton(*a, **kw)
-            chunk_gpu.dtypes, chunk_gpu.supports = {torch.bfloat16, torch.float16}, gdn_chunk.chunked_triton.supports
-            out[TRITON_CHUNK] = chunk_gpu
+            for name, fn in ((TRITON_CHUNK, gdn_chunk.chunked_triton),
+                             (TRITON_CHUNK_BWD, gdn_chunk_bwd.chunked_triton_autograd)):
+                def chunk_gpu(*a, _fn=fn, **kw):
+                    return _fn(*a, **kw)
+                chunk_gpu.dtypes, chunk_gpu.supports = {torch.bfloat16, torch.float16}, fn.supports
+                out[name] = chunk_gpu
     if device is not None:
         out.update(gdn.fla_backends(device)[0])   # flash-linear-attention's kernels, where they run
     return out
@@ -157,6 +162,10 @@ def harness_records(ctx, reports: dict, sweep: dict) -> list[RunRecord]:
         if name in (TRITON_FWD, TRITON_CHUNK):
             rec.set_backend("gdn", "triton", reason=triton_backend_for(ctx.device)[1] + "; forward only: o and S "
                             "checked, no gradients", shapes={"q": ["B", "T", "H", "K"], "state": ["B", "H", "K", "V"]})
+        elif name == TRITON_CHUNK_BWD:
+            rec.set_backend("gdn", "triton", reason=triton_backend_for(ctx.device)[1] + "; chunked forward and "
+                            "backward on tl.dot (fla's kernels, numerics/gdn_chunk_bwd.py): o, S and every gradient "
+                            "checked", shapes={"q": ["B", "T", "H", "K"], "state": ["N", "H", "K", "V"]})
         elif is_fla_kernel(name):
             rec.set_backend("gdn", "flash-linear-attention (fla-core) Triton kernels", reason=name,
                             shapes={"q": ["B", "T", "H", "K"], "state": ["N", "H", "K", "V"]})
@@ -239,7 +248,7 @@ def measure(ctx, *, head_dims, lengths, gates, dtypes, batch, heads, chunk_size,
     # Under the interpreter a Triton kernel costs seconds per case: there the Triton backends run the
     # smallest head dim and the first length (every gate and dtype) and the coverage cases but the long
     # one; on a GPU they run the whole sweep.
-    slow = {n: f for n, f in fns.items() if ctx.interpreted and n in (TRITON_FWD, TRITON_CHUNK)}
+    slow = {n: f for n, f in fns.items() if ctx.interpreted and n in TRITON_BACKENDS}
     with small_op_threads(ctx.device):
         reports = gdn.check_backends({n: f for n, f in fns.items() if n not in slow}, head_dims=hd, lengths=ls,
                                      extra_cases=extra, **kw)
@@ -346,8 +355,9 @@ def beside_fla(ctx, rec, paths: dict, args: tuple, nbytes: int) -> None:
 
 def gpu_launches(params: dict) -> list:
     """The Triton launches of this chapter at its gpu preset (`inferbook.compiled`): the fused recurrent
-    forward at every head dim in bf16 and fp32 and the chunked forward (three kernels) in bf16, at the
-    checked and the timed lengths, plus the chunked kernels for the coverage cases (K != V, in-kernel L2 norm)."""
+    forward at every head dim in bf16 and fp32, the chunked forward (three kernels) and backward (four,
+    `gdn_chunk_bwd`) in bf16, at the checked and the timed lengths, plus the chunked kernels for the coverage
+    cases (K != V, in-kernel L2 norm: the backward normalizes in PyTorch, so it has no L2-norm launch)."""
     from .. import compiled
 
     launches = []
@@ -358,9 +368,11 @@ def gpu_launches(params: dict) -> list:
                 launches += gdn.recurrent_launches(B, T, H, K, K, dtype)
                 if dtype != torch.float32:   # bf16/fp16 only on a GPU
                     launches += gdn_chunk.chunked_launches(B, T, H, K, K, dtype)
+                    launches += gdn_chunk_bwd.chunked_bwd_launches(B, T, H, K, K, dtype)
     K = 64
     for V in (2 * K, K // 2):
         launches += gdn_chunk.chunked_launches(1, params["long_len"], H, K, V, torch.bfloat16)
+        launches += gdn_chunk_bwd.chunked_bwd_launches(1, params["long_len"], H, K, V, torch.bfloat16)
     launches += gdn_chunk.chunked_launches(1, params["long_len"], H, K, K, torch.bfloat16, l2norm=True)
     return compiled.dedupe(launches)
 

@@ -19,9 +19,9 @@ which leaves the state unchanged.
 Both return (o in v's dtype, final state in the compute dtype: fp32, or fp64 for fp64 inputs).
 Backward is autograd's. `chunked(working_dtype=bf16)` rounds what a production chunked kernel stores
 (the harness's BF16 baseline); `fla_precision` follows fla's chunk kernels op by op at their precision;
-`chunked_triton` is the chunked forward on `tl.dot`. `check_backend(fn)` is the harness the seed's known issue asks for
-(Transformer Engine 2.19: GDN backward may return NaN at head_dim=32 until a cuDNN frontend
-release ships the fix).
+`chunked_triton` is the chunked forward on `tl.dot` (+ backward: `gdn_chunk_bwd.chunked_triton_autograd`).
+`check_backend(fn)` is the harness the seed's known issue asks for (Transformer Engine 2.19: GDN backward
+may return NaN at head_dim=32 until a cuDNN frontend release ships the fix).
 """
 from __future__ import annotations
 

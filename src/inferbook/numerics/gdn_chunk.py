@@ -19,7 +19,8 @@ with `cu_seqlens`) is handled inside the kernels by a (sequence, chunk) table, a
 padded batch runs as B packed sequences. `use_qk_l2norm` normalizes q and k inside the kernels (fp32, rounded
 to the input dtype, as fla's `l2norm_fwd` stores them). Where fla differs: it solves A by 16x16 diagonal blocks
 merged with dots (we substitute row by row over the whole chunk), works in log2 units (exp2), autotunes
-BV / warps / stages, has a backward (we have none: forward only), and keeps HV > H (grouped value heads).
+BV / warps / stages and keeps HV > H (grouped value heads). The backward is `gdn_chunk_bwd` (this forward +
+fla's four backward kernels, as a `torch.autograd.Function`).
 """
 from __future__ import annotations
 
@@ -322,13 +323,22 @@ def chunked_triton(q, k, v, g, beta, scale=None, initial_state=None, *, cu_seqle
     g, beta [B, T, H] in bf16 / fp16 / fp32 (K, V <= 256); initial_state [N, H, K, V] (N = B, or one per
     packed sequence with `cu_seqlens`, B = 1). Returns (o [B, T, H, V] in v's dtype, final state
     [N, H, K, V] fp32), as fla's `chunk_gated_delta_rule(output_final_state=True)`."""
+    if any(t.requires_grad for t in (q, k, v, g, beta)) and torch.is_grad_enabled():
+        raise ValueError("chunked_triton is forward-only: call it under torch.no_grad(), or use "
+                         "`gdn_chunk_bwd.chunked_triton_autograd` (this forward + a chunked backward)")
+    o, ht, _ = chunked_fwd(q, k, v, g, beta, scale, initial_state, cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm)
+    return o, ht
+
+
+def chunked_fwd(q, k, v, g, beta, scale=None, initial_state=None, *, cu_seqlens=None, use_qk_l2norm=False):
+    """`chunked_triton`'s work, also for the backward (`gdn_chunk_bwd`): (o, final state, saved) where
+    `saved` holds what the three kernels wrote (g_cum, A, w, u, h, v_new, flattened [TT, H, ...]) and the
+    tables (cu, idx, offs as int32 tensors, lengths, N, scale)."""
     from . import gdn
 
     gdn._check(q, k, v, g, beta, None)
     if triton is None:
         raise RuntimeError("triton is not installed")
-    if any(t.requires_grad for t in (q, k, v, g, beta)) and torch.is_grad_enabled():
-        raise ValueError("chunked_triton is forward-only: call it under torch.no_grad() or use `gdn.chunked`")
     B, T, H, K = q.shape
     V = v.shape[-1]
     if q.dtype not in _TL_DTYPE or len({q.dtype, k.dtype, v.dtype}) != 1:
@@ -359,21 +369,23 @@ def chunked_triton(q, k, v, g, beta, scale=None, initial_state=None, *, cu_seqle
     ht = torch.zeros(N, H, K, V, dtype=torch.float32, device=dev)
     h0 = initial_state.float().contiguous() if initial_state is not None else ht
     o = torch.empty(TT, H, V, dtype=v.dtype, device=dev)
+    i32 = dict(dtype=torch.int32, device=dev)
+    tables = dict(cu=torch.tensor(cu, **i32), idx=torch.tensor(idx, **i32), offs=torch.tensor(offs, **i32))
+    bufs = {}
     if n_chunks:
-        i32 = dict(dtype=torch.int32, device=dev)
         bufs = dict(g_cum=torch.empty(TT, H, dtype=torch.float32, device=dev),
                     A=torch.empty(TT, H, CHUNK, dtype=q.dtype, device=dev),
                     w=torch.empty(TT, H, K, dtype=q.dtype, device=dev), u=torch.empty(TT, H, V, dtype=q.dtype, device=dev),
                     h=torch.empty(n_chunks, H, K, V, dtype=q.dtype, device=dev),
                     v_new=torch.empty(TT, H, V, dtype=q.dtype, device=dev))
-        for la in _launches(qf, kf, vf, gf, bf, h0, torch.tensor(cu, **i32), torch.tensor(idx, **i32),
-                            torch.tensor(offs, **i32), *bufs.values(), ht, o, n_seqs=N, n_chunks=n_chunks,
+        for la in _launches(qf, kf, vf, gf, bf, h0, *tables.values(), *bufs.values(), ht, o, n_seqs=N, n_chunks=n_chunks,
                             scale=scale, has_h0=initial_state is not None, l2norm=use_qk_l2norm, device=dev):
             la.kernel[la.grid](*la.args, **la.kwargs)
     if initial_state is not None:   # sequences of length 0 keep their initial state
         empty = torch.tensor([L == 0 for L in lengths], device=dev)
         ht = torch.where(empty[:, None, None, None], initial_state.float(), ht)
-    return o.reshape(B, T, H, V), ht
+    saved = dict(bufs, **tables, lengths=lengths, N=N, n_chunks=n_chunks, scale=scale)
+    return o.reshape(B, T, H, V), ht, saved
 
 
 chunked_triton.supports = {"varlen", "l2norm"}

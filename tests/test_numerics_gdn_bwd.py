@@ -1,0 +1,71 @@
+"""Gated DeltaNet's chunked backward on tl.dot (numerics/gdn_chunk_bwd.py), in the Triton interpreter:
+its gradients against autograd's of the fp64 recurrence, by the harness's rule, and broken ones rejected."""
+import pytest
+import torch
+
+import inferbook  # noqa: F401
+from inferbook.numerics import gdn, gdn_chunk_bwd, small_op_threads
+
+DEV = torch.device("cpu")
+NAMES = ("q", "k", "v", "g", "beta")
+FN = gdn_chunk_bwd.chunked_triton_autograd
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    with small_op_threads("cpu"):
+        yield
+
+
+# head dims 32/64/128, lengths not a multiple of the chunk (17, 45; 70 = a full chunk + 6: the dh
+# recurrence crosses a chunk), every gate, K != V and packed varlen with an empty sequence; bf16 and fp32
+CASES = [dict(K=32, lengths=[17], gate="random"), dict(K=64, lengths=[45], gate="very_negative"),
+         dict(K=128, lengths=[17], gate="zero"), dict(K=32, V=16, lengths=[20, 0, 70], varlen=True, gate="random")]
+
+
+def test_chunked_backward_passes_the_harness():
+    rep = gdn.check_backend(FN, head_dims=(), extra_cases=CASES, heads=1, dtypes=(torch.bfloat16, torch.float32))
+    assert rep.passed and not rep.skipped and len(rep.rows) == 2 * len(CASES), rep.failures()
+    assert all("err_dg" in r and "err_dh0" in r for r in rep.rows)   # judged on every gradient
+
+
+def test_chunked_backward_without_initial_state_and_with_l2norm():
+    inp = gdn.make_inputs(1, 80, 1, 32, 32, "random", seed=5, initial_state=False, normalize_k=False)
+    leaves = {n: inp[n].float().requires_grad_(True) for n in NAMES}
+    ref = {n: inp[n].clone().requires_grad_(True) for n in NAMES}
+    gen = torch.Generator().manual_seed(1)
+    do, dS = torch.randn(1, 80, 1, 32, generator=gen, dtype=torch.float64), torch.randn(1, 1, 32, 32, generator=gen,
+                                                                                     dtype=torch.float64)
+    outs = []
+    for fn, x in ((FN, leaves), (gdn.recurrent, ref)):
+        o, S = fn(*(x[n] for n in NAMES), use_qk_l2norm=True)
+        outs.append(torch.autograd.grad((o.double() * do).sum() + (S.double() * dS).sum(), [x[n] for n in NAMES]))
+    for n, a, b in zip(NAMES, *outs):
+        assert a.dtype == torch.float32 and gdn.rel_rms(a, b) < 2e-5, n
+
+
+def test_a_broken_backward_fails():
+    kw = dict(head_dims=(32,), lengths=(45,), gates=("random",), heads=1)
+    bad_dg = gdn.check_backend(gdn.scaled_gradient(FN, "g", 0.05), dtypes=(torch.bfloat16,), **kw)
+
+    def drops_ds(q, k, v, g, beta, scale=None, initial_state=None, **kw):   # the final state's gradient is lost
+        o, S = FN(q, k, v, g, beta, scale=scale, initial_state=initial_state, **kw)
+        return o, S.detach()
+
+    no_ds = gdn.check_backend(drops_ds, dtypes=(torch.float32,), **kw)
+    assert bad_dg.rows and not any(r["passed"] for r in bad_dg.rows)
+    assert "dg:" in bad_dg.rows[0]["reason"]
+    assert no_ds.rows and not any(r["passed"] for r in no_ds.rows)
+
+
+def test_chunked_backward_at_the_gpu_tiles():
+    """The GPU tiles (`device.building_for('sm_90')`) in the interpreter: K 128 in two BK 64 blocks in dqkwg
+    and wy (dg summed over them), V 96 in BV 64 blocks, the second masked."""
+    from inferbook import device
+
+    with device.building_for("sm_90"):
+        c = gdn_chunk_bwd.bwd_blocks(128, 96, DEV)
+        assert (c["BK"], c["BV"], c["BV_STATE"]) == (64, 64, 64)
+        rep = gdn.check_backend(FN, head_dims=(), extra_cases=[dict(K=128, V=96, lengths=[70])], heads=1,
+                                dtypes=(torch.bfloat16,))
+    assert rep.passed, rep.failures()
