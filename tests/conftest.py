@@ -30,9 +30,12 @@ def _one_math_thread():
 
 def _as_a_shell_starts_it():
     """Run in the child before exec: SIGINT as an interactive shell hands it over (default action, not
-    blocked). A pytest-xdist worker can pass its children an ignored or blocked SIGINT once other tests
-    have run in it (seen in the full suite: the child slept through SIGINT and ran to exit 0), and
-    then the test would measure the worker, not inferbook."""
+    blocked). The suite itself may have been started with SIGINT ignored: a non-interactive shell starts
+    a background command (`make test &`, a CI step, nohup) with SIGINT and SIGQUIT ignored (POSIX,
+    "asynchronous lists"), Python keeps an inherited SIG_IGN, and every child inherits it; so the child
+    slept through SIGINT and ran to exit 0, and the test measured how it was started, not inferbook.
+    (Reproduced: `bash -c 'python3 -c "import signal; print(signal.getsignal(signal.SIGINT))" &'` prints 1,
+    SIG_IGN.)"""
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
