@@ -38,7 +38,8 @@ def built(tmp_path_factory):
     os.environ["INFERBOOK_BUILD_DIR"] = str(build)
     try:
         try:
-            book.build_book(device="cpu", preset="smoke", keep_going=True, progress=False, log=lambda *_: None)
+            book.build_book(device="cpu", preset="smoke", keep_going=True, progress=False, log=lambda *_: None,
+                            jobs=2)   # as `make book` runs them on CPU: two chapters side by side
         except ChapterFailed:
             pass  # each chapter's own test below names its failure
         except RuntimeError as e:  # the Sphinx build: the execution tests still report chapter by chapter

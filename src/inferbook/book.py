@@ -29,6 +29,7 @@ from . import reader, toc
 from .context import build_dir, repo_root, results_dir
 from .errors import MissingRequirement, UserError
 from .record import load_records, write_json_atomic
+from .words import count
 
 DEFAULT_CELL_TIMEOUT_S = 1800
 
@@ -705,9 +706,10 @@ class _Executions:
         ctx = mp.get_context("fork")  # the worker sees this process's state (a test's stand-in book too)
         while self.queue and len(self.running) < self.jobs:
             slug = self.queue.pop(0)
+            threads = self.env.get("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", ""))
+            threads = count(int(threads), "torch thread") if threads.isdigit() else "torch threads unknown"
             self.log(f"{self.labels[slug]} executing ({self.kwargs['status'][slug]}, beside up to "
-                     f"{self.jobs - 1} other chapter{'s' if self.jobs > 2 else ''}, "
-                     f"{self.env.get('OMP_NUM_THREADS', os.environ.get('OMP_NUM_THREADS', '?'))} torch thread(s) each) ...")
+                     f"{count(self.jobs - 1, 'other chapter')}, {threads} each) ...")
             here, there = ctx.Pipe(duplex=False)
             kw = {k: v for k, v in self.kwargs.items() if k != "status"}
             proc = ctx.Process(target=_execute_in_worker, args=(there, slug, kw, self.env), daemon=False)

@@ -26,6 +26,7 @@ import html
 from pathlib import Path
 
 from . import toc
+from .words import count
 
 REMOVE, HIDE, SHOW = "remove-cell", "hide-input", "show-input"
 PLUMBING_TAGS = {"parameters", "injected-parameters"}
@@ -78,8 +79,10 @@ def provenance(records) -> str:
     beside = ""
     if isinstance(hw.get("book_jobs"), int) and hw["book_jobs"] > 1:  # `inferbook book --jobs N` on CPU
         others = hw["book_jobs"] - 1
-        beside = (f", executed beside up to {others} other chapter{'s' if others > 1 else ''} "
-                  f"({hw.get('torch_threads', '?')} torch thread(s)): its timings shared the cores")
+        threads = hw.get("torch_threads")
+        threads = count(threads, "torch thread") if isinstance(threads, int) else "torch threads unknown"
+        beside = (f", executed beside up to {count(others, 'other chapter')} ({threads}): "
+                  "its timings shared the cores")
     return f"commit `{commit}`{dirty}, preset `{r.preset}`{seed}, on {hardware_label(r.hardware)}{beside}"
 
 
