@@ -14,6 +14,9 @@ ROCM_INDEX  ?= https://download.pytorch.org/whl/rocm7.0
 TORCH       ?= $(if $(HAS_NVIDIA)$(HAS_ROCM),torch,torch==2.13.0)
 TORCH_INDEX ?= $(if $(HAS_ROCM),$(ROCM_INDEX),)
 PIP_FLAGS   ?= -q
+# No byte-compiling at install: pip would compile every .py of torch and the book's tools (about 80 CPU-s
+# of a cold set-up's 130 on 2 cores, measured); Python writes the .pyc of what is imported on first use.
+PIP_INSTALL := $(BIN)/python -m pip install --no-compile $(PIP_FLAGS)
 
 # The optional peers' wheels for a GPU run with no network (scripts/gpu_measure.sh installs them offline
 # from .wheelhouse/, which the device run carries: 64 MiB at most with the rest of the tree). gemlite
@@ -32,15 +35,15 @@ $(BIN)/python:
 $(VENV)/.torch: | $(BIN)/python
 	$(if $(HAS_ROCM),@echo "rocm-smi found (no nvidia-smi): installing PyTorch's ROCm build from $(TORCH_INDEX)")
 	$(BIN)/python -c "import torch" 2>/dev/null || \
-	  $(BIN)/python -m pip install $(PIP_FLAGS) "$(TORCH)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	  $(PIP_INSTALL) "$(TORCH)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	touch $@
 
 $(VENV)/.book: pyproject.toml $(VENV)/.torch
-	$(BIN)/python -m pip install $(PIP_FLAGS) -e ".[book]"
+	$(PIP_INSTALL) -e ".[book]"
 	touch $@
 
 $(VENV)/.dev: pyproject.toml $(VENV)/.book
-	$(BIN)/python -m pip install $(PIP_FLAGS) -e ".[book,dev]"
+	$(PIP_INSTALL) -e ".[book,dev]"
 	touch $@
 
 setup: $(VENV)/.book
