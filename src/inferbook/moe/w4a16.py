@@ -104,19 +104,8 @@ PACKING_SPECS = {
 }
 
 
-@dataclass(frozen=True)
-class PackedW4:
-    """INT4 weights packed for one kernel family. `shape` is the logical (E, N, K) or (N, K)."""
-
-    qweight: torch.Tensor
-    scales: torch.Tensor
-    shape: tuple
-    group_size: int
-    layout: str
-
-    @property
-    def experts(self) -> int | None:
-        return self.shape[0] if len(self.shape) == 3 else None
+class _Packed:
+    """What every packed INT4 weight answers from its logical `shape` ((N, K) or (E, N, K)) and `qweight`."""
 
     @property
     def n(self) -> int:
@@ -129,6 +118,21 @@ class PackedW4:
     @property
     def device(self) -> torch.device:
         return self.qweight.device
+
+
+@dataclass(frozen=True)
+class PackedW4(_Packed):
+    """INT4 weights packed for one kernel family. `shape` is the logical (E, N, K) or (N, K)."""
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    shape: tuple
+    group_size: int
+    layout: str
+
+    @property
+    def experts(self) -> int | None:
+        return self.shape[0] if len(self.shape) == 3 else None
 
     @property
     def nbytes(self) -> int:
@@ -712,7 +716,7 @@ RUN_WORDS = RUN // 8
 
 
 @dataclass(frozen=True)
-class DecodeW4:
+class DecodeW4(_Packed):
     """INT4 weights repacked for the decode kernels: qweight int32 [Kp/8, N] (Kp = K rounded up to
     256; runs of 256 K values, word j of a run holding K offset 32 i + j in nibble i, +8 offset, pad
     value 0), scales bf16 [Kp/256, ceil(N/2), 256/g, 2] (run, column pair, group of the run, column of
@@ -725,20 +729,8 @@ class DecodeW4:
     group_size: int
 
     @property
-    def n(self) -> int:
-        return self.shape[-2]
-
-    @property
-    def k(self) -> int:
-        return self.shape[-1]
-
-    @property
     def k_padded(self) -> int:
         return self.qweight.shape[-2] * 8
-
-    @property
-    def device(self) -> torch.device:
-        return self.qweight.device
 
     @property
     def nbytes(self) -> int:
