@@ -211,6 +211,41 @@ def test_trip_counts_from_the_ir_on_the_launch_arguments():
     assert ir["dots"] == [[16, 32, 64, "bf16", 50]] and ir["flops_per_cta"] == 2 * 16 * 32 * 64 * 50
 
 
+SPLIT_TTIR = """
+  tt.func public @k(%q_ptr: !tt.ptr<i32> {tt.divisibility = 16 : i32}, %K: i32 {tt.divisibility = 16 : i32}, %SPLITS: i32) attributes {noinline = false} {
+    %c1_i32 = arith.constant 1 : i32
+    %c255_i32 = arith.constant 255 : i32
+    %c256_i32 = arith.constant 256 : i32
+    %pid_n = tt.get_program_id x : i32
+    %pid_k = tt.get_program_id y : i32
+    %runs = arith.addi %K, %c255_i32 : i32
+    %runs_1 = arith.divsi %runs, %c256_i32 : i32
+    %r0 = arith.muli %pid_k, %runs_1 : i32
+    %r0_2 = arith.divsi %r0, %SPLITS : i32
+    %r1 = arith.addi %pid_k, %c1_i32 : i32
+    %r1_3 = arith.muli %r1, %runs_1 : i32
+    %r1_4 = arith.divsi %r1_3, %SPLITS : i32
+    %acc = scf.for %r = %r0_2 to %r1_4 step %c1_i32 iter_args(%a = %acc0) -> (tensor<16x128xf32>)  : i32 {
+      scf.yield %a : tensor<16x128xf32>
+    }
+    tt.return
+  }
+"""
+
+
+def test_trips_of_every_program_along_the_axis_that_changes_them():
+    # split pid_k of 9 takes runs [28 pid_k / 9, 28 (pid_k + 1) / 9): 0 3 6 9 12 15 18 21 24 28
+    t = compiled.machine.program_trips(SPLIT_TTIR, {"K": 7168, "SPLITS": 9}, (32, 9))
+    assert t == {"trips_min": 3, "trips_max": 4, "trips_by_pid": {"axis": 1, "trips": [3] * 8 + [4]}}
+    assert compiled.machine.ttir_loops(SPLIT_TTIR, {"K": 7168, "SPLITS": 9}, (32, 9))["main_trips"] == 3  # the middle
+    # 7 splits of 28 runs: 4 each, whatever the program
+    assert compiled.machine.program_trips(SPLIT_TTIR, {"K": 7168, "SPLITS": 7}, (32, 7)) == \
+        {"trips_min": 4, "trips_max": 4, "trips_by_pid": None}
+    # the nest of TTIR: K/64 = 10 outer trips times pid + 1 inner
+    assert compiled.machine.program_trips(TTIR, {"K": 640, "L": 3}, (9,))["trips_by_pid"] == \
+        {"axis": 0, "trips": [10 * (p + 1) for p in range(9)]}
+
+
 def _row(**kw):
     """A compiled sm_90 row for the model: a loop of `instrs` warp-instructions moving `bpw` bytes per warp."""
     base = dict(ok=True, launch="k", kernel="k", target="sm_90", num_warps=4, num_stages=1, regs=32, shared_kb=0.0,
@@ -269,6 +304,41 @@ def test_cost_model_trips_from_bytes_when_the_ir_cannot_say():
     p = compiled.predict(_row(trips=None, trips_known=False), "H200")
     # 1024*64*8192 bytes over 1024 CTAs, 4 warps x 1024 B per iteration: 128 trips (stores are not in the loop's count)
     assert p["trips"] == 128 and p["trips_from"] == "bytes"
+
+
+def test_cost_model_busiest_sm_holds_the_long_splits():
+    # 66 x 4 CTAs on H200's 132 SMs, all resident (16 a SM): split k (CTAs 66k..66k+65) runs 3, 3, 3, 4 trips.
+    # CTA i goes to SM i mod 132: SM s holds CTAs s (split 0 or 1, 3 trips) and s + 132 (split 2 for s < 66,
+    # 3 trips; split 3 for s >= 66, 4 trips). A CTA's warp-instructions: (2100 - 2000 + 2000 t) x 4 warps.
+    loop = {"instrs": 2000, "global_bytes_per_warp": 1024, "mma": 0, "async": True, "tma_loads": 0,
+            "kernel_instrs": 2100, "loops": 1}
+    row = _row(ctas=264, grid=[66, 4], num_stages=3, sass=loop, dram_bytes=24e6, trips=3,
+               trips_by_pid={"axis": 1, "trips": [3, 3, 3, 4]}, trips_min=3, trips_max=4)
+    rate = 4 * 1.98e9
+    p = compiled.predict(row, "H200")
+    busiest = (100 + 2000 * 3) * 4 + (100 + 2000 * 4) * 4                   # 24400 + 32400 on SMs 66..131
+    assert p["busiest_sm_instrs"] == busiest and p["trips_mean"] == 3.25 and p["trips_max"] == 4
+    assert p["bounds"]["waves"] == pytest.approx(busiest / rate)                                 # 7.17 µs
+    assert p["bounds"]["issue"] == pytest.approx(2 * (100 + 2000 * 3.25) * 4 / rate)            # 6.67 µs, 2 CTAs a SM
+    assert p["bounds"]["latency"] == pytest.approx((3.25 / 2 + 1) * 600e-9)      # the mean CTA's chain, 2 trips in flight
+    assert p["bound"] == "waves" and p["seconds"] == pytest.approx(busiest / rate)
+    # the same row compiled before the spread was kept: every CTA runs the middle program's 3 trips
+    old = {k: v for k, v in row.items() if k not in ("trips_by_pid", "trips_min", "trips_max")}
+    q = compiled.predict(old, "H200")
+    assert q["bound"] == "issue" and q["seconds"] == pytest.approx(2 * (100 + 6000) * 4 / rate)   # 6.16 µs
+    # only the longest known (trips vary along several axes): the busiest SM's 2 CTAs both that long
+    r = compiled.predict({**old, "trips_max": 4}, "H200")
+    assert r["bounds"]["waves"] == pytest.approx(2 * (100 + 8000) * 4 / rate) and r["bounds"]["issue"] == q["bounds"]["issue"]
+    # equal splits listed one by one predict what the closed form does
+    even = compiled.predict({**row, "trips_by_pid": {"axis": 1, "trips": [3] * 4}}, "H200")
+    assert even["bounds"] == pytest.approx(q["bounds"])
+
+
+def test_busiest_sm_dispatch_fills_the_slot_that_frees_first():
+    # 2 SMs, 1 slot each: CTA 0 (4 units) on SM 0, CTA 1 on SM 1, which frees first and so takes CTAs 2, 3, 4;
+    # each SM ends with 4 units (round robin would give SM 0 4 + 1 + 1)
+    work = [(4.0, 0.0, 1.0)] + [(1.0, 0.0, 1.0)] * 4
+    assert compiled.cost._busiest_sm(work, 2, 1) == (4.0, 0.0, 4.0)
 
 
 def test_residency_limits():

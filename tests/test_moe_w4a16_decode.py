@@ -129,12 +129,12 @@ def test_decode_config_fills_the_sms():
 
 
 def test_decode_sm100_config_uneven_split():
-    # B200 (sm_100, 148 SMs): 9 splits of the 28 runs at N 4096, K 7168 (3 or 4 runs each, 288 CTAs <= 2 per
-    # SM); the other NVIDIA targets keep whole equal splits
+    # B200 (sm_100, 148 SMs): 64-column CTAs of 2 warps, 6 splits of the 28 runs at N 4096, K 7168 (4 or 5
+    # runs each, 384 CTAs <= 3 per SM); the other NVIDIA targets keep 128 columns and whole equal splits
     from inferbook import device
     with device.building_for("sm_100"):
         cfg = W.decode_config(1, 4096, 7168)
-    assert cfg["SPLIT_K"] == 9 and 32 * 9 <= 2 * 148
+    assert (cfg["BLOCK_N"], cfg["num_warps"], cfg["SPLIT_K"]) == (64, 2, 6) and 28 % 6 and 64 * 6 <= 3 * 148
     with device.building_for("sm_90"):
         assert W.decode_config(1, 4096, 7168)["SPLIT_K"] == 7
 
@@ -145,7 +145,7 @@ def test_decode_uneven_split_in_the_interpreter(deterministic):
     from inferbook import device
     q, d = _case(256, 7 * 256, 32, seed=3)
     with device.building_for("sm_100"):
-        cfg = W.decode_config(2, 256, 7 * 256, sms=5)
+        cfg = W.decode_config(2, 256, 7 * 256, sms=8)       # 4 column blocks of 64, 2.6 CTAs on 8 SMs
     assert cfg["SPLIT_K"] == 5 and 7 % 5
     x = _x(2, 7 * 256)
     out = W.decode_linear(x, d, block=cfg, deterministic=deterministic)

@@ -668,7 +668,7 @@ def _nvdisasm(cubin: bytes) -> str:
 def machine_facts(ck, launch: Launch, isa: str) -> dict:
     """The cost model's inputs from a compiled kernel: the launch's grid, DRAM bytes and integer
     arguments, the main loop of its machine code (`machine.main_loop`), and the trips and dot FLOPs
-    of its Triton IR (`machine.ttir_loops`)."""
+    of its Triton IR (`machine.ttir_loops`; across the grid: `machine.program_trips`)."""
     from . import machine
 
     shape = launch_shape_facts(launch)
@@ -676,10 +676,13 @@ def machine_facts(ck, launch: Launch, isa: str) -> dict:
         loop = machine.main_loop(machine.sass_instructions(_nvdisasm(ck.asm["cubin"])), "sass")
     else:
         loop = machine.main_loop(machine.amdgcn_instructions(ck.asm.get("amdgcn", "")), "amdgcn")
-    ir = machine.ttir_loops(ck.asm.get("ttir", ""), shape["int_args"], shape["grid"] or (1,))
+    ttir, grid = ck.asm.get("ttir", ""), shape["grid"] or (1,)
+    ir = machine.ttir_loops(ttir, shape["int_args"], grid)
     key = "sass" if isa == "sass" else "isa_loop"
+    # the trips of the other programs too: the busiest SM may hold the longest CTAs (an uneven split)
+    spread = machine.program_trips(ttir, shape["int_args"], grid) if ir["trips_known"] else {}
     return {"grid": shape["grid"], "ctas": shape["ctas"], "dram_bytes": shape["dram_bytes"], "dram_from": shape["dram_from"],
-            key: loop, "trips": ir["main_trips"], "trips_known": ir["trips_known"],
+            key: loop, "trips": ir["main_trips"], "trips_known": ir["trips_known"], **spread,
             "flops_per_cta": ir["flops_per_cta"], "dots": ir["dots"]}
 
 

@@ -7,9 +7,14 @@ The model, and every assumption it makes (the pages' "How the prediction is made
    (2·M·N·K of each `tt.dot`, times the trips of the loops around it). The main loop is the
    innermost backward branch of the machine code moving the most global bytes per iteration
    (`machine.main_loop`); `trips` is the Triton IR's bound of the loop nest around it, evaluated on
-   the launch's integer arguments for the program in the middle of the grid. Where a bound depends
-   on memory (a persistent or routed kernel), `trips` = the launch's DRAM bytes per CTA over the
-   loop's bytes per iteration (said in the row: `trips_from`). Other loops are counted once.
+   the launch's integer arguments for each program: where one grid axis changes it (an uneven
+   split-K, a causal mask) every CTA gets its own (`trips_by_pid`), the average SM the mean and the
+   busiest SM the CTAs it really holds (see `waves`); a row compiled before those were kept has the
+   middle program's `trips` for every CTA, and a row whose trips vary along several axes the middle
+   program's on average and the longest (`trips_max`) on the busiest SM. Dots run with the main
+   loop (a CTA's FLOPs scale with its trips). Where a bound depends on memory (a persistent or routed
+   kernel), `trips` = the launch's DRAM bytes per CTA over the loop's bytes per iteration (said in the
+   row: `trips_from`). Other loops are counted once.
 2. **DRAM bytes** = every tensor argument's extent moved once (re-reads hit L2), unless the builder
    states `Launch.dram_bytes` (e.g. only the routed experts' weights).
 3. **Residency.** CTAs per SM (CU) = the least of: registers (65536 per SM, allocated per warp in
@@ -32,9 +37,14 @@ The model, and every assumption it makes (the pages' "How the prediction is made
      asynchronous copies — cp.async, TMA, loads into LDS — or, on CDNA, when the loop has MFMA, which
      Triton's stream pipeliner prefetches; else 1), plus one latency; resident CTAs overlap. Little's law is
      reported beside it: bytes in flight per SM vs latency × (bandwidth / SMs).
-   - `waves`: the issue, compute and latency bounds recomputed for the *busiest* SM (ceil(grid /
-     SMs) CTAs, in rounds of the resident count): wave quantization. It binds only when it exceeds
-     every other bound by more than 2 %.
+   - `waves`: the issue, compute and latency bounds recomputed for the *busiest* SM: wave
+     quantization. CTAs are dispatched in launch order (x fastest), the first SMs × resident count
+     breadth-first (CTA i to SM i mod SMs), each later one to the slot that frees first, a CTA
+     taking as long as its instructions; the busiest SM is the one with the most instructions (FLOPs;
+     for latency, the slot with the longest chain). With equal CTAs that is ceil(grid / SMs) CTAs in
+     rounds of the resident count; with unequal ones, e.g. 9 splits of 3 or 4 runs, the long CTAs
+     and the short ones beside them on the same SM. It binds only when it exceeds every other bound
+     by more than 2 %.
    - `floor`: the old ideal roofline, max(DRAM bytes / datasheet bandwidth, FLOPs / peak) — shown as
      the floor, never as the prediction.
 Not modelled: L2 and shared-memory bandwidth, bank conflicts, launch overhead, clocks below boost,
@@ -140,6 +150,47 @@ def _dot_rate(row: dict, card: dict) -> float:
     return rate * 1e12
 
 
+SIMULATED_CTAS_MAX = 1 << 18     # unequal CTAs dispatched one by one up to this grid (else: all the longest)
+
+
+def _spread(row: dict, trips: int, grid: int) -> tuple[float, list[int] | None, int]:
+    """(a CTA's mean trips, each CTA's trips in launch order (x fastest) or None where they are all
+    `trips` or not each known, the longest) from the row's `trips_by_pid` / `trips_max`
+    (`machine.program_trips`); a row without them: every CTA runs the middle program's `trips`."""
+    dist = row.get("trips_by_pid")
+    dims = [max(int(g), 1) for g in row.get("grid") or [grid]]
+    if dist and 0 <= int(dist["axis"]) < len(dims) and len(dist["trips"]) == dims[int(dist["axis"])] \
+            and math.prod(dims) == grid:
+        a, per = int(dist["axis"]), [max(int(t), 0) for t in dist["trips"]]
+        mean = sum(per) / len(per)
+        if min(per) == max(per) or grid > SIMULATED_CTAS_MAX:
+            return mean, None, max(per)
+        stride = math.prod(dims[:a])
+        return mean, [per[(i // stride) % dims[a]] for i in range(grid)], max(per)
+    tmax = row.get("trips_max")
+    return trips, None, max(trips, int(tmax)) if tmax is not None else trips
+
+
+def _busiest_sm(work: list[tuple[float, float, float]], sms: int, occ: int) -> tuple[float, float, float]:
+    """Each CTA's (instructions, FLOPs, latency chain) in launch order -> the busiest SM's instructions,
+    its FLOPs (each the SM with the most) and the longest chain of one resident slot: the first
+    sms * occ CTAs breadth-first (CTA i to SM i mod sms), each later one to the slot that frees first
+    (ties: the lowest slot), a CTA lasting as long as its instructions."""
+    import heapq
+
+    first = sms * occ
+    sm_i, sm_f = [0.0] * sms, [0.0] * sms
+    slot_c = [0.0] * min(len(work), first)
+    free: list[tuple[float, int]] = []
+    for i, (ins, fl, ch) in enumerate(work):
+        start, slot = (0.0, i) if i < first else heapq.heappop(free)
+        sm_i[slot % sms] += ins
+        sm_f[slot % sms] += fl
+        slot_c[slot] += ch
+        heapq.heappush(free, (start + ins, slot))
+    return max(sm_i), max(sm_f), max(slot_c, default=0.0)
+
+
 def predict(row: dict, card: str, *, copy_gbps: float | None = None) -> dict:
     """The model of the module docstring for one compile-table row on `card`: {'seconds', 'bound',
     'ceiling' ('measured'|'datasheet'), 'bounds': {name: seconds}, and what went into it}.
@@ -164,10 +215,18 @@ def predict(row: dict, card: str, *, copy_gbps: float | None = None) -> dict:
         trips = math.ceil(dram / grid / bytes_iter_cta) if bytes_iter_cta and loop["instrs"] else (1 if loop["instrs"] else 0)
         trips_from = "bytes"
     trips = max(int(trips), 1 if loop["instrs"] else 0)
-    instr_cta = (loop["kernel_instrs"] - loop["instrs"] + loop["instrs"] * trips) * warps
+    mean, each, longest = _spread(row, trips, grid) if trips_from == "ttir" else (trips, None, trips)
+
+    def instrs(t: float) -> float:          # one CTA's warp-instructions when its main loop runs t times
+        return (loop["kernel_instrs"] - loop["instrs"] + loop["instrs"] * t) * warps
+
     # dots whose loop trips the IR could not evaluate run once per main-loop trip
     flops_cta = float(sum(2 * d[0] * d[1] * d[2] * (d[4] if d[4] is not None else trips)
                           for d in row.get("dots") or [])) or float(row.get("flops_per_cta") or 0.0)
+
+    def flops(t: float) -> float:           # the dots run with the main loop
+        return flops_cta * t / trips if trips else flops_cta
+
     res = residency(row)
     occ = max(res["ctas_per_sm"], 1)
     used = min(grid, sms)
@@ -181,22 +240,28 @@ def predict(row: dict, card: str, *, copy_gbps: float | None = None) -> dict:
     pipelined = loop.get("async") or (lim["vendor"] == "amd" and loop.get("mma"))
     async_depth = max(1, int(row.get("num_stages") or 1) - 1) if pipelined else 1
     lat = LATENCY_NS[c["vendor"]] * 1e-9
-    # one CTA's chain of dependent latencies: the loop's, or (straight-line code) one load and one store
-    chain = (trips / async_depth + 1) * lat if loop["instrs"] else 2 * lat
+
+    def chain(t: float) -> float:
+        # one CTA's chain of dependent latencies: the loop's, or (straight-line code) one load and one store
+        return (t / async_depth + 1) * lat if loop["instrs"] else 2 * lat
+
     bounds = {
         "memory": dram / bw,
-        "compute": avg * flops_cta / sm_flops if sm_flops else 0.0,
-        "issue": avg * instr_cta / slots,
-        "latency": max(1.0, avg / occ) * chain,
+        "compute": avg * flops(mean) / sm_flops if sm_flops else 0.0,
+        "issue": avg * instrs(mean) / slots,
+        "latency": max(1.0, avg / occ) * chain(mean),
     }
-    bounds["waves"] = max(busiest * flops_cta / sm_flops if sm_flops else 0.0, busiest * instr_cta / slots,
-                          math.ceil(busiest / occ) * chain)
+    if each is not None:        # unequal CTAs, each known: the SM that really gets the most
+        top_i, top_f, top_c = _busiest_sm([(instrs(t), flops(t), chain(t)) for t in each], sms, occ)
+    else:                       # equal CTAs (or only the longest known: all of the busiest SM's that long)
+        top_i, top_f, top_c = busiest * instrs(longest), busiest * flops(longest), math.ceil(busiest / occ) * chain(longest)
+    bounds["waves"] = max(top_f / sm_flops if sm_flops else 0.0, top_i / slots, top_c)
     pick = [b for b in BOUND_ORDER if b != "waves"]
     bound = max(pick, key=lambda b: (bounds[b], -BOUND_ORDER.index(b)))
     if bounds["waves"] > WAVES_MARGIN * bounds[bound]:
         bound = "waves"
     seconds = bounds[bound]
-    total_flops = flops_cta * grid
+    total_flops = flops(mean) * grid
     floor = max(dram / (c["hbm_tbps"] * 1e12), total_flops / (c["bf16_tflops"] * 1e12))
     in_flight = resident * bytes_iter_cta * async_depth
     return {
@@ -205,7 +270,8 @@ def predict(row: dict, card: str, *, copy_gbps: float | None = None) -> dict:
         "bounds": bounds, "floor_s": floor, "ctas": grid, "ctas_per_sm": res["ctas_per_sm"],
         "residency_limit": res["limit"], "warps_per_sm": res["warps_per_sm"],
         "waves": math.ceil(grid / (sms * occ)), "trips": trips, "trips_from": trips_from,
-        "loop_instrs": loop["instrs"], "instr_per_byte": (instr_cta * grid / dram) if dram else None,
+        "trips_mean": mean, "trips_max": longest, "busiest_sm_instrs": top_i,
+        "loop_instrs": loop["instrs"], "instr_per_byte": (instrs(mean) * grid / dram) if dram else None,
         "bytes_in_flight_per_sm": in_flight, "bytes_in_flight_needed": lat * bw / sms,
         "dram_bytes": dram, "flops": total_flops, "frac_of_copy": (dram / bw) / seconds if seconds else None,
     }

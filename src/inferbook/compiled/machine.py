@@ -11,11 +11,14 @@ Pure functions on text, unit-tested on fixed listings (tests/test_compiled.py):
   returns that body's instruction count, global bytes per warp (wave) per iteration, matrix
   instructions, whether its loads are asynchronous copies (cp.async / TMA / direct-to-LDS, which let
   `num_stages` iterations be in flight) and the whole kernel's instruction count.
-- `ttir_loops(ttir, ints, grid)`: the trip counts of the kernel's `scf.for` loops, evaluated from the
-  Triton IR's loop bounds with the launch's own integer arguments and the program in the middle of
-  the grid (None where a bound depends on memory, e.g. routing counts loaded in the kernel), and the
-  tensor-core FLOPs one CTA executes (`tt.dot` / `tt.dot_scaled`: 2·M·N·K each, times the trips of
-  the loops around it).
+- `ttir_loops(ttir, ints, grid, pid)`: the trip counts of the kernel's `scf.for` loops, evaluated from
+  the Triton IR's loop bounds with the launch's own integer arguments and one program (`pid`; default
+  the program in the middle of the grid) (None where a bound depends on memory, e.g. routing counts
+  loaded in the kernel), and the tensor-core FLOPs one CTA executes (`tt.dot` / `tt.dot_scaled`:
+  2·M·N·K each, times the trips of the loops around it).
+- `program_trips(ttir, ints, grid)`: the main loop's trips across the grid: evaluated at the first,
+  middle and last program of each grid axis (the others held in the middle); where one axis changes
+  them (an uneven split-K, a causal mask), at every program along it.
 """
 from __future__ import annotations
 
@@ -220,12 +223,14 @@ _CMP = {"slt": lambda a, b: a < b, "sle": lambda a, b: a <= b, "sgt": lambda a, 
         "ult": lambda a, b: a < b, "ule": lambda a, b: a <= b, "ugt": lambda a, b: a > b, "uge": lambda a, b: a >= b}
 
 
-def ttir_loops(ttir: str, ints: dict[str, int], grid: tuple | list = ()) -> dict:
+def ttir_loops(ttir: str, ints: dict[str, int], grid: tuple | list = (), pid: tuple | list | None = None) -> dict:
     """{'loops': [{'trips', 'depth'}...], 'main_trips', 'flops_per_cta', 'dots'}: every `scf.for`
     with its trip count (None when a bound is not a function of the integer arguments and the program
     id), 'main_trips' the largest product of trips along a loop nest (the main loop's), and the FLOPs
-    of one CTA's `tt.dot`s (operand element type kept in 'dots': [(M, N, K, dtype, executions)])."""
+    of one CTA's `tt.dot`s (operand element type kept in 'dots': [(M, N, K, dtype, executions)]).
+    `pid`: the program whose trips these are (one id per grid axis; default the middle one)."""
     grid = tuple(int(g) for g in grid) + (1, 1, 1)
+    pid = tuple(int(p) for p in pid) + (0, 0, 0) if pid is not None else tuple((g - 1) // 2 for g in grid)
     env: dict[str, int | None] = {}
     for name, value in ints.items():
         env[name] = int(value)
@@ -249,7 +254,7 @@ def ttir_loops(ttir: str, ints: dict[str, int], grid: tuple | list = ()) -> dict
                 val = int(c.group(1)) if c and ":" in rest and "tensor" not in rest.split(":")[-1] else None
             elif op == "tt.get_program_id":
                 axis = "xyz".index(rest.split()[0]) if rest.split() and rest.split()[0] in "xyz" else 0
-                val = (grid[axis] - 1) // 2
+                val = pid[axis]
             elif op == "tt.get_num_programs":
                 axis = "xyz".index(rest.split()[0]) if rest.split() and rest.split()[0] in "xyz" else 0
                 val = grid[axis]
@@ -304,3 +309,45 @@ def ttir_loops(ttir: str, ints: dict[str, int], grid: tuple | list = ()) -> dict
     return {"loops": loop_rows, "main_trips": best, "trips_known": bool(loop_rows) and not unknown,
             "flops_per_cta": flops, "flops_known": all(e is not None for *_, e in dots),
             "dots": [list(x) for x in dots]}
+
+
+PROGRAM_TRIPS_AXIS_MAX = 512      # programs along one axis evaluated one by one (a parse of the IR each)
+
+
+def program_trips(ttir: str, ints: dict[str, int], grid: tuple | list = ()) -> dict:
+    """The main loop's trips across the grid: {'trips_min', 'trips_max', 'trips_by_pid'}. Each grid
+    axis is probed at its first, middle and last program (the other axes in the middle); where exactly
+    one axis changes the trips and it has at most `PROGRAM_TRIPS_AXIS_MAX` programs, every program
+    along it is evaluated: 'trips_by_pid' = {'axis': a, 'trips': [trips of pid_a = 0, 1, ...]} (the
+    trips of every CTA, whatever its other ids). None there where the trips are the same for every
+    program probed, or vary along several axes (then min/max are of the probes). Empty where the
+    middle program's trips are unknown."""
+    dims = [int(g) for g in grid] or [1]
+    mid = [(g - 1) // 2 for g in dims]
+
+    def at(axis: int, p: int):
+        q = list(mid)
+        q[axis] = p
+        return ttir_loops(ttir, ints, dims, q)["main_trips"]
+
+    centre = ttir_loops(ttir, ints, dims, mid)["main_trips"]
+    if centre is None:
+        return {}
+    seen, varying = [centre], []
+    for a, g in enumerate(dims):
+        if g <= 1:
+            continue
+        ends = [at(a, 0), at(a, g - 1)]
+        if any(t is None for t in ends):
+            return {}
+        seen += ends
+        if any(t != centre for t in ends):
+            varying.append(a)
+    by_pid = None
+    if len(varying) == 1 and dims[varying[0]] <= PROGRAM_TRIPS_AXIS_MAX:
+        a = varying[0]
+        trips = [at(a, p) for p in range(dims[a])]
+        if all(t is not None for t in trips):
+            by_pid = {"axis": a, "trips": trips}
+            seen = trips
+    return {"trips_min": min(seen), "trips_max": max(seen), "trips_by_pid": by_pid}

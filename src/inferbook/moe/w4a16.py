@@ -104,19 +104,8 @@ PACKING_SPECS = {
 }
 
 
-@dataclass(frozen=True)
-class PackedW4:
-    """INT4 weights packed for one kernel family. `shape` is the logical (E, N, K) or (N, K)."""
-
-    qweight: torch.Tensor
-    scales: torch.Tensor
-    shape: tuple
-    group_size: int
-    layout: str
-
-    @property
-    def experts(self) -> int | None:
-        return self.shape[0] if len(self.shape) == 3 else None
+class _Packed:
+    """What every packed INT4 weight answers from its logical `shape` ((N, K) or (E, N, K)) and `qweight`."""
 
     @property
     def n(self) -> int:
@@ -129,6 +118,21 @@ class PackedW4:
     @property
     def device(self) -> torch.device:
         return self.qweight.device
+
+
+@dataclass(frozen=True)
+class PackedW4(_Packed):
+    """INT4 weights packed for one kernel family. `shape` is the logical (E, N, K) or (N, K)."""
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    shape: tuple
+    group_size: int
+    layout: str
+
+    @property
+    def experts(self) -> int | None:
+        return self.shape[0] if len(self.shape) == 3 else None
 
     @property
     def nbytes(self) -> int:
@@ -712,7 +716,7 @@ RUN_WORDS = RUN // 8
 
 
 @dataclass(frozen=True)
-class DecodeW4:
+class DecodeW4(_Packed):
     """INT4 weights repacked for the decode kernels: qweight int32 [Kp/8, N] (Kp = K rounded up to
     256; runs of 256 K values, word j of a run holding K offset 32 i + j in nibble i, +8 offset, pad
     value 0), scales bf16 [Kp/256, ceil(N/2), 256/g, 2] (run, column pair, group of the run, column of
@@ -725,20 +729,8 @@ class DecodeW4:
     group_size: int
 
     @property
-    def n(self) -> int:
-        return self.shape[-2]
-
-    @property
-    def k(self) -> int:
-        return self.shape[-1]
-
-    @property
     def k_padded(self) -> int:
         return self.qweight.shape[-2] * 8
-
-    @property
-    def device(self) -> torch.device:
-        return self.qweight.device
 
     @property
     def nbytes(self) -> int:
@@ -990,29 +982,31 @@ def decode_asm(device) -> bool:
 
 
 
-# Per target (`device.pick_config`): the SMs the split-K fills, whether the split must divide the
-# runs evenly, and the pipeline depth. B200 (sm_100, 148 SMs) reads HBM 1.67x faster than H200 but
-# issues only 1.11x more instructions, so its grid must fill 148 SMs without a long tail: at N 4096,
-# K 7168 no split of the 28 runs into equal whole parts does (7 splits: 224 CTAs, the busiest SM 2
-# where the average has 1.5); 9 splits of 3 or 4 runs (288 CTAs, at most 2 per SM, all resident at
-# once) do. The cost model reads the trips of the middle program (3 runs); the busiest SM holds one
-# 4-run and one 3-run CTA, which the model's waves bound does not see (about 7/6 of its loop time).
-# 3 stages, not 2: 2 save a few loop instructions but wait one DRAM latency a run instead of half of
-# one, which the 4-run CTAs cannot hide.
+# Per target (`device.pick_config`): the SMs the split-K fills, the column block and its warps, the
+# CTAs per SM the split aims at, whether the split must divide the runs evenly, and the pipeline depth.
+# B200 (sm_100, 148 SMs) reads HBM 1.67x faster than H200 but issues only 1.11x more instructions, so
+# its grid must fill 148 SMs without a long tail. At N 4096, K 7168 with 128-column CTAs no split does:
+# 7 equal splits (224 CTAs) leave the busiest SM 2 CTAs of 4 runs where the average has 1.5; 9 splits
+# of 3 or 4 runs (288 CTAs) put a 4-run and a 3-run CTA on the busiest SM (7 runs where the average
+# has 6.05) and 1.3x the CTAs' prologues, which the cost model (each CTA's own trips) predicts under
+# 80 % of the copy ceiling at M = 2. 64-column CTAs of 2 warps (the same 32 columns a warp, 5 resident
+# a SM) halve the grain: 6 splits of 4 or 5 runs (384 CTAs, at most 3 a SM) keep the prologues few and
+# the busiest SM near the average (`inferbook inspect chord-w4a16 --target sm_100`).
+# 3 stages, not 2: 2 save a few loop instructions but wait one DRAM latency a run instead of half of one.
 DECODE_TARGETS = {
-    "nvidia": dict(sms=H200_SMS, even_split=True, num_stages=3),
-    "sm_100": dict(sms=148, even_split=False, num_stages=3),
+    "nvidia": dict(sms=H200_SMS, block_n=128, num_warps=4, ctas_per_sm=2.0, even_split=True, num_stages=3),
+    "sm_100": dict(sms=148, block_n=64, num_warps=2, ctas_per_sm=2.6, even_split=False, num_stages=3),
 }
 
 
 def decode_config(m: int, n: int, k: int, *, sms: int | None = None, interpreted: bool = False, device=None) -> dict:
     """Tiles and split-K of the decode kernel. BLOCK_N 128 (4 warps, one m16 x 32 MMA strip per
-    warp); split K over runs so the grid holds about 2 CTAs (8 warps) per SM -- what the kernel's
-    registers let an SM hold at once -- each split >= 1 run. Fewer, longer splits amortise each CTA's
+    warp; on sm_100 BLOCK_N 64 of 2 warps, `DECODE_TARGETS`); split K over runs so the grid holds about
+    2 CTAs (8 warps) per SM -- what the kernel's registers let an SM hold at once -- each split >= 1 run. Fewer, longer splits amortise each CTA's
     prologue (the pipeline's fill) and epilogue over more runs: at N 4096, K 7168 a split of 7 (224 CTAs,
     4 runs each) is predicted faster than one of 10 that gives every SM two CTAs (3 runs each), which
     spends more of its issue slots outside the main loop. Where the target allows uneven splits
-    (`DECODE_TARGETS`) the split count is the one nearest 2 CTAs per SM and splits differ by one run.
+    (`DECODE_TARGETS`) the split count is the one nearest the target's CTAs per SM and splits differ by one run.
     `device`: whose target picks the entry (`device.pick_config`; default a CUDA device, i.e. the
     `building_for` target or the GPU's). The interpreter: one wide program per split (its cost is per program)."""
     if m > DECODE_MAX_M:
@@ -1021,13 +1015,13 @@ def decode_config(m: int, n: int, k: int, *, sms: int | None = None, interpreted
     if interpreted:
         return dict(BLOCK_M=16, BLOCK_N=64, SPLIT_K=min(2, runs))
     t = pick_config(DECODE_TARGETS, torch.device("cuda") if device is None else device)
-    bn = 128
+    bn = t["block_n"]
     n_blocks = -(-n // bn)
-    split = max(1, min(runs, round(2 * (sms or t["sms"]) / n_blocks)))
+    split = max(1, min(runs, round(t["ctas_per_sm"] * (sms or t["sms"]) / n_blocks)))
     if t["even_split"]:
         per = -(-runs // split)
         split = -(-runs // per)                                    # whole equal splits, no empty one
-    return dict(BLOCK_M=16, BLOCK_N=bn, SPLIT_K=split, num_warps=4, num_stages=t["num_stages"])
+    return dict(BLOCK_M=16, BLOCK_N=bn, SPLIT_K=split, num_warps=t["num_warps"], num_stages=t["num_stages"])
 
 
 def _decode_launch(x2, qweight, scales, out, n: int, k: int, group_size: int, cfg: dict, *, device, atomic: bool):
