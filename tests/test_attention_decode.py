@@ -121,7 +121,7 @@ def test_batch_invariant_rms_norm_matches_the_model_and_is_row_invariant(dtype):
     from inferbook.serving.model import RMSNorm
 
     g = torch.Generator().manual_seed(5)
-    x = (3 * torch.randn(9, 96, generator=g)).to(dtype)
+    x = (3 * torch.randn(2 * decode.BI_RMS_ROWS + 5, 96, generator=g)).to(dtype)   # three programs' tiles
     norm = RMSNorm(96, 1e-6)
     with torch.no_grad():
         norm.weight.copy_(torch.rand(96, generator=g) + 0.5)
@@ -129,5 +129,9 @@ def test_batch_invariant_rms_norm_matches_the_model_and_is_row_invariant(dtype):
     want = norm.to(dtype)(x).float()
     eps = torch.finfo(dtype).eps
     assert (got - want).abs().max() <= 4 * eps * want.abs().max()           # the model's norm, to rounding
+    full = decode.batch_invariant_rms_norm(x, 1e-6)
     alone = decode.batch_invariant_rms_norm(x[4:5], 1e-6)
-    assert torch.equal(alone, decode.batch_invariant_rms_norm(x, 1e-6)[4:5])   # one kernel, one row: bits
+    assert torch.equal(alone, full[4:5])   # one kernel, one row: bits
+    # a row at another place in another program's tile, among other rows: the same bits
+    i = decode.BI_RMS_ROWS + 3
+    assert torch.equal(decode.batch_invariant_rms_norm(x[i - 5:], 1e-6)[5], full[i])

@@ -77,14 +77,15 @@ PRESETS = {
     "smoke": dict(batch_sizes=(1, 2, 3, 5, 8), heads=4, kv_heads=2, head_dim=32, max_seqlen=128, target_len=120,
                   split_size=32, sms=8, mm_m_values=(1, 3, 17, 64), mm_k=128, mm_n=64, time_batches=(1, 8),
                   time_seqlen=1024, reps=3, e2e_requests=4, e2e_new_tokens=3, e2e_layers=1),
-    # cpu: every Triton kernel runs in the interpreter (one Python step per program), so the
-    # end-to-end run is 12 requests here (four engine modes); the gpu preset runs 24 (sized to the lent
-    # machine's minutes by `inferbook budgets --preset gpu`: the engine's Python binds it). Batches up to 8:
-    # with 8 SMs the adaptive split reaches its last plan (one split per request) at B = 8, as at 16, which
-    # doubled the sweeps' work
-    "cpu": dict(batch_sizes=(1, 2, 3, 5, 8), heads=4, kv_heads=2, head_dim=64, max_seqlen=256,
-                target_len=250, split_size=64, sms=8, mm_m_values=(1, 3, 17, 64, 128), mm_k=256, mm_n=128,
-                time_batches=(1, 8), time_seqlen=1024, reps=5, e2e_requests=12, e2e_new_tokens=4, e2e_layers=1),
+    # cpu: every Triton kernel runs in the interpreter (one Python step per program and KV tile), so the
+    # end-to-end run is 8 requests here (four engine modes); the gpu preset runs 24 (sized to the lent
+    # machine's minutes by `inferbook budgets --preset gpu`: the engine's Python binds it). One KV head
+    # (four query heads on it) and a 4-SM device: the adaptive plan's want = 2 x SMs / (B x KV heads) is
+    # the same at every batch as with 2 KV heads on 8 SMs, so it takes the same split at each B, reaching
+    # its last plan (one split per request) at B = 8, for half the tiles the interpreter walks in the sweeps
+    "cpu": dict(batch_sizes=(1, 2, 3, 5, 8), heads=4, kv_heads=1, head_dim=64, max_seqlen=256,
+                target_len=250, split_size=64, sms=4, mm_m_values=(1, 3, 17, 64, 128), mm_k=256, mm_n=128,
+                time_batches=(1, 8), time_seqlen=1024, reps=5, e2e_requests=8, e2e_new_tokens=4, e2e_layers=1),
     "gpu": dict(batch_sizes=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64), heads=32, kv_heads=8, head_dim=128,
                 max_seqlen=8192, target_len=8000, split_size=256, sms=0, mm_m_values=(1, 2, 3, 8, 17, 64, 128, 256, 1024),
                 mm_k=4096, mm_n=4096, time_batches=(1, 2, 4, 8, 16, 32, 64), time_seqlen=8192, reps=20,

@@ -52,9 +52,11 @@ PRESETS = {
     "smoke": dict(world_size=2, tokens=4, hidden=96, topk_per_rank=2, check_numel=256, order_numel=4096,
                   allreduce_numels=(512, 16384), vocab=16384, vocabs=(1024, 16384), batches=(1, 8), reps=3,
                   timeout_s=150),
-    "cpu": dict(world_size=4, tokens=16, hidden=1024, topk_per_rank=2, check_numel=4096, order_numel=1 << 16,
-                allreduce_numels=(1024, 16384, 262144, 1 << 20), vocab=163840, vocabs=(4096, 32768, 163840),
-                batches=(1, 16, 64), reps=7),
+    # cpu: the tail's Triton kernels run in the interpreter (one Python step per program), so 8 tokens; the
+    # ranks' timing loops share 2 cores among 4 processes, so 5 reps and all-reduce sizes up to 256K elements
+    "cpu": dict(world_size=4, tokens=8, hidden=1024, topk_per_rank=2, check_numel=4096, order_numel=1 << 16,
+                allreduce_numels=(1024, 16384, 262144), vocab=163840, vocabs=(4096, 32768, 163840),
+                batches=(1, 16, 64), reps=5),
     "gpu": dict(world_size=4, tokens=2048, hidden=7168, topk_per_rank=2, check_numel=65536, order_numel=1 << 20,
                 allreduce_numels=(4096, 65536, 1 << 20, 1 << 22), vocab=163840,
                 vocabs=(8192, 32768, 65536, 163840, 262144), batches=(1, 8, 64, 256), reps=15, timeout_s=500),

@@ -82,12 +82,14 @@ PRESETS = {
                   host_sweep="0.5,1,2,3", copy_block_mb="1,4", copy_total_mb=32, file_total_mb=8, use_peer=True, admit_after=2, repeats=3, restore_reps=6),
     # the host tier holds a third of the working set of shared prefixes (num_prefixes x prefix blocks) and
     # the file tier half (more than the host: an LRU as large as the host's, fed from it, holds the same
-    # blocks and never serves), so the file and peer tiers serve hits and requests wait for their fetches
+    # blocks and never serves), so the file and peer tiers serve hits and requests wait for their fetches;
+    # 24 requests (each prefix asked for four times on average, as at the gpu preset) and six restores a
+    # source: the engine runs bind a cold `make book`
     "cpu": dict(d_model=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn=688, vocab=512, dtype="float32",
-                block_size=16, prefix_len=192, suffix_len=16, output_len=4, num_prefixes=6, num_requests=32,
+                block_size=16, prefix_len=192, suffix_len=16, output_len=4, num_prefixes=6, num_requests=24,
                 max_num_seqs=4, max_num_batched_tokens=512, device_blocks=72, host_blocks=24, file_blocks=36,
                 host_sweep="0.5,1,1.5", copy_block_mb="1,4", copy_total_mb=64, file_total_mb=16,
-                use_peer=True, admit_after=2, repeats=3, restore_reps=8),
+                use_peer=True, admit_after=2, repeats=3, restore_reps=6),
     # gpu: sized to the lent machine's minutes (`inferbook budgets --preset gpu`): every engine step's
     # Python and per-layer calls bind it, so fewer layers, requests and output tokens (4: TTFT is the
     # point); six prefixes, each still asked for four times, with the device, host and file tiers cut in
