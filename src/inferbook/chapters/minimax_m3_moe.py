@@ -500,3 +500,23 @@ def roofline_work(params: dict) -> list[dict]:
                     "record": f"shared-fused-c{C}-{step_tag(C, E, k)}",
                     "metric": "layer"})
     return out
+
+
+DECODE_KERNELS = ("moe_decode_kernel", "w4a16_decode_kernel")
+
+
+def decode_bound_rows(target: str = "sm_90") -> list[dict]:
+    """The cost model's verdict (`compiled.predict_launches`, from the committed compile table; predicted,
+    not measured) on this chapter's decode-kernel launches (the decode steps, C <= 16, and the decode
+    check), one row each: issue time over memory time at the copy ceiling, the binding bound and the
+    predicted share of that ceiling."""
+    from .. import compiled
+
+    out = []
+    for p in compiled.predict_launches("minimax-m3-moe", target, compiled.TARGET_CARD[target]):
+        if p["kernel"] not in DECODE_KERNELS:
+            continue
+        b = p["bounds"]
+        out.append({"launch": p["launch"], "issue / memory time": round(b["issue"] / b["memory"], 2),
+                    "bound": p["bound"], "% of copy ceiling": round(100 * p["frac_of_copy"]), "ceiling": p["ceiling"]})
+    return out
