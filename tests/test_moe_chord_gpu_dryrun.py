@@ -56,8 +56,15 @@ def test_m3_gpu_branch_dry_run_times_both_paths_at_each_tile_config(monkeypatch)
     monkeypatch.setattr(m3, "on_gpu", lambda ctx: True)
     # C = 64, E = 8, k = 2: 16 rows per routed expert, 21.3 per expert with the shared slot -> two configs
     assert len(m3.tile_configs(64, 8, 2)) == 2
-    recs = m3.shared_timings(ctx, 64, 32, 8, 2, [64], 2, 2.5)
-    tags = {r.get("layer")["tiles"] for r in recs}
-    assert len(tags) == 2 and len(recs) == 4
+    # C = 4: a decode step (at most 16 rows per expert): both paths once, on the decode kernels
+    recs = m3.shared_timings(ctx, 64, 32, 8, 2, [4, 64], 2, 2.5)
+    tags = {r.get("layer")["tiles"] for r in recs if r.workload["batch"] == 64}
+    assert len(tags) == 2 and len(recs) == 6 and m3.DECODE_TAG not in tags
+    dec = [r for r in recs if r.workload["batch"] == 4]
+    assert [r.name for r in dec] == ["shared-separate-c4-decode", "shared-fused-c4-decode"]
+    assert all("decode kernel" in r.notes for r in dec)
     gains = [m for r in recs for m in r.measurements if m["name"] == "gain_vs_separate"]
-    assert {g["tiles"] for g in gains} == tags and all("sentence" in g for g in gains)
+    assert {g["tiles"] for g in gains} == tags | {m3.DECODE_TAG} and all("sentence" in g for g in gains)
+    # the page's measured counterpart of each roofline row is a record this branch makes
+    work = m3.roofline_work({"experts": 8, "top_k": 2, "hidden": 64, "inter": 32, "concurrency": "4,64"})
+    assert {w["record"] for w in work} <= {r.name for r in recs}

@@ -10,10 +10,16 @@ Records:
 - `ep<N>`: where the shared expert lives under expert parallelism N (a copy on every rank, in
   each rank's widened physical table), the per-rank local shapes, and a simulated EP run whose
   per-rank partial outputs sum to the one-rank result.
+- `decode-check`: the same two paths as a decode step runs them (T = 16 tokens, the decode kernels on
+  experts repacked once by `pack_decode`): fused slot == separate with the same rounding points, bit
+  for bit; both, and the separate path with the shared MLP on the dense decode kernel, within
+  tolerance of fp32.
 - `shared-<variant>-c<C>-<tiles>`: separate vs fused shared expert at concurrency C (one decode
-  step of C tokens), on CUDA with every launch of both paths at the same tiles, for each of the
-  two configurations the paths would pick on their own; the fused step includes building the
-  k+1-slot routing table. On CPU the PyTorch paths (labelled CPU, tiles "torch").
+  step of C tokens). On CUDA, at C <= 16 (`FM.decode_step`) both paths on the decode kernels
+  (tiles "decode"; experts repacked once, outside the timed call), else with every MoE launch of both
+  paths at the same tiles, for each of the two configurations the paths would pick on their own; the
+  fused step includes building the k+1-slot routing table. On CPU the PyTorch paths (labelled CPU,
+  tiles "torch").
 - `seed-*`: the seed's MI355X numbers as quoted records, with their units and topology kept, so
   that `compare()` accepts MXFP8 before/after and refuses the MXFP4 and P/D figures.
 """
@@ -165,6 +171,38 @@ def shared_check(ctx, hidden, inter, experts, top_k, rsf, T=19) -> RunRecord:
     return rec
 
 
+def decode_check(ctx, hidden, inter, experts, top_k, rsf, T=FM.DECODE_MAX_ROWS) -> RunRecord:
+    """Both paths as a decode step runs them (`FM.decode_step`: T <= 16 tokens, the shared expert's
+    full m16 tile at the default T): the fused slot on `fused_moe_decode` over decode-packed experts,
+    bit for bit equal to the separate path with the same rounding points (routed experts and the shared
+    one as two `fused_moe_decode` calls, fp32 branches), both within tolerance of the fp32 definition, as
+    is the separate path the timings run (the shared MLP on the dense decode kernel, `decode_linear`)."""
+    rec = ctx.new_record("decode-check", variant="correctness (decode kernels)", workload={
+        "model": f"MoE E{experts}+1 shared, H{hidden} I{inter} top-{top_k}", "quantization": "w4a16 g32 (decode repack)",
+        "batch": T, "dtype": "bfloat16"})
+    name, why = FM.backend(ctx.device)
+    rec.set_backend("fused_moe", f"{name} decode kernel (decode-packed experts)", reason=why,
+                    shapes={"x": [T, hidden], "block": FM.moe_decode_config(False, True)})
+    w13, w2, s13, s2, x, tw, ids = make_layer(ctx, hidden, inter, experts, top_k, T)
+    dec = FM.SharedDecodeWeights(w13, w2, s13, s2)      # load time: pack_decode once
+    fused = FM.shared_fused_decode_step(x, dec, tw, ids, routed_scaling_factor=rsf)
+    same = FM.shared_separate_decode(x, dec, tw, ids, routed_scaling_factor=rsf)
+    rec.add_check(f"[decode T{T}] fused slot == separate, same rounding points (bitwise)", torch.equal(fused, same),
+                  error=float((fused.float() - same.float()).abs().max()), tolerance=0.0)
+    ref = FM.shared_reference(x, w13, w2, tw, ids, s13, s2, routed_scaling_factor=rsf)
+    a13, a2, aw, aid = FM.with_shared_slot(w13, w2, s13, s2, tw, ids, rsf)
+    pt = FM.fused_moe_torch(x, a13, a2, aw, aid)
+    # the dense decode kernel rounds the shared MLP's gate/up to BF16 and each branch before the add:
+    # 3x PyTorch's error, as for the each-branch-rounded separate path
+    sep = FM.routed_plus_shared_mlp_decode(x, dec, tw, ids, routed_scaling_factor=rsf)
+    for label, out, factor in (("fused slot", fused, 2.0), ("separate, shared MLP on the dense decode kernel", sep, 3.0)):
+        err, tol, ok = FM.within_tolerance(out, ref, pt, factor=factor)
+        rec.add_check(f"[decode T{T}] {label} vs fp32 rsf*routed + shared ({factor:.0f}x PyTorch's error)", ok,
+                      error=err, tolerance=tol)
+    rec.add("rows_shared_expert", T, "rows", phase="check", max_rows=FM.DECODE_MAX_ROWS)
+    return rec
+
+
 def experts_slice(q: W.PackedW4, start: int, stop: int) -> W.PackedW4:
     """Experts start..stop-1 of an [E, N, K] buffer (a view, same layout)."""
     return W.PackedW4(q.qweight[start:stop], q.scales[start:stop], (stop - start, *q.shape[1:]), q.group_size, q.layout)
@@ -253,6 +291,15 @@ def tiles_tag(cfg: dict) -> str:
     return f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']}x{cfg['BLOCK_K']}w{cfg['num_warps']}s{cfg['num_stages']}"
 
 
+DECODE_TAG = "decode"   # the tiles tag of a decode step (`FM.decode_step`): the decode kernels' own tiles
+
+
+def step_tag(C: int, experts: int, top_k: int) -> str:
+    """The tiles tag of the fused path's record at concurrency C: the decode kernels' at a decode step,
+    else the tiles the fused path picks on its own (C*(k+1)/(E+1) rows per expert)."""
+    return DECODE_TAG if FM.decode_step(C) else tiles_tag(FM.moe_config(C * (top_k + 1) / (experts + 1), False))
+
+
 def shared_timings(ctx, hidden, inter, experts, top_k, concurrency, reps, rsf) -> list[RunRecord]:
     out = []
     name, why = FM.backend(ctx.device)
@@ -261,7 +308,17 @@ def shared_timings(ctx, hidden, inter, experts, top_k, concurrency, reps, rsf) -
         w13, w2, s13, s2, x, tw, ids = make_layer(ctx, hidden, inter, experts, top_k, C)
         a13, a2 = FM.shared_slot_weights(w13, w2, s13, s2)  # load time, outside the step
         variants = []
-        if cuda:
+        if cuda and FM.decode_step(C):   # decode: both paths on the decode kernels, experts repacked once here
+            dec = FM.SharedDecodeWeights(w13, w2, s13, s2)
+            variants.append((DECODE_TAG, {
+                "separate": lambda: FM.routed_plus_shared_mlp_decode(x, dec, tw, ids, routed_scaling_factor=rsf,
+                                                                     check=False),
+                "fused": lambda: FM.shared_fused_decode_step(x, dec, tw, ids, routed_scaling_factor=rsf, check=False)}))
+            backend = {"separate": f"{name}: routed MoE on the decode kernel (decode-packed experts) + shared gate/up "
+                                    "and down on the dense decode kernel (split-K), SiLU-and-mul, add",
+                       "fused": f"{name}: k+1-slot routing table, then one grouped MoE on the decode kernel "
+                                "(decode-packed experts)"}
+        elif cuda:
             for cfg in tile_configs(C, experts, top_k):
                 tag = tiles_tag(cfg)
                 variants.append((tag, {
@@ -371,6 +428,7 @@ def measure(ctx, *, hidden, inter, experts, top_k, concurrency, tps, reps, eps, 
         raise UserError(str(e)) from None
     records = backend_records(ctx, tp_list)
     records.append(shared_check(ctx, hidden, inter, experts, top_k, routed_scaling_factor))
+    records.append(decode_check(ctx, hidden, inter, experts, top_k, routed_scaling_factor))
     records += ep_records(ctx, hidden, inter, experts, top_k, ep_list, routed_scaling_factor)
     records += shared_timings(ctx, hidden, inter, experts, top_k, cs, reps, routed_scaling_factor)
     records += seed_records(ctx)
@@ -378,17 +436,25 @@ def measure(ctx, *, hidden, inter, experts, top_k, concurrency, tps, reps, eps, 
 
 
 def gpu_launches(params: dict) -> list:
-    """The Triton launches of this chapter at its gpu preset (`inferbook.compiled`): at every
-    concurrency C and each of its tile configs (`tile_configs`), the fused path (routed experts plus
-    the shared expert as slot k+1) and the separate path (routed fused MoE plus the shared expert's
-    own two GEMMs at the same tiles); the shared check (T=19) and the simulated EP ranks (T=12, fp32
-    partials); one per distinct kernel."""
+    """The Triton launches of this chapter at its gpu preset (`inferbook.compiled`): at a decode
+    concurrency (`FM.decode_step`: C <= 16) the fused path (routed experts plus the shared expert as
+    slot k+1) and the separate path (routed MoE plus the shared expert's two GEMMs) on the decode
+    kernels (`fused_moe_decode`, `decode_linear`); at every larger C and each of its tile configs
+    (`tile_configs`) both paths on the tiled kernels (the shared MLP at the dense kernel's own tiles);
+    the decode check (T=16), the shared check (T=19, tiled) and the simulated EP ranks (T=12, fp32
+    partials, tiled); one per distinct kernel."""
     from .. import compiled
 
     p = params
     E, k, H, I = p["experts"], p["top_k"], p["hidden"], p["inter"]
     launches = []
     for C in parse_ints(p["concurrency"], "concurrency"):
+        if FM.decode_step(C):                  # both paths on the decode kernels (max_m = C)
+            launches += FM.fused_moe_decode_launches(C, k + 1, E + 1, H, I, max_m=C, name=f"fused-slot C{C} decode")
+            launches += FM.fused_moe_decode_launches(C, k, E, H, I, max_m=C, name=f"routed C{C} decode")
+            launches += W.decode_launches(C, 2 * I, H, name=f"shared_mlp gate/up C{C} decode kernel")
+            launches += W.decode_launches(C, H, I, name=f"shared_mlp down C{C} decode kernel")
+            continue
         for cfg in tile_configs(C, E, k):
             tag = f"C{C} {tiles_tag(cfg)}"
             launches += FM.fused_moe_launches(C, k + 1, E + 1, H, I, "indexed", block=cfg, name=f"fused-slot {tag}")
@@ -396,6 +462,15 @@ def gpu_launches(params: dict) -> list:
         dense = W.linear_config(C, False)      # the separate path's shared MLP: the dense kernel's own tiles
         launches += W.linear_launches(C, 2 * I, H, "indexed", block=dense, name=f"shared_mlp gate/up C{C} dense cfg")
         launches += W.linear_launches(C, H, I, "indexed", block=dense, name=f"shared_mlp down C{C} dense cfg")
+    Td = FM.DECODE_MAX_ROWS                                                   # decode_check
+    launches += FM.fused_moe_decode_launches(Td, k + 1, E + 1, H, I, max_m=Td, name=f"decode check fused-slot T{Td}")
+    for dt in (torch.float32, torch.bfloat16):                                # its separate paths' combines
+        launches += FM.fused_moe_decode_launches(Td, k, E, H, I, max_m=Td, name=f"decode check routed T{Td}")[:2]
+        launches += FM.combine_launches(Td, k, H, torch.bfloat16, dt, name=f"decode check routed T{Td}")
+        launches += FM.fused_moe_decode_launches(Td, 1, 1, H, I, max_m=Td, name=f"decode check: shared as its own MoE T{Td}")[:2]
+        launches += FM.combine_launches(Td, 1, H, torch.bfloat16, dt, name=f"decode check: shared as its own MoE T{Td}")
+    launches += W.decode_launches(Td, 2 * I, H, name=f"decode check shared_mlp gate/up T{Td} decode kernel")
+    launches += W.decode_launches(Td, H, I, name=f"decode check shared_mlp down T{Td} decode kernel")
     T = 19                                                                    # shared_check
     launches += FM.fused_moe_launches(T, k + 1, E + 1, H, I, "indexed", name=f"shared check fused-slot T{T}")
     for dt in (torch.float32, torch.bfloat16):                                # shared_separate, round_each False/True
@@ -421,7 +496,27 @@ def roofline_work(params: dict) -> list[dict]:
         active = E * (1 - (1 - k / E) ** C) + 1
         nbytes = active * per_expert + 2 * C * H * 2 + C * (k + 1) * (2 * I + I) * 2 * 2
         out.append({"name": f"fused layer C={C}", "bytes": nbytes, "flops": 2 * C * (k + 1) * 3 * H * I,
-                    # the measured counterpart: the fused path at the tiles it picks on its own
-                    "record": f"shared-fused-c{C}-{tiles_tag(FM.moe_config(C * (k + 1) / (E + 1), False))}",
+                    # the measured counterpart: the fused path on the decode kernels, or at the tiles it picks
+                    "record": f"shared-fused-c{C}-{step_tag(C, E, k)}",
                     "metric": "layer"})
+    return out
+
+
+DECODE_KERNELS = ("moe_decode_kernel", "w4a16_decode_kernel")
+
+
+def decode_bound_rows(target: str = "sm_90") -> list[dict]:
+    """The cost model's verdict (`compiled.predict_launches`, from the committed compile table; predicted,
+    not measured) on this chapter's decode-kernel launches (the decode steps, C <= 16, and the decode
+    check), one row each: issue time over memory time at the copy ceiling, the binding bound and the
+    predicted share of that ceiling."""
+    from .. import compiled
+
+    out = []
+    for p in compiled.predict_launches("minimax-m3-moe", target, compiled.TARGET_CARD[target]):
+        if p["kernel"] not in DECODE_KERNELS:
+            continue
+        b = p["bounds"]
+        out.append({"launch": p["launch"], "issue / memory time": round(b["issue"] / b["memory"], 2),
+                    "bound": p["bound"], "% of copy ceiling": round(100 * p["frac_of_copy"]), "ceiling": p["ceiling"]})
     return out

@@ -24,8 +24,8 @@ import torch.nn.functional as F
 from ..device import dot_needs_fp32, triton_backend_for
 from . import mxfp4 as MXF, routing
 from .mxfp4 import PackedMXFP4
-from .w4a16 import (LAYOUT_CODE, LAYOUTS, DecodeW4, PackedW4, cat_experts, check_block_k, decode_asm, dequantize, dequantize_decode,
-                    expert, linear, triton)
+from .w4a16 import (DECODE_MAX_M, LAYOUT_CODE, LAYOUTS, DecodeW4, PackedW4, cat_experts, check_block_k, decode_asm,
+                    decode_linear, dequantize, dequantize_decode, expert, linear, pack_decode, triton)
 
 if triton is not None:
     import triton.language as tl
@@ -852,6 +852,84 @@ def shared_fused_step(x, w13_all, w2_all, topk_weights, topk_ids, *, routed_scal
     from this step's router output, then one grouped MoE (the table build is part of the step)."""
     weights, ids = shared_slot_routing(topk_weights, topk_ids, w13_all.shape[0] - 1, routed_scaling_factor)
     return fused_moe(x, w13_all, w2_all, weights, ids, check=check, block=block)
+
+
+def decode_step(tokens: int) -> bool:
+    """Whether a step of `tokens` tokens runs on the decode kernels (`fused_moe_decode`, `decode_linear`):
+    chord-w4a16's rule, at most DECODE_MAX_ROWS rows per expert and DECODE_MAX_M rows per dense GEMM,
+    from the bound that holds before routing (a token picks an expert at most once, so no expert -- the
+    shared one included -- sees more than `tokens` rows): no routing read back, the same rule for both paths."""
+    return tokens <= min(DECODE_MAX_ROWS, DECODE_MAX_M)
+
+
+class SharedDecodeWeights:
+    """A shared-expert layer's experts repacked once (load time) for the decode kernels (`pack_decode`):
+    the k+1 table `all13 [E+1, 2I, H]`, `all2 [E+1, H, I]` (routed experts, then the shared one as expert
+    E: the fused slot), and views of it, no copy: the routed experts alone (`routed13`, `routed2`: the
+    separate path's MoE), the shared expert as a one-expert table (`shared_moe13`, `shared_moe2`) and as
+    two dense weights `shared13 [2I, H]`, `shared2 [H, I]` (the separate path's MLP)."""
+
+    def __init__(self, w13: PackedW4, w2: PackedW4, shared_w13: PackedW4, shared_w2: PackedW4):
+        self.all13, self.all2 = (pack_decode(a) for a in shared_slot_weights(w13, w2, shared_w13, shared_w2))
+        E = w13.shape[0]
+        self.routed13, self.routed2 = _decode_experts(self.all13, 0, E), _decode_experts(self.all2, 0, E)
+        self.shared_moe13, self.shared_moe2 = _decode_experts(self.all13, E, E + 1), _decode_experts(self.all2, E, E + 1)
+        self.shared13, self.shared2 = _decode_expert(self.all13, E), _decode_expert(self.all2, E)
+
+    @property
+    def num_routed(self) -> int:
+        return self.routed13.shape[0]
+
+
+def _decode_experts(d: DecodeW4, start: int, stop: int) -> DecodeW4:
+    """Experts start..stop-1 of a 3-D decode-packed table (views)."""
+    return DecodeW4(d.qweight[start:stop], d.scales[start:stop], (stop - start, *d.shape[1:]), d.group_size)
+
+
+def _decode_expert(d: DecodeW4, e: int) -> DecodeW4:
+    """Expert e of a 3-D decode-packed table as a 2-D [N, K] weight for `decode_linear` (views)."""
+    return DecodeW4(d.qweight[e], d.scales[e], tuple(d.shape[1:]), d.group_size)
+
+
+def shared_mlp_decode(x, shared13: DecodeW4, shared2: DecodeW4) -> torch.Tensor:
+    """`shared_mlp` on the dense decode kernel (x [T <= 16, H] BF16): gate/up, SiLU-and-mul, down."""
+    h = decode_linear(x, shared13)
+    I = h.shape[-1] // 2
+    return decode_linear(F.silu(h[:, :I]) * h[:, I:], shared2)
+
+
+def routed_plus_shared_mlp_decode(x, dec: SharedDecodeWeights, topk_weights, topk_ids, *,
+                                  routed_scaling_factor: float = 1.0, check: bool = True) -> torch.Tensor:
+    """`routed_plus_shared_mlp` at decode (`decode_step`): the routed MoE on `fused_moe_decode` (max_m = T,
+    the bound known without reading the routing back), the shared expert's MLP on `decode_linear`, the add."""
+    rsf = _check_rsf(routed_scaling_factor)
+    T = x.shape[0]
+    routed = fused_moe_decode(x, dec.routed13, dec.routed2, topk_weights.float() * rsf, topk_ids, max_m=max(T, 1),
+                              check=check)
+    return routed + shared_mlp_decode(x, dec.shared13, dec.shared2)
+
+
+def shared_separate_decode(x, dec: SharedDecodeWeights, topk_weights, topk_ids, *, round_each: bool = False,
+                           routed_scaling_factor: float = 1.0) -> torch.Tensor:
+    """`shared_separate` on the decode kernel: the routed experts and the shared one as two
+    `fused_moe_decode` calls, added (round_each=False: both in fp32, rounded once)."""
+    rsf = _check_rsf(routed_scaling_factor)
+    T = x.shape[0]
+    dt = torch.bfloat16 if round_each else torch.float32
+    routed = fused_moe_decode(x, dec.routed13, dec.routed2, topk_weights.float() * rsf, topk_ids, max_m=max(T, 1),
+                              out_dtype=dt)
+    ones = torch.ones((T, 1), dtype=torch.float32, device=x.device)
+    zeros = torch.zeros((T, 1), dtype=torch.int32, device=x.device)
+    shared = fused_moe_decode(x, dec.shared_moe13, dec.shared_moe2, ones, zeros, max_m=max(T, 1), out_dtype=dt)
+    return (routed.float() + shared.float()).to(torch.bfloat16) if not round_each else routed + shared
+
+
+def shared_fused_decode_step(x, dec: SharedDecodeWeights, topk_weights, topk_ids, *,
+                             routed_scaling_factor: float = 1.0, check: bool = True) -> torch.Tensor:
+    """`shared_fused_step` at decode (`decode_step`): the k+1-slot routing table, then one
+    `fused_moe_decode` over the decode-packed k+1 table (max_m = T: the shared expert's exact count)."""
+    weights, ids = shared_slot_routing(topk_weights, topk_ids, dec.num_routed, routed_scaling_factor)
+    return fused_moe_decode(x, dec.all13, dec.all2, weights, ids, max_m=max(x.shape[0], 1), check=check)
 
 
 def shared_reference(x, w13, w2, topk_weights, topk_ids, shared_w13, shared_w2, *,
