@@ -303,7 +303,7 @@ def bwd_blocks(K: int, V: int, device: torch.device) -> dict:
     (fla's tiling on Ada-class shared memory; fla takes 128 on Hopper); the dhu kernel holds all of K and
     a BV block of the fp32 dh, as the forward's state kernel (`gdn_chunk.chunk_blocks`; BV 16 at K 256);
     8 warps for dqkwg's four [64, 64] fp32 accumulators and for wy's [64, 64] A, A^T, dA and k k^T (4 warps
-    spill on sm_90 from K 64). The interpreter runs one program at a time: there one block covers all of
+    spill on sm_90 from K 64); sm_80 changes wy's and dhu's (`_sm80_bwd`). The interpreter runs one program at a time: there one block covers all of
     K and V."""
     c = gdn_chunk.chunk_blocks(K, V, device)
     full_k = max(16, triton.next_power_of_2(K))
@@ -313,8 +313,27 @@ def bwd_blocks(K: int, V: int, device: torch.device) -> dict:
     bv = min(full_v, 64) if gpu else full_v
     # dhu at K 256: BV 16 (the forward's 32 spills on sm_90: dhu holds k, q and w tiles of [64, 256])
     bv_dhu = min(c["BV_STATE"], 16) if gpu and c["BK_STATE"] > 128 else c["BV_STATE"]
-    return dict(BK=bk, BV=bv, BK_STATE=c["BK_STATE"], BV_STATE=bv_dhu, warps_state=c["warps_state"],
-                stages_state=c["stages_state"], warps_dqkwg=8, warps_wy=8, warps=4, gpu_precision=c["gpu_precision"])
+    out = dict(BK=bk, BV=bv, BK_STATE=c["BK_STATE"], BV_STATE=bv_dhu, warps_state=c["warps_state"],
+               stages_state=c["stages_state"], warps_dqkwg=8, warps_wy=8, warps=4, gpu_precision=c["gpu_precision"],
+               BK_wy=bk, BV_wy=bv, stages_wy=None)
+    if gpu:
+        out.update(_device.pick_config(_BWD_TARGET_CONFIGS, device)(out))
+    return out
+
+
+def _sm80_bwd(c: dict) -> dict:
+    """sm_80 (mma.sync keeps the accumulators in registers, 255 at most a thread at 8 warps): wy's [64, 64]
+    A, A^T, dA, dL and k k^T leave no room for a [64, 64] k tile, so BK = BV = 16 and no pipelining (at 64
+    and 3 stages it spilled 1.6 KB; the issue bound predicted lower too); dhu at K 64 takes BV 32 (BV 64
+    spilled 86 B)."""
+    d = dict(BK_wy=min(c["BK_wy"], 16), BV_wy=min(c["BV_wy"], 16), stages_wy=1)
+    if c["BK_STATE"] == 64:
+        d["BV_STATE"] = min(c["BV_STATE"], 32)
+    return d
+
+
+# per-target changes to `bwd_blocks`' GPU config (`device.pick_config`: 'nvidia' is every other target)
+_BWD_TARGET_CONFIGS = {"nvidia": lambda c: {}, "sm_80": _sm80_bwd}
 
 
 def _bwd_launches(q, k, v, beta, g_cum, A, w, h, v_new, do, dht, h0, cu, idx, offs, dv_local, dv2, dh, dh0,
@@ -345,7 +364,8 @@ def _bwd_launches(q, k, v, beta, g_cum, A, w, h, v_new, do, dht, h0, cu, idx, of
                dict(BT=chunk, BK=c["BK"], BV=c["BV"], num_warps=c["warps_dqkwg"], **flags), src, (nk, n_chunks, H)),
         Launch(f"gdn chunk bwd wy K{K} V{V} {dt}", gdn_chunk_wy_bwd_kernel,
                [k, v, beta, g_cum, A, dw, dv2, dk_qk, dg_qk, dk, dv, db, dg, cu, idx, TT, H, K, V, nk],
-               dict(BT=chunk, BK=c["BK"], BV=c["BV"], num_warps=c["warps_wy"], **flags), src, (n_chunks, H)),
+               dict(BT=chunk, BK=c["BK_wy"], BV=c["BV_wy"], num_warps=c["warps_wy"], **flags,
+                    **({} if c["stages_wy"] is None else dict(num_stages=c["stages_wy"]))), src, (n_chunks, H)),
     ]
 
 
