@@ -6,6 +6,11 @@ import signal
 # ops tens of times slower. Set before torch is imported.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+# Inductor compiles (the rehearsal's compile=True branches, upgrade-record's notebook) in this process, not in
+# a pool of compile workers: each worker imports torch again, and the two cores are busy with the other
+# xdist worker anyway. A cold upgrade-record rehearsal: 105 CPU s with one thread, 117 with the default pool.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
 import pytest  # noqa: E402
 
 # No test may reach the network, and chapters execute on CPU.
