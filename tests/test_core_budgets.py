@@ -39,8 +39,9 @@ def test_host_part_prices_each_kind_of_step(monkeypatch):
                 python_cpu_s=0.5, phases=[["(before the first record)", "eager", phase]])
     p = budgets.predict("upgrade-record", c, budget_s=15)
     u = budgets.HOST_S
-    g = rehearsal.chapter_module("upgrade-record").PRESETS["gpu"]
-    scale = (g["new_tokens"] / 8) * (g["reps"] / 3) * (g["n_layers"] / 2)   # reps: whole generate runs here
+    g, sm = (rehearsal.chapter_module("upgrade-record").PRESETS[k] for k in ("gpu", "smoke"))
+    # reps: whole generate runs here
+    scale = (g["new_tokens"] / sm["new_tokens"]) * (g["reps"] / sm["reps"]) * (g["n_layers"] / sm["n_layers"])
     assert p.scale == pytest.approx(scale)
     o = budgets.COUNTING_OVERHEAD_S   # the counting's own cost, out of the Python seconds
     python = 0.5 - (1000 * o["kernel_calls"] + 100 * o["view_calls"] + 50 * o["metadata_calls"] + 10 * o["scalar_reads"])
