@@ -664,6 +664,9 @@ def _execute_in_worker(conn, slug: str, kwargs: dict, env: dict) -> None:
 
     os.setpgid(0, 0)
     os.environ.update(env)
+    # the parent stops a worker with SIGINT: it must raise here even where the build was started with SIGINT
+    # ignored (a non-interactive shell starts a background command, `make book &`, nohup, some CI steps, so)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})  # blocked by the parent
         meta = execute(slug, **kwargs)
