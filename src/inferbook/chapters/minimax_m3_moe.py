@@ -187,6 +187,9 @@ def decode_check(ctx, hidden, inter, experts, top_k, rsf, T=FM.DECODE_MAX_ROWS) 
     dec = FM.SharedDecodeWeights(w13, w2, s13, s2)      # load time: pack_decode once
     fused = FM.shared_fused_decode_step(x, dec, tw, ids, routed_scaling_factor=rsf)
     same = FM.shared_separate_decode(x, dec, tw, ids, routed_scaling_factor=rsf)
+    # exact on a GPU too: both paths run the same decode kernel, same config and K order, on the same
+    # packed weights (every output element is one program's, no split-K atomics), and the combine sums the
+    # same fp32 rows in slot order, shared slot last, as the separate path adds it; only the tile row differs
     rec.add_check(f"[decode T{T}] fused slot == separate, same rounding points (bitwise)", torch.equal(fused, same),
                   error=float((fused.float() - same.float()).abs().max()), tolerance=0.0)
     ref = FM.shared_reference(x, w13, w2, tw, ids, s13, s2, routed_scaling_factor=rsf)
