@@ -15,7 +15,9 @@ TORCH       ?= $(if $(HAS_NVIDIA)$(HAS_ROCM),torch,torch==2.13.0)
 TORCH_INDEX ?= $(if $(HAS_ROCM),$(ROCM_INDEX),)
 PIP_FLAGS   ?= -q
 # No byte-compiling at install: pip would compile every .py of torch and the book's tools (about 80 CPU-s
-# of a cold set-up's 130 on 2 cores, measured); Python writes the .pyc of what is imported on first use.
+# of a cold set-up's 130 on 2 cores, measured). `scripts/compile_imports.py` then writes the .pyc of what
+# the book and the tests import (about 18 CPU-s): where PYTHONDONTWRITEBYTECODE is set, Python would
+# otherwise compile those modules again in every chapter's kernel (about 10 CPU-s a chapter, measured).
 PIP_INSTALL := $(BIN)/python -m pip install --no-compile $(PIP_FLAGS)
 
 # The optional peers' wheels for a GPU run with no network (scripts/gpu_measure.sh installs them offline
@@ -40,10 +42,12 @@ $(VENV)/.torch: | $(BIN)/python
 
 $(VENV)/.book: pyproject.toml $(VENV)/.torch
 	$(PIP_INSTALL) -e ".[book]"
+	$(BIN)/python scripts/compile_imports.py
 	touch $@
 
 $(VENV)/.dev: pyproject.toml $(VENV)/.book
 	$(PIP_INSTALL) -e ".[book,dev]"
+	$(BIN)/python scripts/compile_imports.py
 	touch $@
 
 setup: $(VENV)/.book
