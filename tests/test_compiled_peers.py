@@ -265,9 +265,9 @@ def test_chord_peer_rows_whose_ir_loops_over_a_dot_have_a_machine_code_loop():
     """A row whose Triton IR runs a dot in a loop of two or more trips must have a main loop in its
     machine code, else the cost model counts the loop body once: its issue and latency bounds are those
     of straight-line code and the prediction falls to the memory floor. gemlite's GEMM_SPLITK row on
-    sm_100 (56 trips) was committed so, from a compile before sm_100's `BRA.U UP0` loops were found, and
-    was predicted 2.11 µs, memory-bound, where its sm_80 and sm_90 rows (same config, loop found) are
-    issue- or latency-bound at 23 and 9.0 µs."""
+    sm_100 was committed so (compiled before sm_100's `BRA.U UP0` loops were found) and predicted
+    memory-bound, faster than our decode kernel, where its sm_80 and sm_90 rows (same config, loop
+    found) are bound by their loop (waves, latency)."""
     doc = peers.load("chord-w4a16")
     looped = [r for r in doc["rows"] if r.get("ok") and any((d[4] or 0) > 1 for d in r.get("dots") or [])]
     assert {r["target"] for r in looped} == set(TARGETS)
