@@ -259,3 +259,30 @@ def test_save_only_one_peer_keeps_the_other_peers_rows(tmp_path, monkeypatch):
     new = [r for r in doc["rows"] if r["peer"] == "vllm"]
     assert sorted(r["target"] for r in new) == sorted(TARGETS) and all(r["index"] > gem["index"] for r in new)
     assert doc["sweep"]["chosen"]["k @ S"] == 1 and doc["peer_versions"]["gemlite"] == "0.6"
+
+
+def test_chord_peer_rows_whose_ir_loops_over_a_dot_have_a_machine_code_loop():
+    """A row whose Triton IR runs a dot in a loop of two or more trips must have a main loop in its
+    machine code, else the cost model counts the loop body once: its issue and latency bounds are those
+    of straight-line code and the prediction falls to the memory floor. gemlite's GEMM_SPLITK row on
+    sm_100 was committed so (compiled before sm_100's `BRA.U UP0` loops were found) and predicted
+    memory-bound, faster than our decode kernel, where its sm_80 and sm_90 rows (same config, loop
+    found) are bound by their loop (waves, latency)."""
+    doc = peers.load("chord-w4a16")
+    looped = [r for r in doc["rows"] if r.get("ok") and any((d[4] or 0) > 1 for d in r.get("dots") or [])]
+    assert {r["target"] for r in looped} == set(TARGETS)
+    bad = [f"{r['target']} {r['launch']}: {r['sass']}" for r in looped
+           if not (r["sass"]["instrs"] and r["sass"]["global_bytes_per_warp"])]
+    assert not bad, "rows with no machine-code main loop; regenerate with `" + REGENERATE + "`:\n" + "\n".join(bad)
+
+
+def test_chord_gemlite_pairs_with_ours_at_every_dense_shape_on_three_targets():
+    """`compare` sets our decode kernel beside gemlite at M 1, 2 and 16 on every target, each side with
+    a positive time and a named bound (B200 for sm_100)."""
+    doc = peers.load("chord-w4a16")
+    want = {f"M{m} N{n} K{k} g32" for m, n, k in peers.chord_shapes(compiled.gpu_params("chord-w4a16"))}
+    for t, card in (("sm_80", "A100"), ("sm_90", "H200"), ("sm_100", "B200")):
+        pairs = {q["shape"]: q for q in peers.compare("chord-w4a16", doc["rows"], t, card) if q["peer"] == "gemlite"}
+        assert set(pairs) == want, t
+        for q in pairs.values():
+            assert q["ours_launch"].startswith("decode kernel M") and q["ours_s"] > 0 and q["peer_s"] > 0, q

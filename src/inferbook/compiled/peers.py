@@ -837,6 +837,9 @@ def _ours_from_chapter(slug: str, target: str, card: str, root: Path | None = No
     elif slug == "chord-w4a16":
         from ..moe import w4a16
 
+        # the dense decode: our decode kernel alone; the split-order sum and bf16 cast that follow it at
+        # deterministic=True (torch ops) are not on our side, as the zero fill of gemlite's atomic output
+        # (torch.zeros at GEMV, its autotuner's pre_hook at GEMM_SPLITK) is not on its side
         for M, N, K in chord_shapes(_params(slug)):
             pat = re.compile(rf"\bM{M} N{N} K{K}\b")
             out[f"M{M} N{N} K{K} g{w4a16.GROUP_SIZE}"] = [
