@@ -550,8 +550,8 @@ def block_config(device: torch.device, head_dim: int, kind: str, head_dim_v: int
             cfg = dict(BLOCK_M=128, BLOCK_N=64, BLOCK_D=block_d, num_warps=4, num_stages=3)
             if not (paged or pack or window or softcap):
                 return cfg
-            # 128x64 at 4 warps sits at 252-255 registers at d64; paged KV, PackGQA or a window spilled
-            # 16-128 B on NVIDIA. 64-key tiles -> 32 halve the score tile: no spill on sm_80/90/100 and every
+            # 128x64 at 4 warps sits at 252-255 registers at d64; paged KV, PackGQA or a window (softcap's
+            # tanh adds more) spilled 16-128 B on NVIDIA. 64-key tiles -> 32 halve the score tile: no spill on sm_80/90/100 and every
             # such launch of the matrix predicted no slower (predicted: sm_80 d64 paged-128 MQA+pack
             # window-left 10.4 -> 7.8 us, sm_90 6.9 -> 5.4, sm_100 10.8 -> 7.8). Not without those
             # features: the plain d64 sinks launch is predicted slower at 32 keys (sm_90 3.9 -> 5.4 us,
@@ -798,7 +798,8 @@ def _backward_launches(dout, q, k, v, lse, delta, dq, dk, dv, meta: _Meta, *, de
     block_dv = head_tiles(D, DV)["BLOCK_DV"]
     # softcap on sm_100: ptxas held dK/dV to 128 registers (48 B spilled at d96/dv48) and dQ to 64 (8 B at
     # d96); `maxnreg` lifts the cap, no prediction worse. Not without softcap: there the cap is what
-    # keeps the throughput backward resident (lifting it: d128 causal dK/dV predicted 1.27 -> 2.18 ms)
+    # keeps the throughput backward resident (lifting it at 8 warps: d128 causal dK/dV predicted 1.27 -> 2.18 ms;
+    # that launch now runs 4 warps there, `block_config`)
     regs = _device.pick_config({"nvidia": {}, "sm_100": {"maxnreg": 255}}, device) if meta.softcap > 0 else {}
     launches = []
     cfg = block_config(device, max(D, DV), "dkdv", causal=meta.causal, softcap=meta.softcap > 0)
