@@ -267,3 +267,32 @@ def test_softcap_backward_lifts_the_register_cap_on_sm100_only():
 
     assert set(regs("sm_100", 30.0).values()) == {255}
     assert set(regs("sm_100", 0.0).values()) == {None} and set(regs("sm_90", 30.0).values()) == {None}
+
+
+def test_register_heavy_features_take_smaller_nvidia_tiles_only():
+    # paged KV / PackGQA / window / softcap spilled at the default tiles on NVIDIA (see `block_config`):
+    # those launches take smaller tiles there; AMD and the feature-free launches keep the defaults
+    from inferbook.device import building_for
+
+    cpu = torch.device("cpu")
+
+    def cfg(target, *args, **flags):
+        with building_for(target):
+            c = flash.block_config(cpu, *args, **flags)
+        return c["BLOCK_M"], c["BLOCK_N"], c["num_warps"]
+
+    for target in ("sm_80", "sm_90", "sm_100"):
+        assert cfg(target, 64, "fwd", paged=True) == (128, 32, 4) and cfg(target, 64, "fwd") == (128, 64, 4)
+        assert cfg(target, 576, "fwd", 512, pack=True, window=True) == (16, 16, 4)
+        assert cfg(target, 576, "fwd", 512, pack=True) == (32, 32, 8)
+    for target in ("gfx942", "gfx950"):
+        assert cfg(target, 64, "fwd", paged=True) == (128, 64, 4)
+        assert cfg(target, 576, "fwd", 512, pack=True, window=True) == (32, 32, 8)
+        assert cfg(target, 64, "dkdv") == (32, 64, 8) and cfg(target, 128, "dkdv", causal=True) == (32, 64, 8)
+    assert cfg("sm_80", 128, "fwd", pack=True) == (64, 64, 8) and cfg("sm_90", 128, "fwd", pack=True) == (128, 64, 8)
+    assert cfg("sm_80", 96, "fwd", 48, pack=True) == (128, 64, 8)
+    assert cfg("sm_80", 64, "dkdv") == (32, 32, 8) and cfg("sm_90", 64, "dkdv") == (32, 64, 8)
+    assert cfg("sm_100", 128, "dkdv", causal=True) == (32, 64, 4)
+    assert cfg("sm_100", 128, "dkdv", causal=True, softcap=True) == (32, 64, 8) and cfg("sm_100", 128, "dkdv") == (32, 64, 8)
+    # the interpreter's config is unchanged by the flags
+    assert flash.block_config(cpu, 64, "fwd", paged=True, pack=True, window=True) == flash.block_config(cpu, 64, "fwd")

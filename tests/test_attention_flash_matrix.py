@@ -102,3 +102,20 @@ def test_split_kv_combines_and_deterministic_backward_pass_and_can_fail(monkeypa
     bad = matrix.deterministic_backward_rows(case, batch=1, n_heads=4, base=(20, 30), device=DEV,
                                              generator=torch.Generator(device=DEV).manual_seed(0), repeats=2)
     assert [r["passed"] for r in bad] == [False, True, True]
+
+
+@pytest.mark.parametrize("target,case", [
+    ("sm_90", _case(causal=False, kv="paged-16", window="left")),                      # d64 forward, 32 keys
+    ("sm_80", _case(direction="bwd", sinks=True, window="left")),                      # and sm_80 dK/dV, 32 keys
+    ("sm_80", _case(head_dim=128, causal=False, layout="fixed", kv="paged-16", shape="113x203", sinks=True)),  # 64 rows
+    ("sm_100", _case(head_dim=128, pack_gqa=False, heads="MHA", direction="bwd")),      # dK/dV at 4 warps
+    ("sm_90", _case(kv="paged-1", dtype="float16", window="left", dv="mla")),          # MLA 16x16
+])
+def test_register_saving_nvidia_tiles_pass_interpreted(target, case):
+    # the smaller tiles `block_config` gives these features on NVIDIA (the interpreter's own config is
+    # 64x64), run in the interpreter: every checked tensor within the tolerance rule
+    from inferbook.device import building_for
+
+    with building_for(target):
+        rows = matrix.run_case(case, batch=2, n_heads=4, base=(24, 40), device=DEV, generator=torch.Generator().manual_seed(0))
+    assert rows and not matrix.failures(rows), matrix.failures(rows)

@@ -513,7 +513,9 @@ def head_tiles(head_dim: int, head_dim_v: int | None = None) -> dict:
                 EVEN_D=bd <= head_dim, EVEN_DV=triton.next_power_of_2(dv) == dv and dv >= 16)
 
 
-def block_config(device: torch.device, head_dim: int, kind: str, head_dim_v: int | None = None) -> dict:
+def block_config(device: torch.device, head_dim: int, kind: str, head_dim_v: int | None = None, *,
+                 paged: bool = False, pack: bool = False, window: bool = False, softcap: bool = False,
+                 causal: bool = False) -> dict:
     """Tile sizes and warps per kernel. Fixed, not autotuned (autotuning would add minutes of
     compilation per head dim and mask combination to every run of the matrix).
 
@@ -521,7 +523,9 @@ def block_config(device: torch.device, head_dim: int, kind: str, head_dim_v: int
     fp32 accumulators in registers; MLA-sized heads (d or dv > 256) 32x32 with 8 warps (q [32, 576] and
     the [32, 512] accumulator in registers: no spill on sm_90).
     Backward at d 192/256: dK/dV 32x64 (wgmma on sm_90), dQ 32x16 with two stages on NVIDIA (64-row dQ
-    tiles spill). Interpreter: 64x64 — each interpreted op costs far more than
+    tiles spill). The flags (paged KV, PackGQA, a window, softcap, causal) add index and mask arithmetic
+    that pushed some NVIDIA tiles past 255 registers; those cases take smaller tiles on NVIDIA (below,
+    with the predicted times that chose them). Interpreter: 64x64 — each interpreted op costs far more than
     its arithmetic, so fewer, larger tiles run fastest (measured: 32x32 is ~4x slower on the smoke
     matrix); the 113x203 shape still spans several tiles with ragged tails.
     """
@@ -531,22 +535,62 @@ def block_config(device: torch.device, head_dim: int, kind: str, head_dim_v: int
     if kind == "fwd":
         widest = max(head_dim, head_dim_v or head_dim)
         if widest > 256:   # MLA-sized heads (576/512): short tiles keep q and the accumulator in registers
-            return dict(BLOCK_M=32, BLOCK_N=32, BLOCK_D=block_d, num_warps=8, num_stages=1)
+            cfg = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_D=block_d, num_warps=8, num_stages=1)
+            if not (pack and window):
+                return cfg
+            # PackGQA with a window: 32x32 at 8 warps spilled 8-32 B on sm_90/sm_100 (255 registers); 16x16
+            # at 4 warps holds 190-228 with no spill on sm_80/90/100 and is predicted faster on every such
+            # launch of the matrix (predicted, waves-bound: sm_90 d576 paged-1 window-left softcap 13.4 -> 10.1 us,
+            # causal empty-q 10.0 -> 5.9 us). Not for every MLA launch: the 1023x1024 contiguous one is
+            # predicted slower at 16x16 (sm_90 107 -> 136 us). AMD keeps the tiles it was checked with.
+            return dict(_device.pick_config({"nvidia": {**cfg, "BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4},
+                                             "hip": cfg}, device))
         block_d = max(16, triton.next_power_of_2(widest))
         if block_d <= 64:
-            return dict(BLOCK_M=128, BLOCK_N=64, BLOCK_D=block_d, num_warps=4, num_stages=3)
+            cfg = dict(BLOCK_M=128, BLOCK_N=64, BLOCK_D=block_d, num_warps=4, num_stages=3)
+            if not (paged or pack or window or softcap):
+                return cfg
+            # 128x64 at 4 warps sits at 252-255 registers at d64; paged KV, PackGQA or a window (softcap's
+            # tanh adds more) spilled 16-128 B on NVIDIA. 64-key tiles -> 32 halve the score tile: no spill on sm_80/90/100 and every
+            # such launch of the matrix predicted no slower (predicted: sm_80 d64 paged-128 MQA+pack
+            # window-left 10.4 -> 7.8 us, sm_90 6.9 -> 5.4, sm_100 10.8 -> 7.8). Not without those
+            # features: the plain d64 sinks launch is predicted slower at 32 keys (sm_90 3.9 -> 5.4 us,
+            # latency-bound), and it does not spill. AMD keeps 64.
+            return dict(_device.pick_config({"nvidia": {**cfg, "BLOCK_N": 32}, "hip": cfg}, device))
         if block_d <= 128:
             # gfx942 (MI300X, 64 KB of LDS per workgroup): the same tiles, two stages (three stages' copies
             # of the K and V tiles beside q need 80 KB there); gfx950's 160 KB takes NVIDIA's three
             cfg = dict(BLOCK_M=128, BLOCK_N=64, BLOCK_D=block_d, num_warps=8, num_stages=3)
-            return dict(_device.pick_config({"nvidia": cfg, "gfx942": {**cfg, "num_stages": 2}}, device))
+            configs = {"nvidia": cfg, "gfx942": {**cfg, "num_stages": 2}}
+            if pack and triton.next_power_of_2(head_dim_v or head_dim) == 128:
+                # sm_80, PackGQA with a 128-wide accumulator: 128x64 spilled 88-136 B (255 registers);
+                # 64-row tiles hold 168-192 with no spill and are predicted faster on every such launch of the
+                # matrix (predicted: d128 paged-16 GQA+pack 113x203 sinks 21.8 -> 6.9 us). sm_90/sm_100 do
+                # not spill there; dv 48 (a 64-wide accumulator) does not spill and is predicted slower at
+                # 64 rows (6.5 -> 7.8 us)
+                configs["sm_80"] = {**cfg, "BLOCK_M": 64}
+            return dict(_device.pick_config(configs, device))
         # sm_100: ptxas (Triton's --regAllocOptLevel=2) held these to 128 registers and spilled 32 B at
         # d192/dv96 with softcap; `maxnreg` lifts the cap (no spill on any d 192/256 forward there)
         cfg = dict(BLOCK_M=64, BLOCK_N=32, BLOCK_D=block_d, num_warps=8, num_stages=2)
         return dict(_device.pick_config({"nvidia": cfg, "sm_100": {**cfg, "maxnreg": 255}}, device))
     if kind == "dkdv":
         if block_d <= 128:
-            return dict(BLOCK_M=32, BLOCK_N=64, BLOCK_D=block_d, num_warps=8, num_stages=2)
+            cfg = dict(BLOCK_M=32, BLOCK_N=64, BLOCK_D=block_d, num_warps=8, num_stages=2)
+            configs = {"nvidia": cfg}
+            if block_d <= 64:
+                # sm_80 at d64: 64 keys per program spilled 20-44 B (255 registers); 32 hold 116-149, no spill,
+                # every d64 dK/dV launch of the matrix predicted faster (predicted: causal GQA sinks
+                # window-left 6.0 -> 4.8 us). sm_90 keeps 64 (wgmma's M = 64 for dK/dV), sm_100 does not spill
+                configs["sm_80"] = {**cfg, "BLOCK_N": 32}
+            elif causal and not softcap:
+                # sm_100, d 65-128 causal: ptxas held 8 warps to 128 registers and spilled 16 B (throughput
+                # d128 causal); 4 warps hold 166-206, no spill, predicted no slower on every such launch of the
+                # matrix (predicted: throughput d128 causal B2 S8192 H16 1323 -> 986 us, waves-bound). Not
+                # non-causal (the d128 MQA sinks launch is predicted 7.8 -> 8.4 us at 4 warps) nor with
+                # softcap (maxnreg below; 7.8 -> 8.4 us at d128 window-band)
+                configs["sm_100"] = {**cfg, "num_warps": 4}
+            return dict(_device.pick_config(configs, device))
         # d 192/256: 64 keys per program keep dK/dV's MMAs at wgmma's M = 64 on sm_90 (16x32 tiles were
         # mma.sync) with no spill on sm_80/90/100; one stage so the K, V, dK, dV tiles fit shared memory
         return dict(BLOCK_M=32, BLOCK_N=64, BLOCK_D=block_d, num_warps=8, num_stages=1)
@@ -684,7 +728,8 @@ def _forward_launch(q, k, v, sinks, meta: _Meta, out, lse, *, kv_mode: int, page
     H, D = q.shape[-2], q.shape[-1]
     Hk, DV = k.shape[-2], v.shape[-1]
     group = H // Hk
-    cfg = block_config(device, D, "fwd", DV)
+    cfg = block_config(device, D, "fwd", DV, paged=kv_mode == 2, pack=meta.pack_gqa and group > 1,
+                       window=tuple(meta.window) != (-1, -1), softcap=meta.softcap > 0)
     tiles = head_tiles(D, DV)
     pack = meta.pack_gqa and group > 1
     rows_per_seq = meta.max_seqlen_q * (group if pack else 1)
@@ -753,10 +798,11 @@ def _backward_launches(dout, q, k, v, lse, delta, dq, dk, dv, meta: _Meta, *, de
     block_dv = head_tiles(D, DV)["BLOCK_DV"]
     # softcap on sm_100: ptxas held dK/dV to 128 registers (48 B spilled at d96/dv48) and dQ to 64 (8 B at
     # d96); `maxnreg` lifts the cap, no prediction worse. Not without softcap: there the cap is what
-    # keeps the throughput backward resident (lifting it: d128 causal dK/dV predicted 1.27 -> 2.18 ms)
+    # keeps the throughput backward resident (lifting it at 8 warps: d128 causal dK/dV predicted 1.27 -> 2.18 ms;
+    # that launch now runs 4 warps there, `block_config`)
     regs = _device.pick_config({"nvidia": {}, "sm_100": {"maxnreg": 255}}, device) if meta.softcap > 0 else {}
     launches = []
-    cfg = block_config(device, max(D, DV), "dkdv")
+    cfg = block_config(device, max(D, DV), "dkdv", causal=meta.causal, softcap=meta.softcap > 0)
     cfg["BLOCK_D"] = head_tiles(D)["BLOCK_D"]
     gk = _strides4(dk, meta.varlen)
     grid = (triton.cdiv(meta.max_seqlen_k, cfg["BLOCK_N"]), meta.batch, Hk)
