@@ -1111,5 +1111,5 @@ def moe_tail_launches(tokens: int, top_k: int, experts: int, hidden: int, inter:
     la.name = f"{name} {la.name} {tag}".strip()
     out = [la]
     if not fused:
-        out += combine_launches(T, k, H, inter_dtype, out_dtype, name=name)
+        out += combine_launches(T, k, H, inter_dtype, torch.bfloat16, name=name)
     return out
