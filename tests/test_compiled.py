@@ -883,6 +883,16 @@ def test_decode_and_mx_gemm_builders_match_launchers(recorded, monkeypatch):
         _same(call, launch)
         if launch.kernel is FM.moe_decode_kernel:
             _same_bytes(call, launch)
+    # a simulated EP rank (minimax-m3-moe): expert_map skips the other ranks' slots, fp32 partials
+    recorded.clear()
+    emap = torch.tensor([0, 1, -1, -1, 2, 3, -1, -1], dtype=torch.int32)
+    FM.fused_moe_decode(torch.randn(T, H, generator=g).bfloat16(), d13, d2, torch.rand(T, k, generator=g),
+                        (torch.arange(T * k, dtype=torch.int32) % 8).reshape(T, k), max_m=T, block="gpu",
+                        out_dtype=torch.float32, expert_map=emap)
+    built = FM.fused_moe_decode_launches(T, k, E, H, I, max_m=T, out_dtype=torch.float32)
+    assert len(recorded) == len(built) == 3
+    for call, launch in zip(recorded, built):
+        _same(call, launch)
     recorded.clear()
     a, b = mx.quantize(torch.randn(32, 256, generator=g), "e4m3"), mx.quantize(torch.randn(48, 256, generator=g), "e4m3")
     monkeypatch.setattr(mx, "_interpreted", lambda: True)

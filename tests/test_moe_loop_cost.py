@@ -84,3 +84,15 @@ def test_b200_decode_launches_meet_issue_21s_bar():
     assert len(rows) >= 6
     for r in rows:
         assert r["issue / memory time"] <= 1 / 0.9 and r["% of copy ceiling"] >= 80, r
+
+
+@pytest.mark.parametrize("target", ["sm_80", "sm_90", "sm_100"])
+def test_minimax_decode_launches_meet_issue_21s_bar(target):
+    # the same bar on minimax-m3-moe's decode-kernel rows (its decode steps, the shared MLP on the dense
+    # decode kernel, the decode check), from its committed compile table (one row per distinct kernel)
+    from inferbook import toc
+    m3 = toc.load_module(toc.CHAPTERS["minimax-m3-moe"])
+    rows = m3.decode_bound_rows(target)
+    assert len(rows) >= 9 and any("shared_mlp" in r["launch"] for r in rows)
+    for r in rows:
+        assert r["issue / memory time"] <= 1 / 0.9 and r["% of copy ceiling"] >= 80, r

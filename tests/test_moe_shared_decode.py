@@ -104,3 +104,54 @@ def test_chapter_check_records_the_decode_path_and_can_fail(monkeypatch):
         y.reshape(-1, k, y.shape[-1])[:, :max(k - 1, 1)].reshape(-1, y.shape[-1]).contiguous(), max(k - 1, 1), *a, **kw))
     broken = m3.decode_check(ctx, 64, 32, 8, 2, 2.5)
     assert not all(c["passed"] for c in broken.checks)
+
+
+def _rank_map(ep, r, local):
+    """vLLM's expert_map of rank r: physical id p -> p - r (local + 1) on this rank, -1 elsewhere."""
+    p = torch.arange(ep * (local + 1))
+    base = r * (local + 1)
+    return torch.where((p >= base) & (p < base + local + 1), p - base, torch.full_like(p, -1)).to(torch.int32)
+
+
+def test_expert_map_skips_other_ranks_slots():
+    # EP 2 over the k+1 table: each rank's decode call sees only its own slots (at most T rows a local
+    # expert, whatever the other rank's experts get), and the ranks' fp32 partials sum to the definition
+    rsf, T, ep = 2.5, 12, 2
+    w13, w2, s13, s2, x, tw, ids = _layer(T, 21)
+    ref, pt = _refs(w13, w2, s13, s2, x, tw, ids, rsf)
+    weights, logical = FM.shared_slot_routing(tw, ids, E, rsf)
+    phys = FM.ep_physical_ids(logical, E, ep, torch.arange(T) % ep)
+    local = E // ep
+    total, held = torch.zeros(T, H), 0
+    for r in range(ep):
+        l13 = W.pack_decode(W.cat_experts(W.PackedW4(w13.qweight[r * local:(r + 1) * local], w13.scales[r * local:(r + 1) * local],
+                                                      (local, 2 * I, H), 32, w13.layout), s13))
+        l2 = W.pack_decode(W.cat_experts(W.PackedW4(w2.qweight[r * local:(r + 1) * local], w2.scales[r * local:(r + 1) * local],
+                                                     (local, H, I), 32, w2.layout), s2))
+        emap = _rank_map(ep, r, local)
+        m = R.to_masked(x, emap.long()[phys.long()].to(torch.int32), local + 1, skip_negative=True)
+        assert int(m.counts.max()) <= T and int((m.dest >= 0).sum()) == int((emap[phys.long()] >= 0).sum())
+        held += int(m.counts.sum())
+        total += FM.fused_moe_decode(x, l13, l2, weights, phys, max_m=T, out_dtype=torch.float32, expert_map=emap)
+    assert held == phys.numel()                          # every slot on exactly one rank
+    err, tol, ok = FM.within_tolerance(total.bfloat16(), ref, pt)
+    assert ok, (err, tol)
+    # the last rank's map missing its shared copy (those tokens lose the shared expert) fails, and so does
+    # the same rank counted twice
+    short = emap.clone()
+    short[short == local] = -1
+    part = FM.fused_moe_decode(x, l13, l2, weights, phys, max_m=T, out_dtype=torch.float32, expert_map=emap)
+    lost = total - part + FM.fused_moe_decode(x, l13, l2, weights, phys, max_m=T, out_dtype=torch.float32, expert_map=short)
+    assert not FM.within_tolerance(lost.bfloat16(), ref, pt)[2]
+    assert not FM.within_tolerance((total + part).bfloat16(), ref, pt)[2]
+    with pytest.raises(ValueError, match="expert_map"):
+        FM.fused_moe_decode(x, l13, l2, weights, phys, max_m=T, expert_map=emap + local + 1)
+
+
+def test_identity_expert_map_is_the_plain_call():
+    # every expert held here: the same kernel over the same rows in the same order, bit for bit
+    w13, w2, s13, s2, x, tw, ids = _layer(5, 8)
+    d13, d2 = W.pack_decode(w13), W.pack_decode(w2)
+    plain = FM.fused_moe_decode(x, d13, d2, tw, ids, max_m=5)
+    mapped = FM.fused_moe_decode(x, d13, d2, tw, ids, max_m=5, expert_map=torch.arange(E, dtype=torch.int32))
+    assert torch.equal(plain, mapped)

@@ -139,6 +139,19 @@ def test_decode_sm100_config_uneven_split():
         assert W.decode_config(1, 4096, 7168)["SPLIT_K"] == 7
 
 
+@pytest.mark.parametrize("n, k", [(3072, 6144), (6144, 1536)])
+def test_decode_sm100_short_ctas_take_equal_splits_and_a_deeper_pipeline(n, k):
+    # MiniMax-M3's shared MLP on B200: 2.6 CTAs per SM would leave each CTA fewer than 4 runs; instead equal
+    # splits (every CTA the same runs), more than one and at most two CTAs per SM, 4 stages
+    from inferbook import device
+    with device.building_for("sm_100"):
+        cfg = W.decode_config(1, n, k)
+    runs, ctas = k // W.RUN, (n // cfg["BLOCK_N"]) * cfg["SPLIT_K"]
+    assert runs % cfg["SPLIT_K"] == 0 and 148 < ctas <= 2 * 148 and cfg["num_stages"] == 4
+    with device.building_for("sm_100"):            # chord-w4a16's N 4096, K 7168: 4 or 5 runs a CTA, 3 stages
+        assert W.decode_config(1, 4096, 7168)["num_stages"] == 3
+
+
 @pytest.mark.parametrize("deterministic", [True, False])
 def test_decode_uneven_split_in_the_interpreter(deterministic):
     # 7 runs over 5 splits (1, 1, 2, 1, 2 runs) at the GPU tiles, both reductions: every run summed once

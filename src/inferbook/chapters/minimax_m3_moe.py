@@ -215,7 +215,10 @@ def ep_simulated(x, w13, w2, s13, s2, tw, ids, ep: int, rsf: float):
     """Expert parallelism simulated in one process: tokens belong to ranks round-robin (t mod ep, as
     data-parallel attention hands them over); every rank holds its E/ep routed experts plus a copy of
     the shared expert and computes the slots routed to it; the ranks' fp32 partial outputs are summed
-    (the combine). Returns (out BF16 [T, H], per-rank rows {rank: rows its experts computed})."""
+    (the combine). At a decode step (`FM.decode_step`) a rank runs `fused_moe_decode` over its experts,
+    decode-packed, with vLLM's `expert_map` (the other ranks' experts -1, their slots skipped: no local
+    expert sees more than T rows); else `fused_moe` with the other ranks' slots at weight 0 on local
+    expert 0. Returns (out BF16 [T, H], per-rank rows {rank: rows its experts computed})."""
     E = w13.shape[0]
     local = E // ep
     T = x.shape[0]
@@ -224,19 +227,29 @@ def ep_simulated(x, w13, w2, s13, s2, tw, ids, ep: int, rsf: float):
     phys = FM.ep_physical_ids(logical, E, ep, token_rank)
     total = torch.zeros((T, x.shape[1]), dtype=torch.float32, device=x.device)
     rows = {}
+    decode = FM.decode_step(T)
     for r in range(ep):
         base = r * (local + 1)
         mine = (phys >= base) & (phys < base + local + 1)
         l13 = W.cat_experts(experts_slice(w13, r * local, (r + 1) * local), s13)
         l2 = W.cat_experts(experts_slice(w2, r * local, (r + 1) * local), s2)
-        lid = torch.where(mine, phys - base, torch.zeros_like(phys))
-        lw = torch.where(mine, weights, torch.zeros_like(weights))  # other ranks' slots: weight 0 here
-        total += FM.fused_moe(x, l13, l2, lw, lid.to(torch.int32), out_dtype=torch.float32)
+        if decode:           # physical id p -> p - base on this rank, -1 on the others
+            pid = torch.arange(ep * (local + 1), device=x.device)
+            emap = torch.where((pid >= base) & (pid < base + local + 1), pid - base, torch.full_like(pid, -1))
+            total += FM.fused_moe_decode(x, W.pack_decode(l13), W.pack_decode(l2), weights, phys, max_m=max(T, 1),
+                                         out_dtype=torch.float32, expert_map=emap.to(torch.int32))
+        else:
+            lid = torch.where(mine, phys - base, torch.zeros_like(phys))
+            lw = torch.where(mine, weights, torch.zeros_like(weights))  # other ranks' slots: weight 0 here
+            total += FM.fused_moe(x, l13, l2, lw, lid.to(torch.int32), out_dtype=torch.float32)
         rows[r] = int(mine.sum())
     return total.to(torch.bfloat16), rows
 
 
-def ep_records(ctx, hidden, inter, experts, top_k, eps: list[int], rsf: float, T: int = 12) -> list[RunRecord]:
+EP_TOKENS = 12   # tokens of the simulated EP step: a decode step (`FM.decode_step`), so the ranks run the decode kernel
+
+
+def ep_records(ctx, hidden, inter, experts, top_k, eps: list[int], rsf: float, T: int = EP_TOKENS) -> list[RunRecord]:
     cfg = B.MINIMAX_M3_LIKE
     out = []
     w13, w2, s13, s2, x, tw, ids = make_layer(ctx, hidden, inter, experts, top_k, T)
@@ -445,7 +458,7 @@ def gpu_launches(params: dict) -> list:
     kernels (`fused_moe_decode`, `decode_linear`); at every larger C and each of its tile configs
     (`tile_configs`) both paths on the tiled kernels (the shared MLP at the dense kernel's own tiles);
     the decode check (T=16), the shared check (T=19, tiled) and the simulated EP ranks (T=12, fp32
-    partials, tiled); one per distinct kernel."""
+    partials, on the decode kernel with the other ranks' slots skipped); one per distinct kernel."""
     from .. import compiled
 
     p = params
@@ -482,9 +495,9 @@ def gpu_launches(params: dict) -> list:
         launches += FM.fused_moe_launches(T, 1, 1, H, I, "indexed", out_dtype=dt,
                                           name=f"shared check: shared as its own MoE -> {d}")
     for ep in parse_ints(p["eps"], "eps"):                                    # ep_records' simulated ranks
-        if E % ep == 0:
-            launches += FM.fused_moe_launches(12, k + 1, E // ep + 1, H, I, "indexed", out_dtype=torch.float32,
-                                              name=f"EP{ep} rank")
+        if E % ep == 0:                                                       # T 12: a decode step, expert_map
+            launches += FM.fused_moe_decode_launches(EP_TOKENS, k + 1, E // ep + 1, H, I, max_m=EP_TOKENS,
+                                                     out_dtype=torch.float32, name=f"EP{ep} rank")
     return compiled.dedupe(launches)
 
 

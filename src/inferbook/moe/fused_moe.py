@@ -436,11 +436,14 @@ def _decode_gemm_launch(name, a, qw, qs, c, counts, dest, roww, N, K, max_m, q_e
 
 def fused_moe_decode(x, d13: DecodeW4, d2: DecodeW4, topk_weights, topk_ids, *, max_m: int | None = None,
                      inter_dtype=torch.bfloat16, out_dtype=torch.bfloat16, check: bool = True,
-                     block: dict | str | None = None) -> torch.Tensor:
+                     block: dict | str | None = None, expert_map: torch.Tensor | None = None) -> torch.Tensor:
     """The MoE layer at decode (at most 16 rows per expert) with experts repacked by `pack_decode`:
     rows in the masked layout, gate/up with SiLU-and-mul in its epilogue and down with the router
     weight and the scatter to [T*k, H] in its, both on the Marlin-style decode loop; then `combine`.
-    x bf16 [T, H]; d13 [E, 2I, H], d2 [E, H, I]; returns [T, H] in `out_dtype`."""
+    x bf16 [T, H]; d13 [E, 2I, H], d2 [E, H, I]; returns [T, H] in `out_dtype`.
+    `expert_map` (int [E_all], as vLLM's under expert parallelism): topk_ids are ids in [0, E_all) and
+    expert_map[id] the local expert in [0, E) or -1 for one held elsewhere; such a slot is skipped
+    (no row, its weighted row zero), so a local expert sees at most T rows whatever the others get."""
     for name, d in (("d13", d13), ("d2", d2)):
         if not isinstance(d, DecodeW4) or len(d.shape) != 3:
             raise ValueError(f"{name} must be a 3-D DecodeW4 from pack_decode(), got {type(d).__name__}")
@@ -453,7 +456,16 @@ def fused_moe_decode(x, d13: DecodeW4, d2: DecodeW4, topk_weights, topk_ids, *, 
     T, k = topk_ids.shape
     if T == 0:
         return torch.empty((0, H), dtype=out_dtype, device=x.device)
-    m = routing.to_masked(x, topk_ids, E, max_m, check=check)
+    skip = expert_map is not None
+    if skip:
+        if not isinstance(expert_map, torch.Tensor) or expert_map.ndim != 1 or expert_map.device != x.device:
+            raise ValueError(f"expert_map must be a 1-D int tensor on {x.device}, got {getattr(expert_map, 'shape', expert_map)!r}")
+        if check:
+            routing._check_topk(topk_ids, expert_map.numel())
+            if expert_map.numel() and (int(expert_map.min()) < -1 or int(expert_map.max()) >= E):
+                raise ValueError(f"expert_map's values must lie in [-1, {E}), got [{int(expert_map.min())}, {int(expert_map.max())}]")
+        topk_ids = expert_map.long()[topk_ids.long()].to(torch.int32)
+    m = routing.to_masked(x, topk_ids, E, max_m, check=check, skip_negative=skip)
     if m.max_m > DECODE_MAX_ROWS:
         raise ValueError(f"fused_moe_decode takes at most {DECODE_MAX_ROWS} rows per expert, got max_m = {m.max_m}; "
                          f"use fused_moe for larger batches")
@@ -463,6 +475,8 @@ def fused_moe_decode(x, d13: DecodeW4, d2: DecodeW4, topk_weights, topk_ids, *, 
         flat = topk_ids.flatten().long()
         out = torch.zeros((T, H), dtype=torch.float32, device=x.device)
         for e in torch.unique(flat).tolist():
+            if e < 0:            # expert_map's -1: held elsewhere
+                continue
             slots = (flat == e).nonzero().flatten()
             h = x[slots // k] @ W13[e].T
             y = (F.silu(h[:, :I]) * h[:, I:]) @ W2[e].T
@@ -472,7 +486,8 @@ def fused_moe_decode(x, d13: DecodeW4, d2: DecodeW4, topk_weights, topk_ids, *, 
     gpu = block == "gpu"
     xm = m.x.reshape(E * m.max_m, H)
     act = torch.empty((E * m.max_m, I), dtype=torch.bfloat16, device=x.device)
-    y = torch.empty((T * k, H), dtype=inter_dtype, device=x.device)
+    # a skipped slot's row is written by no program: zero, so that the combine adds nothing for it
+    y = (torch.zeros if skip else torch.empty)((T * k, H), dtype=inter_dtype, device=x.device)
     roww = topk_weights.float().contiguous().flatten()
     for (a, d, c, N, K, gated) in ((xm, d13, act, I, H, True), (act, d2, y, H, I, False)):
         cfg = dict(moe_decode_config(False, gated) if gpu else (block or moe_decode_config(interp, gated)))
@@ -483,7 +498,8 @@ def fused_moe_decode(x, d13: DecodeW4, d2: DecodeW4, topk_weights, topk_ids, *, 
 
 
 def fused_moe_decode_launches(tokens: int, top_k: int, experts: int, hidden: int, inter: int, *, max_m: int,
-                              group_size: int = 32, inter_dtype=torch.bfloat16, name: str = "") -> list:
+                              group_size: int = 32, inter_dtype=torch.bfloat16, out_dtype=torch.bfloat16,
+                              name: str = "") -> list:
     """`fused_moe_decode`'s gate/up and down launches plus its combine on a GPU (meta tensors)."""
     from ..compiled import meta
     from .w4a16 import RUN
@@ -504,7 +520,7 @@ def fused_moe_decode_launches(tokens: int, top_k: int, experts: int, hidden: int
                                        .strip(), a, meta((E, q_es), i32), meta((E, s_es), bf16), c, counts, dest, roww,
                                        N, K, max_m, q_es, s_es, gated=gated, scatter=not gated, group=group_size,
                                        cfg=cfg, device=dev))
-    out += combine_launches(T, k, H, inter_dtype, torch.bfloat16, name=name)
+    out += combine_launches(T, k, H, inter_dtype, out_dtype, name=name)
     return out
 
 

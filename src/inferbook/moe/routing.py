@@ -153,14 +153,21 @@ class Masked:
 
 
 def to_masked(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, max_m: int | None = None, *,
-              check: bool = True) -> Masked:
+              check: bool = True, skip_negative: bool = False) -> Masked:
     """Decode layout. `max_m` fixed ahead (CUDA-graph style) or the busiest expert's count.
     With `max_m` given and check=False nothing is read back to the host (the caller vouches that
-    no expert gets more than max_m rows)."""
+    no expert gets more than max_m rows). skip_negative: a slot of id -1 (an expert not held here,
+    as vLLM's `expert_map` marks it) gets no row and no `dest` entry."""
+    if skip_negative:          # -1 slots as a sentinel expert past the last, whose rows are then dropped
+        if check and topk_ids.numel() and int(topk_ids.min()) < -1:
+            raise ValueError(f"topk_ids must lie in [-1, {num_experts}) with skip_negative, got {int(topk_ids.min())}")
+        topk_ids = torch.where(topk_ids < 0, torch.full_like(topk_ids, num_experts), topk_ids)
     if check or max_m is None:
-        _check_topk(topk_ids, num_experts)
+        _check_topk(topk_ids, num_experts + skip_negative)
     k = topk_ids.shape[1]
-    order, pos, counts, _ = _positions(topk_ids, num_experts, 1)
+    order, pos, counts, _ = _positions(topk_ids, num_experts + skip_negative, 1)
+    if skip_negative:
+        counts = counts[:num_experts]
     if check or max_m is None:
         busiest = int(counts.max()) if counts.numel() and topk_ids.numel() else 0
         if max_m is None:
@@ -171,14 +178,19 @@ def to_masked(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, max_m: 
         raise ValueError(f"max_m must be a positive int, got {max_m!r}")
     flat = topk_ids.flatten().long()
     e_sorted = flat[order]
+    n = num_experts * max_m
     start = torch.cumsum(counts, 0) - counts
-    row = pos - start[e_sorted]                    # row within the expert's slab
-    where = e_sorted * max_m + row
-    xm = torch.zeros((num_experts * max_m, x.shape[-1]), dtype=x.dtype, device=x.device)
+    if skip_negative:          # the sentinel's slots all go to one spare row past the slabs, cut off below
+        held = e_sorted < num_experts
+        e_sorted = torch.where(held, e_sorted, torch.zeros_like(e_sorted))
+        where = torch.where(held, e_sorted * max_m + pos - start[e_sorted], torch.full_like(pos, n))
+    else:
+        where = e_sorted * max_m + pos - start[e_sorted]     # row within the expert's slab
+    xm = torch.zeros((n + skip_negative, x.shape[-1]), dtype=x.dtype, device=x.device)
     xm[where] = x[order // k]
-    dest = torch.full((num_experts * max_m,), -1, dtype=torch.int32, device=x.device)
+    dest = torch.full((n + skip_negative,), -1, dtype=torch.int32, device=x.device)
     dest[where] = order.to(torch.int32)
-    return Masked(xm.reshape(num_experts, max_m, -1), counts.to(torch.int32), dest, max_m)
+    return Masked(xm[:n].reshape(num_experts, max_m, -1), counts.to(torch.int32), dest[:n].contiguous(), max_m)
 
 
 def to_contiguous_from_masked(m: Masked, block_m: int) -> Contiguous:

@@ -993,9 +993,22 @@ def decode_asm(device) -> bool:
 # a SM) halve the grain: 6 splits of 4 or 5 runs (384 CTAs, at most 3 a SM) keep the prologues few and
 # the busiest SM near the average (`inferbook inspect chord-w4a16 --target sm_100`).
 # 3 stages, not 2: 2 save a few loop instructions but wait one DRAM latency a run instead of half of one.
+# Short CTAs (sm_100's `short_runs`): where that split leaves a CTA fewer than 4 runs, its pipeline's fill
+# (one DRAM latency) is paid over too few runs and the CTAs' prologues pile up. MiniMax-M3's shared MLP
+# (gate/up N 3072, K 6144: 24 runs, 48 column blocks) takes 8 splits of 3 runs there: 384 CTAs, the
+# busiest SM 3 where the average has 2.59, predicted 78 % (M 1) and 76 % (M 8) of the copy ceiling,
+# waves-bound, issue/memory 1.11 and 1.13. Such a shape takes instead the most equal splits that put
+# more than one and at most two CTAs on each SM (two 2-warp CTAs fill the 4 schedulers) and a 4-stage
+# pipeline (3 runs in flight, so a CTA of 4 runs waits 2.3 latencies, not 3): 6 splits of 4 runs (288
+# CTAs), predicted 89 % / 91 % / 97 % at M 1 / 8 / 16, issue/memory 1.09 / 1.07 / 1.00 (`inferbook
+# inspect minimax-m3-moe --target sm_100`; its down, N 6144 K 1536, 3 splits of 2 runs: predicted 67 %
+# at M 1 where 4 splits of 1 or 2 runs give 56 %, latency-bound: 4.7 MB is about one DRAM latency of
+# B200's bandwidth). 4 stages cost about 70 prologue instructions a warp, so a shape whose CTAs already
+# run 4 or more runs keeps 3 (chord-w4a16's N 4096, K 7168 at 4 stages: predicted 81 % at M 1, not 82 %).
 DECODE_TARGETS = {
     "nvidia": dict(sms=H200_SMS, block_n=128, num_warps=4, ctas_per_sm=2.0, even_split=True, num_stages=3),
-    "sm_100": dict(sms=148, block_n=64, num_warps=2, ctas_per_sm=2.6, even_split=False, num_stages=3),
+    "sm_100": dict(sms=148, block_n=64, num_warps=2, ctas_per_sm=2.6, even_split=False, num_stages=3,
+                   short_runs=dict(below=4, num_stages=4)),
 }
 
 
@@ -1006,7 +1019,9 @@ def decode_config(m: int, n: int, k: int, *, sms: int | None = None, interpreted
     prologue (the pipeline's fill) and epilogue over more runs: at N 4096, K 7168 a split of 7 (224 CTAs,
     4 runs each) is predicted faster than one of 10 that gives every SM two CTAs (3 runs each), which
     spends more of its issue slots outside the main loop. Where the target allows uneven splits
-    (`DECODE_TARGETS`) the split count is the one nearest the target's CTAs per SM and splits differ by one run.
+    (`DECODE_TARGETS`) the split count is the one nearest the target's CTAs per SM and splits differ by one run;
+    where that leaves a CTA too few runs (sm_100's `short_runs`), the most equal splits of 1 to 2 CTAs an
+    SM and a deeper pipeline.
     `device`: whose target picks the entry (`device.pick_config`; default a CUDA device, i.e. the
     `building_for` target or the GPU's). The interpreter: one wide program per split (its cost is per program)."""
     if m > DECODE_MAX_M:
@@ -1017,11 +1032,18 @@ def decode_config(m: int, n: int, k: int, *, sms: int | None = None, interpreted
     t = pick_config(DECODE_TARGETS, torch.device("cuda") if device is None else device)
     bn = t["block_n"]
     n_blocks = -(-n // bn)
-    split = max(1, min(runs, round(t["ctas_per_sm"] * (sms or t["sms"]) / n_blocks)))
+    sms = sms or t["sms"]
+    split = max(1, min(runs, round(t["ctas_per_sm"] * sms / n_blocks)))
+    stages = t["num_stages"]
     if t["even_split"]:
         per = -(-runs // split)
         split = -(-runs // per)                                    # whole equal splits, no empty one
-    return dict(BLOCK_M=16, BLOCK_N=bn, SPLIT_K=split, num_warps=t["num_warps"], num_stages=t["num_stages"])
+    short = t.get("short_runs")
+    if short and runs < short["below"] * split:                  # CTAs of fewer runs than `below`
+        equal = [s for s in range(1, runs + 1) if runs % s == 0 and sms < n_blocks * s <= 2 * sms]
+        if equal:                                                  # 1 to 2 CTAs an SM, equal runs, deeper pipeline
+            split, stages = max(equal), short["num_stages"]
+    return dict(BLOCK_M=16, BLOCK_N=bn, SPLIT_K=split, num_warps=t["num_warps"], num_stages=stages)
 
 
 def _decode_launch(x2, qweight, scales, out, n: int, k: int, group_size: int, cfg: dict, *, device, atomic: bool):
