@@ -728,10 +728,10 @@ def _forward_launch(q, k, v, sinks, meta: _Meta, out, lse, *, kv_mode: int, page
     H, D = q.shape[-2], q.shape[-1]
     Hk, DV = k.shape[-2], v.shape[-1]
     group = H // Hk
-    cfg = block_config(device, D, "fwd", DV, paged=kv_mode == 2, pack=meta.pack_gqa and group > 1,
-                       window=tuple(meta.window) != (-1, -1), softcap=meta.softcap > 0)
-    tiles = head_tiles(D, DV)
     pack = meta.pack_gqa and group > 1
+    cfg = block_config(device, D, "fwd", DV, paged=kv_mode == 2, pack=pack, window=tuple(meta.window) != (-1, -1),
+                       softcap=meta.softcap > 0)
+    tiles = head_tiles(D, DV)
     rows_per_seq = meta.max_seqlen_q * (group if pack else 1)
     grid = (triton.cdiv(rows_per_seq, cfg["BLOCK_M"]), meta.batch, Hk if pack else H)
     if rows_per_seq == 0 or meta.batch == 0 or meta.rows == 0:

@@ -233,11 +233,10 @@ def ep_simulated(x, w13, w2, s13, s2, tw, ids, ep: int, rsf: float):
         mine = (phys >= base) & (phys < base + local + 1)
         l13 = W.cat_experts(experts_slice(w13, r * local, (r + 1) * local), s13)
         l2 = W.cat_experts(experts_slice(w2, r * local, (r + 1) * local), s2)
-        if decode:           # physical id p -> p - base on this rank, -1 on the others
-            pid = torch.arange(ep * (local + 1), device=x.device)
-            emap = torch.where((pid >= base) & (pid < base + local + 1), pid - base, torch.full_like(pid, -1))
+        if decode:
+            emap = FM.ep_expert_map(r, local + 1, ep, device=x.device)
             total += FM.fused_moe_decode(x, W.pack_decode(l13), W.pack_decode(l2), weights, phys, max_m=max(T, 1),
-                                         out_dtype=torch.float32, expert_map=emap.to(torch.int32))
+                                         out_dtype=torch.float32, expert_map=emap)
         else:
             lid = torch.where(mine, phys - base, torch.zeros_like(phys))
             lw = torch.where(mine, weights, torch.zeros_like(weights))  # other ranks' slots: weight 0 here

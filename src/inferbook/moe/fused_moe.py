@@ -985,6 +985,15 @@ def ep_physical_ids(ids_all: torch.Tensor, num_routed: int, ep: int, token_rank:
     phys_shared = token_rank.long()[:, None] * (local + num_shared) + local + (ids - num_routed)
     return torch.where(routed, phys_routed, phys_shared).to(torch.int32)
 
+
+def ep_expert_map(rank: int, local: int, ep: int, device=None) -> torch.Tensor:
+    """vLLM's `expert_map` for one rank of `ep` that each hold `local` experts in the widened physical
+    layout (`ep_physical_ids`): int32 [ep * local], physical id p -> p - rank * local on this rank, -1 on
+    the others (`fused_moe_decode(expert_map=...)` skips those slots)."""
+    p = torch.arange(ep * local, device=device)
+    base = rank * local
+    return torch.where((p >= base) & (p < base + local), p - base, torch.full_like(p, -1)).to(torch.int32)
+
 # ---------------------------------------------------------------------------
 # Launch builders (inferbook.compiled): what `fused_moe`, `combine` and `moe_tail` launch on a
 # GPU for given shapes, from the same config functions and argument lists, without running them
