@@ -412,12 +412,35 @@ def fused_moe(x, w13: PackedW4, w2: PackedW4, topk_weights, topk_ids, layout: st
 DECODE_MAX_ROWS = 16   # rows per expert the decode path takes (one m16 MMA tile)
 
 
-def moe_decode_config(interpreted: bool, gated: bool = False) -> dict:
-    """Tiles of `moe_decode_kernel`: BLOCK_N 128, 4 warps; the gated launch keeps two word tiles and two
-    accumulators, so two stages (smem) instead of three. The interpreter: BLOCK_N 64."""
+def _last_round_full(ctas: int, sms: int) -> float:
+    """How full the busiest SMs' last round is: (CTAs per SM on average) / (CTAs on the busiest SM)."""
+    return ctas / sms / -(-ctas // sms)
+
+
+def moe_decode_config(interpreted: bool, gated: bool = False, *, n: int | None = None, experts: int | None = None,
+                      device=None) -> dict:
+    """Tiles of `moe_decode_kernel`: BLOCK_N 128, 4 warps; the gated launch (two word tiles, two accumulators)
+    BLOCK_N 64. The interpreter: BLOCK_N 64.
+    Given the gated launch's `n` (its intermediate size) and `experts`, on NVIDIA targets a grid of at least one
+    CTA an SM whose last round is far from full takes 32-column CTAs of 2 warps instead (twice the CTAs, the
+    rounds fuller): an EP8 rank of MiniMax-M3 (9 local experts, 24 blocks of 64 columns: 216 CTAs on B200's
+    148 SMs, the busiest SM 2 where the average has 1.46) is predicted at 75 % of the copy ceiling (waves)
+    with 64 columns and 100 % (memory) with 32 (`inferbook inspect minimax-m3-moe --target sm_100`). The
+    kernel has no split-K (SiLU needs the whole sum), so the column block is its only grain. The choice is
+    made from host-side shapes only (no sync); the K order of every output is the same at either width."""
     if interpreted:
         return dict(BLOCK_M=16, BLOCK_N=64)
-    return dict(BLOCK_M=16, BLOCK_N=64 if gated else 128, num_warps=4, num_stages=3)
+    cfg = dict(BLOCK_M=16, BLOCK_N=64 if gated else 128, num_warps=4, num_stages=3)
+    if gated and n and experts:
+        from ..device import pick_config
+        from .w4a16 import DECODE_TARGETS
+
+        t = pick_config(DECODE_TARGETS, torch.device("cuda") if device is None else device)
+        sms = t["sms"] if "short_runs" in t else 0        # CDNA: no short rule (sized from NVIDIA registers)
+        wide, narrow = -(-n // 64) * experts, -(-n // 32) * experts
+        if sms and wide >= sms and _last_round_full(narrow, sms) > _last_round_full(wide, sms) + 0.1:
+            cfg.update(BLOCK_N=32, num_warps=2)
+    return cfg
 
 
 def _decode_gemm_launch(name, a, qw, qs, c, counts, dest, roww, N, K, max_m, q_es, s_es, *, gated: bool, scatter: bool,
@@ -490,7 +513,8 @@ def fused_moe_decode(x, d13: DecodeW4, d2: DecodeW4, topk_weights, topk_ids, *, 
     y = (torch.zeros if skip else torch.empty)((T * k, H), dtype=inter_dtype, device=x.device)
     roww = topk_weights.float().contiguous().flatten()
     for (a, d, c, N, K, gated) in ((xm, d13, act, I, H, True), (act, d2, y, H, I, False)):
-        cfg = dict(moe_decode_config(False, gated) if gpu else (block or moe_decode_config(interp, gated)))
+        shape = dict(n=N, experts=E, device=x.device) if gated else {}
+        cfg = dict(moe_decode_config(False, gated, **shape) if gpu else (block or moe_decode_config(interp, gated, **shape)))
         _run(_decode_gemm_launch("", a, d.qweight, d.scales, c, m.counts, m.dest, roww, N, K, m.max_m,
                                  d.qweight[0].numel(), d.scales[0].numel(), gated=gated, scatter=not gated,
                                  group=d.group_size, cfg=cfg, device=x.device))
@@ -515,7 +539,7 @@ def fused_moe_decode_launches(tokens: int, top_k: int, experts: int, hidden: int
         rows = 2 * N if gated else N
         Kp = -(-K // RUN) * RUN
         q_es, s_es = Kp // 8 * rows, (Kp // RUN) * (-(-rows // 2)) * (RUN // group_size) * 2   # pack_decode's shapes
-        cfg = moe_decode_config(False, gated)
+        cfg = moe_decode_config(False, gated, **(dict(n=N, experts=E) if gated else {}))
         out.append(_decode_gemm_launch(f"{name} {stage} decode-packed T{T} k{k} E{E} H{H} I{I} M{max_m} cfg 16x{cfg['BLOCK_N']}x256"
                                        .strip(), a, meta((E, q_es), i32), meta((E, s_es), bf16), c, counts, dest, roww,
                                        N, K, max_m, q_es, s_es, gated=gated, scatter=not gated, group=group_size,

@@ -1005,10 +1005,20 @@ def decode_asm(device) -> bool:
 # at M 1 where 4 splits of 1 or 2 runs give 56 %, latency-bound: 4.7 MB is about one DRAM latency of
 # B200's bandwidth). 4 stages cost about 70 prologue instructions a warp, so a shape whose CTAs already
 # run 4 or more runs keeps 3 (chord-w4a16's N 4096, K 7168 at 4 stages: predicted 81 % at M 1, not 82 %).
+# On H200 (and the other NVIDIA targets) short CTAs take 64-column CTAs of 2 warps instead, split unevenly to
+# about 2.9 CTAs per SM on a 4-stage pipeline: 128-column CTAs of 4 warps hold 194 registers a thread, so
+# only 2 fit an SM, and a split to 2 CTAs an SM of 1 to 3 runs leaves the busiest SM a third CTA's chain.
+# MiniMax-M3's shared MLP on sm_90 (`inferbook inspect minimax-m3-moe --target sm_90`): gate/up, 8 equal
+# splits of 3 runs at 128 columns, predicted 89 % of the copy ceiling at M 1 (waves) -> 8 splits of 3 runs
+# at 64 columns, 100 % (memory); down, 6 splits of 1 run, 63 % at M 1 and 75 % at M 8 (waves) -> 4 splits of
+# 1 or 2 runs, 95 % and 100 %; 4 or 5 resident CTAs a SM where the 128-column CTA had 2.
 DECODE_TARGETS = {
-    "nvidia": dict(sms=H200_SMS, block_n=128, num_warps=4, ctas_per_sm=2.0, even_split=True, num_stages=3),
+    "nvidia": dict(sms=H200_SMS, block_n=128, num_warps=4, ctas_per_sm=2.0, even_split=True, num_stages=3,
+                   short_runs=dict(below=4, block_n=64, num_warps=2, ctas_per_sm=2.9, num_stages=4)),
     "sm_100": dict(sms=148, block_n=64, num_warps=2, ctas_per_sm=2.6, even_split=False, num_stages=3,
-                   short_runs=dict(below=4, num_stages=4)),
+                   short_runs=dict(below=4, num_stages=4, equal_split=True)),
+    # CDNA keeps the 128-column CTAs everywhere: the short-CTA rule was sized from NVIDIA registers
+    "hip": dict(sms=H200_SMS, block_n=128, num_warps=4, ctas_per_sm=2.0, even_split=True, num_stages=3),
 }
 
 
@@ -1020,8 +1030,8 @@ def decode_config(m: int, n: int, k: int, *, sms: int | None = None, interpreted
     4 runs each) is predicted faster than one of 10 that gives every SM two CTAs (3 runs each), which
     spends more of its issue slots outside the main loop. Where the target allows uneven splits
     (`DECODE_TARGETS`) the split count is the one nearest the target's CTAs per SM and splits differ by one run;
-    where that leaves a CTA too few runs (sm_100's `short_runs`), the most equal splits of 1 to 2 CTAs an
-    SM and a deeper pipeline.
+    where that leaves a CTA too few runs (`short_runs`), on sm_100 the most equal splits of 1 to 2 CTAs an
+    SM and a deeper pipeline, on the other NVIDIA targets 64-column CTAs of 2 warps, about 2.9 an SM.
     `device`: whose target picks the entry (`device.pick_config`; default a CUDA device, i.e. the
     `building_for` target or the GPU's). The interpreter: one wide program per split (its cost is per program)."""
     if m > DECODE_MAX_M:
@@ -1038,12 +1048,18 @@ def decode_config(m: int, n: int, k: int, *, sms: int | None = None, interpreted
     if t["even_split"]:
         per = -(-runs // split)
         split = -(-runs // per)                                    # whole equal splits, no empty one
+    warps = t["num_warps"]
     short = t.get("short_runs")
     if short and runs < short["below"] * split:                  # CTAs of fewer runs than `below`
-        equal = [s for s in range(1, runs + 1) if runs % s == 0 and sms < n_blocks * s <= 2 * sms]
-        if equal:                                                  # 1 to 2 CTAs an SM, equal runs, deeper pipeline
-            split, stages = max(equal), short["num_stages"]
-    return dict(BLOCK_M=16, BLOCK_N=bn, SPLIT_K=split, num_warps=t["num_warps"], num_stages=stages)
+        if short.get("equal_split"):                               # 1 to 2 CTAs an SM, equal runs, deeper pipeline
+            equal = [s for s in range(1, runs + 1) if runs % s == 0 and sms < n_blocks * s <= 2 * sms]
+            if equal:
+                split, stages = max(equal), short["num_stages"]
+        else:                                                      # narrower CTAs, more of them resident, uneven split
+            bn, warps, stages = short["block_n"], short["num_warps"], short["num_stages"]
+            n_blocks = -(-n // bn)
+            split = max(1, min(runs, round(short["ctas_per_sm"] * sms / n_blocks)))
+    return dict(BLOCK_M=16, BLOCK_N=bn, SPLIT_K=split, num_warps=warps, num_stages=stages)
 
 
 def _decode_launch(x2, qweight, scales, out, n: int, k: int, group_size: int, cfg: dict, *, device, atomic: bool):
