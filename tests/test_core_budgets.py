@@ -151,3 +151,9 @@ def test_cpu_only_records_are_left_out_and_each_phase_scales_its_own_python(monk
     card = __import__("inferbook.compiled", fromlist=["CARDS"]).CARDS[budgets.CARD]
     assert p.device_s == pytest.approx(1e6 * size / (card["hbm_tbps"] * 1e12))   # the CPU phase's 1 GB left out
     assert any("CPU-only" in n for n in p.notes)
+
+
+def test_byte_and_flop_counts_read_with_their_prefix():
+    # sglang-fused-comm's device line once said "1.43e+07MB": a count past a million millions takes G or T
+    from inferbook.budgets import _fmt
+    assert [_fmt(x) for x in (512, 2.5e3, 4.2e6, 1.43e13, 3e9)] == ["512", "2.5k", "4.2M", "14.3T", "3G"]

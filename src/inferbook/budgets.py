@@ -371,7 +371,7 @@ class Prediction:
 
 
 def _fmt(n: float) -> str:
-    for unit, f in (("M", 1e6), ("k", 1e3)):
+    for unit, f in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
         if abs(n) >= f:
             return f"{n / f:.3g}{unit}"
     return f"{n:.3g}"
