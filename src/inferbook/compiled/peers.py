@@ -1113,6 +1113,8 @@ def save(slug: str, targets=("sm_80", "sm_90", "sm_100"), jobs: int = 1, root: P
                 r["index"] = base + r.get("index", 0)
         prev = load(slug, root) or {}
         chosen = {**{k: v for k, v in prev.get("sweep", {}).get("chosen", {}).items() if k not in chosen}, **chosen}
+        if only is not None:          # only this peer was compiled: the installed versions of the others are not theirs
+            versions = {d: v for d, v in versions.items() if d == only}
         versions = {**prev.get("peer_versions", {}), **versions}      # the kept rows' peers as they were compiled
         rows = kept + rows
     tix = {t: n for n, t in enumerate(TARGETS)}
