@@ -85,10 +85,11 @@ def test_decode_every_layout_and_group(layout, group):
 
 
 def test_decode_gpu_tiles_in_the_interpreter():
-    # the GPU's exact tile constexprs (BLOCK_N 128, split-K over runs) run here too
+    # the GPU's exact tile constexprs run here too: K 1024 is 4 runs, too few for a 128-column CTA of its own
+    # split, so the short-CTA rule's 64 columns, 2 warps, 4 splits of one run and a 4-stage pipeline
     q, d = _case(200, 1024, 32)
     cfg = W.decode_config(1, 200, 1024)
-    assert cfg["BLOCK_N"] == 128 and cfg["SPLIT_K"] == 4
+    assert (cfg["BLOCK_N"], cfg["num_warps"], cfg["SPLIT_K"], cfg["num_stages"]) == (64, 2, 4, 4)
     x = _x(1, 1024)
     err, tol, ok = within_tolerance(W.decode_linear(x, d, block="gpu"), W.decode_reference(x, d), W.linear_torch(x, q))
     assert ok, (err, tol)
@@ -97,13 +98,28 @@ def test_decode_gpu_tiles_in_the_interpreter():
 @pytest.mark.parametrize("m", [1, 5])
 def test_decode_gpu_tiles_whole_column_blocks(m):
     # N a multiple of BLOCK_N 128 (EVEN_N): a run's scales are one [64, 8] int32 load (`run_scales`) -- the path
-    # every gpu-preset launch takes; K 768 = 3 runs over a split of 3
+    # of the 128-column CTAs (chord's N 4096, K 7168); K 768 = 3 runs over a split of 3
     q, d = _case(256, 768, 32, seed=m)
-    cfg = W.decode_config(m, 256, 768)
-    assert cfg["BLOCK_N"] == 128 and 256 % cfg["BLOCK_N"] == 0 and cfg["SPLIT_K"] == 3
+    cfg = dict(BLOCK_M=16, BLOCK_N=128, SPLIT_K=3, num_warps=4, num_stages=3)
     x = _x(m, 768)
-    err, tol, ok = within_tolerance(W.decode_linear(x, d, block="gpu"), W.decode_reference(x, d), W.linear_torch(x, q))
+    err, tol, ok = within_tolerance(W.decode_linear(x, d, block=cfg), W.decode_reference(x, d), W.linear_torch(x, q))
     assert ok, (err, tol)
+
+
+def test_decode_short_ctas_take_narrow_columns():
+    # MiniMax-M3's shared MLP on sm_90: down (N 6144, K 1536: 6 runs) would be 6 splits of one run at 128
+    # columns (2 CTAs an SM, the busiest SM a third chain); it takes 64 columns of 2 warps, 4 uneven splits
+    # (96 x 4 CTAs, about 2.9 an SM); gate/up (N 3072, K 6144: 24 runs) 8 splits of 3 runs at 64 columns.
+    # Shapes whose CTAs run 4 or more runs keep 128 columns (chord's N 4096, K 7168: 7 splits of 4 runs)
+    from inferbook import device
+    with device.building_for("sm_90"):
+        down, gate_up, chord = (W.decode_config(1, 6144, 1536), W.decode_config(1, 3072, 6144),
+                                W.decode_config(1, 4096, 7168))
+    assert (down["BLOCK_N"], down["num_warps"], down["SPLIT_K"], down["num_stages"]) == (64, 2, 4, 4)
+    assert (gate_up["BLOCK_N"], gate_up["SPLIT_K"]) == (64, 8)
+    assert (chord["BLOCK_N"], chord["num_warps"], chord["SPLIT_K"]) == (128, 4, 7)
+    with device.building_for("gfx942"):                   # CDNA keeps the 128-column CTAs
+        assert W.decode_config(1, 6144, 1536)["BLOCK_N"] == 128
 
 
 def test_decode_nan_never_passes():
@@ -242,3 +258,33 @@ def test_dequantize_path_follows_the_target(monkeypatch):
             (dense,) = W.decode_launches(1, 256, 512)
             moe = [la for la in FM.fused_moe_decode_launches(4, 2, 4, 256, 64, max_m=2) if la.kernel is FM.moe_decode_kernel]
         assert dense.kwargs["ASM"] is asm and all(la.kwargs["ASM"] is asm for la in moe), target
+
+
+def test_moe_decode_narrow_columns_where_the_last_round_is_far_from_full():
+    # an EP8 rank of MiniMax-M3 on B200 (9 local experts, I 1536): 24 x 9 = 216 CTAs of 64 columns on 148 SMs
+    # leave the busiest SM two where the average is 1.46; 32 columns of 2 warps (432 CTAs) fill the rounds.
+    # The fused-slot MoE (65 experts) and the CDNA entry keep 64; the down launch (no rule) keeps 128
+    from inferbook import device
+    from inferbook.moe import fused_moe as FM
+    shape = dict(n=1536, experts=9)
+    with device.building_for("sm_100"):
+        assert [FM.moe_decode_config(False, True, **shape)[k] for k in ("BLOCK_N", "num_warps")] == [32, 2]
+        assert FM.moe_decode_config(False, True, n=1536, experts=65)["BLOCK_N"] == 64
+        assert FM.moe_decode_config(False, False)["BLOCK_N"] == 128
+    with device.building_for("sm_90"):
+        assert FM.moe_decode_config(False, True, **shape)["BLOCK_N"] == 64       # 216 CTAs on 132 SMs
+        assert FM.moe_decode_config(False, True, n=1536, experts=17)["BLOCK_N"] == 32
+    with device.building_for("gfx942"):
+        assert FM.moe_decode_config(False, True, **shape)["BLOCK_N"] == 64
+
+
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_moe_decode_32_column_tiles(tokens):
+    # the 32-column gated tiles the rule above picks, in the interpreter (2 column blocks of I 64)
+    from inferbook.moe import fused_moe as FM
+    w13, w2, x, tw, ids = _moe(4, 256, 64, tokens, 2)
+    out = FM.fused_moe_decode(x, W.pack_decode(w13), W.pack_decode(w2), tw, ids, block=dict(BLOCK_M=16, BLOCK_N=32))
+    err, tol, ok = FM.within_tolerance(out, FM.fused_moe_reference(x, w13, w2, tw, ids),
+                                       FM.fused_moe_torch(x, w13, w2, tw, ids))
+    assert ok, (err, tol)
+

@@ -176,12 +176,17 @@ def row_fingerprint(row: dict) -> dict:
     return {k: row.get(k) for k in ("launch", "kernel", "kernel_src", "args", "constexprs")}
 
 
-def dedupe(launches: list[Launch]) -> list[Launch]:
+def dedupe(launches: list[Launch], keep_grids: tuple[str, ...] = ()) -> list[Launch]:
     """Launches that compile to different kernels, first of each kind kept (a sweep over sizes
-    that Triton does not specialise on is one compile)."""
+    that Triton does not specialise on is one compile). A kernel named in `keep_grids` keeps one
+    launch per specialisation *and grid*: the cost model's waves, residency and trips depend on the
+    grid, so a launch of the same kernel at another grid is another row of the table (its compile
+    comes from the cache)."""
     seen, out = set(), []
     for la in launches:
         key = specialization_key(la)
+        if getattr(getattr(la.kernel, "fn", la.kernel), "__name__", "") in keep_grids:
+            key += (tuple(launch_shape_facts(la)["grid"]),)
         if key not in seen:
             seen.add(key)
             out.append(la)
@@ -950,7 +955,8 @@ def table_facts(slug: str, root: Path | None = None) -> dict:
 # Predicted time: the cost model (compiled/cost.py) on the committed tables
 
 from . import machine  # noqa: E402,F401
-from .cost import CARDS, SM_LIMITS, bound_sentence, measured_copy_gbps, predict, residency  # noqa: E402,F401
+from .cost import (CARDS, SM_LIMITS, bound_sentence, latency_floor_fraction, measured_copy_gbps, predict,  # noqa: E402,F401
+                   residency)
 
 # The card each target's table is predicted on by default (inspect, the pages).
 TARGET_CARD = {"sm_80": "A100", "sm_90": "H200", "sm_100": "B200", "gfx942": "MI300X", "gfx950": "MI355X"}

@@ -35,7 +35,8 @@ The model, and every assumption it makes (the pages' "How the prediction is made
    - `latency`: each loop iteration waits one DRAM latency (600 ns NVIDIA, 800 ns CDNA, loaded
      HBM, assumed) divided by the iterations in flight (`num_stages − 1` when the loop's loads are
      asynchronous copies — cp.async, TMA, loads into LDS — or, on CDNA, when the loop has MFMA, which
-     Triton's stream pipeliner prefetches; else 1), plus one latency; resident CTAs overlap. Little's law is
+     Triton's stream pipeliner prefetches; else 1) but never less than one latency in all (a loop of fewer
+     trips than the pipeline is deep still waits for its first load), plus one latency; resident CTAs overlap. Little's law is
      reported beside it: bytes in flight per SM vs latency × (bandwidth / SMs).
    - `waves`: the issue, compute and latency bounds recomputed for the *busiest* SM: wave
      quantization. CTAs are dispatched in launch order (x fastest), the first SMs × resident count
@@ -242,8 +243,9 @@ def predict(row: dict, card: str, *, copy_gbps: float | None = None) -> dict:
     lat = LATENCY_NS[c["vendor"]] * 1e-9
 
     def chain(t: float) -> float:
-        # one CTA's chain of dependent latencies: the loop's, or (straight-line code) one load and one store
-        return (t / async_depth + 1) * lat if loop["instrs"] else 2 * lat
+        # one CTA's chain of dependent latencies: the loop's, or (straight-line code) one load and one store.
+        # A pipeline deeper than the loop still waits one whole latency for its first load: at least 1
+        return (max(t / async_depth, 1.0 if t else 0.0) + 1) * lat if loop["instrs"] else 2 * lat
 
     bounds = {
         "memory": dram / bw,
@@ -275,6 +277,14 @@ def predict(row: dict, card: str, *, copy_gbps: float | None = None) -> dict:
         "bytes_in_flight_per_sm": in_flight, "bytes_in_flight_needed": lat * bw / sms,
         "dram_bytes": dram, "flops": total_flops, "frac_of_copy": (dram / bw) / seconds if seconds else None,
     }
+
+
+def latency_floor_fraction(p: dict) -> float:
+    """The most of the copy ceiling *any* kernel moving prediction `p`'s DRAM bytes can be predicted at on
+    its card: the model gives no CTA a chain shorter than one load and one store latency, so no launch is
+    predicted under two latencies. 1.0 for a launch big enough to hide them (5.3 MB on B200: 0.55)."""
+    lat = LATENCY_NS[CARDS[p["card"]]["vendor"]] * 1e-9
+    return min(1.0, p["bounds"]["memory"] / (2 * lat))
 
 
 def bound_sentence(p: dict) -> str:

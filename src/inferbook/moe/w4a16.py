@@ -1001,17 +1001,18 @@ def decode_asm(device) -> bool:
 # more than one and at most two CTAs on each SM (two 2-warp CTAs fill the 4 schedulers) and a 4-stage
 # pipeline (3 runs in flight, so a CTA of 4 runs waits 2.3 latencies, not 3): 6 splits of 4 runs (288
 # CTAs), predicted 89 % / 91 % / 97 % at M 1 / 8 / 16, issue/memory 1.09 / 1.07 / 1.00 (`inferbook
-# inspect minimax-m3-moe --target sm_100`; its down, N 6144 K 1536, 3 splits of 2 runs: predicted 67 %
-# at M 1 where 4 splits of 1 or 2 runs give 56 %, latency-bound: 4.7 MB is about one DRAM latency of
-# B200's bandwidth). 4 stages cost about 70 prologue instructions a warp, so a shape whose CTAs already
+# inspect minimax-m3-moe --target sm_100`; its down, N 6144 K 1536, 3 splits of 2 runs: predicted 56 %
+# at M 1, latency-bound, which is the model's floor for any kernel of its 5.3 MB on B200: they take less
+# than two DRAM latencies, `compiled.latency_floor_fraction`). 4 stages cost about 70 prologue instructions a warp, so a shape whose CTAs already
 # run 4 or more runs keeps 3 (chord-w4a16's N 4096, K 7168 at 4 stages: predicted 81 % at M 1, not 82 %).
 # On H200 (and the other NVIDIA targets) short CTAs take 64-column CTAs of 2 warps instead, split unevenly to
 # about 2.9 CTAs per SM on a 4-stage pipeline: 128-column CTAs of 4 warps hold 194 registers a thread, so
 # only 2 fit an SM, and a split to 2 CTAs an SM of 1 to 3 runs leaves the busiest SM a third CTA's chain.
 # MiniMax-M3's shared MLP on sm_90 (`inferbook inspect minimax-m3-moe --target sm_90`): gate/up, 8 equal
 # splits of 3 runs at 128 columns, predicted 89 % of the copy ceiling at M 1 (waves) -> 8 splits of 3 runs
-# at 64 columns, 100 % (memory); down, 6 splits of 1 run, 63 % at M 1 and 75 % at M 8 (waves) -> 4 splits of
-# 1 or 2 runs, 95 % and 100 %; 4 or 5 resident CTAs a SM where the 128-column CTA had 2.
+# at 64 columns, 100 % (memory); down, 6 splits of 1 run, 47 % at M 1 and 57 % at M 8 (waves) -> 4 splits of
+# 1 or 2 runs, 94 % (latency) and 100 %; 4 or 5 resident CTAs a SM where the 128-column CTA had 2. (With 1 or
+# 2 runs a CTA, 3 and 4 stages are predicted alike; the gate/up's 3 runs wait 2 latencies at 4, 2.5 at 3.)
 DECODE_TARGETS = {
     "nvidia": dict(sms=H200_SMS, block_n=128, num_warps=4, ctas_per_sm=2.0, even_split=True, num_stages=3,
                    short_runs=dict(below=4, block_n=64, num_warps=2, ctas_per_sm=2.9, num_stages=4)),
