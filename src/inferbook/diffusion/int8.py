@@ -123,6 +123,19 @@ def int8_attention_eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> t
 # Triton kernels.
 
 @triton.jit
+def _act_block(xr, g_ptr, rk, km, K, rstd, ACT: tl.constexpr):
+    """act(x) in fp32 at columns rk (mask km) of one row xr: ACT 0 x, 1 x * rstd * g (RMSNorm), 2 silu(gate) * up
+    (gate at rk, up at K + rk)."""
+    a = tl.load(xr + rk, mask=km, other=0.0).to(tl.float32)
+    if ACT == 1:
+        a = a * rstd * tl.load(g_ptr + rk, mask=km, other=0.0).to(tl.float32)
+    if ACT == 2:
+        up = tl.load(xr + K + rk, mask=km, other=0.0).to(tl.float32)
+        a = a * tl.sigmoid(a) * up
+    return a
+
+
+@triton.jit
 def _act_quant_kernel(x_ptr, g_ptr, q_ptr, s_ptr, K, sxm, sqm, eps,
                       ACT: tl.constexpr, BLOCK_K: tl.constexpr):
     """One row: act(x) in fp32 (ACT 0 none, 1 RMSNorm * g, 2 silu(gate) * up over [gate | up]), its absmax,
@@ -140,24 +153,14 @@ def _act_quant_kernel(x_ptr, g_ptr, q_ptr, s_ptr, K, sxm, sqm, eps,
     for k0 in range(0, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         km = rk < K
-        a = tl.load(xr + rk, mask=km, other=0.0).to(tl.float32)
-        if ACT == 1:
-            a = a * rstd * tl.load(g_ptr + rk, mask=km, other=0.0).to(tl.float32)
-        if ACT == 2:
-            up = tl.load(xr + K + rk, mask=km, other=0.0).to(tl.float32)
-            a = a * tl.sigmoid(a) * up
+        a = _act_block(xr, g_ptr, rk, km, K, rstd, ACT)
         amax = tl.maximum(amax, tl.max(tl.abs(a), axis=0))
     scale = tl.maximum(amax, 1e-12) / 127.0
     tl.store(s_ptr + row, scale)
     for k0 in range(0, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         km = rk < K
-        a = tl.load(xr + rk, mask=km, other=0.0).to(tl.float32)
-        if ACT == 1:
-            a = a * rstd * tl.load(g_ptr + rk, mask=km, other=0.0).to(tl.float32)
-        if ACT == 2:
-            up = tl.load(xr + K + rk, mask=km, other=0.0).to(tl.float32)
-            a = a * tl.sigmoid(a) * up
+        a = _act_block(xr, g_ptr, rk, km, K, rstd, ACT)
         v = a / scale
         r = tl.where(v >= 0, tl.floor(v + 0.5), -tl.floor(-v + 0.5))   # round half away from zero
         tl.store(q_ptr + row * sqm + rk, tl.minimum(tl.maximum(r, -127.0), 127.0).to(tl.int8), mask=km)
