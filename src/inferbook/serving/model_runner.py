@@ -86,20 +86,21 @@ class ModelRunner:
 
     def attention(self, a, h: torch.Tensor, batch: Batch, cos: torch.Tensor, sin: torch.Tensor, j: int) -> torch.Tensor:
         """One attention layer over the batch: h [T, d] (normed) -> the projected output [T, d]. Writes the
-        batch's K and V into pool `j` (k_cache[j], v_cache[j]) at its slots, then attends span by span."""
-        cfg = self.model.cfg
-        T = h.shape[0]
-        H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        q = apply_rope(a.wq(h).view(T, H, D).transpose(0, 1)[None], cos, sin)[0]      # [H, T, D]
-        k = apply_rope(a.wk(h).view(T, Hkv, D).transpose(0, 1)[None], cos, sin)[0]    # [Hkv, T, D]
-        v = a.wv(h).view(T, Hkv, D)
+        batch's K and V into pool `j` (k_cache[j], v_cache[j]) at its slots, then attends span by span.
+        `a.wq`, `a.wk`, `a.wv`, `a.wo` are the projections (the layer's `nn.Linear`s, or a TP rank's
+        shards): the head counts are what they project to (H query, Hkv KV heads of head_dim D), so the
+        output is the full [T, d] or, for a rank's heads, its partial sum."""
+        D = self.model.cfg.head_dim
+        q = apply_rope(a.wq(h).unflatten(-1, (-1, D)).transpose(0, 1)[None], cos, sin)[0]     # [H, T, D]
+        k = apply_rope(a.wk(h).unflatten(-1, (-1, D)).transpose(0, 1)[None], cos, sin)[0]     # [Hkv, T, D]
+        v = a.wv(h).unflatten(-1, (-1, D))                                                     # [T, Hkv, D]
         write_pool(self.k_cache[j], batch.slots, k.transpose(0, 1))
         write_pool(self.v_cache[j], batch.slots, v)
-        out = torch.empty(H, T, D, dtype=h.dtype, device=h.device)
+        out = torch.empty_like(q)
         for start, n, kv_slots, pos in batch.spans:
             out[:, start:start + n] = paged_attention(q[:, start:start + n], self.k_cache[j], self.v_cache[j],
                                                       kv_slots, pos)
-        return a.wo(out.transpose(0, 1).reshape(T, cfg.d_model))
+        return a.wo(out.transpose(0, 1).flatten(1))
 
 def write_pool(pool: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
     """pool[slot] = x for each slot. pool: one layer's [slots, Hkv, D] (flat), or its

@@ -32,7 +32,9 @@ import json
 import os
 import traceback
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -40,8 +42,8 @@ import torch.nn.functional as F
 from ..errors import UserError
 from .kv_offload.layout import BlockLayout
 from .kv_tp_merge import head_range, merge_shards, shard_of
-from .model import TinyConfig, apply_rope
-from .model_runner import ModelRunner, paged_attention, write_pool
+from .model import TinyConfig
+from .model_runner import ModelRunner
 
 # faults a check can inject to prove it catches them (`worker_loop` and `TPModelRunner` honour them)
 FAULTS = (None, "no_attention_merge", "swap_restored_shards")
@@ -68,6 +70,11 @@ class LayerShard:
     w_gate: torch.Tensor  # [ffn/tp, d]
     w_up: torch.Tensor
     w_down: torch.Tensor  # [d, ffn/tp]   columns: a partial sum
+
+    @property
+    def attn(self) -> SimpleNamespace:
+        """The attention projections as `ModelRunner.attention` calls them (as a layer's `nn.Linear`s)."""
+        return SimpleNamespace(**{n: partial(F.linear, weight=getattr(self, n)) for n in ("wq", "wk", "wv", "wo")})
 
 
 class TPComm:
@@ -180,24 +187,11 @@ class TPModelRunner(ModelRunner):
 
     @torch.no_grad()
     def _forward(self, batch):
-        m, cfg, comm = self.model, self.model.cfg, self.comm
-        T = batch.tokens.shape[0]
-        Hl, D = self.q_heads, cfg.head_dim
-        Hkv = self.kv_heads[1] - self.kv_heads[0]
+        m, comm = self.model, self.comm
         cos, sin = m.cos[batch.positions], m.sin[batch.positions]
         x = m.embed(batch.tokens)
         for i, (layer, w) in enumerate(zip(m.layers, self.shards)):
-            h = layer.attn_norm(x)
-            q = apply_rope(F.linear(h, w.wq).view(T, Hl, D).transpose(0, 1)[None], cos, sin)[0]
-            k = apply_rope(F.linear(h, w.wk).view(T, Hkv, D).transpose(0, 1)[None], cos, sin)[0]
-            v = F.linear(h, w.wv).view(T, Hkv, D)
-            write_pool(self.k_cache[i], batch.slots, k.transpose(0, 1))
-            write_pool(self.v_cache[i], batch.slots, v)
-            out = torch.empty(Hl, T, D, dtype=x.dtype, device=x.device)
-            for start, n, kv_slots, pos in batch.spans:
-                out[:, start:start + n] = paged_attention(q[:, start:start + n], self.k_cache[i], self.v_cache[i],
-                                                          kv_slots, pos)
-            part = F.linear(out.transpose(0, 1).reshape(T, Hl * D), w.wo)
+            part = self.attention(w.attn, layer.attn_norm(x), batch, cos, sin, i)   # this rank's heads' partial sum
             if self.fault != "no_attention_merge":
                 comm.all_reduce(part)          # the merge: every rank's heads summed into the full output
             x = x + part
