@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import UserError
-from .draft import SwiGLU, _rotate, rope_cos_sin
+from .draft import SwiGLU, _rotate, check_fits_target, rope_cos_sin
 from .model import RMSNorm, TinyDecoder
 from .sampler import exponential_race_sample
 
@@ -139,9 +139,7 @@ class MarkovHead(nn.Module):
 class BlockDraft(nn.Module):
     def __init__(self, cfg: BlockDraftConfig, target: TinyDecoder):
         super().__init__()
-        if target.cfg.d_model != cfg.d_model or target.cfg.vocab != cfg.vocab:
-            raise UserError(f"block draft (d={cfg.d_model}, vocab={cfg.vocab}) does not fit the target "
-                            f"(d={target.cfg.d_model}, vocab={target.cfg.vocab})")
+        check_fits_target(cfg, target, "block draft")
         self.cfg = cfg
         d = cfg.d_model
         self.fc = nn.Linear(d, d, bias=False)                     # target features -> draft context

@@ -194,12 +194,17 @@ class DraftLayer(nn.Module):
         return z + self.mlp(self.post_attention_layernorm(z)), kv
 
 
+def check_fits_target(cfg, target: TinyDecoder, what: str) -> None:
+    """A draft reads the target's features and shares its embedding and LM head: d_model and vocab must match."""
+    if target.cfg.d_model != cfg.d_model or target.cfg.vocab != cfg.vocab:
+        raise UserError(f"{what} (d={cfg.d_model}, vocab={cfg.vocab}) does not fit the target "
+                        f"(d={target.cfg.d_model}, vocab={target.cfg.vocab})")
+
+
 class HiddenStateDraft(nn.Module):
     def __init__(self, cfg: DraftConfig, target: TinyDecoder):
         super().__init__()
-        if target.cfg.d_model != cfg.d_model or target.cfg.vocab != cfg.vocab:
-            raise UserError(f"draft (d={cfg.d_model}, vocab={cfg.vocab}) does not fit the target "
-                            f"(d={target.cfg.d_model}, vocab={target.cfg.vocab})")
+        check_fits_target(cfg, target, "draft")
         self.cfg = cfg
         if cfg.layers_read and cfg.layers_read[-1] != target.cfg.n_layers:
             raise UserError(f"draft feature_layers={cfg.feature_layers!r} must end with the target's last layer "
