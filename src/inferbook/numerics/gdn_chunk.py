@@ -51,6 +51,14 @@ if triton is not None:
         return y
 
     @triton.jit
+    def _ld(ptr, mask, DOT_FP32: tl.constexpr):
+        """A stored input-dtype tile as a dot operand (fp32 under the interpreter: its bf16 dot is wrong)."""
+        x = tl.load(ptr, mask=mask, other=0.0)
+        if DOT_FP32:
+            x = x.to(tl.float32)
+        return x
+
+    @triton.jit
     def _row_rnorm(ptr, rows, m_t, K, BT: tl.constexpr, BK: tl.constexpr, USE_L2NORM: tl.constexpr):
         """1 / sqrt(sum over all of K of x^2 + eps) per row of q or k (fla's l2norm), or 1."""
         if USE_L2NORM:
@@ -78,20 +86,65 @@ if triton is not None:
         return x
 
     @triton.jit
+    def _chunk_rows(cu_seqlens, chunk_indices, i_c, i_h, H, BT: tl.constexpr):
+        """Chunk i_c of the (sequence, chunk) table for head i_h: its (token, head) rows of [TT, H, *],
+        their mask, the row of its last valid token, its token offsets, the sequence's length T and the
+        chunk's number i_t in the sequence."""
+        i_n = tl.load(chunk_indices + 2 * i_c).to(tl.int64)
+        i_t = tl.load(chunk_indices + 2 * i_c + 1).to(tl.int64)
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        T = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
+        o_t = i_t * BT + tl.arange(0, BT)
+        m_t = o_t < T
+        rows = (bos + o_t) * H + i_h
+        last_row = (bos + tl.minimum(i_t * BT + BT, T) - 1) * H + i_h
+        return rows, m_t, last_row, o_t, T, i_t
+
+    @triton.jit
+    def _state_block(cu_seqlens, chunk_offsets, H, K, V, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+        """The program of a sequential-over-chunks state kernel (forward state, backward dh): grid (block
+        of V, sequence * head); the state block [BK, BV] (all of K, columns o_v), its mask and offsets
+        in [N, H, K, V], the sequence's first row bos, length T, first chunk boh and chunk count NT."""
+        i_v = tl.program_id(0)
+        i_nh = tl.program_id(1)
+        i_n = i_nh // H
+        i_h = i_nh % H
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        T = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
+        boh = tl.load(chunk_offsets + i_n).to(tl.int64)
+        NT = tl.cdiv(T, BT)
+        o_k = tl.arange(0, BK)
+        m_k = o_k < K
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = o_v < V
+        m_s = m_k[:, None] & m_v[None, :]
+        s_off = i_nh.to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :]
+        return i_h, bos, T, boh, NT, o_k, m_k, o_v, m_v, m_s, s_off
+
+    @triton.jit
+    def _state_chunk(h, g_cum, b_h, i_t, i_h, bos, T, boh, H, K, V, o_k, o_v, m_s, BT: tl.constexpr,
+                     DT: tl.constexpr, EMULATE: tl.constexpr):
+        """Chunk i_t of a state kernel: stores the running fp32 state b_h as the chunk's (input dtype,
+        at [chunk, H, K, V]); returns the chunk's rows, their mask, G at its last valid row and G per row."""
+        o_t = i_t * BT + tl.arange(0, BT)
+        m_t = o_t < T
+        rows = (bos + o_t) * H + i_h
+        p_h = h + ((boh + i_t) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
+        tl.store(p_h, cast_rtne(b_h, DT, EMULATE), mask=m_s)
+        last = tl.minimum(i_t * BT + BT, T) - 1
+        b_G_last = tl.load(g_cum + (bos + last) * H + i_h)
+        b_G = tl.load(g_cum + rows, mask=m_t, other=0.0)
+        return rows, m_t, b_G_last, b_G
+
+    @triton.jit
     def gdn_chunk_wy_fwd_kernel(k, v, g, beta, g_cum, A, w, u, cu_seqlens, chunk_indices, H, K, V,
                                 BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_L2NORM: tl.constexpr,
                                 DT: tl.constexpr, EMULATE: tl.constexpr, DOT_FP32: tl.constexpr,
                                 PRECISION: tl.constexpr):
         i_c = tl.program_id(0)
         i_h = tl.program_id(1)
-        i_n = tl.load(chunk_indices + 2 * i_c).to(tl.int64)
-        i_t = tl.load(chunk_indices + 2 * i_c + 1).to(tl.int64)
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        T = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
+        rows, m_t, last_row, o_t, T, i_t = _chunk_rows(cu_seqlens, chunk_indices, i_c, i_h, H, BT)
         o_i = tl.arange(0, BT)
-        o_t = i_t * BT + o_i
-        m_t = o_t < T
-        rows = (bos + o_t) * H + i_h                                  # (token, head) rows of [TT, H, *]
         b_g = tl.load(g + rows, mask=m_t, other=0.0).to(tl.float32)
         b_G = tl.cumsum(b_g, 0)                                       # chunk-local, fp32
         tl.store(g_cum + rows, b_G, mask=m_t)
@@ -135,41 +188,21 @@ if triton is not None:
                                    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_H0: tl.constexpr,
                                    USE_L2NORM: tl.constexpr, DT: tl.constexpr, EMULATE: tl.constexpr,
                                    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
-        i_v = tl.program_id(0)
-        i_nh = tl.program_id(1)
-        i_n = i_nh // H
-        i_h = i_nh % H
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        T = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
-        boh = tl.load(chunk_offsets + i_n).to(tl.int64)
-        NT = tl.cdiv(T, BT)
-        o_k = tl.arange(0, BK)
-        m_k = o_k < K
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_v = o_v < V
-        m_s = m_k[:, None] & m_v[None, :]
-        s_off = i_nh.to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :]
+        i_h, bos, T, boh, NT, o_k, m_k, o_v, m_v, m_s, s_off = _state_block(cu_seqlens, chunk_offsets, H, K, V,
+                                                                            BT, BK, BV)
         if HAS_H0:
             b_h = tl.load(h0 + s_off, mask=m_s, other=0.0).to(tl.float32)
         else:
             b_h = tl.zeros([BK, BV], dtype=tl.float32)
-        o_i = tl.arange(0, BT)
         for i_t in range(NT):
-            o_t = i_t * BT + o_i
-            m_t = o_t < T
-            rows = (bos + o_t) * H + i_h
-            p_h = h + ((boh + i_t) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
-            tl.store(p_h, cast_rtne(b_h, DT, EMULATE), mask=m_s)        # the chunk's state, input dtype
-            b_w = tl.load(w + rows[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
-            if DOT_FP32:
-                b_w = b_w.to(tl.float32)
+            # the chunk's state stored (input dtype) before its update
+            rows, m_t, b_G_last, b_G = _state_chunk(h, g_cum, b_h, i_t, i_h, bos, T, boh, H, K, V, o_k, o_v, m_s,
+                                                    BT, DT, EMULATE)
+            b_w = _ld(w + rows[:, None] * K + o_k[None, :], m_t[:, None] & m_k[None, :], DOT_FP32)
             m_tv = m_t[:, None] & m_v[None, :]
             b_v = tl.load(u + rows[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
             b_v = b_v - tl.dot(b_w, _operand(b_h, DT, EMULATE, DOT_FP32), input_precision=PRECISION)
             tl.store(v_new + rows[:, None] * V + o_v[None, :], cast_rtne(b_v, DT, EMULATE), mask=m_tv)
-            last = tl.minimum(i_t * BT + BT, T) - 1
-            b_G_last = tl.load(g_cum + (bos + last) * H + i_h)
-            b_G = tl.load(g_cum + rows, mask=m_t, other=0.0)
             b_vg = _operand(b_v * tl.where(m_t, tl.exp(b_G_last - b_G), 0.0)[:, None], DT, EMULATE, DOT_FP32)
             b_k = _load_rows(k, rows, m_t, K, o_k, m_k, _row_rnorm(k, rows, m_t, K, BT, BK, USE_L2NORM), USE_L2NORM,
                              DT, EMULATE, DOT_FP32)
@@ -184,14 +217,8 @@ if triton is not None:
         i_v = tl.program_id(0)
         i_c = tl.program_id(1)
         i_h = tl.program_id(2)
-        i_n = tl.load(chunk_indices + 2 * i_c).to(tl.int64)
-        i_t = tl.load(chunk_indices + 2 * i_c + 1).to(tl.int64)
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        T = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
+        rows, m_t, last_row, o_t, T, i_t = _chunk_rows(cu_seqlens, chunk_indices, i_c, i_h, H, BT)
         o_i = tl.arange(0, BT)
-        o_t = i_t * BT + o_i
-        m_t = o_t < T
-        rows = (bos + o_t) * H + i_h
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = o_v < V
         b_o = tl.zeros([BT, BV], dtype=tl.float32)
@@ -204,18 +231,14 @@ if triton is not None:
             m_k = o_k < K
             b_q = _load_rows(q, rows, m_t, K, o_k, m_k, rn_q, USE_L2NORM, DT, EMULATE, DOT_FP32)
             b_k = _load_rows(k, rows, m_t, K, o_k, m_k, rn_k, USE_L2NORM, DT, EMULATE, DOT_FP32)
-            b_h = tl.load(h_base + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
-            if DOT_FP32:
-                b_h = b_h.to(tl.float32)
+            b_h = _ld(h_base + o_k[:, None] * V + o_v[None, :], m_k[:, None] & m_v[None, :], DOT_FP32)
             b_o = tl.dot(b_q, b_h, b_o, input_precision=PRECISION)
             b_P = tl.dot(b_q, tl.trans(b_k), b_P, input_precision=PRECISION)
         b_G = tl.load(g_cum + rows, mask=m_t, other=0.0)
         incl = (o_i[:, None] >= o_i[None, :]) & m_t[:, None] & m_t[None, :]
         b_P = b_P * tl.exp(tl.where(incl, b_G[:, None] - b_G[None, :], float("-inf")))   # masked before exp
         m_tv = m_t[:, None] & m_v[None, :]
-        b_v = tl.load(v_new + rows[:, None] * V + o_v[None, :], mask=m_tv, other=0.0)
-        if DOT_FP32:
-            b_v = b_v.to(tl.float32)
+        b_v = _ld(v_new + rows[:, None] * V + o_v[None, :], m_tv, DOT_FP32)
         b_o = (b_o * tl.exp(b_G)[:, None]
                + tl.dot(_operand(b_P, DT, EMULATE, DOT_FP32), b_v, input_precision=PRECISION)) * scale
         tl.store(o + rows[:, None] * V + o_v[None, :], cast_rtne(b_o, DT, EMULATE), mask=m_tv)

@@ -62,7 +62,7 @@ try:
     import triton.language as tl
 
     from ..triton_utils import cast_rtne
-    from .gdn_chunk import _operand
+    from .gdn_chunk import _chunk_rows, _ld, _operand, _state_block, _state_chunk
 except Exception:  # pragma: no cover
     triton = None
     tl = None
@@ -70,32 +70,12 @@ except Exception:  # pragma: no cover
 
 if triton is not None:
     @triton.jit
-    def _ld(ptr, mask, DOT_FP32: tl.constexpr):
-        """A stored input-dtype tile as a dot operand (fp32 under the interpreter: its bf16 dot is wrong)."""
-        x = tl.load(ptr, mask=mask, other=0.0)
-        if DOT_FP32:
-            x = x.to(tl.float32)
-        return x
-
-    @triton.jit
-    def _chunk_rows(cu_seqlens, chunk_indices, i_c, i_h, H, BT: tl.constexpr):
-        i_n = tl.load(chunk_indices + 2 * i_c).to(tl.int64)
-        i_t = tl.load(chunk_indices + 2 * i_c + 1).to(tl.int64)
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        T = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
-        o_t = i_t * BT + tl.arange(0, BT)
-        m_t = o_t < T
-        rows = (bos + o_t) * H + i_h
-        last_row = (bos + tl.minimum(i_t * BT + BT, T) - 1) * H + i_h
-        return rows, m_t, last_row, o_t, T
-
-    @triton.jit
     def gdn_chunk_dv_local_kernel(q, k, g_cum, do, dv, cu_seqlens, chunk_indices, scale, H, K, V,
                                   BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr,
                                   EMULATE: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
         i_c = tl.program_id(0)
         i_h = tl.program_id(1)
-        rows, m_t, last_row, o_t, T = _chunk_rows(cu_seqlens, chunk_indices, i_c, i_h, H, BT)
+        rows, m_t, last_row, o_t, T, i_t = _chunk_rows(cu_seqlens, chunk_indices, i_c, i_h, H, BT)
         o_i = tl.arange(0, BT)
         b_A = tl.zeros([BT, BT], dtype=tl.float32)
         for i_k in range(tl.cdiv(K, BK)):
@@ -120,32 +100,14 @@ if triton is not None:
                                  H, K, V, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                                  HAS_H0: tl.constexpr, DT: tl.constexpr, EMULATE: tl.constexpr,
                                  DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
-        i_v = tl.program_id(0)
-        i_nh = tl.program_id(1)
-        i_n = i_nh // H
-        i_h = i_nh % H
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        T = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
-        boh = tl.load(chunk_offsets + i_n).to(tl.int64)
-        NT = tl.cdiv(T, BT)
-        o_k = tl.arange(0, BK)
-        m_k = o_k < K
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_v = o_v < V
-        m_s = m_k[:, None] & m_v[None, :]
-        s_off = i_nh.to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :]
+        i_h, bos, T, boh, NT, o_k, m_k, o_v, m_v, m_s, s_off = _state_block(cu_seqlens, chunk_offsets, H, K, V,
+                                                                            BT, BK, BV)
         b_dh = tl.load(dht + s_off, mask=m_s, other=0.0).to(tl.float32)
-        o_i = tl.arange(0, BT)
         for i_r in range(NT):
             i_t = NT - 1 - i_r
-            o_t = i_t * BT + o_i
-            m_t = o_t < T
-            rows = (bos + o_t) * H + i_h
-            p_dh = dh + ((boh + i_t) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
-            tl.store(p_dh, cast_rtne(b_dh, DT, EMULATE), mask=m_s)     # d(state leaving the chunk)
-            last = tl.minimum(i_t * BT + BT, T) - 1
-            b_G_last = tl.load(g_cum + (bos + last) * H + i_h)
-            b_G = tl.load(g_cum + rows, mask=m_t, other=0.0)
+            # d(state leaving the chunk) stored (input dtype) before its update
+            rows, m_t, b_G_last, b_G = _state_chunk(dh, g_cum, b_dh, i_t, i_h, bos, T, boh, H, K, V, o_k, o_v, m_s,
+                                                    BT, DT, EMULATE)
             m_tk = m_t[:, None] & m_k[None, :]
             m_tv = m_t[:, None] & m_v[None, :]
             b_k = _ld(k + rows[:, None] * K + o_k[None, :], m_tk, DOT_FP32)
@@ -173,7 +135,7 @@ if triton is not None:
         i_k = tl.program_id(0)
         i_c = tl.program_id(1)
         i_h = tl.program_id(2)
-        rows, m_t, last_row, o_t, T = _chunk_rows(cu_seqlens, chunk_indices, i_c, i_h, H, BT)
+        rows, m_t, last_row, o_t, T, i_t = _chunk_rows(cu_seqlens, chunk_indices, i_c, i_h, H, BT)
         o_i = tl.arange(0, BT)
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = o_k < K
@@ -232,7 +194,7 @@ if triton is not None:
                                 DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
         i_c = tl.program_id(0)
         i_h = tl.program_id(1)
-        rows, m_t, last_row, o_t, T = _chunk_rows(cu_seqlens, chunk_indices, i_c, i_h, H, BT)
+        rows, m_t, last_row, o_t, T, i_t = _chunk_rows(cu_seqlens, chunk_indices, i_c, i_h, H, BT)
         o_i = tl.arange(0, BT)
         b_b = tl.load(beta + rows, mask=m_t, other=0.0).to(tl.float32)
         b_G = tl.load(g_cum + rows, mask=m_t, other=0.0)
