@@ -73,8 +73,9 @@ def test_chunked_backward_at_the_gpu_tiles():
 
 def test_chunked_backward_at_the_sm80_tiles():
     """sm_80's config (`_sm80_bwd`, against spills): wy over BK = BV = 16 blocks, unpipelined, dhu at K 64
-    over BV 32; in the interpreter at K 64 (four wy K blocks), V 48 (the last BV block of each kernel
-    masked). The other targets keep wy at dqkwg's tiles."""
+    and 128 over BV 32 (one stage at K 256), dqkwg and dv_local over BV 32; in the interpreter at K 64 (four
+    wy K blocks), V 48 (two BV blocks in dqkwg's V loop, the last of each kernel masked). The other targets
+    keep wy at dqkwg's tiles."""
     from inferbook import device
 
     with device.building_for("sm_90"):
@@ -82,7 +83,9 @@ def test_chunked_backward_at_the_sm80_tiles():
     assert (c90["BK_wy"], c90["BV_wy"], c90["stages_wy"], c90["BV_STATE"]) == (64, 64, None, 64)
     with device.building_for("sm_80"):
         c = gdn_chunk_bwd.bwd_blocks(64, 48, DEV)
-        assert (c["BK"], c["BK_wy"], c["BV_wy"], c["stages_wy"], c["BV_STATE"]) == (64, 16, 16, 1, 32)
+        assert (c["BK"], c["BV"], c["BK_wy"], c["BV_wy"], c["stages_wy"], c["BV_STATE"]) == (64, 32, 16, 16, 1, 32)
+        assert gdn_chunk_bwd.bwd_blocks(128, 128, DEV)["BV_STATE"] == 32
+        assert gdn_chunk_bwd.bwd_blocks(256, 256, DEV)["stages_state"] == 1
         rep = gdn.check_backend(FN, head_dims=(), extra_cases=[dict(K=64, V=48, lengths=[70])], heads=1,
                                 dtypes=(torch.bfloat16,))
     assert rep.passed, rep.failures()

@@ -286,11 +286,19 @@ def bwd_blocks(K: int, V: int, device: torch.device) -> dict:
 def _sm80_bwd(c: dict) -> dict:
     """sm_80 (mma.sync keeps the accumulators in registers, 255 at most a thread at 8 warps): wy's [64, 64]
     A, A^T, dA, dL and k k^T leave no room for a [64, 64] k tile, so BK = BV = 16 and no pipelining (at 64
-    and 3 stages it spilled 1.6 KB; the issue bound predicted lower too); dhu at K 64 takes BV 32 (BV 64
-    spilled 86 B)."""
-    d = dict(BK_wy=min(c["BK_wy"], 16), BV_wy=min(c["BV_wy"], 16), stages_wy=1)
-    if c["BK_STATE"] == 64:
+    and 3 stages it spilled 1.6 KB; the issue bound predicted lower too); dhu at K 64 and K 128 takes BV 32
+    (BV 64 spilled 86 and 96 B; at K 128 twice the programs, 128 on A100's 108 SMs where 64 left 44 idle),
+    at K 256 one stage (its [256, 16] dh and three [64, 256] tiles spilled 88 B at 2; the launch is
+    memory-bound either way, predicted alike). dqkwg and dv_local take BV 32: dqkwg's V loop then holds
+    half the h, dh, do and v tiles (380 B of spill -> 72 B, shared memory 80 -> 40 KB, predicted as fast
+    or faster at every shape); the 72 B left are its three [64, 64] fp32 accumulators beside dA, and only
+    BK 32 removes them, which the model predicts 1.2-1.4x slower (twice the programs, each re-reading the
+    chunk's v, do and dA tiles: issue- or waves-bound)."""
+    d = dict(BK_wy=min(c["BK_wy"], 16), BV_wy=min(c["BV_wy"], 16), stages_wy=1, BV=min(c["BV"], 32))
+    if c["BK_STATE"] in (64, 128):
         d["BV_STATE"] = min(c["BV_STATE"], 32)
+    elif c["BK_STATE"] > 128:
+        d["stages_state"] = 1
     return d
 
 
