@@ -36,7 +36,7 @@ def test_linear_at_gpu_tiles(layout, M):
     assert ok, (cfg, err, tol)
 
 
-# rows per expert T*k/E = 5 (16x64x128), 50 (64x64x64), 100 (128x64x64, 8 warps, 3 stages)
+# rows per expert T*k/E = 5 (16x32x128), 50 (64x64x64), 100 (128x64x64, 8 warps, 3 stages)
 MOE = [(layout, 20) for layout in W.LAYOUTS] + [("indexed", 200), ("grouped_contiguous", 400), ("grouped_masked", 200)]
 
 

@@ -288,3 +288,14 @@ def test_moe_decode_32_column_tiles(tokens):
                                        FM.fused_moe_torch(x, w13, w2, tw, ids))
     assert ok, (err, tol)
 
+
+
+@pytest.mark.parametrize("target", ["sm_80", "sm_90", "sm_100", "gfx942", "gfx950"])
+def test_decode_check_paths_share_one_config(target):
+    # minimax's decode check is bitwise: the fused slot (65 experts) against the routed experts (64) plus the
+    # shared one as its own MoE (1), all on moe_decode_kernel with one config; the shape rule must not split them
+    from inferbook import device
+    from inferbook.moe import fused_moe as FM
+    with device.building_for(target):
+        cfgs = [FM.moe_decode_config(False, True, n=1536, experts=e) for e in (65, 64, 1)]
+    assert cfgs[0] == cfgs[1] == cfgs[2]

@@ -295,7 +295,11 @@ def moe_config(rows_per_expert: float, interpreted: bool) -> dict:
     if interpreted:  # few, large programs: the interpreter's cost is per program and per op
         return dict(BLOCK_M=16 if rows_per_expert <= 16 else 64, BLOCK_N=64, BLOCK_K=64)
     if rows_per_expert <= 16:
-        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)
+        # 32 columns, not 64: the gate/up launch's two [16, 64] accumulators and their dequantized tiles spilled
+        # 20 B on sm_100 at 64, and at 32 the issue per weight falls (predicted, `inferbook inspect`: chord's decode
+        # M1 gate_up 68 -> 77 % of the copy ceiling on H200, 50 -> 60 % on B200, 89 -> 100 % on A100; MiniMax-M3's
+        # C32 gate_up 65 -> 80 % on H200; gfx942 42 -> 49 %), twice the CTAs filling the SMs' last round
+        return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4)
     if rows_per_expert <= 64:
         return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4)
     # gate/up keeps two accumulators: BLOCK_N 64 keeps them at 64 fp32 registers per thread
