@@ -286,3 +286,24 @@ def test_chord_gemlite_pairs_with_ours_at_every_dense_shape_on_three_targets():
         assert set(pairs) == want, t
         for q in pairs.values():
             assert q["ours_launch"].startswith("decode kernel M") and q["ours_s"] > 0 and q["peer_s"] > 0, q
+
+
+def test_save_without_the_tables_only_peer_keeps_the_table(tmp_path, monkeypatch):
+    """A one-peer table saved where that peer does not import: one line, exit 2, the committed table as it
+    was (it once became our 9 rows alone when fla lacked einops)."""
+    import json
+
+    from inferbook.compiled import DATA_DIR
+
+    path = tmp_path / DATA_DIR / "peers" / "gdn-backward-check.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"rows": [{"launch": "fla: k @ S", "side": "peer", "peer": "fla-core"}]}))
+    before = path.read_text()
+    monkeypatch.setattr(peers, "usable", lambda p: False)
+    monkeypatch.setattr(peers, "available", lambda: {"fla-core": "ModuleNotFoundError: No module named 'einops'"})
+    monkeypatch.setattr(compiled, "inspect", lambda *a, **k: pytest.fail("compiled although the peer is absent"))
+    from inferbook.errors import UserError
+
+    with pytest.raises(UserError, match="fla-core is not usable here .*einops"):
+        peers.save("gdn-backward-check", root=tmp_path)
+    assert path.read_text() == before

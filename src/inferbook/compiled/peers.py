@@ -1087,6 +1087,11 @@ def save(slug: str, targets=("sm_80", "sm_90", "sm_100"), jobs: int = 1, root: P
         absent = [p for p in peers_of(slug) if not usable(p)]
         prev = load(slug, root) if absent else None
         kept = [r for r in (prev["rows"] if prev else []) if r.get("side") == "peer" and r.get("peer") in absent]
+    elif not usable(PEER_OF[slug]):   # the table's only peer: saving now would replace its rows by ours alone
+        from ..errors import UserError
+
+        raise UserError(f"{PEER_OF[slug]} is not usable here ({available()[PEER_OF[slug]]}); {slug}'s peer table "
+                        f"is kept as it is (install the peer to regenerate it)")
     os.environ.pop(CONFIG_ENV, None)
     old = load(slug, root) if reuse_sweep else None
     if old is not None:
