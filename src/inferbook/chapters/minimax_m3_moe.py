@@ -522,9 +522,9 @@ def roofline_work(params: dict) -> list[dict]:
 DECODE_KERNELS = ("moe_decode_kernel", "w4a16_decode_kernel")
 
 
-# the decode check's shared expert run as a one-expert MoE: 24 (gate/up) or 48 (down) CTAs and no split-K (the
-# gated kernel needs a column's whole K sum for SiLU); the separate path it is checked against, and the one a
-# server runs, is the shared MLP on the split-K decode kernel (its own rows)
+# the decode check's bitwise construction: the shared expert as a one-expert MoE on the fused slot's kernel and
+# config, 24 (gate/up) or 48 (down) CTAs and no split-K (the gated kernel needs a column's whole K sum for SiLU).
+# The separate path a server runs puts the shared MLP on the split-K decode kernel instead (its own rows)
 CHECK_ONLY = "shared as its own MoE"
 
 
