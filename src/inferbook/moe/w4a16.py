@@ -1003,8 +1003,9 @@ def decode_asm(device) -> bool:
 # CTAs), predicted 89 % / 91 % / 97 % at M 1 / 8 / 16, issue/memory 1.09 / 1.07 / 1.00 (`inferbook
 # inspect minimax-m3-moe --target sm_100`; its down, N 6144 K 1536, 3 splits of 2 runs: predicted 56 %
 # at M 1, latency-bound, which is the model's floor for any kernel of its 5.3 MB on B200: they take less
-# than two DRAM latencies, `compiled.latency_floor_fraction`). 4 stages cost about 70 prologue instructions a warp, so a shape whose CTAs already
-# run 4 or more runs keeps 3 (chord-w4a16's N 4096, K 7168 at 4 stages: predicted 81 % at M 1, not 82 %).
+# than two DRAM latencies, `compiled.latency_floor_fraction`). 4 stages cost about 70 prologue instructions
+# a warp, so a shape whose CTAs already run 4 or more runs keeps 3 (chord-w4a16's N 4096, K 7168 at 4
+# stages: predicted 81 % at M 1, not 82 %).
 # On H200 (and the other NVIDIA targets) short CTAs take 64-column CTAs of 2 warps instead, split unevenly to
 # about 2.9 CTAs per SM on a 4-stage pipeline: 128-column CTAs of 4 warps hold 194 registers a thread, so
 # only 2 fit an SM, and a split to 2 CTAs an SM of 1 to 3 runs leaves the busiest SM a third CTA's chain.
