@@ -100,6 +100,23 @@ def test_dedupe_keeps_one_launch_per_specialisation():
     assert [x.name for x in compiled.dedupe([a, b, c, d, e])] == ["a", "c", "d", "e"]
 
 
+def test_dedupe_keeps_a_row_per_grid_for_the_named_kernels():
+    # minimax's decode kernels: one specialisation at several grids (the shared MLP's down, each EP rank) is a
+    # row each, since the cost model's waves and residency are the grid's; other kernels keep one row
+    def decode_kernel():
+        pass
+
+    def other_kernel():
+        pass
+
+    args = [compiled.ptr(torch.bfloat16), 4096]
+    la = [compiled.Launch(f"{f.__name__} {g}", f, list(args), dict(BLOCK=16), grid=g)
+          for f in (decode_kernel, other_kernel) for g in ((48, 8), (96, 4), (48, 8))]
+    assert [x.name for x in compiled.dedupe(la, keep_grids=("decode_kernel",))] == [
+        "decode_kernel (48, 8)", "decode_kernel (96, 4)", "other_kernel (48, 8)"]
+    assert [x.name for x in compiled.dedupe(la)] == ["decode_kernel (48, 8)", "other_kernel (48, 8)"]
+
+
 def test_roofline_floor_is_labelled_a_floor():
     df = compiled.predicted_roofline("chord-w4a16", [{"name": "gemv", "bytes": 16e6, "flops": 1e8}])
     for card in compiled.FLOOR_CARDS:
