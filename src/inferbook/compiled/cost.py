@@ -36,8 +36,8 @@ The model, and every assumption it makes (the pages' "How the prediction is made
      HBM, assumed) divided by the iterations in flight (`num_stages − 1` when the loop's loads are
      asynchronous copies — cp.async, TMA, loads into LDS — or, on CDNA, when the loop has MFMA, which
      Triton's stream pipeliner prefetches; else 1) but never less than one latency in all (a loop of fewer
-     trips than the pipeline is deep still waits for its first load), plus one latency; resident CTAs overlap. Little's law is
-     reported beside it: bytes in flight per SM vs latency × (bandwidth / SMs).
+     trips than the pipeline is deep still waits for its first load), plus one latency; resident CTAs
+     overlap. Little's law is reported beside it: bytes in flight per SM vs latency × (bandwidth / SMs).
    - `waves`: the issue, compute and latency bounds recomputed for the *busiest* SM: wave
      quantization. CTAs are dispatched in launch order (x fastest), the first SMs × resident count
      breadth-first (CTA i to SM i mod SMs), each later one to the slot that frees first, a CTA
