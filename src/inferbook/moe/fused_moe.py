@@ -21,11 +21,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..device import dot_needs_fp32, triton_backend_for
+from ..device import dot_needs_fp32, kernel_target, pick_config, target_vendor, triton_backend_for
 from . import mxfp4 as MXF, routing
 from .mxfp4 import PackedMXFP4
-from .w4a16 import (DECODE_MAX_M, LAYOUT_CODE, LAYOUTS, DecodeW4, PackedW4, cat_experts, check_block_k, decode_asm,
-                    decode_linear, dequantize, dequantize_decode, expert, linear, pack_decode, triton)
+from .w4a16 import (DECODE_MAX_M, DECODE_TARGETS, LAYOUT_CODE, LAYOUTS, DecodeW4, PackedW4, cat_experts, check_block_k,
+                    decode_asm, decode_linear, dequantize, dequantize_decode, expert, linear, pack_decode, triton)
 
 if triton is not None:
     import triton.language as tl
@@ -436,13 +436,11 @@ def moe_decode_config(interpreted: bool, gated: bool = False, *, n: int | None =
         return dict(BLOCK_M=16, BLOCK_N=64)
     cfg = dict(BLOCK_M=16, BLOCK_N=64 if gated else 128, num_warps=4, num_stages=3)
     if gated and n and experts:
-        from ..device import pick_config
-        from .w4a16 import DECODE_TARGETS
-
-        t = pick_config(DECODE_TARGETS, torch.device("cuda") if device is None else device)
-        sms = t["sms"] if "short_runs" in t else 0        # CDNA: no short rule (sized from NVIDIA registers)
+        dev = torch.device("cuda") if device is None else device
+        sms = pick_config(DECODE_TARGETS, dev)["sms"]
         wide, narrow = -(-n // 64) * experts, -(-n // 32) * experts
-        if sms and wide >= sms and _last_round_full(narrow, sms) > _last_round_full(wide, sms) + 0.1:
+        nvidia = target_vendor(kernel_target(dev)) != "hip"      # CDNA: no rule (it was sized from NVIDIA registers)
+        if nvidia and wide >= sms and _last_round_full(narrow, sms) > _last_round_full(wide, sms) + 0.1:
             cfg.update(BLOCK_N=32, num_warps=2)
     return cfg
 
