@@ -863,9 +863,7 @@ def decode_bound_rows(target: str = "sm_90", card: str | None = None) -> list[di
             continue
         if p["kernel"] == "moe_gemm_kernel":
             role = role.replace("fused MoE", "fused MoE, " + next(l for l in W.LAYOUTS if f" {l} " in name))
-        b = p["bounds"]
+        bar = compiled.bar_columns(p)
         out.append({"launch": name, "kernel": role, "warp-instr / DRAM byte": round(p["instr_per_byte"], 3),
-                    "issue / memory time": round(b["issue"] / b["memory"], 2), "warps / SM": p["warps_per_sm"],
-                    "bound": p["bound"], "% of copy ceiling": round(100 * p["frac_of_copy"]),
-                    "ceiling": p["ceiling"]})
+                    "issue / memory time": bar.pop("issue / memory time"), "warps / SM": p["warps_per_sm"], **bar})
     return out

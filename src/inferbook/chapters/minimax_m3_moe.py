@@ -541,10 +541,26 @@ def decode_bound_rows(target: str = "sm_90") -> list[dict]:
     for p in compiled.predict_launches("minimax-m3-moe", target, compiled.TARGET_CARD[target]):
         if p["kernel"] not in DECODE_KERNELS:
             continue
-        b, floor = p["bounds"], compiled.latency_floor_fraction(p)
+        floor = compiled.latency_floor_fraction(p)
         note = ("the check's one-expert MoE (no split-K)" if CHECK_ONLY in p["launch"] else
                 f"small: no kernel of these bytes over {100 * floor:.0f} %" if floor < 0.8 else "")
-        out.append({"launch": p["launch"], "issue / memory time": round(b["issue"] / b["memory"], 2),
-                    "bound": p["bound"], "% of copy ceiling": round(100 * p["frac_of_copy"]), "ceiling": p["ceiling"],
-                    "copy floor %": round(100 * floor), "note": note})
+        out.append({"launch": p["launch"], **compiled.bar_columns(p), "copy floor %": round(100 * floor), "note": note})
     return out
+
+
+def decode_bar_sentence(rows_by_target: dict[str, list[dict]]) -> str:
+    """The page's sentence on issue 21's bar from `decode_bound_rows` per target: the held rows' worst issue
+    over memory time and least share of the copy ceiling, then the noted rows by name."""
+    from .. import compiled
+
+    said = []
+    for t, rows in rows_by_target.items():
+        held, noted = [r for r in rows if not r["note"]], [r for r in rows if r["note"]]
+        said.append((f"on {compiled.TARGET_CARD[t]} ({t}) their issue time is at most "
+                     f"{max(r['issue / memory time'] for r in held):.2f} of their memory time and they are predicted "
+                     f"at no less than {min(r['% of copy ceiling'] for r in held):.0f} % of the {held[0]['ceiling']} "
+                     f"copy ceiling" if held else f"{t}: no decode-kernel rows in the compile table")
+                    + (" — rows not held to that bar: " + ", ".join(
+                        f"{r['launch'].split(' decode-packed')[0]} at {r['% of copy ceiling']} % ({r['bound']}-bound; "
+                        f"{r['note']})" for r in noted) if noted else ""))
+    return "; ".join(said)

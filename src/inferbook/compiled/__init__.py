@@ -955,8 +955,8 @@ def table_facts(slug: str, root: Path | None = None) -> dict:
 # Predicted time: the cost model (compiled/cost.py) on the committed tables
 
 from . import machine  # noqa: E402,F401
-from .cost import (CARDS, SM_LIMITS, bound_sentence, latency_floor_fraction, measured_copy_gbps, predict,  # noqa: E402,F401
-                   residency)
+from .cost import (CARDS, SM_LIMITS, bar_columns, bound_sentence, latency_floor_fraction, measured_copy_gbps,  # noqa: E402,F401
+                   predict, residency)
 
 # The card each target's table is predicted on by default (inspect, the pages).
 TARGET_CARD = {"sm_80": "A100", "sm_90": "H200", "sm_100": "B200", "gfx942": "MI300X", "gfx950": "MI355X"}

@@ -287,6 +287,15 @@ def latency_floor_fraction(p: dict) -> float:
     return min(1.0, p["bounds"]["memory"] / (2 * lat))
 
 
+def bar_columns(p: dict) -> dict:
+    """A prediction's columns in the pages' decode-bound tables (issue 21's bar: issue time at most memory
+    time / 0.9, >= 80 % of the copy ceiling): issue over memory time, the binding bound, the share of the
+    copy ceiling and which ceiling that is."""
+    b = p["bounds"]
+    return {"issue / memory time": round(b["issue"] / b["memory"], 2), "bound": p["bound"],
+            "% of copy ceiling": round(100 * p["frac_of_copy"]), "ceiling": p["ceiling"]}
+
+
 def bound_sentence(p: dict) -> str:
     """'issue-bound: 8.22 µs predicted, 42 % of the datasheet copy ceiling' for prose."""
     from ..measure import significant
