@@ -317,6 +317,21 @@ def test_cost_model_tiny_grid_is_latency_bound():
     assert a["bounds"]["latency"] == pytest.approx((256 / 3 + 1) * 600e-9)
 
 
+def test_latency_floor_of_a_small_copy():
+    # the model never predicts a launch under two DRAM latencies: a pure copy of 5.3 MB on B200 (0.66 us at
+    # 8 TB/s) is at best 0.66 / 1.2 of the copy ceiling, whatever its grid or pipeline depth; 53 MB is not held
+    best = 0.0
+    for ctas, trips, stages in ((148, 1, 1), (296, 1, 4), (592, 2, 4), (1184, 4, 5)):
+        row = _row(target="sm_100", num_stages=stages, ctas=ctas, grid=[ctas], dram_bytes=5.3e6, trips=trips,
+                   sass={"instrs": 10, "global_bytes_per_warp": 5.3e6 / ctas / trips / 4, "mma": 0,
+                         "async": stages > 1, "tma_loads": 0, "kernel_instrs": 30, "loops": 1})
+        p = compiled.predict(row, "B200")
+        best = max(best, p["frac_of_copy"])
+        assert p["seconds"] >= 2 * 600e-9 and compiled.latency_floor_fraction(p) == pytest.approx(5.3e6 / 8e12 / 1.2e-6)
+    assert best == pytest.approx(5.3e6 / 8e12 / 1.2e-6)
+    assert compiled.latency_floor_fraction({**p, "bounds": {**p["bounds"], "memory": 10 * p["bounds"]["memory"]}}) == 1.0
+
+
 def test_cost_model_trips_from_bytes_when_the_ir_cannot_say():
     p = compiled.predict(_row(trips=None, trips_known=False), "H200")
     # 1024*64*8192 bytes over 1024 CTAs, 4 warps x 1024 B per iteration: 128 trips (stores are not in the loop's count)

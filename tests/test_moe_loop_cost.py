@@ -108,20 +108,3 @@ def test_minimax_decode_launches_meet_issue_21s_bar(target):
             assert r["copy floor %"] < 80 and r["% of copy ceiling"] >= r["copy floor %"] - 1, r
     assert sum(m3.CHECK_ONLY in r["launch"] for r in rows) == 2
 
-
-def test_latency_floor_of_a_small_copy():
-    # the model never predicts a launch under two DRAM latencies: a pure copy of 5.3 MB on B200 (0.66 us at
-    # 8 TB/s) is at best 0.66 / 1.2 of the copy ceiling, whatever its grid or pipeline depth; 53 MB is not held
-    from inferbook import compiled
-    best = 0.0
-    for ctas, trips, stages in ((148, 1, 1), (296, 1, 4), (592, 2, 4), (1184, 4, 5)):
-        row = dict(ok=True, launch="copy", kernel="copy", target="sm_100", num_warps=4, num_stages=stages, regs=32,
-                   shared_kb=0.0, smem_limit_kb=227, mma_family="-", ctas=ctas, grid=[ctas], dram_bytes=5.3e6,
-                   trips=trips, trips_known=True, flops_per_cta=0, dots=[],
-                   sass={"instrs": 10, "global_bytes_per_warp": 5.3e6 / ctas / trips / 4, "mma": 0,
-                         "async": stages > 1, "tma_loads": 0, "kernel_instrs": 30, "loops": 1})
-        p = compiled.predict(row, "B200")
-        best = max(best, p["frac_of_copy"])
-        assert p["seconds"] >= 2 * 600e-9 and compiled.latency_floor_fraction(p) == pytest.approx(5.3e6 / 8e12 / 1.2e-6)
-    assert best == pytest.approx(5.3e6 / 8e12 / 1.2e-6)
-    assert compiled.latency_floor_fraction({**p, "bounds": {**p["bounds"], "memory": 10 * p["bounds"]["memory"]}}) == 1.0
