@@ -1014,13 +1014,13 @@ def decode_asm(device) -> bool:
 # at 64 columns, 100 % (memory); down, 6 splits of 1 run, 47 % at M 1 and 57 % at M 8 (waves) -> 4 splits of
 # 1 or 2 runs, 94 % (latency) and 100 %; 4 or 5 resident CTAs a SM where the 128-column CTA had 2. (With 1 or
 # 2 runs a CTA, 3 and 4 stages are predicted alike; the gate/up's 3 runs wait 2 latencies at 4, 2.5 at 3.)
+_WIDE_CTAS = dict(sms=H200_SMS, block_n=128, num_warps=4, ctas_per_sm=2.0, even_split=True, num_stages=3)
 DECODE_TARGETS = {
-    "nvidia": dict(sms=H200_SMS, block_n=128, num_warps=4, ctas_per_sm=2.0, even_split=True, num_stages=3,
-                   short_runs=dict(below=4, block_n=64, num_warps=2, ctas_per_sm=2.9, num_stages=4)),
+    "nvidia": dict(_WIDE_CTAS, short_runs=dict(below=4, block_n=64, num_warps=2, ctas_per_sm=2.9, num_stages=4)),
     "sm_100": dict(sms=148, block_n=64, num_warps=2, ctas_per_sm=2.6, even_split=False, num_stages=3,
                    short_runs=dict(below=4, num_stages=4, equal_split=True)),
     # CDNA keeps the 128-column CTAs everywhere: the short-CTA rule was sized from NVIDIA registers
-    "hip": dict(sms=H200_SMS, block_n=128, num_warps=4, ctas_per_sm=2.0, even_split=True, num_stages=3),
+    "hip": _WIDE_CTAS,
 }
 
 
@@ -1042,10 +1042,14 @@ def decode_config(m: int, n: int, k: int, *, sms: int | None = None, interpreted
     if interpreted:
         return dict(BLOCK_M=16, BLOCK_N=64, SPLIT_K=min(2, runs))
     t = pick_config(DECODE_TARGETS, torch.device("cuda") if device is None else device)
+    sms = sms or t["sms"]
+
+    def splits_for(bn: int, ctas_per_sm: float) -> int:    # splits of whole runs giving about ctas_per_sm an SM
+        return max(1, min(runs, round(ctas_per_sm * sms / -(-n // bn))))
+
     bn = t["block_n"]
     n_blocks = -(-n // bn)
-    sms = sms or t["sms"]
-    split = max(1, min(runs, round(t["ctas_per_sm"] * sms / n_blocks)))
+    split = splits_for(bn, t["ctas_per_sm"])
     stages = t["num_stages"]
     if t["even_split"]:
         per = -(-runs // split)
@@ -1059,8 +1063,7 @@ def decode_config(m: int, n: int, k: int, *, sms: int | None = None, interpreted
                 split, stages = max(equal), short["num_stages"]
         else:                                                      # narrower CTAs, more of them resident, uneven split
             bn, warps, stages = short["block_n"], short["num_warps"], short["num_stages"]
-            n_blocks = -(-n // bn)
-            split = max(1, min(runs, round(short["ctas_per_sm"] * sms / n_blocks)))
+            split = splits_for(bn, short["ctas_per_sm"])
     return dict(BLOCK_M=16, BLOCK_N=bn, SPLIT_K=split, num_warps=warps, num_stages=stages)
 
 
