@@ -1003,7 +1003,11 @@ def decode_asm(device) -> bool:
 # CTAs), predicted 89 % / 91 % / 97 % at M 1 / 8 / 16, issue/memory 1.09 / 1.07 / 1.00 (`inferbook
 # inspect minimax-m3-moe --target sm_100`; its down, N 6144 K 1536, 3 splits of 2 runs: predicted 56 %
 # at M 1, latency-bound, which is the model's floor for any kernel of its 5.3 MB on B200: they take less
-# than two DRAM latencies, `compiled.latency_floor_fraction`). 4 stages cost about 70 prologue instructions
+# than two DRAM latencies, `compiled.latency_floor_fraction`; no config of the sweep below takes its issue time under
+# memory / 0.9 at M 1 without losing time: 2 splits of 3 runs are predicted alike, 1.20 µs, at issue/memory 1.14,
+# 1.11, 1.03 at M 1, 8, 16, and 2 splits at 3 stages reach 1.11 at M 1 but 1.50 µs; `python -m
+# inferbook.moe.decode_sweep sm_100 6144 1536 --m 1,8 --block-n 32,64,128 --warps 1,2,4 --stages 2,3,4
+# --splits 1,2,3,6` lists them all). 4 stages cost about 70 prologue instructions
 # a warp, so a shape whose CTAs already run 4 or more runs keeps 3 (chord-w4a16's N 4096, K 7168 at 4
 # stages: predicted 81 % at M 1, not 82 %).
 # On H200 (and the other NVIDIA targets) short CTAs take 64-column CTAs of 2 warps instead, split unevenly to
