@@ -293,7 +293,9 @@ def _sm80_bwd(c: dict) -> dict:
     half the h, dh, do and v tiles (380 B of spill -> 72 B, shared memory 80 -> 40 KB, predicted as fast
     or faster at every shape); the 72 B left are its three [64, 64] fp32 accumulators beside dA, and only
     BK 32 removes them, which the model predicts 1.2-1.4x slower (twice the programs, each re-reading the
-    chunk's v, do and dA tiles: issue- or waves-bound)."""
+    chunk's v, do and dA tiles: issue- or waves-bound). Tried at K 64 and kept out: BV 16 leaves the same
+    72 B; 2 or 1 stages spill 96 and 224 B; 16 warps 3.8 KB; finishing and storing dq before the [64, 64]
+    q k^T product 152 B (ptxas schedules the longer-lived tiles worse)."""
     d = dict(BK_wy=min(c["BK_wy"], 16), BV_wy=min(c["BV_wy"], 16), stages_wy=1, BV=min(c["BV"], 32))
     if c["BK_STATE"] in (64, 128):
         d["BV_STATE"] = min(c["BV_STATE"], 32)
