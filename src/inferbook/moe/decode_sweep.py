@@ -69,9 +69,11 @@ def parse(argv: list[str]) -> dict:
              warps=_ints("--warps", opts["--warps"], allowed=WARPS),
              stages=_ints("--stages", opts["--stages"], *LIMITS["stages"]),
              splits=_ints("--splits", opts["--splits"], *LIMITS["splits"]))
-    runs = -(-k // 256)
+    from .w4a16 import RUN
+
+    runs = -(-k // RUN)
     if max(a["splits"]) > runs:
-        raise UserError(f"--splits: {max(a['splits'])} is more than K {k}'s {runs} runs of 256")
+        raise UserError(f"--splits: {max(a['splits'])} is more than K {k}'s {runs} runs of {RUN}")
     size = len(configs(a))
     if size > MAX_CONFIGS:
         raise UserError(f"{size} configs to compile; at most {MAX_CONFIGS} (narrow --m, --block-n, --warps, "
@@ -86,24 +88,17 @@ def configs(a: dict) -> list[dict]:
 
 
 def launch(a: dict, m: int, cfg: dict):
-    """The `compiled.Launch` `decode_linear` makes at this config (deterministic split-K, meta tensors)."""
-    import torch
-
-    from ..compiled import meta
+    """The `compiled.Launch` `decode_linear` makes at this config (`w4a16.decode_launches`: deterministic
+    split-K, meta tensors of pack_decode's shapes)."""
     from ..device import building_for
     from . import w4a16 as W
 
-    n, k = a["n"], a["k"]
-    kp = -(-k // W.RUN) * W.RUN                                    # pack_decode's shapes: the real bytes
     with building_for(a["target"]):
-        return W._decode_launch(meta((m, k), torch.bfloat16), meta((kp // 8, n), torch.int32),
-                                meta((kp // W.RUN, -(-n // 2), W.RUN // a["group"], 2), torch.bfloat16),
-                                meta((cfg["SPLIT_K"], m, n), torch.float32), n, k, a["group"], cfg,
-                                device=torch.device("cuda"), atomic=False)
+        return W.decode_launches(m, a["n"], a["k"], group_size=a["group"], cfg=cfg)[0]
 
 
 def line(m: int, cfg: dict, row: dict, p: dict | None) -> str:
-    head = (f"M{m} bn{cfg['BLOCK_N']} w{cfg['num_warps']} s{cfg['num_stages']} split{cfg['SPLIT_K']}")
+    head = f"M{m} bn{cfg['BLOCK_N']} w{cfg['num_warps']} s{cfg['num_stages']} split{cfg['SPLIT_K']}"
     if p is None:
         return f"{head}: did not compile: {row.get('error', '?')[:200]}"
     b = p["bounds"]

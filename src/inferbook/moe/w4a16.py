@@ -1124,11 +1124,12 @@ def decode_reference(x: torch.Tensor, d: DecodeW4) -> torch.Tensor:
 
 
 def decode_launches(m: int, n: int, k: int, *, group_size: int = GROUP_SIZE, deterministic: bool = True,
-                    name: str = "") -> list:
-    """The launch `decode_linear(x [m, k], pack_decode(q [n, k]))` makes on a GPU (`compiled.Launch`)."""
+                    name: str = "", cfg: dict | None = None) -> list:
+    """The launch `decode_linear(x [m, k], pack_decode(q [n, k]), block=cfg)` makes on a GPU
+    (`compiled.Launch`); `cfg` None: `decode_config`'s pick."""
     from ..compiled import meta
 
-    cfg = decode_config(m, n, k)
+    cfg = cfg or decode_config(m, n, k)
     out = meta((cfg["SPLIT_K"], m, n) if deterministic else (m, n), torch.float32)
     kp = -(-k // RUN) * RUN                                        # pack_decode's shapes: the real bytes
     la = _decode_launch(meta((m, k), torch.bfloat16), meta((kp // 8, n), torch.int32),
