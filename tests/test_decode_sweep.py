@@ -25,6 +25,8 @@ from inferbook.moe import w4a16 as W
     (["sm_90", "256", "512", "--group", "48"], "--group: 48 is not allowed"),
     (["sm_90", "256", "512", "--bogus", "1"], "unknown option '--bogus'"),
     (["sm_90", "256", "512", "--m"], "'--m' needs a value"),
+    (["sm_100", "256", "512", "--swap", "2"], "--swap: 2 is not allowed"),
+    (["sm_100", "256", "512", "--m", "1,16", "--swap", "0,1"], "--swap 1 takes M <= 8"),
     (["sm_90", "256", "8192", "--m", "1,2,3,4,5,6,7,8,9", "--block-n", "16,32,64,128", "--warps", "1,2,4,8",
       "--splits", "1,2"], "288 configs"),
 ])
@@ -45,8 +47,17 @@ def test_grid_is_the_product_in_order():
     assert cs[-1]["M"] == 8 and cs[-1]["cfg"]["BLOCK_N"] == 128 and cs[-1]["cfg"]["SPLIT_K"] == 3
 
 
+def test_swap_axis_sweeps_the_swapped_kernel():
+    a = S.parse(["sm_100", "6144", "1536", "--m", "1", "--block-n", "64", "--warps", "1", "--splits", "6", "--swap", "0,1"])
+    plain, swapped = S.configs(a)
+    assert "SWAP_AB" not in plain["cfg"] and plain["cfg"]["BLOCK_M"] == 16
+    assert swapped["cfg"] == dict(BLOCK_M=8, BLOCK_N=64, SPLIT_K=6, num_warps=1, num_stages=3, SWAP_AB=True)
+    assert S.launch(a, 1, swapped["cfg"]).kernel is W.w4a16_decode_swapped_kernel
+    assert S.line(1, swapped["cfg"], {}, None).startswith("M1 bn64 w1 s3 split6 swap-AB: did not compile")
+
+
 @pytest.mark.parametrize("target", ["sm_90", "sm_100", "gfx942"])
-@pytest.mark.parametrize("m, n, k", [(1, 6144, 1536), (8, 4096, 7168), (16, 3072, 6144)])
+@pytest.mark.parametrize("m, n, k", [(1, 6144, 1536), (8, 6144, 1536), (8, 4096, 7168), (16, 3072, 6144)])
 def test_default_config_launch_is_the_launchers(target, m, n, k):
     # the sweep's launch at the config decode_config picks is decode_launches' (what the chapters compile)
     from inferbook.device import building_for

@@ -91,8 +91,9 @@ def test_minimax_decode_launches_meet_issue_21s_bar(target):
     # the same bar on minimax-m3-moe's decode-kernel rows (its decode steps, the shared MLP on the dense
     # decode kernel, each EP rank, the decode check), from its committed compile table (a row per grid).
     # Rows with a note are the named exceptions: the decode check's one-expert MoE, and on B200 the shared
-    # MLP's down (N 6144, K 1536), whose 5.3 MB take less than two DRAM latencies at B200's bandwidth: it is
-    # held to the model's floor for any kernel of its bytes instead. A row that meets the bar has no note.
+    # MLP's down (N 6144, K 1536), whose 5.3 MB take less than two DRAM latencies at B200's bandwidth: its
+    # share of the copy ceiling is held to the model's floor for any kernel of its bytes instead, its issue
+    # time to the bar (swap-AB at M <= 8). A row that meets the bar has no note.
     from inferbook import toc
     m3 = toc.load_module(toc.CHAPTERS["minimax-m3-moe"])
     rows = m3.decode_bound_rows(target)
@@ -106,5 +107,13 @@ def test_minimax_decode_launches_meet_issue_21s_bar(target):
         else:
             assert target == "sm_100" and "shared_mlp down" in r["launch"], r
             assert r["copy floor %"] < 80 and r["% of copy ceiling"] >= r["copy floor %"] - 1, r
+            assert r["issue / memory time"] <= 1 / 0.9, r
     assert sum(m3.CHECK_ONLY in r["launch"] for r in rows) == 2
+    if target == "sm_100":                          # the down at M 1 and 8 on the swap-AB kernel, M 16 not
+        from inferbook import compiled
+        kernel = {r["launch"]: r["kernel"] for r in compiled.load_table("minimax-m3-moe")["rows"] if r["target"] == target}
+        assert kernel["shared_mlp down C1 decode kernel"] == kernel["shared_mlp down C8 decode kernel"] \
+            == "w4a16_decode_swapped_kernel"
+        assert kernel["decode check shared_mlp down T16 decode kernel"] == "w4a16_decode_kernel"
+        assert sum("shared_mlp down" in r["launch"] and bool(r["note"]) for r in rows) == 3, rows
 

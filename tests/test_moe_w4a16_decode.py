@@ -155,28 +155,96 @@ def test_decode_sm100_config_uneven_split():
         assert W.decode_config(1, 4096, 7168)["SPLIT_K"] == 7
 
 
-@pytest.mark.parametrize("n, k", [(3072, 6144), (6144, 1536)])
-def test_decode_sm100_short_ctas_take_equal_splits_and_a_deeper_pipeline(n, k):
+@pytest.mark.parametrize("m, n, k", [(1, 3072, 6144), (16, 6144, 1536)])
+def test_decode_sm100_short_ctas_take_equal_splits_and_a_deeper_pipeline(m, n, k):
     # MiniMax-M3's shared MLP on B200: 2.6 CTAs per SM would leave each CTA fewer than 4 runs; instead equal
-    # splits (every CTA the same runs), more than one and at most two CTAs per SM, 4 stages
+    # splits (every CTA the same runs), more than one and at most two CTAs per SM, 4 stages (the down at
+    # M <= 8 swaps instead: the next test)
     from inferbook import device
     with device.building_for("sm_100"):
-        cfg = W.decode_config(1, n, k)
+        cfg = W.decode_config(m, n, k)
+    assert "SWAP_AB" not in cfg
     runs, ctas = k // W.RUN, (n // cfg["BLOCK_N"]) * cfg["SPLIT_K"]
     assert runs % cfg["SPLIT_K"] == 0 and 148 < ctas <= 2 * 148 and cfg["num_stages"] == 4
     with device.building_for("sm_100"):            # chord-w4a16's N 4096, K 7168: 4 or 5 runs a CTA, 3 stages
         assert W.decode_config(1, 4096, 7168)["num_stages"] == 3
 
 
+def test_decode_sm100_too_short_k_swaps_ab():
+    # MiniMax-M3's shared MLP down on B200 (N 6144, K 1536: 6 runs): equal splits still leave 2 runs a CTA,
+    # so at M <= 8 the weights become the MMA's A operand (BLOCK_M 8), 64 columns of one warp, 6 splits of one
+    # run (576 CTAs, about 3.9 an SM); at M 16, on gate/up (24 runs), on chord's shape and on sm_90 no swap
+    from inferbook import device
+    with device.building_for("sm_100"):
+        for m in (1, 8):
+            cfg = W.decode_config(m, 6144, 1536)
+            assert cfg == dict(BLOCK_M=8, BLOCK_N=64, SPLIT_K=6, num_warps=1, num_stages=3, SWAP_AB=True)
+        assert not any("SWAP_AB" in W.decode_config(m, n, k)
+                       for m, n, k in ((16, 6144, 1536), (1, 3072, 6144), (8, 3072, 6144), (1, 4096, 7168)))
+        la = W.decode_launches(1, 6144, 1536)[0]
+    assert la.kernel is W.w4a16_decode_swapped_kernel and "swap-AB" in la.name and "SWAP_AB" not in la.kwargs
+    for target in ("sm_80", "sm_90", "gfx942"):
+        with device.building_for(target):
+            assert "SWAP_AB" not in W.decode_config(1, 6144, 1536)
+
+
+SWAPPED = dict(BLOCK_M=8, BLOCK_N=64, SPLIT_K=2, num_warps=1, num_stages=3, SWAP_AB=True)
+
+
+# the swapped kernel's matrix: M 1..8 (BLOCK_M 8), N odd (a masked column block), K with a tail run, both
+# split-K reductions; then every group size on an even N, and the same split unswapped for comparison
+@pytest.mark.parametrize("m", [1, 2, 3, 7, 8])
+@pytest.mark.parametrize("deterministic", [True, False], ids=["ordered", "atomic"])
+def test_decode_swapped_matches_fp32_reference(m, deterministic):
+    q, d = _case(73, 544, 32, seed=m)
+    x = _x(m, 544)
+    out = W.decode_linear(x, d, block=SWAPPED, deterministic=deterministic)
+    assert out.shape == (m, 73) and out.dtype == torch.bfloat16
+    err, tol, ok = within_tolerance(out, W.decode_reference(x, d), W.linear_torch(x, q))
+    assert ok, (err, tol)
+
+
+@pytest.mark.parametrize("group", [32, 64, 128, 256])
+def test_decode_swapped_every_group_whole_column_blocks(group):
+    q, d = _case(128, 768, group, seed=group)
+    x = _x(5, 768)
+    ref, pt = W.decode_reference(x, d), W.linear_torch(x, q)
+    for cfg in (dict(SWAPPED, SPLIT_K=3), dict(BLOCK_M=16, BLOCK_N=64, SPLIT_K=3, num_warps=2, num_stages=3)):
+        err, tol, ok = within_tolerance(W.decode_linear(x, d, block=cfg), ref, pt)
+        assert ok, (cfg, err, tol)
+
+
+def test_decode_swapped_nan_never_passes_and_can_fail():
+    q, d = _case(128, 512, 32)
+    x = _x(4, 512)
+    ref, pt = W.decode_reference(x, d), W.linear_torch(x, q)
+    s = d.scales.clone()
+    s[1, 40, 5, 0] = float("nan")                 # run 1, column 80, group 5 of the run
+    out = W.decode_linear(x, W.DecodeW4(d.qweight, s, d.shape, d.group_size), block=SWAPPED)
+    assert torch.isnan(out.float()).any() and not within_tolerance(out, ref, pt)[2]
+    bad = W.DecodeW4(torch.roll(d.qweight, 1, dims=1), d.scales, d.shape, d.group_size)   # words one column over
+    assert not within_tolerance(W.decode_linear(x, bad, block=SWAPPED), ref, pt)[2]
+
+
+def test_decode_block_m_must_hold_the_rows():
+    q, d = _case(64, 256, 32)
+    with pytest.raises(ValueError, match="BLOCK_M 8 holds fewer than the 9 rows"):
+        W.decode_linear(_x(9, 256), d, block=SWAPPED)
+
+
+@pytest.mark.parametrize("m", [12, 2], ids=["plain", "swap-AB"])
 @pytest.mark.parametrize("deterministic", [True, False])
-def test_decode_uneven_split_in_the_interpreter(deterministic):
-    # 7 runs over 5 splits (1, 1, 2, 1, 2 runs) at the GPU tiles, both reductions: every run summed once
+def test_decode_uneven_split_in_the_interpreter(m, deterministic):
+    # 7 runs over 5 splits (1, 1, 2, 1, 2 runs) at the GPU tiles, both reductions: every run summed once.
+    # M 12: the plain kernel; M 2: sm_100 swaps (7 runs leave 5 splits short), the same split forced on it
     from inferbook import device
     q, d = _case(256, 7 * 256, 32, seed=3)
     with device.building_for("sm_100"):
-        cfg = W.decode_config(2, 256, 7 * 256, sms=8)       # 4 column blocks of 64, 2.6 CTAs on 8 SMs
+        cfg = W.decode_config(m, 256, 7 * 256, sms=8)       # 4 column blocks of 64, 2.6 CTAs on 8 SMs
+    assert bool(cfg.get("SWAP_AB")) == (m <= W.SWAP_MAX_M)
+    cfg["SPLIT_K"] = 5 if m <= W.SWAP_MAX_M else cfg["SPLIT_K"]
     assert cfg["SPLIT_K"] == 5 and 7 % 5
-    x = _x(2, 7 * 256)
+    x = _x(m, 7 * 256)
     out = W.decode_linear(x, d, block=cfg, deterministic=deterministic)
     err, tol, ok = within_tolerance(out, W.decode_reference(x, d), W.linear_torch(x, q))
     assert ok, (err, tol)

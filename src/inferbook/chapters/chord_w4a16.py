@@ -835,6 +835,7 @@ def packing_map(layout: str, words=(0, 1, 16, 17), N: int = 32, K: int = 64) -> 
 
 
 _DECODE_ROLES = {"w4a16_decode_kernel": "decode kernel, dense (serving path)",
+                 "w4a16_decode_swapped_kernel": "decode kernel, dense, swap-AB (serving path)",
                  "moe_decode_kernel": "decode kernel, fused MoE (serving path)",
                  "_w4a16_linear_kernel": "tiled dense, indexed (the prefill tiling at a decode M: comparison)",
                  "moe_gemm_kernel": "tiled fused MoE (the prefill tiling at a decode M: comparison)"}

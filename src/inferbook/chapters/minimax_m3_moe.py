@@ -499,7 +499,7 @@ def gpu_launches(params: dict) -> list:
                                                      out_dtype=torch.float32, name=f"EP{ep} rank")
     # the decode kernels keep a row per grid: the shared MLP's down, each EP rank and each batch size are one
     # specialisation but another grid, and the cost model's waves and residency are the grid's
-    return compiled.dedupe(launches, keep_grids=("w4a16_decode_kernel", "moe_decode_kernel"))
+    return compiled.dedupe(launches, keep_grids=DECODE_KERNELS)
 
 
 def roofline_work(params: dict) -> list[dict]:
@@ -519,7 +519,7 @@ def roofline_work(params: dict) -> list[dict]:
     return out
 
 
-DECODE_KERNELS = ("moe_decode_kernel", "w4a16_decode_kernel")
+DECODE_KERNELS = ("moe_decode_kernel", *W.DENSE_DECODE_KERNELS)
 
 
 # the decode check's bitwise construction: the shared expert as a one-expert MoE on the fused slot's kernel and

@@ -5,10 +5,11 @@ The per-target rules in `w4a16.DECODE_TARGETS` were chosen from such sweeps; thi
 reruns them, so a reader (or the next rule) can see every alternative's bounds, not only the pick:
 
     python -m inferbook.moe.decode_sweep sm_100 6144 1536 --m 1,8 --block-n 64,128 --warps 2,4 \\
-        --stages 3,4 --splits 2,3
+        --stages 3,4 --splits 2,3 --swap 0,1
 
 prints one line per config: the predicted time (predicted, not measured), its binding bound, issue time
-over memory time (issue 21's bar is <= 1/0.9), the spill bytes and every bound's time. The default card
+over memory time (issue 21's bar is <= 1/0.9), the spill bytes and every bound's time. `--swap 1` sweeps
+the swap-AB kernel (`w4a16_decode_swapped_kernel`, BLOCK_M 8, M <= 8) beside or instead of the plain one. The default card
 is the target's (`compiled.TARGET_CARD`); its copy ceiling is the measured one where a committed
 `ceilings` record has it, else the datasheet's (`compiled.predict_rows`). Nothing here runs a kernel.
 """
@@ -23,7 +24,7 @@ from pathlib import Path
 from ..errors import UserError, choices
 
 USAGE = ("python -m inferbook.moe.decode_sweep TARGET N K [--m 1,8] [--block-n 64,128] [--warps 2,4] "
-         "[--stages 3] [--splits 1,2,3] [--group 32]")
+         "[--stages 3] [--splits 1,2,3] [--group 32] [--swap 0,1]")
 LIMITS = dict(m=(1, 16), n=(16, 1 << 17), k=(16, 1 << 17), splits=(1, 512), stages=(1, 6))
 BLOCK_NS = (16, 32, 64, 128, 256)
 WARPS = (1, 2, 4, 8)
@@ -55,7 +56,7 @@ def parse(argv: list[str]) -> dict:
         raise UserError(f"target {target!r} is not known; choose {choices(compiled.TARGET_CARD)}")
     (n,), (k,) = _ints("N", n_text, *LIMITS["n"]), _ints("K", k_text, *LIMITS["k"])
     opts = {"--m": "1", "--block-n": "64,128", "--warps": "2,4", "--stages": "3", "--splits": "1,2,3",
-            "--group": "32"}             # w4a16.GROUP_SIZE, the chapters' packing
+            "--group": "32", "--swap": "0"}             # w4a16.GROUP_SIZE, the chapters' packing
     if len(rest) % 2:
         raise UserError(f"{rest[-1]!r} needs a value; usage: {USAGE}")
     for flag, value in zip(rest[::2], rest[1::2]):
@@ -68,8 +69,12 @@ def parse(argv: list[str]) -> dict:
              block_n=_ints("--block-n", opts["--block-n"], allowed=BLOCK_NS),
              warps=_ints("--warps", opts["--warps"], allowed=WARPS),
              stages=_ints("--stages", opts["--stages"], *LIMITS["stages"]),
-             splits=_ints("--splits", opts["--splits"], *LIMITS["splits"]))
-    from .w4a16 import RUN
+             splits=_ints("--splits", opts["--splits"], *LIMITS["splits"]),
+             swap=_ints("--swap", opts["--swap"], allowed=(0, 1)))
+    from .w4a16 import RUN, SWAP_MAX_M
+
+    if 1 in a["swap"] and max(a["m"]) > SWAP_MAX_M:
+        raise UserError(f"--swap 1 takes M <= {SWAP_MAX_M} (its BLOCK_M), got --m {max(a['m'])}")
 
     runs = -(-k // RUN)
     if max(a["splits"]) > runs:
@@ -83,8 +88,12 @@ def parse(argv: list[str]) -> dict:
 
 def configs(a: dict) -> list[dict]:
     """Every (M, decode config) of the sweep, in the order printed."""
-    return [dict(M=m, cfg=dict(BLOCK_M=16, BLOCK_N=bn, SPLIT_K=sp, num_warps=w, num_stages=st))
-            for m, bn, w, st, sp in itertools.product(a["m"], a["block_n"], a["warps"], a["stages"], a["splits"])]
+    from .w4a16 import SWAP_MAX_M
+
+    return [dict(M=m, cfg=dict(BLOCK_M=SWAP_MAX_M, BLOCK_N=bn, SPLIT_K=sp, num_warps=w, num_stages=st, SWAP_AB=True)
+                 if sw else dict(BLOCK_M=16, BLOCK_N=bn, SPLIT_K=sp, num_warps=w, num_stages=st))
+            for m, sw, bn, w, st, sp in itertools.product(a["m"], a["swap"], a["block_n"], a["warps"], a["stages"],
+                                                          a["splits"])]
 
 
 def launch(a: dict, m: int, cfg: dict):
@@ -98,7 +107,8 @@ def launch(a: dict, m: int, cfg: dict):
 
 
 def line(m: int, cfg: dict, row: dict, p: dict | None) -> str:
-    head = f"M{m} bn{cfg['BLOCK_N']} w{cfg['num_warps']} s{cfg['num_stages']} split{cfg['SPLIT_K']}"
+    head = (f"M{m} bn{cfg['BLOCK_N']} w{cfg['num_warps']} s{cfg['num_stages']} split{cfg['SPLIT_K']}"
+            + (" swap-AB" if cfg.get("SWAP_AB") else ""))
     if p is None:
         return f"{head}: did not compile: {row.get('error', '?')[:200]}"
     b = p["bounds"]

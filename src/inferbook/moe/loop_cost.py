@@ -83,11 +83,13 @@ def loop_cost(instructions_per_pass: int, weights_per_pass_cta: int, dram_bytes_
 
 def iteration_bytes(launch) -> tuple[int, int]:
     """(weights, DRAM bytes of weights + scales) one CTA streams per pass of `launch`'s main loop."""
+    from . import w4a16 as W
+
     kw = launch.kwargs
     group = kw["GROUP"]
     name = getattr(launch.kernel, "__name__", "") or getattr(getattr(launch.kernel, "fn", None), "__name__", "")
     bn = kw["BLOCK_N"]
-    if name in ("w4a16_decode_kernel", "moe_decode_kernel"):   # one pass = one run of 256 K values
+    if name in (*W.DENSE_DECODE_KERNELS, "moe_decode_kernel"):   # one pass = one run of 256 K values
         bk = 256
     else:
         bk = kw["BLOCK_K"]

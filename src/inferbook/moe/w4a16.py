@@ -970,7 +970,78 @@ if triton is not None:
             tl.store(out_ptr + (pid_k * M + offs_m[:, None]) * N + offs_n[None, :], acc, mask=mask)
 
 
+    @triton.jit
+    def decode_run_swapped(acc, x_ptr, stride_xm, offs_m, m_ok, qw_ptr, s_ptr, row_stride, offs_n, n_ok, K, r, neg,
+                           GROUP: tl.constexpr, ASM: tl.constexpr, DOT_FP32: tl.constexpr, EVEN_N: tl.constexpr,
+                           EVEN_K: tl.constexpr):
+        """Swap-AB: acc [BLOCK_N, BLOCK_M] fp32 += W[offs_n, run r] @ x[offs_m, run r].T for one run. The
+        weights are the MMA's A operand (m16 rows of output columns), the activations its n8 B operand, so
+        at M <= 8 no MMA row is padding and a warp's activation loads and -136 MMA serve all its columns.
+        The [BLOCK_N, 32] word tile is read as rows n (the same `pack_decode` bytes as `decode_run`), each
+        nibble tile straight into the A operand; a column's scale per group is one 2-byte load."""
+        offs_j = tl.arange(0, 32)
+        if EVEN_N:
+            words = tl.load(qw_ptr + (r * 32 + offs_j)[None, :] * row_stride + offs_n[:, None])
+        else:
+            words = tl.load(qw_ptr + (r * 32 + offs_j)[None, :] * row_stride + offs_n[:, None], mask=n_ok[:, None],
+                            other=0)
+        GR: tl.constexpr = 256 // GROUP
+        pairs_per_row = (row_stride + 1) // 2
+        for i in tl.static_range(8):
+            k = r * 256 + 32 * i
+            if EVEN_K:
+                xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + (k + offs_j)[:, None], mask=m_ok[None, :], other=0.0)
+            else:
+                xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + (k + offs_j)[:, None],
+                             mask=m_ok[None, :] & ((k + offs_j)[:, None] < K), other=0.0)
+            b = nibble_bf16(words, i, ASM)                         # [BLOCK_N, 32] 128 + u, exact in bf16
+            s_off = ((r * pairs_per_row + offs_n // 2) * GR + (32 * i) // GROUP) * 2 + offs_n % 2
+            if EVEN_N:
+                s = tl.load(s_ptr + s_off).to(tl.float32)
+            else:
+                s = tl.load(s_ptr + s_off, mask=n_ok, other=0.0).to(tl.float32)
+            if DOT_FP32:  # the interpreter: its bf16 dot is wrong (device.dot_needs_fp32)
+                part = tl.dot(b.to(tl.float32), xt.to(tl.float32), tl.dot(neg, xt.to(tl.float32)))
+            else:
+                part = tl.dot(b, xt, tl.dot(neg, xt))              # Σ (128 + u) x - 136 Σ x = Σ (u - 8) x
+            acc += part * s[:, None]
+        return acc
+
+    @triton.jit
+    def w4a16_decode_swapped_kernel(x_ptr, qw_ptr, s_ptr, out_ptr, M, N, K, stride_xm, SPLITS,
+                                    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                                    ASM: tl.constexpr, DOT_FP32: tl.constexpr, ATOMIC: tl.constexpr,
+                                    EVEN_N: tl.constexpr = False, EVEN_K: tl.constexpr = False):
+        """`w4a16_decode_kernel` with the operands swapped (`decode_run_swapped`): the same arguments, split
+        and outputs; the accumulator is [BLOCK_N, BLOCK_M] (BLOCK_M 8 at M <= 8), stored through transposed
+        pointers into the same fp32 [SPLIT, M, N] (or, ATOMIC, [M, N]) buffer."""
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
+        m_ok = offs_m < M
+        runs = (K + 255) // 256
+        r0 = (pid_k * runs) // SPLITS
+        r1 = ((pid_k + 1) * runs) // SPLITS
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        if DOT_FP32:
+            neg = tl.full((BLOCK_N, 32), -136.0, tl.float32)
+        else:
+            neg = tl.full((BLOCK_N, 32), -136.0, tl.bfloat16)
+        for r in range(r0, r1):
+            acc = decode_run_swapped(acc, x_ptr, stride_xm, offs_m, m_ok, qw_ptr, s_ptr, N, offs_n, n_ok, K, r, neg,
+                                     GROUP, ASM, DOT_FP32, EVEN_N, EVEN_K)
+        mask = n_ok[:, None] & m_ok[None, :]
+        if ATOMIC:
+            tl.atomic_add(out_ptr + offs_m[None, :] * N + offs_n[:, None], acc, mask=mask, sem="relaxed")
+        else:
+            tl.store(out_ptr + (pid_k * M + offs_m[None, :]) * N + offs_n[:, None], acc, mask=mask)
+
+
 DECODE_MAX_M = 16
+SWAP_MAX_M = 8     # the swap-AB kernel's BLOCK_M: the activations are the MMA's n8 operand
+DENSE_DECODE_KERNELS = ("w4a16_decode_kernel", "w4a16_decode_swapped_kernel")   # decode_linear's kernels, by name
 H200_SMS = 132
 
 
@@ -1007,7 +1078,15 @@ def decode_asm(device) -> bool:
 # memory / 0.9 at M 1 without losing time: 2 splits of 3 runs are predicted alike, 1.20 µs, at issue/memory 1.14,
 # 1.11, 1.03 at M 1, 8, 16, and 2 splits at 3 stages reach 1.11 at M 1 but 1.50 µs; `python -m
 # inferbook.moe.decode_sweep sm_100 6144 1536 --m 1,8 --block-n 32,64,128 --warps 1,2,4 --stages 2,3,4
-# --splits 1,2,3,6` lists them all). 4 stages cost about 70 prologue instructions
+# --splits 1,2,3,6` lists them all). So at M <= 8 such a shape swaps A and B (`swap_ab`), as vLLM's CUTLASS
+# dispatch does for M <= 16 on sm_100 (`scaled_mm_sm100_fp8_dispatch.cuh`: `sm100_fp8_config_M16_swap_ab`,
+# the weights as the A operand, the epilogue transposed): the weights fill the MMA's m16 rows, the
+# activations its n8 columns (BLOCK_M 8), so no MMA row is padding and the FFMAs that apply the scales halve;
+# one warp holds 64 columns, so its activation loads and its -136 MMA serve 64 columns, not 32. 6 splits of one
+# run (576 CTAs, 3.9 an SM): predicted 1.20 µs, latency-bound as before, with issue/memory 1.07 / 0.92 at M 1 / 8
+# (`--swap 0,1` adds it to the sweep). At M 2..8 ptxas spills 8 B outside the main loop (255 registers; the loop
+# has no local-memory access); 32 columns of 3 splits spill nothing but are 1.13 at M 1. At M 16 the plain
+# kernel's m16 rows are all used, and it stays (1.06). 4 stages cost about 70 prologue instructions
 # a warp, so a shape whose CTAs already run 4 or more runs keeps 3 (chord-w4a16's N 4096, K 7168 at 4
 # stages: predicted 81 % at M 1, not 82 %).
 # On H200 (and the other NVIDIA targets) short CTAs take 64-column CTAs of 2 warps instead, split unevenly to
@@ -1022,7 +1101,9 @@ _WIDE_CTAS = dict(sms=H200_SMS, block_n=128, num_warps=4, ctas_per_sm=2.0, even_
 DECODE_TARGETS = {
     "nvidia": dict(_WIDE_CTAS, short_runs=dict(below=4, block_n=64, num_warps=2, ctas_per_sm=2.9, num_stages=4)),
     "sm_100": dict(sms=148, block_n=64, num_warps=2, ctas_per_sm=2.6, even_split=False, num_stages=3,
-                   short_runs=dict(below=4, num_stages=4, equal_split=True)),
+                   short_runs=dict(below=4, num_stages=4, equal_split=True),
+                   swap_ab=dict(max_m=SWAP_MAX_M, block_m=SWAP_MAX_M, block_n=64, num_warps=1, num_stages=3,
+                                ctas_per_sm=3.9)),
     # CDNA keeps the 128-column CTAs everywhere: the short-CTA rule was sized from NVIDIA registers
     "hip": _WIDE_CTAS,
 }
@@ -1037,7 +1118,8 @@ def decode_config(m: int, n: int, k: int, *, sms: int | None = None, interpreted
     spends more of its issue slots outside the main loop. Where the target allows uneven splits
     (`DECODE_TARGETS`) the split count is the one nearest the target's CTAs per SM and splits differ by one run;
     where that leaves a CTA too few runs (`short_runs`), on sm_100 the most equal splits of 1 to 2 CTAs an
-    SM and a deeper pipeline, on the other NVIDIA targets 64-column CTAs of 2 warps, about 2.9 an SM.
+    SM and a deeper pipeline, on the other NVIDIA targets 64-column CTAs of 2 warps, about 2.9 an SM; where
+    even that leaves sm_100's CTAs short and M <= 8, the swap-AB kernel (`SWAP_AB`, BLOCK_M 8, `swap_ab`).
     `device`: whose target picks the entry (`device.pick_config`; default a CUDA device, i.e. the
     `building_for` target or the GPU's). The interpreter: one wide program per split (its cost is per program)."""
     if m > DECODE_MAX_M:
@@ -1065,6 +1147,11 @@ def decode_config(m: int, n: int, k: int, *, sms: int | None = None, interpreted
             equal = [s for s in range(1, runs + 1) if runs % s == 0 and sms < n_blocks * s <= 2 * sms]
             if equal:
                 split, stages = max(equal), short["num_stages"]
+            swap = t.get("swap_ab")
+            if swap and m <= swap["max_m"] and runs < short["below"] * split:   # still too short: swap-AB
+                bn = swap["block_n"]
+                return dict(BLOCK_M=swap["block_m"], BLOCK_N=bn, SPLIT_K=splits_for(bn, swap["ctas_per_sm"]),
+                            num_warps=swap["num_warps"], num_stages=swap["num_stages"], SWAP_AB=True)
         else:                                                      # narrower CTAs, more of them resident, uneven split
             bn, warps, stages = short["block_n"], short["num_warps"], short["num_stages"]
             split = splits_for(bn, short["ctas_per_sm"])
@@ -1075,10 +1162,14 @@ def _decode_launch(x2, qweight, scales, out, n: int, k: int, group_size: int, cf
     from ..compiled import Launch
 
     M = x2.shape[0]
-    kw = {key: v for key, v in cfg.items() if key != "SPLIT_K"}
+    if M > cfg["BLOCK_M"]:
+        raise ValueError(f"decode config BLOCK_M {cfg['BLOCK_M']} holds fewer than the {M} rows")
+    swap = bool(cfg.get("SWAP_AB"))
+    kw = {key: v for key, v in cfg.items() if key not in ("SPLIT_K", "SWAP_AB")}
     emu = dot_needs_fp32(device)
     return Launch(f"w4a16 decode M{M} N{n} K{k} cfg {cfg['BLOCK_M']}x{cfg['BLOCK_N']}x256 split{cfg['SPLIT_K']}"
-                  f"{' atomic' if atomic else ''}", w4a16_decode_kernel,
+                  f"{' swap-AB' if swap else ''}{' atomic' if atomic else ''}",
+                  w4a16_decode_swapped_kernel if swap else w4a16_decode_kernel,
                   [x2, qweight, scales, out, M, n, k, x2.stride(0), cfg["SPLIT_K"]],
                   dict(GROUP=group_size, ASM=decode_asm(device), DOT_FP32=emu, ATOMIC=atomic, EVEN_N=n % cfg["BLOCK_N"] == 0,
                        EVEN_K=k % RUN == 0, **kw),
