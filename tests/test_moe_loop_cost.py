@@ -84,6 +84,9 @@ def test_b200_decode_launches_meet_issue_21s_bar():
     assert len(rows) >= 6
     for r in rows:
         assert r["issue / memory time"] <= 1 / 0.9 and r["% of copy ceiling"] >= 80, r
+    dense = {r["launch"].split()[2]: r["kernel"] for r in rows if r["launch"].startswith("decode kernel M")}
+    assert dense == {"M1": "decode kernel, dense, swap-AB (serving path)", "M2": "decode kernel, dense, swap-AB (serving path)",
+                     "M16": "decode kernel, dense (serving path)"}, dense
 
 
 @pytest.mark.parametrize("target", ["sm_80", "sm_90", "sm_100"])

@@ -148,18 +148,18 @@ def test_decode_sm100_config_uneven_split():
     # B200 (sm_100, 148 SMs): 64-column CTAs of 2 warps, 6 splits of the 28 runs at N 4096, K 7168 (4 or 5
     # runs each, 384 CTAs <= 3 per SM); the other NVIDIA targets keep 128 columns and whole equal splits
     from inferbook import device
-    with device.building_for("sm_100"):
-        cfg = W.decode_config(1, 4096, 7168)
+    with device.building_for("sm_100"):           # M 16 (at M <= 8 it swaps: the test above)
+        cfg = W.decode_config(16, 4096, 7168)
     assert (cfg["BLOCK_N"], cfg["num_warps"], cfg["SPLIT_K"]) == (64, 2, 6) and 28 % 6 and 64 * 6 <= 3 * 148
     with device.building_for("sm_90"):
         assert W.decode_config(1, 4096, 7168)["SPLIT_K"] == 7
 
 
-@pytest.mark.parametrize("m, n, k", [(1, 3072, 6144), (16, 6144, 1536)])
+@pytest.mark.parametrize("m, n, k", [(16, 3072, 6144), (16, 6144, 1536)])
 def test_decode_sm100_short_ctas_take_equal_splits_and_a_deeper_pipeline(m, n, k):
     # MiniMax-M3's shared MLP on B200: 2.6 CTAs per SM would leave each CTA fewer than 4 runs; instead equal
-    # splits (every CTA the same runs), more than one and at most two CTAs per SM, 4 stages (the down at
-    # M <= 8 swaps instead: the next test)
+    # splits (every CTA the same runs), more than one and at most two CTAs per SM, 4 stages (M 16: at
+    # M <= 8 B200 swaps instead)
     from inferbook import device
     with device.building_for("sm_100"):
         cfg = W.decode_config(m, n, k)
@@ -167,25 +167,26 @@ def test_decode_sm100_short_ctas_take_equal_splits_and_a_deeper_pipeline(m, n, k
     runs, ctas = k // W.RUN, (n // cfg["BLOCK_N"]) * cfg["SPLIT_K"]
     assert runs % cfg["SPLIT_K"] == 0 and 148 < ctas <= 2 * 148 and cfg["num_stages"] == 4
     with device.building_for("sm_100"):            # chord-w4a16's N 4096, K 7168: 4 or 5 runs a CTA, 3 stages
-        assert W.decode_config(1, 4096, 7168)["num_stages"] == 3
+        assert W.decode_config(16, 4096, 7168)["num_stages"] == 3
 
 
-def test_decode_sm100_too_short_k_swaps_ab():
-    # MiniMax-M3's shared MLP down on B200 (N 6144, K 1536: 6 runs): equal splits still leave 2 runs a CTA,
-    # so at M <= 8 the weights become the MMA's A operand (BLOCK_M 8), 64 columns of one warp, 6 splits of one
-    # run (576 CTAs, about 3.9 an SM); at M 16, on gate/up (24 runs), on chord's shape and on sm_90 no swap
+@pytest.mark.parametrize("n, k, split", [(6144, 1536, 6), (3072, 6144, 12), (4096, 7168, 9)],
+                         ids=["minimax-down", "minimax-gate-up", "chord"])
+def test_decode_sm100_swaps_ab_at_m_up_to_8(n, k, split):
+    # B200 at M <= 8: the weights become the MMA's A operand (BLOCK_M 8), 64 columns of one warp, split K so
+    # about 4 one-warp CTAs sit on each of 148 SMs (one a scheduler); at M 16 and on the other targets no swap
     from inferbook import device
     with device.building_for("sm_100"):
         for m in (1, 8):
-            cfg = W.decode_config(m, 6144, 1536)
-            assert cfg == dict(BLOCK_M=8, BLOCK_N=64, SPLIT_K=6, num_warps=1, num_stages=3, SWAP_AB=True)
-        assert not any("SWAP_AB" in W.decode_config(m, n, k)
-                       for m, n, k in ((16, 6144, 1536), (1, 3072, 6144), (8, 3072, 6144), (1, 4096, 7168)))
-        la = W.decode_launches(1, 6144, 1536)[0]
+            cfg = W.decode_config(m, n, k)
+            assert cfg == dict(BLOCK_M=8, BLOCK_N=64, SPLIT_K=split, num_warps=1, num_stages=3, SWAP_AB=True)
+            assert abs(n // 64 * split / 148 - 4) < 0.5
+        assert "SWAP_AB" not in W.decode_config(16, n, k)
+        la = W.decode_launches(1, n, k)[0]
     assert la.kernel is W.w4a16_decode_swapped_kernel and "swap-AB" in la.name and "SWAP_AB" not in la.kwargs
-    for target in ("sm_80", "sm_90", "gfx942"):
+    for target in ("sm_80", "sm_90", "gfx942", "gfx950"):
         with device.building_for(target):
-            assert "SWAP_AB" not in W.decode_config(1, 6144, 1536)
+            assert "SWAP_AB" not in W.decode_config(1, n, k)
 
 
 SWAPPED = dict(BLOCK_M=8, BLOCK_N=64, SPLIT_K=2, num_warps=1, num_stages=3, SWAP_AB=True)

@@ -762,7 +762,8 @@ def gpu_launches(params: dict) -> list:
     for m in parse_ints(p["m_sweep"], "m_sweep"):
         launches += W.linear_launches(m, p["gemm_n"], p["gemm_k"], "indexed", name=f"decode sweep M{m} N{p['gemm_n']} "
                                       f"K{p['gemm_k']} cfg {'x'.join(str(v) for v in list(W.linear_config(m, False).values())[:3])}")
-    launches += [la for la in decode_cost_launches(p) if la.kernel in (W.w4a16_decode_kernel, FM.moe_decode_kernel)]
+    launches += [la for la in decode_cost_launches(p)
+                 if la.kernel in (W.w4a16_decode_kernel, W.w4a16_decode_swapped_kernel, FM.moe_decode_kernel)]
     for layout in W.LAYOUTS:                                   # check_dense: x [37, hidden], w [2*inter + 3, hidden]
         launches += W.linear_launches(37, 2 * p["inter"] + 3, p["hidden"], layout)
     for layout in W.LAYOUTS:                                   # wrong_layout_numbers: each spec's kernel, [4, 128] x [64, 128]

@@ -971,14 +971,16 @@ if triton is not None:
 
 
     @triton.jit
-    def decode_run_swapped(acc, x_ptr, stride_xm, offs_m, m_ok, qw_ptr, s_ptr, row_stride, offs_n, n_ok, K, r, neg,
+    def decode_run_swapped(acc, x_ptr, stride_xm, offs_m, m_ok, qw_ptr, s_ptr, row_stride, offs_n, n_ok, K, r, neg, s_col,
                            GROUP: tl.constexpr, ASM: tl.constexpr, DOT_FP32: tl.constexpr, EVEN_N: tl.constexpr,
                            EVEN_K: tl.constexpr):
         """Swap-AB: acc [BLOCK_N, BLOCK_M] fp32 += W[offs_n, run r] @ x[offs_m, run r].T for one run. The
         weights are the MMA's A operand (m16 rows of output columns), the activations its n8 B operand, so
         at M <= 8 no MMA row is padding and a warp's activation loads and -136 MMA serve all its columns.
         The [BLOCK_N, 32] word tile is read as rows n (the same `pack_decode` bytes as `decode_run`), each
-        nibble tile straight into the A operand; a column's scale per group is one 2-byte load."""
+        nibble tile straight into the A operand; a column's scale per group is one 2-byte load at
+        s_col [BLOCK_N] (int32: its offset in `pack_decode`'s scale layout within a run and group, computed
+        once a CTA, so the loop adds one scalar a group)."""
         offs_j = tl.arange(0, 32)
         if EVEN_N:
             words = tl.load(qw_ptr + (r * 32 + offs_j)[None, :] * row_stride + offs_n[:, None])
@@ -995,11 +997,11 @@ if triton is not None:
                 xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + (k + offs_j)[:, None],
                              mask=m_ok[None, :] & ((k + offs_j)[:, None] < K), other=0.0)
             b = nibble_bf16(words, i, ASM)                         # [BLOCK_N, 32] 128 + u, exact in bf16
-            s_off = ((r * pairs_per_row + offs_n // 2) * GR + (32 * i) // GROUP) * 2 + offs_n % 2
+            s_run = s_ptr + (r * pairs_per_row * GR + (32 * i) // GROUP) * 2
             if EVEN_N:
-                s = tl.load(s_ptr + s_off).to(tl.float32)
+                s = tl.load(s_run + s_col).to(tl.float32)
             else:
-                s = tl.load(s_ptr + s_off, mask=n_ok, other=0.0).to(tl.float32)
+                s = tl.load(s_run + s_col, mask=n_ok, other=0.0).to(tl.float32)
             if DOT_FP32:  # the interpreter: its bf16 dot is wrong (device.dot_needs_fp32)
                 part = tl.dot(b.to(tl.float32), xt.to(tl.float32), tl.dot(neg, xt.to(tl.float32)))
             else:
@@ -1029,8 +1031,9 @@ if triton is not None:
             neg = tl.full((BLOCK_N, 32), -136.0, tl.float32)
         else:
             neg = tl.full((BLOCK_N, 32), -136.0, tl.bfloat16)
+        s_col = (offs_n // 2) * (2 * (256 // GROUP)) + offs_n % 2    # a column's scale in its pair's groups
         for r in range(r0, r1):
-            acc = decode_run_swapped(acc, x_ptr, stride_xm, offs_m, m_ok, qw_ptr, s_ptr, N, offs_n, n_ok, K, r, neg,
+            acc = decode_run_swapped(acc, x_ptr, stride_xm, offs_m, m_ok, qw_ptr, s_ptr, N, offs_n, n_ok, K, r, neg, s_col,
                                      GROUP, ASM, DOT_FP32, EVEN_N, EVEN_K)
         mask = n_ok[:, None] & m_ok[None, :]
         if ATOMIC:
@@ -1078,17 +1081,22 @@ def decode_asm(device) -> bool:
 # memory / 0.9 at M 1 without losing time: 2 splits of 3 runs are predicted alike, 1.20 µs, at issue/memory 1.14,
 # 1.11, 1.03 at M 1, 8, 16, and 2 splits at 3 stages reach 1.11 at M 1 but 1.50 µs; `python -m
 # inferbook.moe.decode_sweep sm_100 6144 1536 --m 1,8 --block-n 32,64,128 --warps 1,2,4 --stages 2,3,4
-# --splits 1,2,3,6` lists them all). So at M <= 8 such a shape swaps A and B (`swap_ab`), as vLLM's CUTLASS
-# dispatch does for M <= 16 on sm_100 (`scaled_mm_sm100_fp8_dispatch.cuh`: `sm100_fp8_config_M16_swap_ab`,
-# the weights as the A operand, the epilogue transposed): the weights fill the MMA's m16 rows, the
-# activations its n8 columns (BLOCK_M 8), so no MMA row is padding and the FFMAs that apply the scales halve;
-# one warp holds 64 columns, so its activation loads and its -136 MMA serve 64 columns, not 32. 6 splits of one
-# run (576 CTAs, 3.9 an SM): predicted 1.20 µs, latency-bound as before, with issue/memory 1.07 / 0.92 at M 1 / 8
-# (`--swap 0,1` adds it to the sweep). At M 2..8 ptxas spills 8 B outside the main loop (255 registers; the loop
-# has no local-memory access); 32 columns of 3 splits spill nothing but are 1.13 at M 1. At M 16 the plain
-# kernel's m16 rows are all used, and it stays (1.06). 4 stages cost about 70 prologue instructions
+# --splits 1,2,3,6` lists them all). 4 stages cost about 70 prologue instructions
 # a warp, so a shape whose CTAs already run 4 or more runs keeps 3 (chord-w4a16's N 4096, K 7168 at 4
-# stages: predicted 81 % at M 1, not 82 %).
+# stages: predicted 81 % at M 1, not 82 %). These plain-kernel rules now run on B200 at M 9..16 only:
+# Swap-AB (sm_100's `swap_ab`, M <= 8): the weights become the MMA's A operand and the activations its B
+# operand, as vLLM's CUTLASS dispatch does for M <= 16 on sm_100 (`scaled_mm_sm100_fp8_dispatch.cuh`:
+# `sm100_fp8_config_M16_swap_ab`, a 128 x 32 tile, the epilogue transposed). The weights fill the MMA's m16
+# rows and the tokens its n8 columns (BLOCK_M 8, `w4a16_decode_swapped_kernel`), so no MMA row is padding
+# and the FFMAs that apply the scales halve; one warp holds 64 columns, so its activation loads and its -136
+# MMA serve 64 columns, not 32. One-warp CTAs (255 registers), split so about 4 sit on each SM, one a
+# scheduler. Predicted on B200 (datasheet ceiling) against the plain kernel above, at M 1 / 8:
+# chord's N 4096, K 7168, 9 splits: 2.08 / 2.23 µs, memory-bound (plain: 2.53 / 2.60, waves);
+# MiniMax-M3's gate/up, N 3072, K 6144, 12 splits: 1.35 / 1.49 µs, memory-bound (plain: 1.50 / 1.55, waves);
+# its down, N 6144, K 1536, 6 splits of one run: 1.20 µs, latency-bound as before (its floor), issue/memory
+# 1.07 / 0.93 (plain: 1.24 / 1.17). No spills: a column's scale offset within its pair's groups is
+# computed once, outside the loop (computed per run, it cost 8 B of spill at M > 1). `decode_sweep
+# ... --swap 0,1` sweeps both kernels. At M 16 the plain kernel's m16 rows are all used, and it stays.
 # On H200 (and the other NVIDIA targets) short CTAs take 64-column CTAs of 2 warps instead, split unevenly to
 # about 2.9 CTAs per SM on a 4-stage pipeline: 128-column CTAs of 4 warps hold 194 registers a thread, so
 # only 2 fit an SM, and a split to 2 CTAs an SM of 1 to 3 runs leaves the busiest SM a third CTA's chain.
@@ -1103,7 +1111,7 @@ DECODE_TARGETS = {
     "sm_100": dict(sms=148, block_n=64, num_warps=2, ctas_per_sm=2.6, even_split=False, num_stages=3,
                    short_runs=dict(below=4, num_stages=4, equal_split=True),
                    swap_ab=dict(max_m=SWAP_MAX_M, block_m=SWAP_MAX_M, block_n=64, num_warps=1, num_stages=3,
-                                ctas_per_sm=3.9)),
+                                ctas_per_sm=4.0)),
     # CDNA keeps the 128-column CTAs everywhere: the short-CTA rule was sized from NVIDIA registers
     "hip": _WIDE_CTAS,
 }
@@ -1118,8 +1126,9 @@ def decode_config(m: int, n: int, k: int, *, sms: int | None = None, interpreted
     spends more of its issue slots outside the main loop. Where the target allows uneven splits
     (`DECODE_TARGETS`) the split count is the one nearest the target's CTAs per SM and splits differ by one run;
     where that leaves a CTA too few runs (`short_runs`), on sm_100 the most equal splits of 1 to 2 CTAs an
-    SM and a deeper pipeline, on the other NVIDIA targets 64-column CTAs of 2 warps, about 2.9 an SM; where
-    even that leaves sm_100's CTAs short and M <= 8, the swap-AB kernel (`SWAP_AB`, BLOCK_M 8, `swap_ab`).
+    SM and a deeper pipeline, on the other NVIDIA targets 64-column CTAs of 2 warps, about 2.9 an SM. On
+    sm_100 at M <= 8 the swap-AB kernel instead (`SWAP_AB`, BLOCK_M 8: `swap_ab`), one-warp CTAs of 64
+    columns, about 4 an SM, splits differing by one run.
     `device`: whose target picks the entry (`device.pick_config`; default a CUDA device, i.e. the
     `building_for` target or the GPU's). The interpreter: one wide program per split (its cost is per program)."""
     if m > DECODE_MAX_M:
@@ -1132,6 +1141,12 @@ def decode_config(m: int, n: int, k: int, *, sms: int | None = None, interpreted
 
     def splits_for(bn: int, ctas_per_sm: float) -> int:    # splits of whole runs giving about ctas_per_sm an SM
         return max(1, min(runs, round(ctas_per_sm * sms / -(-n // bn))))
+
+    swap = t.get("swap_ab")
+    if swap and m <= swap["max_m"]:                               # the weights as the MMA's A operand
+        bn = swap["block_n"]
+        return dict(BLOCK_M=swap["block_m"], BLOCK_N=bn, SPLIT_K=splits_for(bn, swap["ctas_per_sm"]),
+                    num_warps=swap["num_warps"], num_stages=swap["num_stages"], SWAP_AB=True)
 
     bn = t["block_n"]
     n_blocks = -(-n // bn)
@@ -1147,11 +1162,6 @@ def decode_config(m: int, n: int, k: int, *, sms: int | None = None, interpreted
             equal = [s for s in range(1, runs + 1) if runs % s == 0 and sms < n_blocks * s <= 2 * sms]
             if equal:
                 split, stages = max(equal), short["num_stages"]
-            swap = t.get("swap_ab")
-            if swap and m <= swap["max_m"] and runs < short["below"] * split:   # still too short: swap-AB
-                bn = swap["block_n"]
-                return dict(BLOCK_M=swap["block_m"], BLOCK_N=bn, SPLIT_K=splits_for(bn, swap["ctas_per_sm"]),
-                            num_warps=swap["num_warps"], num_stages=swap["num_stages"], SWAP_AB=True)
         else:                                                      # narrower CTAs, more of them resident, uneven split
             bn, warps, stages = short["block_n"], short["num_warps"], short["num_stages"]
             split = splits_for(bn, short["ctas_per_sm"])
