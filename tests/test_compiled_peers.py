@@ -8,6 +8,7 @@ The page test reads the committed tables: it needs no peer installed."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from inferbook import compiled
 from inferbook.compiled import peers
@@ -45,22 +46,64 @@ def test_every_peer_table_is_committed_clean_and_on_three_targets():
             assert len(keys) == len(set(keys)), f"{slug} {t}: more than one config per kernel"
 
 
-def _check(slug, doc, side, launches, peer=None):
-    want = [compiled.launch_fingerprint(la) for la in launches]
-    sweep = [compiled.row_fingerprint(r) for r in doc["rows"] if r["target"] == peers.SWEEP_TARGET and r["side"] == side
-             and (peer is None or r.get("peer") == peer)]
-    assert sweep == want, f"{slug} {side} rows stale; regenerate with `{REGENERATE}`"
-    names = {w["launch"]: w for w in want}
+def _check(slug, doc, side, build, peer=None):
+    """The committed `side` rows (of `peer`) on every target == `build()`'s launches built for that target:
+    the sweep target with every config, the others with the chosen ones (`save`'s environment)."""
+    import json
+    import os
+
+    from inferbook.device import building_for
+
+    mine = lambda r: r["side"] == side and (peer is None or r.get("peer") == peer)  # noqa: E731
+    sweep_rows = [r for r in doc["rows"] if r["target"] == peers.SWEEP_TARGET]
+    chosen = doc["sweep"]["chosen"]
+    env = {peers.CONFIG_ENV: json.dumps(chosen),
+           peers.MATCH_ENV: json.dumps(peers.chosen_constexprs(sweep_rows, chosen))}
     for t in TARGETS:
-        for r in (r for r in doc["rows"] if r["target"] == t and r["side"] == side and (peer is None or r.get("peer") == peer)):
-            assert compiled.row_fingerprint(r) == names.get(r["launch"]), f"{slug} {t}: {r['launch']} stale"
+        saved = {k: os.environ.pop(k, None) for k in env}
+        try:
+            if t != peers.SWEEP_TARGET:
+                os.environ.update(env)
+            with building_for(t):
+                want = [compiled.launch_fingerprint(la) for la in build()]
+        finally:
+            for k, v in saved.items():
+                os.environ.pop(k, None)
+                if v is not None:
+                    os.environ[k] = v
+        have = [compiled.row_fingerprint(r) for r in doc["rows"] if r["target"] == t and mine(r)]
+        assert have == want, f"{slug} {t}: {side} rows stale; regenerate with `{REGENERATE}`"
 
 
 def test_our_rows_in_the_gdn_peer_table_are_current():
-    """Our chunk kernels at the timed shape (built by `gdn_chunk.chunked_launches`): no peer needed."""
+    """Our chunk kernels at the timed shape (built by `gdn_chunk.chunked_launches` and
+    `gdn_chunk_bwd.chunked_bwd_launches`): no peer needed."""
     doc = peers.load("gdn-backward-check")
     P = compiled.gpu_params("gdn-backward-check")
-    _check("gdn-backward-check", doc, "ours", [la for s in peers.gdn_shapes(P) for la in peers.our_chunk_gdn(*s)])
+    _check("gdn-backward-check", doc, "ours",
+           lambda: [la for s in peers.gdn_shapes(P) for la in peers.our_chunk_gdn(*s) + peers.our_chunk_gdn_bwd(*s)])
+
+
+def test_fla_is_traced_as_on_each_card():
+    """fla-core decides its tiles and autotuner lists at import from the device's shared memory: traced
+    here, it is imported afresh with the card's answers (H200's 227 KB: BK = BV = 128 in its dqkwg; A100's
+    163 KB on 16-bit tensors too), not the no-GPU fallback's; its backward leaves out the recompute of w, u
+    and h (ours keeps them from the forward)."""
+    if not peers.usable("fla-core"):
+        pytest.skip(f"fla-core is not usable here ({peers.available()['fla-core']})")
+    import sys
+
+    from inferbook.device import building_for
+    for t in TARGETS:
+        with building_for(t):
+            with peers.fla_as_on() as C:
+                assert sys.modules["fla.utils.hardware"].IS_NVIDIA_HOPPER == (t == "sm_90")
+                assert sys.modules["fla.ops.common.chunk_o"].BKV_LIST == [64, 128]
+            launches = peers.fla_chunk_gdn_bwd(1, 128, 2, 128, 128, configs=None)
+        assert not any(n.startswith("fla") for n in sys.modules)          # dropped again afterwards
+        dq = [la for la in launches if la.name.startswith("fla-core: chunk_bwd_kernel_dqkwg")]
+        assert dq and (dq[0].kwargs["BK"], dq[0].kwargs["BV"]) == (128, 128), dq[0].kwargs
+        assert not any(k in la.name for la in launches for k in peers.FLA_BWD_RECOMPUTE)
 
 
 @pytest.mark.parametrize("slug,peer", [(s, p) for s in sorted(peers.PEERS) for p in peers.peers_of(s)])
@@ -69,8 +112,11 @@ def test_peer_rows_are_current_where_the_peer_imports(slug, peer, monkeypatch):
         pytest.skip(f"{peer} is not usable here ({peers.available()[peer]})")
     monkeypatch.delenv(peers.CONFIG_ENV, raising=False)
     doc = peers.load(slug)
-    built = [la for la in compiled.launches_for(peers.peer_spec(slug, peer)) if not la.name.startswith("ours: ")]
-    _check(slug, doc, "peer", built, peer)
+    from inferbook.device import kernel_target
+
+    _check(slug, doc, "peer", lambda: [la for la in compiled.launches_for(peers.peer_spec(slug, peer),
+                                                                          kernel_target(torch.device("cuda")))
+                                       if not la.name.startswith("ours: ")], peer)
 
 
 def test_each_page_sets_ours_beside_its_peer_with_the_binding_bounds():

@@ -8,9 +8,14 @@ a peer that is not installed, or that cannot be imported on this machine, is ski
 - liger-kernel's RMSNorm beside sglang-fused-comm's RMSNorm (`sglang_fused_comm`).
 - fla-core's `chunk_gated_delta_rule_fwd` (cumsum, fused kkt + solve, recompute w/u, state, output: the
   five kernels it launches) beside our chunked forward (`numerics/gdn_chunk.py`) at gdn-backward-check's
-  timed shape (`gdn_backward_check`). Our chapter table keeps one launch per specialisation (the checked
-  lengths come first), so our three chunk kernels at the timed shape are compiled into the peer table too
-  (rows with side "ours").
+  timed shape (`gdn_backward_check`), and its `chunk_gated_delta_rule_bwd` (dv_local, the dh walk, dqkwg,
+  the WY backward, the reverse cumsum; less its recompute of w, u and h, which ours keeps from the forward:
+  `FLA_BWD_RECOMPUTE`) beside our four backward kernels (`numerics/gdn_chunk_bwd.py`), shape key
+  'backward ...'. Our chapter table keeps one launch per specialisation (the checked lengths come first),
+  so our kernels at the timed shape are compiled into the peer table too (rows with side "ours"). fla
+  picks its tiles and autotuner lists from the device at import, so it is imported afresh per target with
+  that card's answers (`fla_as_on`); its lists then differ by card, and the chosen config is carried to
+  the other targets by content (`MATCH_ENV`), not by index.
 - torchao's MX quantize kernels (`to_mxfp8_dim0_kernel` row-wise 1x32, `to_mxfp8_dim1_kernel` column-wise
   32x1, FLOOR scaling) beside te-mxfp8-recipes' timed quantize launches (`te_mxfp8_recipes`); torchao
   defines them only where it finds an sm_100 GPU, so `_torchao_kernels` loads the file by path.
@@ -78,6 +83,9 @@ from pathlib import Path
 import torch
 
 CONFIG_ENV = "INFERBOOK_PEER_CONFIGS"      # {'<kernel> @ <shape>': config index} for the non-sweep targets
+# {'<kernel> @ <shape>': the chosen sweep row's constexprs}: a peer whose autotuner list differs by card (fla
+# asks the device at import) gets the same config by content where the index would name another
+MATCH_ENV = "INFERBOOK_PEER_CONFIG_MATCH"
 SWEEP_TARGET = "sm_90"
 SWEEP_CARD = "H200"
 
@@ -204,7 +212,7 @@ def traced(source: str, configs="all"):
             if configs == "all":
                 pick = sweep_indices(len(cands))
             elif isinstance(configs, dict):
-                pick = [int(configs.get(name, 0))]
+                pick = [_pick(cands, configs.get(name, 0))]
             else:
                 pick = [0]
             ret = None
@@ -237,6 +245,20 @@ def sweep_indices(n: int, most: int = SWEEP_MAX) -> list[int]:
     return sorted({round(i * (n - 1) / (most - 1)) for i in range(most)})
 
 
+def _pick(cands: list, choice) -> int:
+    """The index in this autotuner list of a chosen config: `choice` an index, or {'i': index, 'match':
+    constexprs} -- the first candidate whose own values (warps, stages, its kwargs) all equal the chosen
+    row's, else the index where it is in range, else the list's last."""
+    if not isinstance(choice, dict):
+        return int(choice)
+    want = choice.get("match") or {}
+    for j, c in enumerate(cands):
+        mine = {k: v for k, v in c.all_kwargs().items() if k in want}
+        if mine and all(want[k] == v for k, v in mine.items()):
+            return j
+    return min(int(choice["i"]), len(cands) - 1)
+
+
 def _chosen() -> dict | None:
     """The per-kernel config choice for a non-sweep target (from the environment `save` sets), or None."""
     raw = os.environ.get(CONFIG_ENV)
@@ -249,6 +271,9 @@ def _configs(shape: str):
     ch = _chosen()
     if ch is None:
         return "all"
+    raw = os.environ.get(MATCH_ENV)
+    match = json.loads(raw) if raw else {}
+    ch = {k: ({"i": v, "match": match[k]} if k in match else v) for k, v in ch.items()}
     out = {k: v for k, v in ch.items() if " @ " not in k}
     out.update({k.split(" @ ", 1)[0]: v for k, v in ch.items() if k.endswith(f" @ {shape}")})
     return out
@@ -307,15 +332,85 @@ def gdn_shape_key(B, T, H, K, V) -> str:
     return f"B{B} T{T} H{H} K{K} V{V} bf16"
 
 
+# the device questions fla-core asks (at import and in its launch code), answered as the target's card
+# would: compute capability, name, SMs and the opt-in shared memory per block (its tiles and autotuner
+# config lists follow `check_shared_mem`; asked on a machine without a GPU they all fall back to the
+# smallest, which is not what fla runs on these cards)
+FLA_CARDS = {"sm_80": ((8, 0), "NVIDIA A100-SXM4-80GB", 108, 166912),
+             "sm_90": ((9, 0), "NVIDIA H200", 132, 232448),
+             "sm_100": ((10, 0), "NVIDIA B200", 148, 232448)}
+
+
+@contextlib.contextmanager
+def fla_as_on(target: str | None = None):
+    """fla-core imported afresh with its device questions answered as on `target`'s card (`FLA_CARDS`;
+    default: the `device.building_for` target, else sm_90); yields `fla.ops.gated_delta_rule.chunk`. fla
+    decides tiles and config lists at import (`BKV_LIST = ... check_shared_mem()`), so its modules are
+    dropped from `sys.modules` before and after. Its launch code's own `check_shared_mem(arch, k.device.index)`
+    (a meta tensor has no index) is answered with the card's shared memory too."""
+    import importlib
+    import types
+
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime.driver import driver
+
+    from .. import device as D
+    from . import _AOTDriver
+
+    if target is None:
+        t = D.kernel_target(torch.device("cuda"))
+        target = t if t in FLA_CARDS else "sm_90"
+    cap, name, sms, smem = FLA_CARDS[target]
+
+    class _Utils:
+        @staticmethod
+        def get_device_properties(i):
+            return {"max_shared_mem": smem, "multiprocessor_count": sms, "max_num_regs": 65536, "warpSize": 32}
+
+    aot = _AOTDriver(GPUTarget("cuda", int(f"{cap[0]}{cap[1]}"), 32))
+    aot.utils = _Utils()
+    cuda = torch.cuda
+    names = ("get_device_capability", "get_device_name", "device_count", "current_device", "get_device_properties")
+    real = {n: getattr(cuda, n) for n in names}
+    real_driver = driver._active
+
+    def purge():
+        for n in [n for n in sys.modules if n == "fla" or n.startswith("fla.")]:
+            del sys.modules[n]
+
+    cuda.get_device_capability = lambda *a, **k: cap
+    cuda.get_device_name = lambda *a, **k: name
+    cuda.device_count = lambda: 1
+    cuda.current_device = lambda: 0
+    cuda.get_device_properties = lambda *a, **k: types.SimpleNamespace(
+        name=name, multi_processor_count=sms, major=cap[0], minor=cap[1], shared_memory_per_block_optin=smem)
+    driver.set_active(aot)
+    purge()
+    try:
+        chunk = importlib.import_module("fla.ops.gated_delta_rule.chunk")
+        hw = importlib.import_module("fla.utils.hardware")
+
+        def check_shared_mem(arch: str = "none", tensor_idx=0) -> bool:
+            return smem >= hw.Backend.get_shared_memory(arch)
+
+        for mod in [m for n, m in sys.modules.items() if n == "fla" or n.startswith("fla.")]:
+            if getattr(mod, "check_shared_mem", None) is not None:
+                mod.check_shared_mem = check_shared_mem
+        yield chunk
+    finally:
+        for n, fn in real.items():
+            setattr(cuda, n, fn)
+        driver._active = real_driver
+        purge()
+
+
 def fla_chunk_gdn(B: int, T: int, H: int, K: int, V: int, configs="all") -> list:
     """The launches fla-core's `chunk_gated_delta_rule_fwd` makes for q, k [B, T, H, K], v [B, T, H, V],
     g, beta [B, T, H] (bf16; g fp32 as its `chunk_local_cumsum` takes it), an fp32 initial state and the
     final state kept (as our forward returns it)."""
-    from fla.ops.gated_delta_rule import chunk as C
-
     bf, f32 = torch.bfloat16, torch.float32
     m = lambda *s, dt=bf: torch.empty(*s, dtype=dt, device="meta")   # noqa: E731
-    with traced("fla/ops/gated_delta_rule/chunk.py", configs) as launches:
+    with fla_as_on() as C, traced("fla/ops/gated_delta_rule/chunk.py", configs) as launches:
         C.chunk_gated_delta_rule_fwd(m(B, T, H, K), m(B, T, H, K), m(B, T, H, V), m(B, T, H, dt=f32), m(B, T, H),
                                      K ** -0.5, m(B, H, K, V, dt=f32), True)
     return _label(launches, "fla-core", gdn_shape_key(B, T, H, K, V))
@@ -328,16 +423,46 @@ def our_chunk_gdn(B: int, T: int, H: int, K: int, V: int) -> list:
     return _label(launches, "ours", gdn_shape_key(B, T, H, K, V))
 
 
+# fla's backward first recomputes the forward's w, u (`recompute_w_u_fwd`) and state h
+# (`chunk_gated_delta_rule_fwd_h`); ours keeps them from the forward (`gdn_chunk_bwd._ChunkedGDN.forward`
+# saves them), so the backward comparison leaves those launches out on fla's side and says so
+FLA_BWD_RECOMPUTE = ("recompute_w_u_fwd_kernel", "chunk_gated_delta_rule_fwd_kernel_h")
+BWD = "backward "      # the backward's shape key: 'backward B4 T1024 H8 K128 V128 bf16'
+
+
+def fla_chunk_gdn_bwd(B: int, T: int, H: int, K: int, V: int, configs="all") -> list:
+    """The launches fla-core's `chunk_gated_delta_rule_bwd` makes at the shapes of `fla_chunk_gdn` (A
+    [B, T, H, 64] bf16, g the fp32 cumulative gate, dS [B, H, K, V] fp32), less its recompute of w, u and
+    h (`FLA_BWD_RECOMPUTE`): dv_local, the dh walk, dq/dk/dw/dg, the WY backward, the reverse cumsum."""
+    bf, f32 = torch.bfloat16, torch.float32
+    m = lambda *s, dt=bf: torch.empty(*s, dtype=dt, device="meta")   # noqa: E731
+    with fla_as_on() as C, traced("fla/ops/gated_delta_rule/chunk.py", configs) as launches:
+        C.chunk_gated_delta_rule_bwd(m(B, T, H, K), m(B, T, H, K), m(B, T, H, V), m(B, T, H, dt=f32), m(B, T, H),
+                                     m(B, T, H, 64), K ** -0.5, m(B, H, K, V, dt=f32), m(B, T, H, V),
+                                     m(B, H, K, V, dt=f32))
+    keep = [la for la in launches if not la.name.startswith(FLA_BWD_RECOMPUTE)]
+    return _label(keep, "fla-core", BWD + gdn_shape_key(B, T, H, K, V))
+
+
+def our_chunk_gdn_bwd(B: int, T: int, H: int, K: int, V: int) -> list:
+    from ..numerics import gdn_chunk_bwd
+
+    return _label(gdn_chunk_bwd.chunked_bwd_launches(B, T, H, K, V, torch.bfloat16, has_h0=True), "ours",
+                  BWD + gdn_shape_key(B, T, H, K, V))
+
+
 def gdn_backward_check(params=None) -> list:
-    """Ours (the three chunk kernels) and fla-core's five, at the timed shape."""
+    """Ours (the three chunk kernels of the forward, the four of the backward) and fla-core's (five of
+    the forward; its backward's, less the recompute ours saves), at the timed shape."""
     from . import gpu_params
 
     P = gpu_params("gdn-backward-check")
     out = []
     for shape in gdn_shapes(P):
-        out += our_chunk_gdn(*shape)
+        out += our_chunk_gdn(*shape) + our_chunk_gdn_bwd(*shape)
         if usable("fla-core"):
             out += fla_chunk_gdn(*shape, configs=_configs(gdn_shape_key(*shape)))
+            out += fla_chunk_gdn_bwd(*shape, configs=_configs(BWD + gdn_shape_key(*shape)))
     return out
 
 
@@ -1053,6 +1178,19 @@ def choose(rows: list[dict], card: str = SWEEP_CARD) -> dict[str, int]:
     return {f"{kernel} @ {shape}": _fastest(ps)["i"] for (shape, kernel), ps in cands.items()}
 
 
+def chosen_constexprs(rows: list[dict], chosen: dict[str, int]) -> dict[str, dict]:
+    """{'<kernel> @ <shape>': constexprs (with warps and stages)} of each chosen sweep row (`choose`)."""
+    out = {}
+    for r in rows:
+        if r.get("side") != "peer" or r.get("target") != SWEEP_TARGET:
+            continue
+        key = f"{r['kernel']} @ {_shape_of(r['launch']) or ''}"
+        m = re.search(r" cfg (\d+)/\d+", r["launch"])
+        if key in chosen and (int(m.group(1)) - 1 if m else 0) == chosen[key]:
+            out[key] = {**(r.get("constexprs") or {}), "num_warps": r.get("num_warps"), "num_stages": r.get("num_stages")}
+    return out
+
+
 def save(slug: str, targets=("sm_80", "sm_90", "sm_100"), jobs: int = 1, root: Path | None = None,
          reuse_sweep: bool = False, only: str | None = None) -> Path:
     """Compile `slug`'s peer launches (and ours where the peer table holds them): the sm_90 config sweep,
@@ -1104,10 +1242,12 @@ def save(slug: str, targets=("sm_80", "sm_90", "sm_100"), jobs: int = 1, root: P
     rest = [t for t in targets if t != SWEEP_TARGET]
     if rest:
         os.environ[CONFIG_ENV] = json.dumps(chosen)
+        os.environ[MATCH_ENV] = json.dumps(chosen_constexprs(rows, chosen))
         try:
             rows += _annotate(inspect([spec], rest, jobs=jobs), slug)
         finally:
             os.environ.pop(CONFIG_ENV, None)
+            os.environ.pop(MATCH_ENV, None)
     from . import TARGETS
 
     versions = _versions()
