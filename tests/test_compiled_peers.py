@@ -142,6 +142,20 @@ def test_config_choice_takes_the_fastest_predicted(monkeypatch):
     assert peers.choose(rows) == {"k @ S": 1}
 
 
+def test_a_chosen_config_is_carried_by_content_where_the_lists_differ():
+    """`_pick`: a bare index as it is; {'i', 'match'}: the index where that candidate is the chosen config,
+    else the first candidate equal to it (another card's list), else the index clipped to the list."""
+    import triton
+
+    a, b, c = (triton.Config({"BV": 32}, num_warps=2, num_stages=2), triton.Config({"BV": 64}, num_warps=4, num_stages=2),
+               triton.Config({"BV": 64}, num_warps=4, num_stages=3))
+    want = {"BV": 64, "num_warps": 4, "num_stages": 2, "K": 128}
+    assert peers._pick([a, b, c], 2) == 2
+    assert peers._pick([a, b, c], {"i": 1, "match": want}) == 1
+    assert peers._pick([c, a, b], {"i": 1, "match": want}) == 2          # moved: found by content
+    assert peers._pick([a, c], {"i": 5, "match": want}) == 1             # absent: clipped
+
+
 def test_gemlite_and_torchao_loaders_say_why_when_absent():
     """`available()` answers for every peer, in one line each, whether or not it is installed."""
     got = peers.available()

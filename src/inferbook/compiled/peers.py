@@ -251,12 +251,15 @@ def _pick(cands: list, choice) -> int:
     row's, else the index where it is in range, else the list's last."""
     if not isinstance(choice, dict):
         return int(choice)
-    want = choice.get("match") or {}
-    for j, c in enumerate(cands):
+    want, i = choice.get("match") or {}, int(choice["i"])
+
+    def same(c) -> bool:
         mine = {k: v for k, v in c.all_kwargs().items() if k in want}
-        if mine and all(want[k] == v for k, v in mine.items()):
-            return j
-    return min(int(choice["i"]), len(cands) - 1)
+        return bool(mine) and all(want[k] == v for k, v in mine.items())
+
+    if i < len(cands) and same(cands[i]):           # the same list as the sweep's: the same index
+        return i
+    return next((j for j, c in enumerate(cands) if same(c)), min(i, len(cands) - 1))
 
 
 def _chosen() -> dict | None:
