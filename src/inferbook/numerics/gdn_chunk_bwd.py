@@ -304,8 +304,18 @@ def _sm80_bwd(c: dict) -> dict:
     return d
 
 
+def _sm100_bwd(c: dict) -> dict:
+    """sm_100: dqkwg on 4 warps. Its loop is issue-bound on B200 (1.11x H200's issue rate against 1.67x
+    its bandwidth); at 8 warps each of its four [64, 64] fp32 accumulators is split over twice the warps
+    and every warp repeats the loads' address arithmetic and the reductions for dg. 4 warps hold them in 248
+    registers without a spill; predicted 16.4 us against 18.9 at the timed shape (B4 T1024 H8 K 128), 2.15
+    against 2.41 at K 64 (`compiled.peers`' backward rows and `inferbook inspect gdn-backward-check
+    --target sm_100`). On sm_90 the same launch is memory-bound at either count, and 8 stays."""
+    return {"warps_dqkwg": 4}
+
+
 # per-target changes to `bwd_blocks`' GPU config (`device.pick_config`: 'nvidia' is every other target)
-_BWD_TARGET_CONFIGS = {"nvidia": lambda c: {}, "sm_80": _sm80_bwd}
+_BWD_TARGET_CONFIGS = {"nvidia": lambda c: {}, "sm_80": _sm80_bwd, "sm_100": _sm100_bwd}
 
 
 def _bwd_launches(q, k, v, beta, g_cum, A, w, h, v_new, do, dht, h0, cu, idx, offs, dv_local, dv2, dh, dh0,
