@@ -71,6 +71,18 @@ def test_chunked_backward_at_the_gpu_tiles():
     assert rep.passed, rep.failures()
 
 
+def test_sm100_takes_dqkwg_on_4_warps():
+    """sm_100 (`_sm100_bwd`): dqkwg on 4 warps, the other kernels and tiles as on sm_90, whose dqkwg keeps 8."""
+    from inferbook import device
+
+    with device.building_for("sm_90"):
+        c90 = gdn_chunk_bwd.bwd_blocks(128, 128, DEV)
+    with device.building_for("sm_100"):
+        c100 = gdn_chunk_bwd.bwd_blocks(128, 128, DEV)
+    assert (c90["warps_dqkwg"], c100["warps_dqkwg"]) == (8, 4)
+    assert {k: v for k, v in c100.items() if k != "warps_dqkwg"} == {k: v for k, v in c90.items() if k != "warps_dqkwg"}
+
+
 def test_chunked_backward_at_the_sm80_tiles():
     """sm_80's config (`_sm80_bwd`, against spills): wy over BK = BV = 16 blocks, unpipelined, dhu at K 64
     and 128 over BV 32 (one stage at K 256), dqkwg and dv_local over BV 32; in the interpreter at K 64 (four
