@@ -317,6 +317,27 @@ def test_moe_decode_from_every_layout_and_its_refusals():
         FM.fused_moe_decode(torch.zeros(17, 256, dtype=torch.bfloat16), d13, d2, torch.ones(17, 1), big_ids)
 
 
+def test_tl_dequantize_is_exact_bf16_bits():
+    # the pure-tl path (AMD, the interpreter): nibble I of each word as the bf16 bits 0x4300 | u, which are
+    # 128 + u exactly (u 0..15 in the low mantissa bits of 128's exponent); every nibble, every value
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def nib(w_ptr, o_ptr, I: tl.constexpr):
+        offs = tl.arange(0, 32)[:, None] * 16 + tl.arange(0, 16)[None, :]
+        tl.store(o_ptr + offs, W.nibble_bf16(tl.load(w_ptr + offs), I, False))
+
+    g = torch.Generator().manual_seed(7)
+    words = torch.randint(-2**31, 2**31, (32, 16), generator=g, dtype=torch.int64).to(torch.int32)
+    words[0, :] = torch.tensor([sum(v << (4 * i) for i in range(8)) for v in range(16)], dtype=torch.int64).to(torch.int32)
+    for i in range(8):
+        out = torch.empty(32, 16, dtype=torch.bfloat16)
+        nib[(1,)](words, out, i)
+        u = (words.to(torch.int64) >> (4 * i)) & 0xF
+        assert torch.equal(out.float(), (128 + u).float()), i
+
+
 def test_dequantize_path_follows_the_target(monkeypatch):
     # inline PTX (prmt/lop3) for NVIDIA targets; the pure-tl path for AMD (inspect's building_for, or a ROCm GPU)
     from inferbook import device

@@ -846,8 +846,8 @@ if triton is not None:
                 return _nibble_pairs(words, "0x7733", False)
             else:
                 return _nibble_pairs(words, "0x7733", True)
-        else:
-            return (((words >> (4 * I)) & 0xF) + 128).to(tl.float32).to(tl.bfloat16)
+        else:   # bf16 bits 0x4300 | u are 128 + u exactly: shift, mask, or, truncate; no convert
+            return (((words >> (4 * I)) & 0xF) | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
 
     @triton.jit
     def widen_pairs(pairs):
