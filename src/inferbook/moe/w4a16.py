@@ -941,6 +941,18 @@ if triton is not None:
             return tl.full((32, BLOCK_N), -136.0, tl.bfloat16)
 
     @triton.jit
+    def decode_program(M, N, K, SPLITS, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """This program's column block and split of both decode kernels (grid (column blocks, SPLITS)):
+        (pid_n, pid_k, offs_m, offs_n, m_ok, n_ok, r0, r1); split pid_k takes runs [r0, r1) of the K / 256."""
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        runs = (K + 255) // 256
+        return (pid_n, pid_k, offs_m, offs_n, offs_m < M, offs_n < N, (pid_k * runs) // SPLITS,
+                ((pid_k + 1) * runs) // SPLITS)
+
+    @triton.jit
     def w4a16_decode_kernel(x_ptr, qw_ptr, s_ptr, out_ptr, M, N, K, stride_xm, SPLITS,
                             GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                             ASM: tl.constexpr, DOT_FP32: tl.constexpr, ATOMIC: tl.constexpr,
@@ -949,15 +961,7 @@ if triton is not None:
         x bf16 [M, K]; qw int32 [Kp/8, N] and s bf16 [Kp/GROUP, N] from `pack_decode`. Split pid_k of
         SPLITS takes runs [pid_k runs / SPLITS, (pid_k + 1) runs / SPLITS): whole runs, the counts
         differing by at most one, so the split count can fit the SM count where the runs do not divide."""
-        pid_n = tl.program_id(0)
-        pid_k = tl.program_id(1)
-        offs_m = tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < N
-        m_ok = offs_m < M
-        runs = (K + 255) // 256
-        r0 = (pid_k * runs) // SPLITS
-        r1 = ((pid_k + 1) * runs) // SPLITS
+        pid_n, pid_k, offs_m, offs_n, m_ok, n_ok, r0, r1 = decode_program(M, N, K, SPLITS, BLOCK_M, BLOCK_N)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         neg = decode_neg(BLOCK_N, DOT_FP32)
         for r in range(r0, r1):
@@ -1017,15 +1021,7 @@ if triton is not None:
         """`w4a16_decode_kernel` with the operands swapped (`decode_run_swapped`): the same arguments, split
         and outputs; the accumulator is [BLOCK_N, BLOCK_M] (BLOCK_M 8 at M <= 8), stored through transposed
         pointers into the same fp32 [SPLIT, M, N] (or, ATOMIC, [M, N]) buffer."""
-        pid_n = tl.program_id(0)
-        pid_k = tl.program_id(1)
-        offs_m = tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < N
-        m_ok = offs_m < M
-        runs = (K + 255) // 256
-        r0 = (pid_k * runs) // SPLITS
-        r1 = ((pid_k + 1) * runs) // SPLITS
+        pid_n, pid_k, offs_m, offs_n, m_ok, n_ok, r0, r1 = decode_program(M, N, K, SPLITS, BLOCK_M, BLOCK_N)
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         if DOT_FP32:
             neg = tl.full((BLOCK_N, 32), -136.0, tl.float32)
