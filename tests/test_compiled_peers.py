@@ -57,8 +57,7 @@ def _check(slug, doc, side, build, peer=None):
     mine = lambda r: r["side"] == side and (peer is None or r.get("peer") == peer)  # noqa: E731
     sweep_rows = [r for r in doc["rows"] if r["target"] == peers.SWEEP_TARGET]
     chosen = doc["sweep"]["chosen"]
-    env = {peers.CONFIG_ENV: json.dumps(chosen),
-           peers.MATCH_ENV: json.dumps(peers.chosen_constexprs(sweep_rows, chosen))}
+    env = {peers.CONFIG_ENV: json.dumps(peers.config_choice(sweep_rows, chosen))}
     for t in TARGETS:
         saved = {k: os.environ.pop(k, None) for k in env}
         try:

@@ -15,7 +15,7 @@ a peer that is not installed, or that cannot be imported on this machine, is ski
   so our kernels at the timed shape are compiled into the peer table too (rows with side "ours"). fla
   picks its tiles and autotuner lists from the device at import, so it is imported afresh per target with
   that card's answers (`fla_as_on`); its lists then differ by card, and the chosen config is carried to
-  the other targets by content (`MATCH_ENV`), not by index.
+  the other targets by content (`config_choice`), not by index.
 - torchao's MX quantize kernels (`to_mxfp8_dim0_kernel` row-wise 1x32, `to_mxfp8_dim1_kernel` column-wise
   32x1, FLOOR scaling) beside te-mxfp8-recipes' timed quantize launches (`te_mxfp8_recipes`); torchao
   defines them only where it finds an sm_100 GPU, so `_torchao_kernels` loads the file by path.
@@ -82,10 +82,10 @@ from pathlib import Path
 
 import torch
 
-CONFIG_ENV = "INFERBOOK_PEER_CONFIGS"      # {'<kernel> @ <shape>': config index} for the non-sweep targets
-# {'<kernel> @ <shape>': the chosen sweep row's constexprs}: a peer whose autotuner list differs by card (fla
-# asks the device at import) gets the same config by content where the index would name another
-MATCH_ENV = "INFERBOOK_PEER_CONFIG_MATCH"
+# {'<kernel> @ <shape>': {'i': config index, 'match': its constexprs}} for the non-sweep targets
+# (`config_choice`): a peer whose autotuner list differs by card (fla asks the device at import) gets the
+# same config by content where the index would name another
+CONFIG_ENV = "INFERBOOK_PEER_CONFIGS"
 SWEEP_TARGET = "sm_90"
 SWEEP_CARD = "H200"
 
@@ -274,9 +274,6 @@ def _configs(shape: str):
     ch = _chosen()
     if ch is None:
         return "all"
-    raw = os.environ.get(MATCH_ENV)
-    match = json.loads(raw) if raw else {}
-    ch = {k: ({"i": v, "match": match[k]} if k in match else v) for k, v in ch.items()}
     out = {k: v for k, v in ch.items() if " @ " not in k}
     out.update({k.split(" @ ", 1)[0]: v for k, v in ch.items() if k.endswith(f" @ {shape}")})
     return out
@@ -1175,23 +1172,26 @@ def choose(rows: list[dict], card: str = SWEEP_CARD) -> dict[str, int]:
           and r.get("smem_ok", True)]        # over the shared-memory limit: the autotuner drops it at launch
     cands: dict[tuple[str, str], list[dict]] = {}
     for r, p in zip(ok, predict_rows(ok, card)):
-        m = re.search(r" cfg (\d+)/\d+", r["launch"])
         cands.setdefault((_shape_of(r["launch"]) or "", r["kernel"]), []).append(
-            {"seconds": p["seconds"], "spill_bytes": r.get("spill_bytes") or 0, "i": int(m.group(1)) - 1 if m else 0})
+            {"seconds": p["seconds"], "spill_bytes": r.get("spill_bytes") or 0, "i": _cfg_index(r["launch"])})
     return {f"{kernel} @ {shape}": _fastest(ps)["i"] for (shape, kernel), ps in cands.items()}
 
 
-def chosen_constexprs(rows: list[dict], chosen: dict[str, int]) -> dict[str, dict]:
-    """{'<kernel> @ <shape>': constexprs (with warps and stages)} of each chosen sweep row (`choose`)."""
-    out = {}
+def _cfg_index(launch: str) -> int:
+    """The config index in a traced launch's name ('... cfg i/n ...': i - 1; no configs: 0)."""
+    m = re.search(r" cfg (\d+)/\d+", launch)
+    return int(m.group(1)) - 1 if m else 0
+
+
+def config_choice(rows: list[dict], chosen: dict[str, int]) -> dict[str, dict]:
+    """`CONFIG_ENV`'s value: {'<kernel> @ <shape>': {'i': the index `choose` picked, 'match': that sweep
+    row's constexprs (warps and stages among them)}}."""
+    match = {}
     for r in rows:
-        if r.get("side") != "peer" or r.get("target") != SWEEP_TARGET:
-            continue
-        key = f"{r['kernel']} @ {_shape_of(r['launch']) or ''}"
-        m = re.search(r" cfg (\d+)/\d+", r["launch"])
-        if key in chosen and (int(m.group(1)) - 1 if m else 0) == chosen[key]:
-            out[key] = {**(r.get("constexprs") or {}), "num_warps": r.get("num_warps"), "num_stages": r.get("num_stages")}
-    return out
+        key = f"{r.get('kernel')} @ {_shape_of(r['launch']) or ''}"
+        if r.get("side") == "peer" and r.get("target") == SWEEP_TARGET and chosen.get(key) == _cfg_index(r["launch"]):
+            match[key] = r.get("constexprs") or {}
+    return {k: {"i": i, "match": match.get(k, {})} for k, i in chosen.items()}
 
 
 def save(slug: str, targets=("sm_80", "sm_90", "sm_100"), jobs: int = 1, root: Path | None = None,
@@ -1244,13 +1244,11 @@ def save(slug: str, targets=("sm_80", "sm_90", "sm_100"), jobs: int = 1, root: P
     chosen = choose(rows)
     rest = [t for t in targets if t != SWEEP_TARGET]
     if rest:
-        os.environ[CONFIG_ENV] = json.dumps(chosen)
-        os.environ[MATCH_ENV] = json.dumps(chosen_constexprs(rows, chosen))
+        os.environ[CONFIG_ENV] = json.dumps(config_choice(rows, chosen))
         try:
             rows += _annotate(inspect([spec], rest, jobs=jobs), slug)
         finally:
             os.environ.pop(CONFIG_ENV, None)
-            os.environ.pop(MATCH_ENV, None)
     from . import TARGETS
 
     versions = _versions()
