@@ -50,7 +50,7 @@ def test_two_jobs_run_side_by_side_in_book_order_and_say_so(jobs_book):
     logs = []
     with pytest.raises(book.ChapterFailed) as e:
         book.build_book(device="cpu", preset="smoke", keep_going=True, jobs=2, progress=False, log=logs.append)
-    assert e.value.slug == "bad" and e.value.cell == 3  # failures named as in a sequential build
+    assert (e.value.slug, e.value.cell) == ("bad", 3), (str(e.value), logs)  # named as in a sequential build
     executed = jobs_book / "_build" / "executed"
     first = (executed / "first.ipynb").read_text()
     assert "overlapped True" in first, "first ended without second having started: not side by side"

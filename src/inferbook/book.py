@@ -32,6 +32,10 @@ from .record import load_records, write_json_atomic
 from .words import count
 
 DEFAULT_CELL_TIMEOUT_S = 1800
+# papermill waits 60 s by default for a new kernel to answer; two chapters starting side by side on a busy
+# two-core machine (CI running tests beside them) have taken longer, and the chapter then failed before
+# its first cell. A kernel that never starts still fails, after this.
+KERNEL_START_TIMEOUT_S = 300
 
 
 def paths() -> dict[str, Path]:
@@ -273,7 +277,8 @@ def execute(slug: str, *, device: str = "auto", preset: str = "auto", seed: int 
     try:
         try:
             papermill.execute_notebook(str(in_nb), str(tmp_nb), parameters=run_params, kernel_name="python3",
-                                       execution_timeout=cell_timeout, progress_bar=progress, cwd=str(repo_root()),
+                                       execution_timeout=cell_timeout, start_timeout=KERNEL_START_TIMEOUT_S,
+                                       progress_bar=progress, cwd=str(repo_root()),
                                        log_output=False, report_mode=False,
                                        kernel_manager_class=_kernel_manager_logging_to(executed_dir / f"{slug}.kernel.log"))
         except papermill.PapermillExecutionError as e:
