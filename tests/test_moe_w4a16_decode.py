@@ -56,6 +56,30 @@ def test_inline_asm_bit_logic(i):
         assert reg & 0xFFFF == _bf16_bits(128 + u0) and reg >> 16 == _bf16_bits(128 + u1)
 
 
+@pytest.mark.parametrize("i", range(8))
+def test_amdgcn_asm_bit_logic(i):
+    # the AMDGCN path (v_perm_b32 / v_lshrrev_b32 / v_and_or_b32) gives bf16 (128 + u) of nibble i for both words
+    g = torch.Generator().manual_seed(100 + i)
+    for w0, w1 in [(0x76543210, 0xFEDCBA98), (0xFFFFFFFF, 0), *torch.randint(0, 2**32, (64, 2), generator=g,
+                                                                              dtype=torch.int64).tolist()]:
+        reg = W.nibble_perm_model(w0, w1, i)
+        u0, u1 = (w0 >> (4 * i)) & 0xF, (w1 >> (4 * i)) & 0xF
+        assert reg & 0xFFFF == _bf16_bits(128 + u0) and reg >> 16 == _bf16_bits(128 + u1)
+
+
+def test_amdgcn_asm_is_what_the_model_checks(monkeypatch):
+    # the kernel's selectors are the model's, in nibble order; its operands are the model's (w1 high, w0 low)
+    import inspect
+    src = inspect.getsource(W.nibble_bf16.fn)
+    amd = src[src.index("ASM == 2"):src.index("else:   # bf16 bits")]
+    assert [int(h, 16) for h in __import__("re").findall(r"_nibble_pairs_amd\(words, (0x[0-9A-F]+)", amd)] \
+        == [W.NIBBLE_PERM[i // 2] for i in range(8)]
+    asm = inspect.getsource(W._nibble_pairs_amd.fn)
+    assert asm.count("v_perm_b32 $0, $2, $1, $3") == 2 and asm.count("v_and_or_b32 $0, $0, $5, $7") == 2
+    monkeypatch.setattr(W, "NIBBLE_PERM", (0x0C040C00, 0x0C040C00, 0x0C060C02, 0x0C070C03))  # planted: byte 1 never read
+    assert W.nibble_perm_model(0x76543210, 0xFEDCBA98, 2) & 0xFFFF != _bf16_bits(128 + 2)
+
+
 def test_inline_asm_model_can_fail(monkeypatch):
     monkeypatch.setattr(W, "NIBBLE_PRMT", (0x4400, 0x4400, 0x6622, 0x7733))   # planted: byte 1 never read
     w0, w1 = 0x76543210, 0xFEDCBA98
@@ -339,15 +363,16 @@ def test_tl_dequantize_is_exact_bf16_bits():
 
 
 def test_dequantize_path_follows_the_target(monkeypatch):
-    # inline PTX (prmt/lop3) for NVIDIA targets; the pure-tl path for AMD (inspect's building_for, or a ROCm GPU)
+    # inline PTX (prmt/lop3, ASM 1) for NVIDIA targets; inline AMDGCN (v_perm_b32/v_and_or_b32, ASM 2) for AMD
+    # (inspect's building_for, or a ROCm GPU); the pure-tl path (ASM 0) in the interpreter
     from inferbook import device
     from inferbook.moe import fused_moe as FM
     monkeypatch.setattr(W, "dot_needs_fp32", lambda d: False)      # what a GPU passes
-    for target, asm in (("sm_90", True), ("sm_100", True), ("gfx942", False), ("gfx950", False)):
+    for target, asm in (("sm_90", 1), ("sm_100", 1), ("gfx942", 2), ("gfx950", 2)):
         with device.building_for(target):
             (dense,) = W.decode_launches(1, 256, 512)
             moe = [la for la in FM.fused_moe_decode_launches(4, 2, 4, 256, 64, max_m=2) if la.kernel is FM.moe_decode_kernel]
-        assert dense.kwargs["ASM"] is asm and all(la.kwargs["ASM"] is asm for la in moe), target
+        assert dense.kwargs["ASM"] == asm and all(la.kwargs["ASM"] == asm for la in moe), target
 
 
 def test_moe_decode_narrow_columns_where_the_last_round_is_far_from_full():

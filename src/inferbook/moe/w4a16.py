@@ -808,6 +808,30 @@ def nibble_asm_model(w0: int, w1: int, i: int) -> int:
 
 
 NIBBLE_PRMT = (0x4400, 0x5511, 0x6622, 0x7733)   # prmt selectors: byte b of each word into bytes 0 and 2
+# v_perm_b32 selectors (`nibble_bf16`'s AMDGCN path): byte b of the first word into byte 0, of the second
+# into byte 2, zero (0x0C) into bytes 1 and 3
+NIBBLE_PERM = (0x0C040C00, 0x0C050C01, 0x0C060C02, 0x0C070C03)
+
+
+def nibble_perm_model(w0: int, w1: int, i: int) -> int:
+    """The AMDGCN path of `nibble_bf16` for nibble `i` of two words, in Python, as the CDNA3 ISA guide
+    defines its instructions: `v_perm_b32 d, w1, w0, sel` picks result byte k from the 64-bit {w1:w0}
+    (selector byte 0-7: that byte, w0's bytes first; 0x0C: zero), odd i `v_lshrrev_b32 d, 4, d`, then
+    `v_and_or_b32 d, d, 0x000F000F, 0x43004300` ((d & mask) | magic). Returns two bf16 values 128 + u."""
+    sel = NIBBLE_PERM[i // 2]
+    src = [(w0 >> (8 * k)) & 0xFF for k in range(4)] + [(w1 >> (8 * k)) & 0xFF for k in range(4)]
+
+    def byte(s: int) -> int:
+        if s < 8:
+            return src[s]
+        if s == 0x0C:
+            return 0x00
+        raise ValueError(f"selector byte {s:#x} is not one this kernel uses")
+
+    t = sum(byte((sel >> (8 * k)) & 0xFF) << (8 * k) for k in range(4))
+    if i % 2:
+        t >>= 4
+    return (t & 0x000F000F) | 0x43004300
 
 
 if triton is not None:
@@ -826,10 +850,28 @@ if triton is not None:
                 "=r,r,r", [words], dtype=tl.bfloat16, is_pure=True, pack=2)
 
     @triton.jit
+    def _nibble_pairs_amd(words, SEL: tl.constexpr, ODD: tl.constexpr):
+        """The AMDGCN form of `_nibble_pairs`: v_perm_b32 puts byte SEL of two words in the low byte of
+        each bf16 half (PTX's prmt), v_and_or_b32 masks the nibble and ORs 0x4300 (PTX's lop3). GFX9's
+        VOP3 encoding takes no literal, so the selector, mask and magic come in as registers (loop
+        invariant: loaded once)."""
+        sel = tl.full(words.shape, SEL, tl.int32)
+        mask = tl.full(words.shape, 0x000F000F, tl.int32)
+        magic = tl.full(words.shape, 0x43004300, tl.int32)
+        if ODD:
+            return tl.inline_asm_elementwise(
+                "v_perm_b32 $0, $2, $1, $3\n v_lshrrev_b32 $0, 4, $0\n v_and_or_b32 $0, $0, $5, $7",
+                "=&v,v,v,v,v,v,v,v,v", [words, sel, mask, magic], dtype=tl.bfloat16, is_pure=True, pack=2)
+        else:
+            return tl.inline_asm_elementwise(
+                "v_perm_b32 $0, $2, $1, $3\n v_and_or_b32 $0, $0, $5, $7",
+                "=&v,v,v,v,v,v,v,v,v", [words, sel, mask, magic], dtype=tl.bfloat16, is_pure=True, pack=2)
+
+    @triton.jit
     def nibble_bf16(words, I: tl.constexpr, ASM: tl.constexpr):
-        """[32, BN] int32 words -> [32, BN] bf16 128 + u (u = nibble I, 0..15), exact. ASM: the PTX
-        path (GPU); else plain tl ops (the interpreter, and any backend without PTX)."""
-        if ASM:
+        """[32, BN] int32 words -> [32, BN] bf16 128 + u (u = nibble I, 0..15), exact. ASM 1: the PTX
+        path (NVIDIA); 2: the AMDGCN path (gfx9 CDNA); 0: plain tl ops (the interpreter, any backend)."""
+        if ASM == 1:
             if I == 0:
                 return _nibble_pairs(words, "0x4400", False)
             elif I == 1:
@@ -846,6 +888,23 @@ if triton is not None:
                 return _nibble_pairs(words, "0x7733", False)
             else:
                 return _nibble_pairs(words, "0x7733", True)
+        elif ASM == 2:   # v_perm_b32 selector bytes: 0-3 the first word's bytes, 4-7 the second's, 0x0c zero
+            if I == 0:
+                return _nibble_pairs_amd(words, 0x0C040C00, False)
+            elif I == 1:
+                return _nibble_pairs_amd(words, 0x0C040C00, True)
+            elif I == 2:
+                return _nibble_pairs_amd(words, 0x0C050C01, False)
+            elif I == 3:
+                return _nibble_pairs_amd(words, 0x0C050C01, True)
+            elif I == 4:
+                return _nibble_pairs_amd(words, 0x0C060C02, False)
+            elif I == 5:
+                return _nibble_pairs_amd(words, 0x0C060C02, True)
+            elif I == 6:
+                return _nibble_pairs_amd(words, 0x0C070C03, False)
+            else:
+                return _nibble_pairs_amd(words, 0x0C070C03, True)
         else:   # bf16 bits 0x4300 | u are 128 + u exactly: shift, mask, or, truncate; no convert
             return (((words >> (4 * I)) & 0xF) | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
 
@@ -1044,11 +1103,13 @@ DENSE_DECODE_KERNELS = ("w4a16_decode_kernel", "w4a16_decode_swapped_kernel")   
 H200_SMS = 132
 
 
-def decode_asm(device) -> bool:
-    """Whether the decode kernels take the inline-PTX dequantize (`prmt`/`lop3`, ASM=True): on an NVIDIA
-    GPU or when building for an sm target. The pure-`tl` path (ASM=False) runs in the interpreter and on
-    AMD (a ROCm GPU, or `building_for('gfx942')`/`'gfx950'`), whose assembler has no PTX."""
-    return not dot_needs_fp32(device) and target_vendor(kernel_target(device)) != "hip"
+def decode_asm(device) -> int:
+    """Which dequantize the decode kernels take (their ASM constexpr): 1, inline PTX (`prmt`/`lop3`) on an
+    NVIDIA GPU or when building for an sm target; 2, inline AMDGCN (`v_perm_b32`/`v_and_or_b32`) on a ROCm
+    GPU or `building_for('gfx942')`/`'gfx950'`; 0, plain tl ops, in the interpreter."""
+    if dot_needs_fp32(device):
+        return 0
+    return 2 if target_vendor(kernel_target(device)) == "hip" else 1
 
 
 
@@ -1108,8 +1169,13 @@ DECODE_TARGETS = {
                    short_runs=dict(below=4, num_stages=4, equal_split=True),
                    swap_ab=dict(max_m=SWAP_MAX_M, block_m=SWAP_MAX_M, block_n=64, num_warps=1, num_stages=3,
                                 ctas_per_sm=4.0)),
-    # CDNA keeps the 128-column CTAs everywhere: the short-CTA rule was sized from NVIDIA registers
+    # CDNA keeps the 128-column CTAs everywhere: the short-CTA rule was sized from NVIDIA registers. The split
+    # is sized by the card's CUs: MI300X (304) holds one such CTA a CU (its LDS), so 7 equal splits of 4 runs
+    # (224 CTAs, 0.95 a CU asked: 10 would leave 16 CTAs for a second round); MI355X (256, 2 a CU) 8 uneven
+    # splits at N 4096, K 7168, one CTA per CU
     "hip": _WIDE_CTAS,
+    "gfx942": dict(_WIDE_CTAS, sms=304, ctas_per_sm=0.95),
+    "gfx950": dict(_WIDE_CTAS, sms=256, ctas_per_sm=1.0, even_split=False),
 }
 
 
