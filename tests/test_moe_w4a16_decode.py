@@ -72,8 +72,8 @@ def test_amdgcn_asm_is_what_the_model_checks(monkeypatch):
     import inspect
     src = inspect.getsource(W.nibble_bf16.fn)
     amd = src[src.index("ASM == 2"):src.index("else:   # bf16 bits")]
-    assert [int(h, 16) for h in __import__("re").findall(r"_nibble_pairs_amd\(words, (0x[0-9A-F]+)", amd)] \
-        == [W.NIBBLE_PERM[i // 2] for i in range(8)]
+    (base, step), = __import__("re").findall(r"_nibble_pairs_amd\(words, (0x[0-9A-F]+) \+ (0x[0-9A-F]+) \* \(I // 2\)", amd)
+    assert [int(base, 16) + int(step, 16) * (i // 2) for i in range(8)] == [W.NIBBLE_PERM[i // 2] for i in range(8)]
     asm = inspect.getsource(W._nibble_pairs_amd.fn)
     assert asm.count("v_perm_b32 $0, $2, $1, $3") == 2 and asm.count("v_and_or_b32 $0, $0, $5, $7") == 2
     monkeypatch.setattr(W, "NIBBLE_PERM", (0x0C040C00, 0x0C040C00, 0x0C060C02, 0x0C070C03))  # planted: byte 1 never read

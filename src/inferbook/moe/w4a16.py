@@ -889,22 +889,7 @@ if triton is not None:
             else:
                 return _nibble_pairs(words, "0x7733", True)
         elif ASM == 2:   # v_perm_b32 selector bytes: 0-3 the first word's bytes, 4-7 the second's, 0x0c zero
-            if I == 0:
-                return _nibble_pairs_amd(words, 0x0C040C00, False)
-            elif I == 1:
-                return _nibble_pairs_amd(words, 0x0C040C00, True)
-            elif I == 2:
-                return _nibble_pairs_amd(words, 0x0C050C01, False)
-            elif I == 3:
-                return _nibble_pairs_amd(words, 0x0C050C01, True)
-            elif I == 4:
-                return _nibble_pairs_amd(words, 0x0C060C02, False)
-            elif I == 5:
-                return _nibble_pairs_amd(words, 0x0C060C02, True)
-            elif I == 6:
-                return _nibble_pairs_amd(words, 0x0C070C03, False)
-            else:
-                return _nibble_pairs_amd(words, 0x0C070C03, True)
+            return _nibble_pairs_amd(words, 0x0C040C00 + 0x00010001 * (I // 2), I % 2 == 1)   # NIBBLE_PERM[I // 2]
         else:   # bf16 bits 0x4300 | u are 128 + u exactly: shift, mask, or, truncate; no convert
             return (((words >> (4 * I)) & 0xF) | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
 
