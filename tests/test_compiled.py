@@ -380,6 +380,20 @@ def test_residency_limits():
     assert compiled.residency(_row(num_warps=16, regs=32))["ctas_per_sm"] == 4          # 64 warps
 
 
+def test_cdna_residency_and_issue_count_waves_per_simd():
+    # CDNA: 256 VGPRs a lane leave 2 waves a SIMD; a CU's 4 SIMDs hold 8 waves: eight 1-wave workgroups, four of
+    # 2 waves, two of 4 (a workgroup's waves spread over the SIMDs, each wave on one)
+    amd = dict(target="gfx942", regs=256, vgprs=256, agprs=0)
+    assert [compiled.residency(_row(num_warps=w, **amd))["ctas_per_sm"] for w in (1, 2, 4, 8)] == [8, 4, 2, 1]
+    assert compiled.residency(_row(num_warps=1, target="gfx942", regs=512, vgprs=384, agprs=128))["ctas_per_sm"] == 4
+    # one CTA a CU (304 on MI300X): a 1-wave CTA issues from one SIMD (a quarter of the CU's rate), a 4-wave CTA
+    # from four, so 4 waves of the same loop take as long as 1
+    one = compiled.predict(_row(num_warps=1, ctas=304, grid=[304], **amd), "MI300X")
+    four = compiled.predict(_row(num_warps=4, ctas=304, grid=[304], **amd), "MI300X")
+    assert one["bounds"]["issue"] == pytest.approx((30 - 10 + 10 * 64) / (2.1e9 / 4))
+    assert four["bounds"]["issue"] == pytest.approx(one["bounds"]["issue"])
+
+
 def test_predict_launches_reads_the_committed_table(tmp_path):
     rows = [{**_row(), "slug": "x", "index": 0, "launch": "copy"},
             {**_row(ctas=4, grid=[4], dram_bytes=4 * 256 * 8192.0, trips=256), "slug": "x", "index": 1, "launch": "tiny"}]

@@ -80,6 +80,38 @@ def test_amdgcn_asm_is_what_the_model_checks(monkeypatch):
     assert W.nibble_perm_model(0x76543210, 0xFEDCBA98, 2) & 0xFFFF != _bf16_bits(128 + 2)
 
 
+@pytest.mark.parametrize("b", range(4))
+def test_amdgcn_byte_asm_bit_logic(b):
+    # the CDNA loop's dequantize: one v_perm_b32 for byte b of both words, then both of its nibbles
+    g = torch.Generator().manual_seed(200 + b)
+    for w0, w1 in [(0x76543210, 0xFEDCBA98), (0xFFFFFFFF, 0), (0, 0xFFFFFFFF),
+                   *torch.randint(0, 2**32, (64, 2), generator=g, dtype=torch.int64).tolist()]:
+        regs = W.nibble_byte_perm_model(w0, w1, b)
+        for reg, i in zip(regs, (2 * b, 2 * b + 1)):
+            u0, u1 = (w0 >> (4 * i)) & 0xF, (w1 >> (4 * i)) & 0xF
+            assert reg & 0xFFFF == _bf16_bits(128 + u0) and reg >> 16 == _bf16_bits(128 + u1), (b, i)
+
+
+def test_amdgcn_byte_asm_is_what_the_model_checks():
+    # the asm's instructions, operands and order are the model's: outputs $0 $1, words $2 (w0) $3 (w1), selector
+    # $4, mask $6, magic $8 (pack=2: two registers an operand); the shift reads the permuted register before
+    # its mask. The same instructions with the mask first lose the odd nibble, which the bit test would catch
+    import inspect
+    import re
+    src = inspect.getsource(W._nibble_byte_amd.fn)
+    text = "".join(re.findall(r'"([^"]*)"', src[src.index("inline_asm_elementwise"):src.index('"=&v')]))
+    assert [t.strip() for t in text.split("\\n")] == ["v_perm_b32 $0, $3, $2, $4", "v_lshrrev_b32 $1, 4, $0",
+                                                     "v_and_or_b32 $0, $0, $6, $8", "v_and_or_b32 $1, $1, $6, $8"]
+    assert '"=&v,=&v,v,v,v,v,v,v,v,v", [words, sel, mask, magic]' in src and "pack=2" in src
+    sel = inspect.getsource(W.nibble_byte_bf16.fn)
+    (base, step), = re.findall(r"_nibble_byte_amd\(words, (0x[0-9A-F]+) \+ (0x[0-9A-F]+) \* B\)", sel)
+    assert [int(base, 16) + int(step, 16) * b for b in range(4)] == list(W.NIBBLE_PERM)
+    w0, w1 = 0x76543210, 0xFEDCBA98
+    t = W._v_perm_b32(w0, w1, W.NIBBLE_PERM[1])
+    masked_first = (((t & 0x000F000F) | 0x43004300) >> 4) & 0x000F000F | 0x43004300   # planted order
+    assert masked_first & 0xFFFF != _bf16_bits(128 + 3) and W.nibble_byte_perm_model(w0, w1, 1)[1] & 0xFFFF == _bf16_bits(128 + 3)
+
+
 def test_inline_asm_model_can_fail(monkeypatch):
     monkeypatch.setattr(W, "NIBBLE_PRMT", (0x4400, 0x4400, 0x6622, 0x7733))   # planted: byte 1 never read
     w0, w1 = 0x76543210, 0xFEDCBA98
@@ -142,8 +174,6 @@ def test_decode_short_ctas_take_narrow_columns():
     assert (down["BLOCK_N"], down["num_warps"], down["SPLIT_K"], down["num_stages"]) == (64, 2, 4, 4)
     assert (gate_up["BLOCK_N"], gate_up["SPLIT_K"]) == (64, 8)
     assert (chord["BLOCK_N"], chord["num_warps"], chord["SPLIT_K"]) == (128, 4, 7)
-    with device.building_for("gfx942"):                   # CDNA keeps the 128-column CTAs
-        assert W.decode_config(1, 6144, 1536)["BLOCK_N"] == 128
 
 
 def test_decode_nan_never_passes():
@@ -249,6 +279,77 @@ def test_decode_swapped_nan_never_passes_and_can_fail():
     assert torch.isnan(out.float()).any() and not within_tolerance(out, ref, pt)[2]
     bad = W.DecodeW4(torch.roll(d.qweight, 1, dims=1), d.scales, d.shape, d.group_size)   # words one column over
     assert not within_tolerance(W.decode_linear(x, bad, block=SWAPPED), ref, pt)[2]
+
+
+# The CDNA loop (`decode_run`'s CDNA_LOOP, the AMD configs): nibbles a byte at a time and a scale word a column.
+# The interpreter runs its structure with the pure-tl dequantize (the asm is checked through its model above)
+CDNA = dict(BLOCK_M=16, BLOCK_N=64, SPLIT_K=2, num_warps=2, num_stages=1, CDNA_LOOP=True)
+
+
+@pytest.mark.parametrize("m", [1, 5, 16])
+@pytest.mark.parametrize("deterministic", [True, False], ids=["ordered", "atomic"])
+def test_decode_cdna_loop_matches_fp32_reference(m, deterministic):
+    q, d = _case(73, 544, 32, seed=m)               # N odd: masked columns and scale words; K with a tail run
+    x = _x(m, 544)
+    out = W.decode_linear(x, d, block=CDNA, deterministic=deterministic)
+    err, tol, ok = within_tolerance(out, W.decode_reference(x, d), W.linear_torch(x, q))
+    assert ok, (err, tol)
+
+
+@pytest.mark.parametrize("group", [32, 64, 128, 256])
+def test_decode_cdna_loop_every_group_whole_column_blocks(group):
+    q, d = _case(128, 768, group, seed=group)
+    x = _x(3, 768)
+    err, tol, ok = within_tolerance(W.decode_linear(x, d, block=dict(CDNA, SPLIT_K=3)), W.decode_reference(x, d),
+                                    W.linear_torch(x, q))
+    assert ok, (err, tol)
+
+
+def test_decode_cdna_loop_nan_never_passes_and_can_fail():
+    q, d = _case(128, 512, 32)
+    x = _x(2, 512)
+    ref, pt = W.decode_reference(x, d), W.linear_torch(x, q)
+    s = d.scales.clone()
+    s[1, 40, 5, 1] = float("nan")                 # run 1, column 81 (the odd half of its word), group 5
+    out = W.decode_linear(x, W.DecodeW4(d.qweight, s, d.shape, d.group_size), block=CDNA)
+    assert torch.isnan(out[:, 81].float()).all() and not torch.isnan(out[:, 80].float()).any()
+    assert not within_tolerance(out, ref, pt)[2]
+    halves = W.DecodeW4(d.qweight, d.scales.flip(-1), d.shape, d.group_size)    # planted: each word's halves swapped
+    assert not within_tolerance(W.decode_linear(x, halves, block=CDNA), ref, pt)[2]
+
+
+def test_moe_decode_cdna_loop():
+    from inferbook.moe import fused_moe as FM
+    w13, w2, x, tw, ids = _moe(4, 256, 64, 3, 2)
+    out = FM.fused_moe_decode(x, W.pack_decode(w13), W.pack_decode(w2), tw, ids,
+                              block=dict(BLOCK_M=16, BLOCK_N=64, num_warps=2, num_stages=1, CDNA_LOOP=True))
+    err, tol, ok = FM.within_tolerance(out, FM.fused_moe_reference(x, w13, w2, tw, ids),
+                                       FM.fused_moe_torch(x, w13, w2, tw, ids))
+    assert ok, (err, tol)
+
+
+@pytest.mark.parametrize("target, chord, gate_up, down", [
+    ("gfx942", (128, 2, 14), (128, 2, 24), (64, 2, 6)),
+    ("gfx950", (64, 1, 14), (64, 1, 24), (64, 1, 6))])
+def test_decode_cdna_configs(target, chord, gate_up, down):
+    # CDNA: the CDNA loop unpipelined, about 2 runs a CTA (one where the runs are few); MI300X narrows a grid of
+    # fewer CTAs than CUs (MiniMax-M3's down: 48 x 6 = 288 < 304) to 64 columns. The MoE decode takes its own tiles
+    # (chord's EP8 rank: 48 experts, I 2048)
+    from inferbook import device
+    from inferbook.moe import fused_moe as FM
+    with device.building_for(target):
+        cfgs = [W.decode_config(m, n, k) for m in (1, 16) for n, k in ((4096, 7168), (3072, 6144), (6144, 1536))]
+        moe = [FM.moe_decode_config(False, gated, n=2048, experts=48) for gated in (True, False)]
+        ep = [FM.moe_decode_config(False, True, n=1536, experts=e)["BLOCK_N"] for e in (1, 9, 17, 33)]
+    assert [(c["BLOCK_N"], c["num_warps"], c["SPLIT_K"]) for c in cfgs] == [chord, gate_up, down] * 2
+    assert all(c["num_stages"] == 1 and c["CDNA_LOOP"] for c in cfgs + moe)
+    assert [(c["BLOCK_N"], c["num_warps"]) for c in moe] == [FM.MOE_DECODE_CDNA["gfx950" if target == "gfx950" else "hip"][k]
+                                                              for k in ("gated", "down")]
+    # a gate/up grid of few experts (MiniMax-M3's EP ranks, I 1536) is narrowed until it has waves enough a CU;
+    # one expert (24 CTAs, under half the CUs) is left as it is
+    assert ep == ([64, 32, 32, 64] if target == "gfx942" else [64, 16, 32, 64])
+    with device.building_for("sm_90"):
+        assert "CDNA_LOOP" not in W.decode_config(1, 4096, 7168) and "CDNA_LOOP" not in FM.moe_decode_config(False, True)
 
 
 def test_decode_block_m_must_hold_the_rows():
@@ -378,7 +479,7 @@ def test_dequantize_path_follows_the_target(monkeypatch):
 def test_moe_decode_narrow_columns_where_the_last_round_is_far_from_full():
     # an EP8 rank of MiniMax-M3 on B200 (9 local experts, I 1536): 24 x 9 = 216 CTAs of 64 columns on 148 SMs
     # leave the busiest SM two where the average is 1.46; 32 columns of 2 warps (432 CTAs) fill the rounds.
-    # The fused-slot MoE (65 experts) and the CDNA entry keep 64; the down launch (no rule) keeps 128
+    # The fused-slot MoE (65 experts) keeps 64; the down launch (no rule) keeps 128 (CDNA: its own rule, below)
     from inferbook import device
     from inferbook.moe import fused_moe as FM
     shape = dict(n=1536, experts=9)
@@ -389,8 +490,6 @@ def test_moe_decode_narrow_columns_where_the_last_round_is_far_from_full():
     with device.building_for("sm_90"):
         assert FM.moe_decode_config(False, True, **shape)["BLOCK_N"] == 64       # 216 CTAs on 132 SMs
         assert FM.moe_decode_config(False, True, n=1536, experts=17)["BLOCK_N"] == 32
-    with device.building_for("gfx942"):
-        assert FM.moe_decode_config(False, True, **shape)["BLOCK_N"] == 64
 
 
 @pytest.mark.parametrize("tokens", [1, 5])

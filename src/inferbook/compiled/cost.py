@@ -20,15 +20,15 @@ The model, and every assumption it makes (the pages' "How the prediction is made
 3. **Residency.** CTAs per SM (CU) = the least of: registers (65536 per SM, allocated per warp in
    units of 256), shared memory (the SM's capacity, 1 KB reserved per CTA), 64 warps, 32 CTAs; on
    CDNA, waves per SIMD from VGPRs+AGPRs (512 per lane, granule 8, at most 8 waves) and LDS per CU,
-   a workgroup's waves spread over the CU's 4 SIMDs.
+   a workgroup's waves spread over the CU's 4 SIMDs (so a CU holds 4 x waves-per-SIMD 1-wave workgroups).
 4. **Bounds** (seconds; the prediction is the largest, and that one is named):
    - `memory`: DRAM bytes / the copy ceiling — the *measured* one of a committed `ceilings` record
      for that card (data/results/<card>/device-ceilings.json) if one exists, else the datasheet's
      HBM bandwidth; `ceiling` says which.
    - `issue`: the average SM's warp-instructions / (issue slots per cycle × clock): 4 per SM on
      NVIDIA (one per scheduler, and only as many schedulers as resident warps), 1 per CU on CDNA
-     (4 SIMDs, a wave64 vector instruction every 4 cycles each). No dependency stalls are counted:
-     this is the best the instruction stream allows.
+     (4 SIMDs, a wave64 vector instruction every 4 cycles each, and only as many SIMDs as resident
+     waves). No dependency stalls are counted: this is the best the instruction stream allows.
    - `compute`: the average SM's FLOPs / its share of the datasheet's dense tensor rate for the dot's
      operand type (bf16/f16; fp8 and int8 twice that; fp32 operands at the TF32 rate, half);
      `mma.sync` on sm_90/sm_100 at 2/3 of it (warp-level MMA does not reach wgmma/tcgen05 rates).
@@ -129,10 +129,12 @@ def residency(row: dict) -> dict:
         vg = int(row.get("vgprs") or 0) + int(row.get("agprs") or 0)
         alloc = max(-(-max(vg, 1) // 8) * 8, 8)
         waves_simd = min(lim["waves_per_simd"], lim["vgprs"] // alloc)
-        per_simd = -(-warps // lim["simds"])      # a workgroup's waves over the CU's SIMDs
+        # a workgroup's waves spread over the CU's SIMDs, each wave on one: a CU holds SIMDs x waves a SIMD
+        # wave slots, so four 1-wave workgroups fit where one 4-wave workgroup does
         lds = float(row.get("shared_kb") or 0.0)
-        by = {"registers": waves_simd // per_simd, "shared memory": int(lim["lds_kb"] // lds) if lds else 32,
-              "warps": lim["waves_per_simd"] // per_simd}
+        by = {"registers": waves_simd * lim["simds"] // warps,
+              "shared memory": int(lim["lds_kb"] // lds) if lds else 32,
+              "warps": lim["waves_per_simd"] * lim["simds"] // warps}
     limit = min(by, key=lambda k: (by[k], list(by).index(k)))
     ctas = max(by[limit], 0)
     return {"ctas_per_sm": ctas, "limit": limit, "warps_per_sm": ctas * warps, "by": by}
@@ -234,7 +236,10 @@ def predict(row: dict, card: str, *, copy_gbps: float | None = None) -> dict:
     avg = grid / used                           # CTAs on the average SM in use
     busiest = math.ceil(grid / sms)             # CTAs on the busiest SM
     resident = min(occ, busiest)
-    slots = min(lim["issue"], resident * warps if lim["vendor"] == "nvidia" else lim["issue"]) * clock
+    if lim["vendor"] == "nvidia":   # one instruction a cycle per scheduler that has a warp
+        slots = min(lim["issue"], resident * warps) * clock
+    else:                           # a wave64 instruction every 4 cycles per SIMD that has a wave
+        slots = lim["issue"] * min(lim["simds"], resident * warps) / lim["simds"] * clock
     sm_flops = _dot_rate(row, c) / sms
     # loads in flight per loop: the pipeline's depth when the loop's loads are asynchronous copies, or on
     # CDNA when the loop has MFMA (Triton's stream pipeliner prefetches the next iterations into registers)

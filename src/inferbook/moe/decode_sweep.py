@@ -103,6 +103,8 @@ def launch(a: dict, m: int, cfg: dict):
     from . import w4a16 as W
 
     with building_for(a["target"]):
+        if W.decode_config(m, a["n"], a["k"]).get("CDNA_LOOP"):   # the target's loop, as decode_config picks it
+            cfg = {**cfg, "CDNA_LOOP": True}
         return W.decode_launches(m, a["n"], a["k"], group_size=a["group"], cfg=cfg)[0]
 
 

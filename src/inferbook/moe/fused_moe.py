@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..device import dot_needs_fp32, kernel_target, pick_config, target_vendor, triton_backend_for
+from ..device import dot_needs_fp32, pick_config, triton_backend_for
 from . import mxfp4 as MXF, routing
 from .mxfp4 import PackedMXFP4
 from .w4a16 import (DECODE_MAX_M, DECODE_TARGETS, LAYOUT_CODE, LAYOUTS, DecodeW4, PackedW4, cat_experts, check_block_k,
@@ -185,7 +185,7 @@ if triton is not None:
                           GATED: tl.constexpr, SCATTER: tl.constexpr, MUL_ROW_WEIGHT: tl.constexpr,
                           GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ASM: tl.constexpr,
                           DOT_FP32: tl.constexpr, OUT_BF16: tl.constexpr = True, EVEN_N: tl.constexpr = False,
-                          EVEN_K: tl.constexpr = False):
+                          EVEN_K: tl.constexpr = False, CDNA_LOOP: tl.constexpr = False):
         """Decode MoE GEMM over the masked layout (`routing.to_masked`), weights from `pack_decode`:
         program (column block, expert e) computes C[rows of e] = A[rows of e] @ W[e].T for its at most
         BLOCK_M (>= max_m) rows, with `decode_run`'s Marlin-style main loop. GATED: gate rows [0, N),
@@ -214,10 +214,10 @@ if triton is not None:
         if count > 0:
             for r in range(0, (K + 255) // 256):
                 acc = decode_run(acc, a_rows, stride_am, offs_m, m_ok, qw, sc, NW, pid_n * BLOCK_N, offs_n, n_ok, K, r, neg,
-                                 GROUP, ASM, DOT_FP32, EVEN_N, EVEN_K)
+                                 GROUP, ASM, DOT_FP32, EVEN_N, EVEN_K, CDNA_LOOP)
                 if GATED:
                     acc_up = decode_run(acc_up, a_rows, stride_am, offs_m, m_ok, qw, sc, NW, pid_n * BLOCK_N + N, offs_n + N, n_ok, K, r, neg,
-                                        GROUP, ASM, DOT_FP32, EVEN_N, EVEN_K)
+                                        GROUP, ASM, DOT_FP32, EVEN_N, EVEN_K, CDNA_LOOP)
         if GATED:
             acc = acc * tl.sigmoid(acc) * acc_up
         c_row = rows
@@ -431,18 +431,46 @@ def moe_decode_config(interpreted: bool, gated: bool = False, *, n: int | None =
     148 SMs, the busiest SM 2 where the average has 1.46) is predicted at 75 % of the copy ceiling (waves)
     with 64 columns and 100 % (memory) with 32 (`inferbook inspect minimax-m3-moe --target sm_100`). The
     kernel has no split-K (SiLU needs the whole sum), so the column block is its only grain. The choice is
-    made from host-side shapes only (no sync); the K order of every output is the same at either width."""
+    made from host-side shapes only (no sync); the K order of every output is the same at either width.
+    CDNA targets take `MOE_DECODE_CDNA`'s tiles and the decode kernels' CDNA loop, one stage, whatever the shape."""
     if interpreted:
         return dict(BLOCK_M=16, BLOCK_N=64)
+    dev = torch.device("cuda") if device is None else device
+    cdna = pick_config(MOE_DECODE_CDNA, dev)
+    if cdna:                                                       # the CDNA loop, its own tiles and rule
+        bn, warps = cdna["gated" if gated else "down"]
+        if gated and n and experts:
+            cus = pick_config(DECODE_TARGETS, dev)["sms"]
+            if -(-n // bn) * experts >= cus // 2:                  # a grid too small for that stays as it is
+                while bn > cdna["narrowest"] and -(-n // bn) * experts * warps < cdna["waves_per_cu"] * cus:
+                    bn //= 2                                       # too few waves for the CUs' SIMDs: narrower
+        return dict(BLOCK_M=16, BLOCK_N=bn, num_warps=warps, num_stages=1, CDNA_LOOP=True)
     cfg = dict(BLOCK_M=16, BLOCK_N=64 if gated else 128, num_warps=4, num_stages=3)
     if gated and n and experts:
-        dev = torch.device("cuda") if device is None else device
         sms = pick_config(DECODE_TARGETS, dev)["sms"]
         wide, narrow = -(-n // 64) * experts, -(-n // 32) * experts
-        nvidia = target_vendor(kernel_target(dev)) != "hip"      # CDNA: no rule (it was sized from NVIDIA registers)
-        if nvidia and wide >= sms and _last_round_full(narrow, sms) > _last_round_full(wide, sms) + 0.1:
+        if wide >= sms and _last_round_full(narrow, sms) > _last_round_full(wide, sms) + 0.1:
             cfg.update(BLOCK_N=32, num_warps=2)
     return cfg
+
+
+# CDNA (`moe_decode_config`): (BLOCK_N, waves) of the gated and the down launch, the decode kernels' CDNA loop
+# (`w4a16.decode_run`), no pipelining (num_stages 1: Triton's AMD stream pipeliner stages the words through LDS,
+# which costs more instructions than it hides latency here; enough waves resident hide it instead). From
+# `inferbook inspect chord-w4a16 --target gfx942` / `gfx950` sweeps at EP8 (48 experts, H 7168, I 2048, M 1):
+# MI300X gate/up 64 columns of 2 waves, down 128 of 2, both predicted memory-bound (issue/memory 0.85, 0.74);
+# MI355X gate/up 64 of 1 wave (2 waves: 1.17, issue-bound), down 128 of 2 (0.80, 0.95). The NVIDIA tiles above
+# with 3 stages were predicted at 71-73 % (MI300X) and 46-58 % (MI355X) of the copy ceiling, issue-bound.
+# The kernel has no split-K, so a gate/up grid of few experts (an EP rank) is narrowed, halving BLOCK_N down to
+# `narrowest`, while it has fewer than `waves_per_cu` waves a CU: MiniMax-M3's EP8 rank (9 experts, I 1536,
+# `inspect minimax-m3-moe`) on MI300X 64 -> 32 columns, predicted 43 -> 74 % (issue/memory 2.35 -> 0.96), its
+# EP4 rank (17) 80 -> 94 %: MI300X narrows below one wave a SIMD (4 a CU). MI355X's one-wave CTAs issue more a
+# byte as they narrow (EP2, 33 experts: 64 columns memory-bound, 32 columns 83 %, waves-bound), so it narrows
+# only below 2 waves a CU: EP8 64 -> 16, 27 -> 61 % (latency-bound: one CTA's 24 runs in a row, one latency
+# each), EP4 64 -> 32, 51 -> 75 %. A grid under half the CUs stays as it is (so the decode check's one-expert
+# MoE keeps the fused slot's tiles: `test_decode_check_paths_share_one_config`).
+MOE_DECODE_CDNA = {"nvidia": None, "hip": dict(gated=(64, 2), down=(128, 2), narrowest=32, waves_per_cu=4),
+                   "gfx950": dict(gated=(64, 1), down=(128, 2), narrowest=16, waves_per_cu=2)}
 
 
 def _decode_gemm_launch(name, a, qw, qs, c, counts, dest, roww, N, K, max_m, q_es, s_es, *, gated: bool, scatter: bool,

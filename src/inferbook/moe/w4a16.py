@@ -813,12 +813,9 @@ NIBBLE_PRMT = (0x4400, 0x5511, 0x6622, 0x7733)   # prmt selectors: byte b of eac
 NIBBLE_PERM = (0x0C040C00, 0x0C050C01, 0x0C060C02, 0x0C070C03)
 
 
-def nibble_perm_model(w0: int, w1: int, i: int) -> int:
-    """The AMDGCN path of `nibble_bf16` for nibble `i` of two words, in Python, as the CDNA3 ISA guide
-    defines its instructions: `v_perm_b32 d, w1, w0, sel` picks result byte k from the 64-bit {w1:w0}
-    (selector byte 0-7: that byte, w0's bytes first; 0x0C: zero), odd i `v_lshrrev_b32 d, 4, d`, then
-    `v_and_or_b32 d, d, 0x000F000F, 0x43004300` ((d & mask) | magic). Returns two bf16 values 128 + u."""
-    sel = NIBBLE_PERM[i // 2]
+def _v_perm_b32(w0: int, w1: int, sel: int) -> int:
+    """`v_perm_b32 d, w1, w0, sel` as the CDNA3 ISA guide defines it: result byte k from the 64-bit {w1:w0}
+    (selector byte 0-7: that byte, w0's bytes first; 0x0C: zero; no other selector is used here)."""
     src = [(w0 >> (8 * k)) & 0xFF for k in range(4)] + [(w1 >> (8 * k)) & 0xFF for k in range(4)]
 
     def byte(s: int) -> int:
@@ -828,10 +825,28 @@ def nibble_perm_model(w0: int, w1: int, i: int) -> int:
             return 0x00
         raise ValueError(f"selector byte {s:#x} is not one this kernel uses")
 
-    t = sum(byte((sel >> (8 * k)) & 0xFF) << (8 * k) for k in range(4))
+    return sum(byte((sel >> (8 * k)) & 0xFF) << (8 * k) for k in range(4))
+
+
+def nibble_perm_model(w0: int, w1: int, i: int) -> int:
+    """The AMDGCN path of `nibble_bf16` for nibble `i` of two words, in Python: `v_perm_b32 d, w1, w0,
+    NIBBLE_PERM[i // 2]` (`_v_perm_b32`), odd i `v_lshrrev_b32 d, 4, d`, then `v_and_or_b32 d, d, 0x000F000F,
+    0x43004300` ((d & mask) | magic). Returns the 32-bit register: two bf16 values 128 + u."""
+    t = _v_perm_b32(w0, w1, NIBBLE_PERM[i // 2])
     if i % 2:
         t >>= 4
     return (t & 0x000F000F) | 0x43004300
+
+
+def nibble_byte_perm_model(w0: int, w1: int, b: int) -> tuple[int, int]:
+    """`_nibble_byte_amd` (the CDNA loop's dequantize) for byte `b` of two words, in Python, instruction by
+    instruction: $0 = v_perm_b32(w1, w0, NIBBLE_PERM[b]); $1 = v_lshrrev_b32(4, $0); $0 = v_and_or_b32($0,
+    mask, magic); $1 = v_and_or_b32($1, mask, magic). Returns ($0, $1): nibbles 2b and 2b + 1 as bf16 128 + u."""
+    r0 = _v_perm_b32(w0, w1, NIBBLE_PERM[b])
+    r1 = r0 >> 4
+    r0 = (r0 & 0x000F000F) | 0x43004300
+    r1 = (r1 & 0x000F000F) | 0x43004300
+    return r0, r1
 
 
 if triton is not None:
@@ -866,6 +881,30 @@ if triton is not None:
             return tl.inline_asm_elementwise(
                 "v_perm_b32 $0, $2, $1, $3\n v_and_or_b32 $0, $0, $5, $7",
                 "=&v,v,v,v,v,v,v,v,v", [words, sel, mask, magic], dtype=tl.bfloat16, is_pure=True, pack=2)
+
+    @triton.jit
+    def _nibble_byte_amd(words, SEL: tl.constexpr):
+        """Both nibbles of byte SEL picks, for two words per asm: one v_perm_b32 (as `_nibble_pairs_amd`), then
+        the even nibble by v_and_or_b32 and the odd one by v_lshrrev_b32 + v_and_or_b32 of the same permuted
+        register: 4 instructions for 4 weights, where two `_nibble_pairs_amd` calls take 5
+        (`nibble_byte_perm_model`). Returns (128 + even nibble, 128 + odd nibble), bf16."""
+        sel = tl.full(words.shape, SEL, tl.int32)
+        mask = tl.full(words.shape, 0x000F000F, tl.int32)
+        magic = tl.full(words.shape, 0x43004300, tl.int32)
+        return tl.inline_asm_elementwise(
+            "v_perm_b32 $0, $3, $2, $4\n v_lshrrev_b32 $1, 4, $0\n v_and_or_b32 $0, $0, $6, $8\n "
+            "v_and_or_b32 $1, $1, $6, $8",
+            "=&v,=&v,v,v,v,v,v,v,v,v", [words, sel, mask, magic], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True,
+            pack=2)
+
+    @triton.jit
+    def nibble_byte_bf16(words, B: tl.constexpr, ASM: tl.constexpr):
+        """[32, BN] int32 words -> ([32, BN] bf16 128 + nibble 2B, [32, BN] bf16 128 + nibble 2B + 1), exact: byte
+        B of each word. ASM 2: one AMDGCN asm for both (`_nibble_byte_amd`); otherwise `nibble_bf16` twice."""
+        if ASM == 2:
+            return _nibble_byte_amd(words, 0x0C040C00 + 0x00010001 * B)   # NIBBLE_PERM[B]
+        else:
+            return nibble_bf16(words, 2 * B, ASM), nibble_bf16(words, 2 * B + 1, ASM)
 
     @triton.jit
     def nibble_bf16(words, I: tl.constexpr, ASM: tl.constexpr):
@@ -920,60 +959,98 @@ if triton is not None:
         return g0, g1, g2, g3, g4, g5, g6, g7
 
     @triton.jit
+    def group_activations(x_ptr, stride_xm, offs_m, m_ok, K, k, EVEN_K: tl.constexpr):
+        """x[offs_m, k : k + 32] bf16 [BLOCK_M, 32], rows beyond M (and K) zero."""
+        offs_j = tl.arange(0, 32)
+        if EVEN_K:  # K a multiple of 256: only the rows beyond M are masked
+            return tl.load(x_ptr + offs_m[:, None] * stride_xm + (k + offs_j)[None, :], mask=m_ok[:, None], other=0.0)
+        else:
+            return tl.load(x_ptr + offs_m[:, None] * stride_xm + (k + offs_j)[None, :],
+                           mask=m_ok[:, None] & ((k + offs_j)[None, :] < K), other=0.0)
+
+    @triton.jit
+    def group_dot(acc, a, b, s, neg, DOT_FP32: tl.constexpr):
+        """acc [BLOCK_M, BLOCK_N] fp32 + (a @ (b - 136)) * s[None, :] for one nibble tile b [32, BLOCK_N] bf16
+        (128 + u) and its column scales s [BLOCK_N] fp32: two MMAs into one fp32 sum (128 + u, then the
+        constant -136 tile `neg`)."""
+        if DOT_FP32:  # the interpreter: its bf16 dot is wrong (device.dot_needs_fp32)
+            part = tl.dot(a.to(tl.float32), b.to(tl.float32), tl.dot(a.to(tl.float32), neg))
+        else:
+            part = tl.dot(a, b, tl.dot(a, neg))                    # Σ a (128 + u) - 136 Σ a = Σ a (u - 8)
+        return acc + part * s[None, :]
+
+    @triton.jit
+    def column_scale(s_ptr, r, i, pairs_per_row, offs_n, n_ok, GROUP: tl.constexpr, EVEN_N: tl.constexpr):
+        """fp32 [BLOCK_N] scales of nibble tile i of run r, one 4-byte load a column (its pair's word of that
+        group in `pack_decode`'s [runs, pairs, 256 / GROUP, 2] layout: both columns' bf16) and one shift
+        and mask to widen its own half (the CDNA loop: no [P, 8] tile to move into the accumulator's layout)."""
+        GR: tl.constexpr = 256 // GROUP
+        word = (r * pairs_per_row + offs_n // 2) * GR + (32 * i) // GROUP
+        s32 = s_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+        if EVEN_N:
+            w = tl.load(s32 + word)
+        else:
+            w = tl.load(s32 + word, mask=n_ok, other=0)
+        return ((w << ((1 - offs_n % 2) * 16)) & -65536).to(tl.float32, bitcast=True)
+
+    @triton.jit
     def decode_run(acc, x_ptr, stride_xm, offs_m, m_ok, qw_ptr, s_ptr, row_stride, n0, offs_n, n_ok, K, r, neg,
                    GROUP: tl.constexpr, ASM: tl.constexpr, DOT_FP32: tl.constexpr, EVEN_N: tl.constexpr,
-                   EVEN_K: tl.constexpr):
+                   EVEN_K: tl.constexpr, CDNA_LOOP: tl.constexpr = False):
         """acc [BLOCK_M, BLOCK_N] fp32 += x[offs_m, run r] @ W[offs_n, run r].T for one run of 256 K values:
         one [32, BLOCK_N] word tile (row stride `row_stride` words), eight nibble tiles of one group each
         (or GROUP/32 tiles a group), each through two MMAs (128 + u, then the constant -136) and its
-        column scale. Scales: `pack_decode`'s [runs, ceil(row_stride / 2), 256 / GROUP, 2] layout."""
+        column scale. Scales: `pack_decode`'s [runs, ceil(row_stride / 2), 256 / GROUP, 2] layout.
+        CDNA_LOOP (the AMD configs, `DECODE_TARGETS`): the nibbles a byte at a time (`nibble_byte_bf16`: one
+        v_perm_b32 serves two tiles) and each column's scale word loaded where it is used (`column_scale`);
+        the NVIDIA loop loads the run's scales in one [P, 8] load and widens them a pair at a time."""
         offs_j = tl.arange(0, 32)
         if EVEN_N:  # N a multiple of BLOCK_N: no column mask in the loop
             words = tl.load(qw_ptr + (r * 32 + offs_j)[:, None] * row_stride + offs_n[None, :])
         else:
             words = tl.load(qw_ptr + (r * 32 + offs_j)[:, None] * row_stride + offs_n[None, :], mask=n_ok[None, :],
                             other=0)
-        PAIRS: tl.constexpr = EVEN_N and GROUP == 32
         GR: tl.constexpr = 256 // GROUP                             # groups a run
         pairs_per_row = (row_stride + 1) // 2
-        if PAIRS:  # the run's 8 groups x BLOCK_N columns in one load
-            g0, g1, g2, g3, g4, g5, g6, g7 = run_scales(s_ptr, r, n0 // 2, pairs_per_row, offs_n.shape[0] // 2)
-        for i in tl.static_range(8):
-            k = r * 256 + 32 * i
-            if EVEN_K:  # K a multiple of 256: only the rows beyond M are masked
-                a = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k + offs_j)[None, :], mask=m_ok[:, None], other=0.0)
-            else:
-                a = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k + offs_j)[None, :],
-                            mask=m_ok[:, None] & ((k + offs_j)[None, :] < K), other=0.0)
-            b = nibble_bf16(words, i, ASM)                         # 128 + u, exact in bf16
-            if PAIRS:
-                if i == 0:
-                    s = widen_pairs(g0)
-                elif i == 1:
-                    s = widen_pairs(g1)
-                elif i == 2:
-                    s = widen_pairs(g2)
-                elif i == 3:
-                    s = widen_pairs(g3)
-                elif i == 4:
-                    s = widen_pairs(g4)
-                elif i == 5:
-                    s = widen_pairs(g5)
-                elif i == 6:
-                    s = widen_pairs(g6)
+        if CDNA_LOOP:
+            for bi in tl.static_range(4):
+                k = r * 256 + 64 * bi
+                b_even, b_odd = nibble_byte_bf16(words, bi, ASM)    # 128 + u of tiles 2 bi, 2 bi + 1, exact in bf16
+                acc = group_dot(acc, group_activations(x_ptr, stride_xm, offs_m, m_ok, K, k, EVEN_K), b_even,
+                                column_scale(s_ptr, r, 2 * bi, pairs_per_row, offs_n, n_ok, GROUP, EVEN_N), neg, DOT_FP32)
+                acc = group_dot(acc, group_activations(x_ptr, stride_xm, offs_m, m_ok, K, k + 32, EVEN_K), b_odd,
+                                column_scale(s_ptr, r, 2 * bi + 1, pairs_per_row, offs_n, n_ok, GROUP, EVEN_N), neg, DOT_FP32)
+        else:
+            PAIRS: tl.constexpr = EVEN_N and GROUP == 32
+            if PAIRS:  # the run's 8 groups x BLOCK_N columns in one load
+                g0, g1, g2, g3, g4, g5, g6, g7 = run_scales(s_ptr, r, n0 // 2, pairs_per_row, offs_n.shape[0] // 2)
+            for i in tl.static_range(8):
+                a = group_activations(x_ptr, stride_xm, offs_m, m_ok, K, r * 256 + 32 * i, EVEN_K)
+                b = nibble_bf16(words, i, ASM)                         # 128 + u, exact in bf16
+                if PAIRS:
+                    if i == 0:
+                        s = widen_pairs(g0)
+                    elif i == 1:
+                        s = widen_pairs(g1)
+                    elif i == 2:
+                        s = widen_pairs(g2)
+                    elif i == 3:
+                        s = widen_pairs(g3)
+                    elif i == 4:
+                        s = widen_pairs(g4)
+                    elif i == 5:
+                        s = widen_pairs(g5)
+                    elif i == 6:
+                        s = widen_pairs(g6)
+                    else:
+                        s = widen_pairs(g7)
                 else:
-                    s = widen_pairs(g7)
-            else:
-                s_off = ((r * pairs_per_row + offs_n // 2) * GR + (32 * i) // GROUP) * 2 + offs_n % 2
-                if EVEN_N:
-                    s = tl.load(s_ptr + s_off).to(tl.float32)
-                else:
-                    s = tl.load(s_ptr + s_off, mask=n_ok, other=0.0).to(tl.float32)
-            if DOT_FP32:  # the interpreter: its bf16 dot is wrong (device.dot_needs_fp32)
-                part = tl.dot(a.to(tl.float32), b.to(tl.float32), tl.dot(a.to(tl.float32), neg))
-            else:
-                part = tl.dot(a, b, tl.dot(a, neg))                # Σ a (128 + u) - 136 Σ a = Σ a (u - 8)
-            acc += part * s[None, :]
+                    s_off = ((r * pairs_per_row + offs_n // 2) * GR + (32 * i) // GROUP) * 2 + offs_n % 2
+                    if EVEN_N:
+                        s = tl.load(s_ptr + s_off).to(tl.float32)
+                    else:
+                        s = tl.load(s_ptr + s_off, mask=n_ok, other=0.0).to(tl.float32)
+                acc = group_dot(acc, a, b, s, neg, DOT_FP32)
         return acc
 
     @triton.jit
@@ -1000,7 +1077,7 @@ if triton is not None:
     def w4a16_decode_kernel(x_ptr, qw_ptr, s_ptr, out_ptr, M, N, K, stride_xm, SPLITS,
                             GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                             ASM: tl.constexpr, DOT_FP32: tl.constexpr, ATOMIC: tl.constexpr,
-                            EVEN_N: tl.constexpr = False, EVEN_K: tl.constexpr = False):
+                            EVEN_N: tl.constexpr = False, EVEN_K: tl.constexpr = False, CDNA_LOOP: tl.constexpr = False):
         """out[pid_k, m, n] (fp32) = Σ over this split's runs of x[m, k] W[n, k]; ATOMIC adds into out[m, n].
         x bf16 [M, K]; qw int32 [Kp/8, N] and s bf16 [Kp/GROUP, N] from `pack_decode`. Split pid_k of
         SPLITS takes runs [pid_k runs / SPLITS, (pid_k + 1) runs / SPLITS): whole runs, the counts
@@ -1010,7 +1087,7 @@ if triton is not None:
         neg = decode_neg(BLOCK_N, DOT_FP32)
         for r in range(r0, r1):
             acc = decode_run(acc, x_ptr, stride_xm, offs_m, m_ok, qw_ptr, s_ptr, N, pid_n * BLOCK_N, offs_n, n_ok, K, r, neg,
-                             GROUP, ASM, DOT_FP32, EVEN_N, EVEN_K)
+                             GROUP, ASM, DOT_FP32, EVEN_N, EVEN_K, CDNA_LOOP)
         mask = m_ok[:, None] & n_ok[None, :]
         if ATOMIC:
             tl.atomic_add(out_ptr + offs_m[:, None] * N + offs_n[None, :], acc, mask=mask, sem="relaxed")
@@ -1148,19 +1225,29 @@ def decode_asm(device) -> int:
 # 1 or 2 runs, 94 % (latency) and 100 %; 4 or 5 resident CTAs a SM where the 128-column CTA had 2. (With 1 or
 # 2 runs a CTA, 3 and 4 stages are predicted alike; the gate/up's 3 runs wait 2 latencies at 4, 2.5 at 3.)
 _WIDE_CTAS = dict(sms=H200_SMS, block_n=128, num_warps=4, ctas_per_sm=2.0, even_split=True, num_stages=3)
+_CDNA = dict(sms=304, block_n=128, num_warps=2, ctas_per_sm=2.0, even_split=True, num_stages=1, cdna_loop=True)
 DECODE_TARGETS = {
     "nvidia": dict(_WIDE_CTAS, short_runs=dict(below=4, block_n=64, num_warps=2, ctas_per_sm=2.9, num_stages=4)),
     "sm_100": dict(sms=148, block_n=64, num_warps=2, ctas_per_sm=2.6, even_split=False, num_stages=3,
                    short_runs=dict(below=4, num_stages=4, equal_split=True),
                    swap_ab=dict(max_m=SWAP_MAX_M, block_m=SWAP_MAX_M, block_n=64, num_warps=1, num_stages=3,
                                 ctas_per_sm=4.0)),
-    # CDNA keeps the 128-column CTAs everywhere: the short-CTA rule was sized from NVIDIA registers. The split
-    # is sized by the card's CUs: MI300X (304) holds one such CTA a CU (its LDS), so 7 equal splits of 4 runs
-    # (224 CTAs, 0.95 a CU asked: 10 would leave 16 CTAs for a second round); MI355X (256, 2 a CU) 8 uneven
-    # splits at N 4096, K 7168, one CTA per CU
-    "hip": _WIDE_CTAS,
-    "gfx942": dict(_WIDE_CTAS, sms=304, ctas_per_sm=0.95),
-    "gfx950": dict(_WIDE_CTAS, sms=256, ctas_per_sm=1.0, even_split=False),
+    # CDNA: the CDNA loop (`decode_run`'s CDNA_LOOP: a v_perm_b32 per byte serves two nibble tiles, scales a word
+    # a column), no pipelining (num_stages 1: the AMD stream pipeliner stages the word tile through LDS, about 40 %
+    # more instructions a run, and enough resident waves hide the latency instead), and splits of about 2 runs
+    # (a CTA's chain is then 3 DRAM latencies). The cost model (`python -m inferbook.moe.decode_sweep gfx942 4096
+    # 7168 --m 1,16 --block-n 64,128 --warps 1,2,4 --stages 1,2,3 --splits 7,14,28`) at chord's N 4096, K 7168,
+    # M 1, datasheet ceiling: MI300X (304 CUs), 128 columns of 2 waves, 14 splits: 3.36 us, waves-bound, issue/
+    # memory 0.78 (the NVIDIA tiles at 3 stages and 7 splits: 7.58 us, issue-bound, 2.41); MI355X (256 CUs at 2.4 GHz,
+    # 8 TB/s: 1.5x MI300X's bandwidth, 0.96x its issue rate), 64 columns of one wave (2 waves: issue/memory 1.05), 14 splits: 2.40 us,
+    # latency-bound, 0.99. MiniMax-M3's gate/up (N 3072, K 6144): MI355X 24 splits of one run, 1.68 us (12:
+    # 2.40); MI300X 24 splits, 2.06 us, memory-bound. Its down (N 6144, K 1536, 6 runs) is held by the latency
+    # floor (one run a CTA: 2 latencies, 1.60 us, against 1.03 / 0.68 us of memory). Where even one run a CTA
+    # leaves fewer CTAs than CUs (`few_ctas`: that down on MI300X, 288 CTAs of 2 waves), the CTAs are narrowed
+    # to 64 columns, so that the CUs' four SIMDs have waves: 1.92 us, issue-bound, 1.86 -> 1.60 us at the floor.
+    "hip": _CDNA,
+    "gfx942": dict(_CDNA, sms=304, block_n=128, num_warps=2, ctas_per_sm=2.0, few_ctas=dict(block_n=64)),
+    "gfx950": dict(_CDNA, sms=256, block_n=64, num_warps=1, ctas_per_sm=4.5),
 }
 
 
@@ -1175,7 +1262,8 @@ def decode_config(m: int, n: int, k: int, *, sms: int | None = None, interpreted
     where that leaves a CTA too few runs (`short_runs`), on sm_100 the most equal splits of 1 to 2 CTAs an
     SM and a deeper pipeline, on the other NVIDIA targets 64-column CTAs of 2 warps, about 2.9 an SM. On
     sm_100 at M <= 8 the swap-AB kernel instead (`SWAP_AB`, BLOCK_M 8: `swap_ab`), one-warp CTAs of 64
-    columns, about 4 an SM, splits differing by one run.
+    columns, about 4 an SM, splits differing by one run. On CDNA (gfx942, gfx950) the CDNA loop (`CDNA_LOOP`),
+    one stage, the card's own tiles, and narrower CTAs where the grid has fewer CTAs than CUs (`few_ctas`).
     `device`: whose target picks the entry (`device.pick_config`; default a CUDA device, i.e. the
     `building_for` target or the GPU's). The interpreter: one wide program per split (its cost is per program)."""
     if m > DECODE_MAX_M:
@@ -1212,7 +1300,12 @@ def decode_config(m: int, n: int, k: int, *, sms: int | None = None, interpreted
         else:                                                      # narrower CTAs, more of them resident, uneven split
             bn, warps, stages = short["block_n"], short["num_warps"], short["num_stages"]
             split = splits_for(bn, short["ctas_per_sm"])
-    return dict(BLOCK_M=16, BLOCK_N=bn, SPLIT_K=split, num_warps=warps, num_stages=stages)
+    few = t.get("few_ctas")
+    if few and n_blocks * split < sms:                            # fewer CTAs than SMs (CUs): narrower ones
+        bn = few["block_n"]
+        split = splits_for(bn, t["ctas_per_sm"])
+    cfg = dict(BLOCK_M=16, BLOCK_N=bn, SPLIT_K=split, num_warps=warps, num_stages=stages)
+    return dict(cfg, CDNA_LOOP=True) if t.get("cdna_loop") else cfg
 
 
 def _decode_launch(x2, qweight, scales, out, n: int, k: int, group_size: int, cfg: dict, *, device, atomic: bool):
