@@ -91,6 +91,13 @@ def test_kernels_stay_in_view_helpers_fold():
     assert not nb.is_kernel(_helper)
 
 
+def test_folded_table_hides_its_rows_behind_a_summary():
+    df = nb.table([{"launch": "a <b>", "x_us": 1.5}, {"launch": "c", "x_us": 2.0}])
+    html = nb.folded_table("Rows & more", df)._repr_html_()
+    assert html.startswith("<details><summary>Rows &amp; more (2 rows)</summary>") and html.endswith("</details>")
+    assert html.count("<tr>") == 3 and "a &lt;b&gt;" in html, "a header, two rows, cells escaped"
+
+
 @pytest.mark.parametrize("n, noun, plural, shown", [
     (1, "launch", None, "1 launch"), (3, "launch", None, "3 launches"), (0, "token", None, "0 tokens"),
     (2, "time", None, "2 times"), (2, "matrix", "matrices", "2 matrices"), (1, "matrix", "matrices", "1 matrix")])

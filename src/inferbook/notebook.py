@@ -207,6 +207,21 @@ def format_table(df, *, digits: int = 3) -> str:
             f'<tbody>{"".join(body)}</tbody></table></div>')
 
 
+class _Html:
+    def __init__(self, text: str):
+        self.text = text
+
+    def _repr_html_(self):
+        return self.text
+
+
+def folded_table(summary: str, df, *, digits: int = 3) -> _Html:
+    """A table behind a toggle (HTML `<details>`), for rows a page's prose already sums up: the
+    summary line says what is inside."""
+    return _Html(f"<details><summary>{_html.escape(summary)} ({len(df)} rows)</summary>"
+                 f"{format_table(df, digits=digits)}</details>")
+
+
 def _install_display() -> None:
     """Inside IPython: every DataFrame a page shows goes through `format_table`; library warnings
     stay off the page."""
