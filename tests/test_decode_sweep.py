@@ -27,6 +27,8 @@ from inferbook.moe import w4a16 as W
     (["sm_90", "256", "512", "--m"], "'--m' needs a value"),
     (["sm_100", "256", "512", "--swap", "2"], "--swap: 2 is not allowed"),
     (["sm_100", "256", "512", "--m", "1,16", "--swap", "0,1"], "--swap 1 takes M <= 8"),
+    (["gfx950", "256", "512", "--moe", "-1"], "--moe: -1 is outside 0..1024"),
+    (["gfx950", "256", "512", "--moe", "9", "--swap", "1"], "no swap-AB form"),
     (["sm_90", "256", "8192", "--m", "1,2,3,4,5,6,7,8,9", "--block-n", "16,32,64,128", "--warps", "1,2,4,8",
       "--splits", "1,2"], "288 configs"),
 ])
@@ -67,6 +69,26 @@ def test_default_config_launch_is_the_launchers(target, m, n, k):
         real = W.decode_launches(m, n, k)[0]
     swept = S.launch(S.parse([target, str(n), str(k)]), m, cfg)
     assert swept.name == real.name and swept.grid == real.grid and swept.kwargs == real.kwargs
+    assert [getattr(x, "shape", x) for x in swept.args] == [getattr(x, "shape", x) for x in real.args]
+
+
+@pytest.mark.parametrize("target", ["sm_90", "gfx942", "gfx950"])
+@pytest.mark.parametrize("experts", [9, 17, 65])
+def test_moe_default_config_launch_is_the_launchers(target, experts):
+    # --moe E: the sweep's gate/up launch at the config moe_decode_config picks (its SPLITS as the split count)
+    # is fused_moe_decode_launches' (what minimax-m3-moe compiles)
+    from inferbook.device import building_for
+    from inferbook.moe import fused_moe as FM
+
+    with building_for(target):
+        cfg = FM.moe_decode_config(False, True, n=1536, experts=experts, k=6144)
+        real = FM.fused_moe_decode_launches(12, 1, experts, 6144, 1536, max_m=12)[0]
+    sweep_cfg = {key: v for key, v in cfg.items() if key not in ("SPLITS", "CDNA_LOOP")}
+    swept = S.launch(S.parse([target, "1536", "6144", "--moe", str(experts)]), 12,
+                     dict(sweep_cfg, SPLIT_K=cfg.get("SPLITS", 1)))
+    assert swept.name == real.name and swept.grid == real.grid and swept.kwargs.keys() == real.kwargs.keys()
+    assert {k: v for k, v in swept.kwargs.items() if not k.endswith("_ptr")} == \
+        {k: v for k, v in real.kwargs.items() if not k.endswith("_ptr")}
     assert [getattr(x, "shape", x) for x in swept.args] == [getattr(x, "shape", x) for x in real.args]
 
 

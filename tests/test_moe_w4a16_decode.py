@@ -340,16 +340,22 @@ def test_decode_cdna_configs(target, chord, gate_up, down):
     with device.building_for(target):
         cfgs = [W.decode_config(m, n, k) for m in (1, 16) for n, k in ((4096, 7168), (3072, 6144), (6144, 1536))]
         moe = [FM.moe_decode_config(False, gated, n=2048, experts=48) for gated in (True, False)]
-        ep = [FM.moe_decode_config(False, True, n=1536, experts=e)["BLOCK_N"] for e in (1, 9, 17, 33)]
+        ep = [FM.moe_decode_config(False, True, n=1536, experts=e, k=6144) for e in (1, 9, 17, 33)]
+        no_k = FM.moe_decode_config(False, True, n=1536, experts=9)
     assert [(c["BLOCK_N"], c["num_warps"], c["SPLIT_K"]) for c in cfgs] == [chord, gate_up, down] * 2
     assert all(c["num_stages"] == 1 and c["CDNA_LOOP"] for c in cfgs + moe)
     assert [(c["BLOCK_N"], c["num_warps"]) for c in moe] == [FM.MOE_DECODE_CDNA["gfx950" if target == "gfx950" else "hip"][k]
                                                               for k in ("gated", "down")]
-    # a gate/up grid of few experts (MiniMax-M3's EP ranks, I 1536) is narrowed until it has waves enough a CU;
-    # one expert (24 CTAs, under half the CUs) is left as it is
-    assert ep == ([64, 32, 32, 64] if target == "gfx942" else [64, 16, 32, 64])
+    # a gate/up grid of few experts (MiniMax-M3's EP ranks, I 1536, H 6144: 24 runs) splits K in 2, then 4, until it
+    # has waves enough a CU, its tiles kept; one expert (24 CTAs, under half the CUs) is left as it is, and so is a
+    # shape given without its K
+    assert [c.get("SPLITS", 1) for c in ep] == [1, 4, 2, 1] and "SPLITS" not in no_k
+    assert all((c["BLOCK_N"], c["num_warps"]) == (moe[0]["BLOCK_N"], moe[0]["num_warps"]) for c in ep)
+    with device.building_for(target):                               # never more splits than runs (K 512: 2)
+        assert FM.moe_decode_config(False, True, n=1536, experts=9, k=512)["SPLITS"] == 2
     with device.building_for("sm_90"):
         assert "CDNA_LOOP" not in W.decode_config(1, 4096, 7168) and "CDNA_LOOP" not in FM.moe_decode_config(False, True)
+        assert all("SPLITS" not in FM.moe_decode_config(False, True, n=1536, experts=e, k=6144) for e in (1, 9, 17, 33))
 
 
 def test_decode_block_m_must_hold_the_rows():
@@ -504,6 +510,43 @@ def test_moe_decode_32_column_tiles(tokens):
 
 
 
+@pytest.mark.parametrize("splits", [2, 4])
+@pytest.mark.parametrize("cdna", [False, True], ids=["nvidia-loop", "cdna-loop"])
+def test_moe_decode_split_k_matches_fp32_reference(splits, cdna, monkeypatch):
+    # split-K in the MoE decode kernel: H 768 is 3 runs (4 splits: one split without a run), I 64 one run (the
+    # down launch's later splits have none); expert 0 has no rows (its splits count nothing); the arrival counts
+    # are zero again after each launch
+    from inferbook.moe import fused_moe as FM
+    made = []
+    real = FM.decode_split_buffers
+    monkeypatch.setattr(FM, "decode_split_buffers", lambda *a, **kw: made.append(real(*a, **kw)) or made[-1])
+    w13, w2, x, tw, ids = _moe(4, 768, 64, 5, 2)
+    block = dict(BLOCK_M=16, BLOCK_N=32, SPLITS=splits, **(dict(num_warps=2, num_stages=1, CDNA_LOOP=True) if cdna else {}))
+    d13, d2 = W.pack_decode(w13), W.pack_decode(w2)
+    out = FM.fused_moe_decode(x, d13, d2, tw, ids, block=block)
+    ref, pt = FM.fused_moe_reference(x, w13, w2, tw, ids), FM.fused_moe_torch(x, w13, w2, tw, ids)
+    err, tol, ok = FM.within_tolerance(out, ref, pt)
+    assert ok, (err, tol)
+    assert [p.shape for p, _ in made] == [(splits, 4 * 5, 128), (splits, 4 * 5, 768)]
+    assert all(int(lock.abs().sum()) == 0 and lock.shape in ((4, 2), (4, 24)) for _, lock in made)
+    # planted: arrival counts left at 1 by an earlier launch, so a split reduces before the last one has
+    # stored its partials (they read as zeros) -> caught
+    def stale(*a, **kw):
+        part, lock = real(*a, **kw)
+        return part.zero_(), lock.fill_(1)
+    monkeypatch.setattr(FM, "decode_split_buffers", stale)
+    assert not FM.within_tolerance(FM.fused_moe_decode(x, d13, d2, tw, ids, block=block), ref, pt)[2]
+
+
+def test_moe_decode_split_k_nan_never_passes():
+    from inferbook.moe import fused_moe as FM
+    w13, w2, x, tw, ids = _moe(4, 768, 64, 3, 2)
+    x[1, 700] = float("nan")                                       # in the last split's runs
+    out = FM.fused_moe_decode(x, W.pack_decode(w13), W.pack_decode(w2), tw, ids, block=dict(BLOCK_M=16, BLOCK_N=32, SPLITS=3))
+    assert torch.isnan(out[1].float()).all() and not torch.isnan(out[[0, 2]].float()).any()
+    assert not FM.within_tolerance(out, FM.fused_moe_reference(x, w13, w2, tw, ids), FM.fused_moe_torch(x, w13, w2, tw, ids))[2]
+
+
 @pytest.mark.parametrize("target", ["sm_80", "sm_90", "sm_100", "gfx942", "gfx950"])
 def test_decode_check_paths_share_one_config(target):
     # minimax's decode check is bitwise: the fused slot (65 experts) against the routed experts (64) plus the
@@ -511,5 +554,5 @@ def test_decode_check_paths_share_one_config(target):
     from inferbook import device
     from inferbook.moe import fused_moe as FM
     with device.building_for(target):
-        cfgs = [FM.moe_decode_config(False, True, n=1536, experts=e) for e in (65, 64, 1)]
+        cfgs = [FM.moe_decode_config(False, True, n=1536, experts=e, k=6144) for e in (65, 64, 1)]
     assert cfgs[0] == cfgs[1] == cfgs[2]

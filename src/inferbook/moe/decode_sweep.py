@@ -12,6 +12,12 @@ over memory time (issue 21's bar is <= 1/0.9), the spill bytes and every bound's
 the swap-AB kernel (`w4a16_decode_swapped_kernel`, BLOCK_M 8, M <= 8) beside or instead of the plain one. The default card
 is the target's (`compiled.TARGET_CARD`); its copy ceiling is the measured one where a committed
 `ceilings` record has it, else the datasheet's (`compiled.predict_rows`). Nothing here runs a kernel.
+
+`--moe E` sweeps the fused MoE decode's gate/up launch instead (`fused_moe.moe_decode_kernel`, E experts of
+M rows each, N its intermediate size, K its hidden size; the split count is its SPLITS):
+
+    python -m inferbook.moe.decode_sweep gfx950 1536 6144 --moe 9 --m 12 --block-n 64 --warps 1 --stages 1 \
+        --splits 1,2,3,4
 """
 from __future__ import annotations
 
@@ -24,8 +30,8 @@ from pathlib import Path
 from ..errors import UserError, choices
 
 USAGE = ("python -m inferbook.moe.decode_sweep TARGET N K [--m 1,8] [--block-n 64,128] [--warps 2,4] "
-         "[--stages 3] [--splits 1,2,3] [--group 32] [--swap 0,1]")
-LIMITS = dict(m=(1, 16), n=(16, 1 << 17), k=(16, 1 << 17), splits=(1, 512), stages=(1, 6))
+         "[--stages 3] [--splits 1,2,3] [--group 32] [--swap 0,1] [--moe E]")
+LIMITS = dict(m=(1, 16), n=(16, 1 << 17), k=(16, 1 << 17), splits=(1, 512), stages=(1, 6), moe=(0, 1024))
 BLOCK_NS = (16, 32, 64, 128, 256)
 WARPS = (1, 2, 4, 8)
 GROUPS = (32, 64, 128, 256)   # pack_decode's group sizes: divisors of a 256-wide run
@@ -56,7 +62,7 @@ def parse(argv: list[str]) -> dict:
         raise UserError(f"target {target!r} is not known; choose {choices(compiled.TARGET_CARD)}")
     (n,), (k,) = _ints("N", n_text, *LIMITS["n"]), _ints("K", k_text, *LIMITS["k"])
     opts = {"--m": "1", "--block-n": "64,128", "--warps": "2,4", "--stages": "3", "--splits": "1,2,3",
-            "--group": "32", "--swap": "0"}             # w4a16.GROUP_SIZE, the chapters' packing
+            "--group": "32", "--swap": "0", "--moe": "0"}             # w4a16.GROUP_SIZE, the chapters' packing
     if len(rest) % 2:
         raise UserError(f"{rest[-1]!r} needs a value; usage: {USAGE}")
     for flag, value in zip(rest[::2], rest[1::2]):
@@ -71,6 +77,9 @@ def parse(argv: list[str]) -> dict:
              stages=_ints("--stages", opts["--stages"], *LIMITS["stages"]),
              splits=_ints("--splits", opts["--splits"], *LIMITS["splits"]),
              swap=_ints("--swap", opts["--swap"], allowed=(0, 1)))
+    (a["moe"],) = _ints("--moe", opts["--moe"], *LIMITS["moe"])
+    if a["moe"] and 1 in a["swap"]:
+        raise UserError("--moe sweeps the MoE kernel, which has no swap-AB form: drop --swap 1")
     from .w4a16 import RUN, SWAP_MAX_M
 
     if 1 in a["swap"] and max(a["m"]) > SWAP_MAX_M:
@@ -105,6 +114,14 @@ def launch(a: dict, m: int, cfg: dict):
     with building_for(a["target"]):
         if W.decode_config(m, a["n"], a["k"]).get("CDNA_LOOP"):   # the target's loop, as decode_config picks it
             cfg = {**cfg, "CDNA_LOOP": True}
+        if a["moe"]:
+            from . import fused_moe as FM
+
+            moe = {key: v for key, v in cfg.items() if key != "SPLIT_K"}
+            if cfg["SPLIT_K"] > 1:
+                moe["SPLITS"] = cfg["SPLIT_K"]
+            return FM.fused_moe_decode_launches(m, 1, a["moe"], a["k"], a["n"], max_m=m, group_size=a["group"],
+                                                gated_cfg=moe)[0]
         return W.decode_launches(m, a["n"], a["k"], group_size=a["group"], cfg=cfg)[0]
 
 

@@ -185,12 +185,18 @@ if triton is not None:
                           GATED: tl.constexpr, SCATTER: tl.constexpr, MUL_ROW_WEIGHT: tl.constexpr,
                           GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ASM: tl.constexpr,
                           DOT_FP32: tl.constexpr, OUT_BF16: tl.constexpr = True, EVEN_N: tl.constexpr = False,
-                          EVEN_K: tl.constexpr = False, CDNA_LOOP: tl.constexpr = False):
+                          EVEN_K: tl.constexpr = False, CDNA_LOOP: tl.constexpr = False, SPLITS: tl.constexpr = 1,
+                          part_ptr=None, lock_ptr=None):
         """Decode MoE GEMM over the masked layout (`routing.to_masked`), weights from `pack_decode`:
         program (column block, expert e) computes C[rows of e] = A[rows of e] @ W[e].T for its at most
         BLOCK_M (>= max_m) rows, with `decode_run`'s Marlin-style main loop. GATED: gate rows [0, N),
         up rows [N, 2N), out = SiLU(gate) * up. SCATTER: row r is written at dest[r] (its slot),
-        times the slot's router weight (MUL_ROW_WEIGHT). An expert without rows loads nothing."""
+        times the slot's router weight (MUL_ROW_WEIGHT). An expert without rows loads nothing.
+        SPLITS > 1 (grid (column blocks, E, SPLITS)): split pid_k takes runs [pid_k runs / SPLITS,
+        (pid_k + 1) runs / SPLITS) of K / 256, stores its fp32 partials (gate, then up) at
+        part [SPLITS, E * max_m, NW] and counts itself in lock int32 [E, column blocks] (zero between
+        launches); the split that arrives last sums the SPLITS partials in split order (the same bits
+        whichever arrives last), runs the epilogue and sets the count back to zero."""
         pid_n = tl.program_id(0)
         e = tl.program_id(1)
         count = tl.load(counts_ptr + e)
@@ -211,13 +217,54 @@ if triton is not None:
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         # the loop's bound is a function of K alone (the cost model reads its trips from the IR); an expert
         # without rows skips it as a whole
-        if count > 0:
-            for r in range(0, (K + 255) // 256):
-                acc = decode_run(acc, a_rows, stride_am, offs_m, m_ok, qw, sc, NW, pid_n * BLOCK_N, offs_n, n_ok, K, r, neg,
-                                 GROUP, ASM, DOT_FP32, EVEN_N, EVEN_K, CDNA_LOOP)
+        if SPLITS == 1:
+            if count > 0:
+                for r in range(0, (K + 255) // 256):
+                    acc = decode_run(acc, a_rows, stride_am, offs_m, m_ok, qw, sc, NW, pid_n * BLOCK_N, offs_n, n_ok, K, r,
+                                     neg, GROUP, ASM, DOT_FP32, EVEN_N, EVEN_K, CDNA_LOOP)
+                    if GATED:
+                        acc_up = decode_run(acc_up, a_rows, stride_am, offs_m, m_ok, qw, sc, NW, pid_n * BLOCK_N + N, offs_n + N,
+                                            n_ok, K, r, neg, GROUP, ASM, DOT_FP32, EVEN_N, EVEN_K, CDNA_LOOP)
+            moe_decode_epilogue(acc, acc_up, c_ptr, dest_ptr, roww_ptr, rows, offs_n, m_ok, n_ok, stride_cm,
+                                GATED, SCATTER, MUL_ROW_WEIGHT, DOT_FP32, OUT_BF16)
+        elif count > 0:   # an expert without rows: no split loads, stores or counts anything
+            pid_k = tl.program_id(2)
+            runs = (K + 255) // 256
+            for r in range((pid_k * runs) // SPLITS, ((pid_k + 1) * runs) // SPLITS):
+                acc = decode_run(acc, a_rows, stride_am, offs_m, m_ok, qw, sc, NW, pid_n * BLOCK_N, offs_n, n_ok, K, r,
+                                 neg, GROUP, ASM, DOT_FP32, EVEN_N, EVEN_K, CDNA_LOOP)
                 if GATED:
-                    acc_up = decode_run(acc_up, a_rows, stride_am, offs_m, m_ok, qw, sc, NW, pid_n * BLOCK_N + N, offs_n + N, n_ok, K, r, neg,
-                                        GROUP, ASM, DOT_FP32, EVEN_N, EVEN_K, CDNA_LOOP)
+                    acc_up = decode_run(acc_up, a_rows, stride_am, offs_m, m_ok, qw, sc, NW, pid_n * BLOCK_N + N, offs_n + N,
+                                        n_ok, K, r, neg, GROUP, ASM, DOT_FP32, EVEN_N, EVEN_K, CDNA_LOOP)
+            part_rows = tl.num_programs(1) * max_m
+            mask = m_ok[:, None] & n_ok[None, :]
+            p = part_ptr + (pid_k * part_rows + rows)[:, None].to(tl.int64) * NW + offs_n[None, :]
+            tl.store(p, acc, mask=mask)
+            if GATED:
+                tl.store(p + N, acc_up, mask=mask)
+            # every thread's partial is written before the count says so (the CUDA samples' "last block"
+            # reduction: __syncthreads, then one release atomic); acq_rel makes the other splits' partials
+            # visible to the one that arrives last
+            tl.debug_barrier()
+            lock = lock_ptr + e * tl.num_programs(0) + pid_n
+            if tl.atomic_add(lock, 1, sem="acq_rel") == SPLITS - 1:
+                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for s in tl.static_range(SPLITS):
+                    q = part_ptr + (s * part_rows + rows)[:, None].to(tl.int64) * NW + offs_n[None, :]
+                    acc += tl.load(q, mask=mask, other=0.0, cache_modifier=".cg")
+                    if GATED:
+                        acc_up += tl.load(q + N, mask=mask, other=0.0, cache_modifier=".cg")
+                tl.atomic_xchg(lock, 0, sem="relaxed")            # ready for the next launch
+                moe_decode_epilogue(acc, acc_up, c_ptr, dest_ptr, roww_ptr, rows, offs_n, m_ok, n_ok, stride_cm,
+                                    GATED, SCATTER, MUL_ROW_WEIGHT, DOT_FP32, OUT_BF16)
+
+    @triton.jit
+    def moe_decode_epilogue(acc, acc_up, c_ptr, dest_ptr, roww_ptr, rows, offs_n, m_ok, n_ok, stride_cm,
+                            GATED: tl.constexpr, SCATTER: tl.constexpr, MUL_ROW_WEIGHT: tl.constexpr,
+                            DOT_FP32: tl.constexpr, OUT_BF16: tl.constexpr):
+        """`moe_decode_kernel`'s epilogue on its fp32 [BLOCK_M, BLOCK_N] sums: SiLU(gate) * up (GATED),
+        the scatter to the slot's row and its router weight, the store."""
         if GATED:
             acc = acc * tl.sigmoid(acc) * acc_up
         c_row = rows
@@ -422,29 +469,34 @@ def _last_round_full(ctas: int, sms: int) -> float:
 
 
 def moe_decode_config(interpreted: bool, gated: bool = False, *, n: int | None = None, experts: int | None = None,
-                      device=None) -> dict:
+                      k: int | None = None, device=None) -> dict:
     """Tiles of `moe_decode_kernel`: BLOCK_N 128, 4 warps; the gated launch (two word tiles, two accumulators)
     BLOCK_N 64. The interpreter: BLOCK_N 64.
     Given the gated launch's `n` (its intermediate size) and `experts`, on NVIDIA targets a grid of at least one
     CTA an SM whose last round is far from full takes 32-column CTAs of 2 warps instead (twice the CTAs, the
     rounds fuller): an EP8 rank of MiniMax-M3 (9 local experts, 24 blocks of 64 columns: 216 CTAs on B200's
     148 SMs, the busiest SM 2 where the average has 1.46) is predicted at 75 % of the copy ceiling (waves)
-    with 64 columns and 100 % (memory) with 32 (`inferbook inspect minimax-m3-moe --target sm_100`). The
-    kernel has no split-K (SiLU needs the whole sum), so the column block is its only grain. The choice is
-    made from host-side shapes only (no sync); the K order of every output is the same at either width.
-    CDNA targets take `MOE_DECODE_CDNA`'s tiles and the decode kernels' CDNA loop, one stage, whatever the shape."""
+    with 64 columns and 100 % (memory) with 32 (`inferbook inspect minimax-m3-moe --target sm_100`). On NVIDIA
+    the column block is the only grain (no split-K: NVIDIA's machine code is the unsplit kernel's). The choice
+    is made from host-side shapes only (no sync); the K order of every output is the same at either width.
+    CDNA targets take `MOE_DECODE_CDNA`'s tiles and the decode kernels' CDNA loop, one stage, and, given also
+    the gated launch's `k` (its hidden size), split-K (SPLITS) for a grid of few experts (`MOE_DECODE_CDNA`)."""
     if interpreted:
         return dict(BLOCK_M=16, BLOCK_N=64)
     dev = torch.device("cuda") if device is None else device
     cdna = pick_config(MOE_DECODE_CDNA, dev)
     if cdna:                                                       # the CDNA loop, its own tiles and rule
         bn, warps = cdna["gated" if gated else "down"]
-        if gated and n and experts:
+        cfg = dict(BLOCK_M=16, BLOCK_N=bn, num_warps=warps, num_stages=1, CDNA_LOOP=True)
+        if gated and n and experts and k:
             cus = pick_config(DECODE_TARGETS, dev)["sms"]
-            if -(-n // bn) * experts >= cus // 2:                  # a grid too small for that stays as it is
-                while bn > cdna["narrowest"] and -(-n // bn) * experts * warps < cdna["waves_per_cu"] * cus:
-                    bn //= 2                                       # too few waves for the CUs' SIMDs: narrower
-        return dict(BLOCK_M=16, BLOCK_N=bn, num_warps=warps, num_stages=1, CDNA_LOOP=True)
+            ctas, runs, splits = -(-n // bn) * experts, -(-k // 256), 1
+            if ctas >= cus // 2:                                   # a grid too small for that stays as it is
+                while ctas * warps * splits < cdna["waves_per_cu"] * cus and 2 * splits <= runs:
+                    splits *= 2                                    # too few waves for the CUs' SIMDs: split K
+            if splits > 1:
+                cfg["SPLITS"] = splits
+        return cfg
     cfg = dict(BLOCK_M=16, BLOCK_N=64 if gated else 128, num_warps=4, num_stages=3)
     if gated and n and experts:
         sms = pick_config(DECODE_TARGETS, dev)["sms"]
@@ -461,30 +513,57 @@ def moe_decode_config(interpreted: bool, gated: bool = False, *, n: int | None =
 # MI300X gate/up 64 columns of 2 waves, down 128 of 2, both predicted memory-bound (issue/memory 0.85, 0.74);
 # MI355X gate/up 64 of 1 wave (2 waves: 1.17, issue-bound), down 128 of 2 (0.80, 0.95). The NVIDIA tiles above
 # with 3 stages were predicted at 71-73 % (MI300X) and 46-58 % (MI355X) of the copy ceiling, issue-bound.
-# The kernel has no split-K, so a gate/up grid of few experts (an EP rank) is narrowed, halving BLOCK_N down to
-# `narrowest`, while it has fewer than `waves_per_cu` waves a CU: MiniMax-M3's EP8 rank (9 experts, I 1536,
-# `inspect minimax-m3-moe`) on MI300X 64 -> 32 columns, predicted 43 -> 74 % (issue/memory 2.35 -> 0.96), its
-# EP4 rank (17) 80 -> 94 %: MI300X narrows below one wave a SIMD (4 a CU). MI355X's one-wave CTAs issue more a
-# byte as they narrow (EP2, 33 experts: 64 columns memory-bound, 32 columns 83 %, waves-bound), so it narrows
-# only below 2 waves a CU: EP8 64 -> 16, 27 -> 61 % (latency-bound: one CTA's 24 runs in a row, one latency
-# each), EP4 64 -> 32, 51 -> 75 %. A grid under half the CUs stays as it is (so the decode check's one-expert
-# MoE keeps the fused slot's tiles: `test_decode_check_paths_share_one_config`).
-MOE_DECODE_CDNA = {"nvidia": None, "hip": dict(gated=(64, 2), down=(128, 2), narrowest=32, waves_per_cu=4),
-                   "gfx950": dict(gated=(64, 1), down=(128, 2), narrowest=16, waves_per_cu=2)}
+# A gate/up grid of few experts (an EP rank) with fewer than `waves_per_cu` waves a CU splits K in 2, then 4
+# (whole runs, equal where the runs divide: 24 at H 6144, 28 at H 7168), keeping its tiles: narrower tiles
+# issue more a byte, and an unsplit CTA's runs are one latency each in a row. MiniMax-M3's ranks (I 1536,
+# H 6144, `inspect minimax-m3-moe`): MI300X EP8 (9 experts) 4 splits, predicted 74 -> 100 % of the copy of
+# the bytes moved (partials included; 32 columns unsplit before, issue/memory 0.96 -> 0.86), EP4 (17) 2
+# splits, 94 -> 100 %; MI355X EP8 4 splits, 61 -> 100 % (16 columns before, latency-bound), EP4 2 splits,
+# 75 -> 100 %. Three splits (8 runs a CTA) are predicted worse than four on both (78-84 %, waves), so the
+# count doubles. A grid under half the CUs stays as it is (so the decode check's one-expert MoE keeps the
+# fused slot's config: `test_decode_check_paths_share_one_config`). Every figure predicted, not measured:
+# `python -m inferbook.moe.decode_sweep gfx950 1536 6144 --moe 9 --m 12 --block-n 32,64 --warps 1,2 --stages 1
+# --splits 1,2,3,4` (and gfx942, --moe 17) prints each alternative's bounds.
+MOE_DECODE_CDNA = {"nvidia": None, "hip": dict(gated=(64, 2), down=(128, 2), waves_per_cu=4),
+                   "gfx950": dict(gated=(64, 1), down=(128, 2), waves_per_cu=2)}
 
 
 def _decode_gemm_launch(name, a, qw, qs, c, counts, dest, roww, N, K, max_m, q_es, s_es, *, gated: bool, scatter: bool,
-                        group: int, cfg: dict, device, source: str = "moe/fused_moe.py:fused_moe_decode"):
+                        group: int, cfg: dict, device, source: str = "moe/fused_moe.py:fused_moe_decode",
+                        part=None, lock=None):
     """One `moe_decode_kernel` launch (`compiled.Launch`): a [E * max_m, K] bf16 rows, decode-packed
-    weights qw / scales qs (q_es, s_es elements per expert), c out rows; grid (column blocks, E)."""
+    weights qw / scales qs (q_es, s_es elements per expert), c out rows; grid (column blocks, E), and
+    (.., SPLITS) with `decode_split_buffers`' part and lock where cfg has SPLITS > 1."""
     from ..compiled import Launch
 
     E = counts.shape[0]
     emu = dot_needs_fp32(device)
     kw = dict(GATED=gated, SCATTER=scatter, MUL_ROW_WEIGHT=scatter, GROUP=group, ASM=decode_asm(device), DOT_FP32=emu,
               OUT_BF16=c.dtype == torch.bfloat16, EVEN_N=N % cfg["BLOCK_N"] == 0, EVEN_K=K % 256 == 0, **cfg)
+    grid = (triton.cdiv(N, cfg["BLOCK_N"]), E)
+    if cfg.get("SPLITS", 1) > 1:
+        if part is None or lock is None:
+            raise ValueError("a split-K decode launch needs its partials and lock buffers (decode_split_buffers)")
+        kw.update(part_ptr=part, lock_ptr=lock)
+        grid += (cfg["SPLITS"],)
     return Launch(name, moe_decode_kernel, [a, qw, qs, c, counts, dest, roww, N, K, max_m, q_es, s_es, a.stride(0),
-                                            c.stride(0)], kw, source, (triton.cdiv(N, cfg["BLOCK_N"]), E))
+                                            c.stride(0)], kw, source, grid)
+
+
+def decode_split_buffers(E: int, max_m: int, N: int, cfg: dict, *, gated: bool, device, meta: bool = False):
+    """A split-K `moe_decode_kernel` launch's buffers: fp32 partials [SPLITS, E * max_m, 2N if gated else N]
+    and the int32 arrival counts [E, column blocks], zeroed (the kernel leaves them zero). (None, None)
+    at one split. A fresh pair a call, where vLLM's Marlin MoE keeps one zeroed workspace of locks across
+    calls: the zeroing is one small fill launch more."""
+    if cfg.get("SPLITS", 1) == 1:
+        return None, None
+    shapes = ((cfg["SPLITS"], E * max_m, 2 * N if gated else N), (E, triton.cdiv(N, cfg["BLOCK_N"])))
+    if meta:
+        from ..compiled import meta as _meta
+
+        return _meta(shapes[0], torch.float32), _meta(shapes[1], torch.int32)
+    return (torch.empty(shapes[0], dtype=torch.float32, device=device),
+            torch.zeros(shapes[1], dtype=torch.int32, device=device))
 
 
 def fused_moe_decode(x, d13: DecodeW4, d2: DecodeW4, topk_weights, topk_ids, *, max_m: int | None = None,
@@ -543,18 +622,20 @@ def fused_moe_decode(x, d13: DecodeW4, d2: DecodeW4, topk_weights, topk_ids, *, 
     y = (torch.zeros if skip else torch.empty)((T * k, H), dtype=inter_dtype, device=x.device)
     roww = topk_weights.float().contiguous().flatten()
     for (a, d, c, N, K, gated) in ((xm, d13, act, I, H, True), (act, d2, y, H, I, False)):
-        shape = dict(n=N, experts=E, device=x.device) if gated else {}
+        shape = dict(n=N, experts=E, k=K, device=x.device) if gated else {}
         cfg = dict(moe_decode_config(False, gated, **shape) if gpu else (block or moe_decode_config(interp, gated, **shape)))
+        part, lock = decode_split_buffers(E, m.max_m, N, cfg, gated=gated, device=x.device)
         _run(_decode_gemm_launch("", a, d.qweight, d.scales, c, m.counts, m.dest, roww, N, K, m.max_m,
                                  d.qweight[0].numel(), d.scales[0].numel(), gated=gated, scatter=not gated,
-                                 group=d.group_size, cfg=cfg, device=x.device))
+                                 group=d.group_size, cfg=cfg, device=x.device, part=part, lock=lock))
     return combine(y, k, out_dtype, block="gpu" if gpu else None)
 
 
 def fused_moe_decode_launches(tokens: int, top_k: int, experts: int, hidden: int, inter: int, *, max_m: int,
                               group_size: int = 32, inter_dtype=torch.bfloat16, out_dtype=torch.bfloat16,
-                              name: str = "") -> list:
-    """`fused_moe_decode`'s gate/up and down launches plus its combine on a GPU (meta tensors)."""
+                              name: str = "", gated_cfg: dict | None = None) -> list:
+    """`fused_moe_decode`'s gate/up and down launches plus its combine on a GPU (meta tensors);
+    `gated_cfg` (a sweep's): the gate/up launch's config instead of `moe_decode_config`'s."""
     from ..compiled import meta
     from .w4a16 import RUN
 
@@ -569,11 +650,13 @@ def fused_moe_decode_launches(tokens: int, top_k: int, experts: int, hidden: int
         rows = 2 * N if gated else N
         Kp = -(-K // RUN) * RUN
         q_es, s_es = Kp // 8 * rows, (Kp // RUN) * (-(-rows // 2)) * (RUN // group_size) * 2   # pack_decode's shapes
-        cfg = moe_decode_config(False, gated, **(dict(n=N, experts=E) if gated else {}))
+        cfg = (gated and gated_cfg) or moe_decode_config(False, gated, **(dict(n=N, experts=E, k=K) if gated else {}))
+        part, lock = decode_split_buffers(E, max_m, N, cfg, gated=gated, device=dev, meta=True)
+        split = f" split{cfg['SPLITS']}" if part is not None else ""
         out.append(_decode_gemm_launch(f"{name} {stage} decode-packed T{T} k{k} E{E} H{H} I{I} M{max_m} cfg 16x{cfg['BLOCK_N']}x256"
-                                       .strip(), a, meta((E, q_es), i32), meta((E, s_es), bf16), c, counts, dest, roww,
-                                       N, K, max_m, q_es, s_es, gated=gated, scatter=not gated, group=group_size,
-                                       cfg=cfg, device=dev))
+                                       f"{split}".strip(), a, meta((E, q_es), i32), meta((E, s_es), bf16), c, counts, dest,
+                                       roww, N, K, max_m, q_es, s_es, gated=gated, scatter=not gated, group=group_size,
+                                       cfg=cfg, device=dev, part=part, lock=lock))
     out += combine_launches(T, k, H, inter_dtype, out_dtype, name=name)
     return out
 
