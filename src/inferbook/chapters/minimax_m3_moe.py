@@ -188,7 +188,8 @@ def decode_check(ctx, hidden, inter, experts, top_k, rsf, T=FM.DECODE_MAX_ROWS) 
     fused = FM.shared_fused_decode_step(x, dec, tw, ids, routed_scaling_factor=rsf)
     same = FM.shared_separate_decode(x, dec, tw, ids, routed_scaling_factor=rsf)
     # exact on a GPU too: both paths run the same decode kernel, same config and K order, on the same
-    # packed weights (every output element is one program's, no split-K atomics), and the combine sums the
+    # packed weights (no split at these expert counts, `test_decode_check_paths_share_one_config`; a split would
+    # reduce in split order anyway, no atomics in the sum), and the combine sums the
     # same fp32 rows in slot order, shared slot last, as the separate path adds it; only the tile row differs
     rec.add_check(f"[decode T{T}] fused slot == separate, same rounding points (bitwise)", torch.equal(fused, same),
                   error=float((fused.float() - same.float()).abs().max()), tolerance=0.0)
@@ -523,7 +524,7 @@ DECODE_KERNELS = ("moe_decode_kernel", *W.DENSE_DECODE_KERNELS)
 
 
 # the decode check's bitwise construction: the shared expert as a one-expert MoE on the fused slot's kernel and
-# config, 24 (gate/up) or 48 (down) CTAs and no split-K (the gated kernel needs a column's whole K sum for SiLU).
+# config, 24 (gate/up) or 48 (down) CTAs and no split-K (a grid under half the CUs keeps the fused slot's config).
 # The separate path a server runs puts the shared MLP on the split-K decode kernel instead (its own rows)
 CHECK_ONLY = "shared as its own MoE"
 
