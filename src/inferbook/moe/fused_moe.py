@@ -245,6 +245,7 @@ if triton is not None:
             # every thread's partial is written before the count says so (the CUDA samples' "last block"
             # reduction: __syncthreads, then one release atomic); acq_rel makes the other splits' partials
             # visible to the one that arrives last
+            stores_done(ASM)
             tl.debug_barrier()
             lock = lock_ptr + e * tl.num_programs(0) + pid_n
             if tl.atomic_add(lock, 1, sem="acq_rel") == SPLITS - 1:
@@ -258,6 +259,16 @@ if triton is not None:
                 tl.atomic_xchg(lock, 0, sem="relaxed")            # ready for the next launch
                 moe_decode_epilogue(acc, acc_up, c_ptr, dest_ptr, roww_ptr, rows, offs_n, m_ok, n_ok, stride_cm,
                                     GATED, SCATTER, MUL_ROW_WEIGHT, DOT_FP32, OUT_BF16)
+
+    @triton.jit
+    def stores_done(ASM: tl.constexpr):
+        """Before a CTA barrier that publishes this thread's global stores. NVIDIA: nothing (bar.sync orders a
+        CTA's memory operations, and the release atomic after it is cumulative). AMDGCN (ASM 2): each wave
+        waits for its stores to be acknowledged (s_waitcnt vmcnt(0)); Triton's barrier is a bare s_barrier,
+        and the release atomic's own wait covers only the wave that issues it."""
+        if ASM == 2:
+            tl.inline_asm_elementwise("s_waitcnt vmcnt(0)", "=v,0", [tl.full((1,), 0, tl.int32)], dtype=tl.int32,
+                                      is_pure=False, pack=1)
 
     @triton.jit
     def moe_decode_epilogue(acc, acc_up, c_ptr, dest_ptr, roww_ptr, rows, offs_n, m_ok, n_ok, stride_cm,

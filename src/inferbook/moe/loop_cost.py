@@ -190,7 +190,8 @@ def source_hash() -> str:
     from . import fused_moe as FM, w4a16 as W
 
     fns = (W.w4a16_decode_kernel, W.decode_program, W.decode_run, W.group_activations, W.group_dot, W.run_scales,
-           W.widen_pairs, W.nibble_bf16, W._nibble_pairs, W.decode_neg, FM.moe_decode_kernel, FM.moe_decode_epilogue)
+           W.widen_pairs, W.nibble_bf16, W._nibble_pairs, W.decode_neg, FM.moe_decode_kernel, FM.moe_decode_epilogue,
+           FM.stores_done)
     src = "".join(inspect.getsource(getattr(f, "fn", f)) for f in fns)
     return hashlib.sha256((src + repr(W.decode_config(1, 4096, 7168)) + repr(FM.moe_decode_config(False, True))
                            + repr(FM.moe_decode_config(False, False))).encode()).hexdigest()[:12]
