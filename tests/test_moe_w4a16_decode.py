@@ -1,6 +1,10 @@
 """The W4A16 decode kernel (M <= 16): its offline repack, the inline asm's bit logic (through a
 Python model: the interpreter runs the pure-tl path), split-K with both reductions, GPU tiles in the
 interpreter, against the fp32 reference with a tolerance set by PyTorch's own BF16 error."""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -556,3 +560,37 @@ def test_decode_check_paths_share_one_config(target):
     with device.building_for(target):
         cfgs = [FM.moe_decode_config(False, True, n=1536, experts=e, k=6144) for e in (65, 64, 1)]
     assert cfgs[0] == cfgs[1] == cfgs[2]
+
+
+AMD_SPLIT_LISTING = """
+import sys
+from inferbook import compiled
+from inferbook.device import building_for
+from inferbook.moe import fused_moe as FM
+with building_for(sys.argv[1]):
+    gate_up = FM.fused_moe_decode_launches(12, 1, 9, 6144, 1536, max_m=12)[0]
+assert " split" in gate_up.name, gate_up.name
+sys.stdout.write(compiled.amdgcn(gate_up, sys.argv[1]))
+"""
+
+
+@pytest.mark.parametrize("target", ["gfx942", "gfx950"])
+def test_amd_split_k_publishes_every_waves_partials(target, tmp_path):
+    # the last-arrival reduction on CDNA: each wave's partial stores are acknowledged (s_waitcnt vmcnt(0)) before
+    # the CTA barrier, the count is a release atomic (L2 written back first) and the arrival's reads come after
+    # an acquire (L2 invalidated). Without the wait only the atomic's own wave would have waited for its stores
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1",
+           "TRITON_CACHE_DIR": str(tmp_path)}
+    r = subprocess.run([sys.executable, "-c", AMD_SPLIT_LISTING, target], capture_output=True, text=True, env=env,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    # "; wave barrier": the barrier of a one-wave workgroup (nothing to wait for but the wave itself)
+    ins = [ln.strip() if ln.strip() == "; wave barrier" else ln.split(";")[0].strip() for ln in r.stdout.splitlines()]
+    ins = [s for s in ins if s and not s.startswith((".", "//")) and not s.endswith(":")]
+    at = next(i for i, s in enumerate(ins) if s.startswith("global_atomic_add"))
+    last_store = max(i for i, s in enumerate(ins[:at]) if s.startswith(("buffer_store", "global_store")))
+    barriers = [i for i in range(last_store + 1, at) if ins[i] in ("s_barrier", "; wave barrier")]
+    assert barriers, ins[last_store:at + 1]
+    assert "s_waitcnt vmcnt(0)" in ins[last_store + 1:barriers[-1]], ins[last_store:barriers[-1] + 1]
+    assert any(s.startswith("buffer_wbl2") for s in ins[barriers[-1]:at]), ins[barriers[-1]:at + 1]
+    assert any(s.startswith("buffer_inv") for s in ins[at:at + 4]), ins[at:at + 4]

@@ -623,16 +623,29 @@ def _error_text(e: Exception) -> str:
     return head[:590 - len(msg[-1][:300])] + " … " + msg[-1][:300]
 
 
-def _compile_hip(launch: Launch, target: str, row: dict) -> dict:
-    """`compile_launch` for a CDNA target: HSACO through Triton's AMD backend (no GPU, no ROCm);
-    LDS from the kernel's metadata, VGPRs/AGPRs, spills and scratch from the AMDGCN."""
+def _compile_hip_kernel(launch: Launch, target: str):
+    """The CompiledKernel of one launch for a CDNA target, through Triton's AMD backend (no GPU, no ROCm)."""
     from triton.backends.compiler import GPUTarget
     from triton.runtime.driver import driver
 
     driver.set_active(_AOTDriver(GPUTarget("hip", target, 64)))
+    return launch.kernel.run(*[_stand_in(a) for a in launch.args], grid=(1,), warmup=True, **dict(launch.kwargs))
+
+
+def amdgcn(launch: Launch, target: str) -> str:
+    """One launch's AMDGCN listing for `target` ('gfx942' | 'gfx950'), for a test or a reader to read the
+    machine code itself. Must run where TRITON_INTERPRET=0 was set before Triton was imported."""
+    if target not in AMD_TARGETS:
+        raise ValueError(f"amdgcn: target {target!r} is not one of {sorted(AMD_TARGETS)}")
+    return _compile_hip_kernel(launch, target).asm.get("amdgcn", "")
+
+
+def _compile_hip(launch: Launch, target: str, row: dict) -> dict:
+    """`compile_launch` for a CDNA target: HSACO through Triton's AMD backend (no GPU, no ROCm);
+    LDS from the kernel's metadata, VGPRs/AGPRs, spills and scratch from the AMDGCN."""
     t0 = time.perf_counter()
     try:
-        ck = launch.kernel.run(*[_stand_in(a) for a in launch.args], grid=(1,), warmup=True, **dict(launch.kwargs))
+        ck = _compile_hip_kernel(launch, target)
     except Exception as e:
         return {**row, "ok": False, "error": _error_text(e), "compile_s": round(time.perf_counter() - t0, 2)}
     asm = ck.asm.get("amdgcn", "")
