@@ -317,6 +317,19 @@ def test_cost_model_tiny_grid_is_latency_bound():
     assert a["bounds"]["latency"] == pytest.approx((256 / 3 + 1) * 600e-9)
 
 
+def test_sync_atomic_adds_two_latencies_to_the_chain():
+    # a last-arrival reduction (acq_rel count, then the other CTAs' partials): two more latencies a CTA; a
+    # relaxed atomic (split-K adds) is a store to the model
+    ttir = ("%9 = tt.atomic_rmw add, acq_rel, gpu, %lock, %c1_i32, %true : (!tt.ptr<i32>, i32, i1) -> i32\n"
+            "%11 = tt.atomic_rmw exch, relaxed, gpu, %lock, %c0_i32, %true : (!tt.ptr<i32>, i32, i1) -> i32\n"
+            "%5 = tt.atomic_rmw fadd, relaxed, gpu, %acquire, %v, %m : (tensor<16x!tt.ptr<f32>>) -> tensor<16xf32>\n"
+            "%12 = tt.atomic_cas acquire, gpu, %p, %c0, %c1 : (!tt.ptr<i32>, i32, i32) -> i32")
+    assert compiled.machine.sync_atomics(ttir) == 2 and compiled.machine.sync_atomics(ttir.split("\n")[1]) == 0
+    row = _row(ctas=4, grid=[4], dram_bytes=4 * 256 * 8192.0, trips=256)
+    plain, synced = compiled.predict(row, "H200"), compiled.predict({**row, "sync_atomics": 1}, "H200")
+    assert synced["bound"] == "latency" and synced["seconds"] == pytest.approx(plain["seconds"] + 2 * 600e-9)
+
+
 def test_latency_floor_of_a_small_copy():
     # the model never predicts a launch under two DRAM latencies: a pure copy of 5.3 MB on B200 (0.66 us at
     # 8 TB/s) is at best 0.66 / 1.2 of the copy ceiling, whatever its grid or pipeline depth; 53 MB is not held

@@ -594,3 +594,19 @@ def test_amd_split_k_publishes_every_waves_partials(target, tmp_path):
     assert "s_waitcnt vmcnt(0)" in ins[last_store + 1:barriers[-1]], ins[last_store:barriers[-1] + 1]
     assert any(s.startswith("buffer_wbl2") for s in ins[barriers[-1]:at]), ins[barriers[-1]:at + 1]
     assert any(s.startswith("buffer_inv") for s in ins[at:at + 4]), ins[at:at + 4]
+
+
+def test_committed_split_rows_pay_the_last_arrival():
+    # the compile table's MoE split-K rows carry their acq_rel count (machine.sync_atomics from the IR), so the
+    # cost model's latency chain pays its round trip and the partials' reads; the unsplit rows carry none
+    from inferbook import compiled
+
+    rows = [r for r in compiled.load_table("minimax-m3-moe")["rows"] if r.get("kernel") == "moe_decode_kernel"]
+    split = [r for r in rows if " split" in r["launch"]]
+    assert split and all(r["sync_atomics"] == 1 for r in split)
+    assert all(r["sync_atomics"] == 0 for r in rows if " split" not in r["launch"])
+    r = split[0]
+    card = compiled.TARGET_CARD[r["target"]]
+    with_it, without = compiled.predict(r, card), compiled.predict({**r, "sync_atomics": 0}, card)
+    lat = compiled.cost.LATENCY_NS["amd"] * 1e-9
+    assert with_it["bounds"]["latency"] == pytest.approx(without["bounds"]["latency"] + 2 * lat)

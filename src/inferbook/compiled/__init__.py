@@ -701,7 +701,7 @@ def machine_facts(ck, launch: Launch, isa: str) -> dict:
     spread = machine.program_trips(ttir, shape["int_args"], grid) if ir["trips_known"] else {}
     return {"grid": shape["grid"], "ctas": shape["ctas"], "dram_bytes": shape["dram_bytes"], "dram_from": shape["dram_from"],
             key: loop, "trips": ir["main_trips"], "trips_known": ir["trips_known"], **spread,
-            "flops_per_cta": ir["flops_per_cta"], "dots": ir["dots"]}
+            "flops_per_cta": ir["flops_per_cta"], "dots": ir["dots"], "sync_atomics": machine.sync_atomics(ttir)}
 
 
 def _worker(out_path: str, slugs: list[str], targets: list[str], shard: int, shards: int,

@@ -36,8 +36,10 @@ The model, and every assumption it makes (the pages' "How the prediction is made
      HBM, assumed) divided by the iterations in flight (`num_stages − 1` when the loop's loads are
      asynchronous copies — cp.async, TMA, loads into LDS — or, on CDNA, when the loop has MFMA, which
      Triton's stream pipeliner prefetches; else 1) but never less than one latency in all (a loop of fewer
-     trips than the pipeline is deep still waits for its first load), plus one latency; resident CTAs
-     overlap. Little's law is reported beside it: bytes in flight per SM vs latency × (bandwidth / SMs).
+     trips than the pipeline is deep still waits for its first load), plus one latency, plus two for each
+     synchronising atomic of the kernel (acquire or acq_rel in the Triton IR, `machine.sync_atomics`: a
+     last-arrival count's round trip, then the reads of what the other CTAs published; counted on every CTA,
+     though only the last arrival reads); resident CTAs overlap. Little's law is reported beside it: bytes in flight per SM vs latency × (bandwidth / SMs).
    - `waves`: the issue, compute and latency bounds recomputed for the *busiest* SM: wave
      quantization. CTAs are dispatched in launch order (x fastest), the first SMs × resident count
      breadth-first (CTA i to SM i mod SMs), each later one to the slot that frees first, a CTA
@@ -49,7 +51,8 @@ The model, and every assumption it makes (the pages' "How the prediction is made
    - `floor`: the old ideal roofline, max(DRAM bytes / datasheet bandwidth, FLOPs / peak) — shown as
      the floor, never as the prediction.
 Not modelled: L2 and shared-memory bandwidth, bank conflicts, launch overhead, clocks below boost,
-atomics, inter-CTA synchronisation. Every number is labelled *predicted* wherever it is shown.
+contention on atomics, waiting for other CTAs beyond the synchronising atomics' round trips. Every number
+is labelled *predicted* wherever it is shown.
 """
 from __future__ import annotations
 
@@ -246,11 +249,12 @@ def predict(row: dict, card: str, *, copy_gbps: float | None = None) -> dict:
     pipelined = loop.get("async") or (lim["vendor"] == "amd" and loop.get("mma"))
     async_depth = max(1, int(row.get("num_stages") or 1) - 1) if pipelined else 1
     lat = LATENCY_NS[c["vendor"]] * 1e-9
+    sync_lat = 2 * int(row.get("sync_atomics") or 0) * lat      # a last-arrival count, then the partials' reads
 
     def chain(t: float) -> float:
         # one CTA's chain of dependent latencies: the loop's, or (straight-line code) one load and one store.
         # A pipeline deeper than the loop still waits one whole latency for its first load: at least 1
-        return (max(t / async_depth, 1.0 if t else 0.0) + 1) * lat if loop["instrs"] else 2 * lat
+        return ((max(t / async_depth, 1.0 if t else 0.0) + 1) * lat if loop["instrs"] else 2 * lat) + sync_lat
 
     bounds = {
         "memory": dram / bw,

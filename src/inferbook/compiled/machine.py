@@ -311,6 +311,16 @@ def ttir_loops(ttir: str, ints: dict[str, int], grid: tuple | list = (), pid: tu
             "dots": [list(x) for x in dots]}
 
 
+_RE_SYNC_ATOMIC = re.compile(r"\btt\.atomic_(?:rmw|cas)\s[^:]*?(?<![\w%])(acq_rel|acquire),")
+
+
+def sync_atomics(ttir: str) -> int:
+    """The Triton IR's synchronising atomics (`tt.atomic_rmw` / `tt.atomic_cas` with acquire or acq_rel
+    semantics): each is a CTA waiting on a global round trip to learn what other CTAs published (a
+    last-arrival count), then reading it. Relaxed atomics (an atomic split-K add) are stores to the model."""
+    return sum(1 for line in ttir.splitlines() if _RE_SYNC_ATOMIC.search(line))
+
+
 PROGRAM_TRIPS_AXIS_MAX = 512      # programs along one axis evaluated one by one (a parse of the IR each)
 
 
