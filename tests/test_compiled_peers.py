@@ -134,6 +134,22 @@ def test_each_page_sets_ours_beside_its_peer_with_the_binding_bounds():
                     f"{q['peer_bound']}-bound)") in line, (slug, line)
 
 
+def test_spills_of_the_compared_configs_are_said_on_every_target():
+    # the model charges nothing for local memory: where a compared side spills the page says how much, per target,
+    # from the rows compare() took (GDN's backward: ours 72 B on sm_80, fla's dq/dk/dw/dg kernel at every target)
+    doc = peers.load("gdn-backward-check")
+    said = peers.spill_sentence("gdn-backward-check", doc["rows"])
+    for t in TARGETS:
+        for q in peers.compare("gdn-backward-check", doc["rows"], t, compiled.TARGET_CARD[t]):
+            if q["ours_spill_bytes"] or q["peer_spill_bytes"]:
+                assert f"{t} {q['shape']} ours {q['ours_spill_bytes']} B, fla-core {q['peer_spill_bytes']} B" in said
+    ours80 = [r for r in doc["rows"] if r["target"] == "sm_80" and r["side"] == "ours" and "dqkwg" in r["launch"]]
+    assert ours80 and f"sm_80 backward B4 T1024 H8 K128 V128 bf16 ours {sum(r['spill_bytes'] for r in ours80)} B" in said
+    assert said in compiled.CompilerSection("gdn-backward-check").lines[2]
+    # a table where neither side spills says nothing
+    assert peers.spill_sentence("chord-w4a16", peers.load("chord-w4a16")["rows"]) == ""
+
+
 def test_config_choice_takes_the_fastest_predicted(monkeypatch):
     rows = [{"launch": "p: k cfg 1/2 @ S", "kernel": "k", "side": "peer", "ok": True, "sass": {}},
             {"launch": "p: k cfg 2/2 @ S", "kernel": "k", "side": "peer", "ok": True, "sass": {}}]

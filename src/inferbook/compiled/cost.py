@@ -50,8 +50,8 @@ The model, and every assumption it makes (the pages' "How the prediction is made
      by more than 2 %.
    - `floor`: the old ideal roofline, max(DRAM bytes / datasheet bandwidth, FLOPs / peak) — shown as
      the floor, never as the prediction.
-Not modelled: L2 and shared-memory bandwidth, bank conflicts, launch overhead, clocks below boost,
-contention on atomics, waiting for other CTAs beyond the synchronising atomics' round trips. Every number
+Not modelled: L2 and shared-memory bandwidth, bank conflicts, local memory (a spill's traffic: a spilling
+launch's prediction is a floor), launch overhead, clocks below boost, contention on atomics, waiting for other CTAs beyond the synchronising atomics' round trips. Every number
 is labelled *predicted* wherever it is shown.
 """
 from __future__ import annotations
@@ -285,6 +285,7 @@ def predict(row: dict, card: str, *, copy_gbps: float | None = None) -> dict:
         "loop_instrs": loop["instrs"], "instr_per_byte": (instrs(mean) * grid / dram) if dram else None,
         "bytes_in_flight_per_sm": in_flight, "bytes_in_flight_needed": lat * bw / sms,
         "dram_bytes": dram, "flops": total_flops, "frac_of_copy": (dram / bw) / seconds if seconds else None,
+        "spill_bytes": int(row.get("spill_bytes") or 0),     # not charged: see "Not modelled"
     }
 
 

@@ -1056,6 +1056,7 @@ def compare(slug: str, peer_rows: list[dict], target: str = "sm_90", card: str =
             ours_s = sum(p["seconds"] for p in ours)
             ours_long = max(ours, key=lambda p: p["seconds"])
             ours_launch = f"{len(ours)} kernels"
+            ours_spill = sum(p["spill_bytes"] for p in ours)
         else:
             if chapter is None:
                 try:
@@ -1067,8 +1068,10 @@ def compare(slug: str, peer_rows: list[dict], target: str = "sm_90", card: str =
                 continue
             ours_long = min(cands, key=lambda p: p["seconds"])
             ours_s, ours_launch = ours_long["seconds"], ours_long["launch"]
+            ours_spill = ours_long.get("spill_bytes")
         out.append({"peer": peer, "shape": shape, "ours_s": ours_s, "ours_bound": ours_long["bound"],
-                    "ours_launch": ours_launch, "peer_s": peer_s, "peer_bound": peer_long["bound"],
+                    "ours_launch": ours_launch, "ours_spill_bytes": ours_spill,
+                    "peer_spill_bytes": sum(p["spill_bytes"] for p in best), "peer_s": peer_s, "peer_bound": peer_long["bound"],
                     "peer_launches": [p["launch"] for p in best], "ours_over_peer": ours_s / peer_s})
     return out
 
@@ -1094,6 +1097,27 @@ def sentence(slug: str, rows: list[dict], target: str = "sm_90", card: str = "H2
     for (t, why), kernels in fails.items():
         parts.append(f"{PEER_OF.get(slug, 'The peer')}'s {' and '.join(dict.fromkeys(kernels))} do not compile for {t}: {why}.")
     return " ".join(parts)
+
+
+def spill_sentence(slug: str, rows: list[dict], root: Path | None = None) -> str:
+    """'Spilled to local memory by the configs compared (the cost model charges nothing for it, so a spilling
+    side's prediction is a floor): sm_80 <shape> ours 72 B, fla-core 1928 B; ...' for every target of the peer
+    table where a compared side spills at a shape (ours: the kernels `compare` sums, or our chapter launch it
+    names), or ''."""
+    from . import TARGET_CARD
+
+    said = []
+    for t in dict.fromkeys(r["target"] for r in rows):
+        if t not in TARGET_CARD:
+            continue
+        for q in compare(slug, rows, t, TARGET_CARD[t], root):
+            ours, peer = q.get("ours_spill_bytes"), q["peer_spill_bytes"]
+            if peer or ours:
+                said.append(f"{t} {q['shape']} ours {'?' if ours is None else ours} B, {q['peer']} {peer} B")
+    if not said:
+        return ""
+    return ("Spilled to local memory by the configs compared (the cost model charges nothing for it, so a spilling "
+            "side's prediction is a floor): " + "; ".join(said) + ".")
 
 
 # ---------------------------------------------------------------------------------------------------

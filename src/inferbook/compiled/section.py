@@ -135,13 +135,14 @@ class CompilerSection:
         """'Beside fla-core (same shape, same model, H200, predicted): ours / fla-core = <shape> 1.23× (ours
         latency-bound, fla-core issue-bound).' from data/compiled/peers/<slug>.json (compiled by
         `inferbook.compiled.peers`), or ''."""
-        from .peers import load, sentence
+        from .peers import load, sentence, spill_sentence
 
         doc = load(self.slug, self.root)
         if doc is None:
             return ""
         try:
-            return sentence(self.slug, doc["rows"], "sm_90", "H200", self.root)
+            said = sentence(self.slug, doc["rows"], "sm_90", "H200", self.root)
+            return " ".join(x for x in (said, said and spill_sentence(self.slug, doc["rows"], self.root)) if x)
         except Exception:
             return ""
 
