@@ -533,11 +533,16 @@ def test_moe_decode_split_k_matches_fp32_reference(splits, cdna, monkeypatch):
     assert ok, (err, tol)
     assert [p.shape for p, _ in made] == [(splits, 4 * 5, 128), (splits, 4 * 5, 768)]
     assert all(int(lock.abs().sum()) == 0 and lock.shape in ((4, 2), (4, 24)) for _, lock in made)
+    # a second call: the same bits (partials summed in split order), its counts views of the one zeroed
+    # workspace the first call grew (no zero fill a call), zero again after
+    ws = FM._lock_workspace(x.device, 1).data_ptr()
+    assert torch.equal(FM.fused_moe_decode(x, d13, d2, tw, ids, block=block), out)
+    assert [lock.data_ptr() for _, lock in made[2:]] == [ws, ws] and all(int(lock.abs().sum()) == 0 for _, lock in made)
     # planted: arrival counts left at 1 by an earlier launch, so a split reduces before the last one has
     # stored its partials (they read as zeros) -> caught
-    def stale(*a, **kw):
+    def stale(*a, **kw):               # a copy: the workspace itself stays zero for the launches after
         part, lock = real(*a, **kw)
-        return part.zero_(), lock.fill_(1)
+        return part.zero_(), torch.ones_like(lock)
     monkeypatch.setattr(FM, "decode_split_buffers", stale)
     assert not FM.within_tolerance(FM.fused_moe_decode(x, d13, d2, tw, ids, block=block), ref, pt)[2]
 

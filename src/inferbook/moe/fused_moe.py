@@ -561,11 +561,28 @@ def _decode_gemm_launch(name, a, qw, qs, c, counts, dest, roww, N, K, max_m, q_e
                                             c.stride(0)], kw, source, grid)
 
 
+# the arrival counts' workspace, one a (device, stream), grown when a launch needs more: zeroed once, and every
+# split-K launch leaves its counts zero again (the last arrival resets its own), as vLLM's Marlin MoE keeps one
+# zeroed workspace of locks (`marlin_make_workspace_new`) a layer instead of a zero fill a call. Launches on one
+# stream run one after another, so they never share a count at once
+_LOCK_WORKSPACE: dict[tuple, torch.Tensor] = {}
+
+
+def _lock_workspace(device, numel: int) -> torch.Tensor:
+    device = torch.device(device)
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
+    key = (device.type, device.index, stream)
+    ws = _LOCK_WORKSPACE.get(key)
+    if ws is None or ws.numel() < numel:
+        ws = _LOCK_WORKSPACE[key] = torch.zeros(max(numel, 2 * ws.numel() if ws is not None else 0),
+                                                dtype=torch.int32, device=device)
+    return ws[:numel]
+
+
 def decode_split_buffers(E: int, max_m: int, N: int, cfg: dict, *, gated: bool, device, meta: bool = False):
     """A split-K `moe_decode_kernel` launch's buffers: fp32 partials [SPLITS, E * max_m, 2N if gated else N]
-    and the int32 arrival counts [E, column blocks], zeroed (the kernel leaves them zero). (None, None)
-    at one split. A fresh pair a call, where vLLM's Marlin MoE keeps one zeroed workspace of locks across
-    calls: the zeroing is one small fill launch more."""
+    (fresh, from the caching allocator) and the int32 arrival counts [E, column blocks], a view of the
+    stream's zeroed lock workspace (the kernel leaves them zero). (None, None) at one split."""
     if cfg.get("SPLITS", 1) == 1:
         return None, None
     shapes = ((cfg["SPLITS"], E * max_m, 2 * N if gated else N), (E, triton.cdiv(N, cfg["BLOCK_N"])))
@@ -574,7 +591,7 @@ def decode_split_buffers(E: int, max_m: int, N: int, cfg: dict, *, gated: bool, 
 
         return _meta(shapes[0], torch.float32), _meta(shapes[1], torch.int32)
     return (torch.empty(shapes[0], dtype=torch.float32, device=device),
-            torch.zeros(shapes[1], dtype=torch.int32, device=device))
+            _lock_workspace(device, shapes[1][0] * shapes[1][1]).view(shapes[1]))
 
 
 def fused_moe_decode(x, d13: DecodeW4, d2: DecodeW4, topk_weights, topk_ids, *, max_m: int | None = None,
