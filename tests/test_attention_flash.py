@@ -288,7 +288,10 @@ def test_register_heavy_features_take_smaller_nvidia_tiles_only():
     for target in ("gfx942", "gfx950"):
         assert cfg(target, 64, "fwd", paged=True) == (128, 64, 4)
         assert cfg(target, 576, "fwd", 512, pack=True, window=True) == (32, 32, 8)
-        assert cfg(target, 64, "dkdv") == (32, 64, 8) and cfg(target, 128, "dkdv", causal=True) == (32, 64, 8)
+        # CDNA's own dK/dV: 128-row tiles on 4 waves, 32 keys under a causal mask or softcap
+        assert cfg(target, 64, "dkdv") == (128, 64, 4) and cfg(target, 128, "dkdv", causal=True) == (128, 32, 4)
+        assert cfg(target, 96, "dkdv", softcap=True) == (128, 32, 4) and cfg(target, 256, "dkdv") == (64, 32, 4)
+    assert all(cfg(t, 192, "dkdv") == (32, 64, 8) for t in ("sm_80", "sm_90", "sm_100"))
     assert cfg("sm_80", 128, "fwd", pack=True) == (64, 64, 8) and cfg("sm_90", 128, "fwd", pack=True) == (128, 64, 8)
     assert cfg("sm_80", 96, "fwd", 48, pack=True) == (128, 64, 8)
     assert cfg("sm_80", 64, "dkdv") == (32, 32, 8) and cfg("sm_90", 64, "dkdv") == (32, 64, 8)

@@ -590,10 +590,25 @@ def block_config(device: torch.device, head_dim: int, kind: str, head_dim_v: int
                 # non-causal (the d128 MQA sinks launch is predicted 7.8 -> 8.4 us at 4 warps) nor with
                 # softcap (maxnreg below; 7.8 -> 8.4 us at d128 window-band)
                 configs["sm_100"] = {**cfg, "num_warps": 4}
+            # CDNA (gfx942/gfx950): 8 waves of 32x64 sit two a SIMD, 256 VGPRs each, and spilled 8-652 B on
+            # 12 of the matrix's 14 d <= 128 dK/dV launches on each. 4 waves of 128x64, one a SIMD with the unified
+            # file's 512, spill none without a causal mask or softcap (400-485 registers; with them 511-512 and
+            # 16-88 B spilled), so those take 32 keys (250-330, no spill). Predicted (`inferbook inspect`, from
+            # a sweep of 16-128 rows, 16-128 keys, 1-8 waves, 1-2 stages): throughput d128 full 12.2 -> 2.0 ms on
+            # MI300X, 7.4 -> 1.1 ms on MI355X; causal 7.5 -> 1.3, 4.7 -> 0.9 ms. aotriton tunes its own dK/dV over
+            # 32x64 and 64x16 at 1-2 waves; ours at 32x64 spills at 1 wave and is predicted 3x slower at 2
+            configs["hip"] = {**cfg, "BLOCK_M": 128, "BLOCK_N": 32 if (causal or softcap) else 64, "num_warps": 4,
+                              "num_stages": 1}
             return dict(_device.pick_config(configs, device))
         # d 192/256: 64 keys per program keep dK/dV's MMAs at wgmma's M = 64 on sm_90 (16x32 tiles were
-        # mma.sync) with no spill on sm_80/90/100; one stage so the K, V, dK, dV tiles fit shared memory
-        return dict(BLOCK_M=32, BLOCK_N=64, BLOCK_D=block_d, num_warps=8, num_stages=1)
+        # mma.sync) with no spill on sm_80/90/100; one stage so the K, V, dK, dV tiles fit shared memory.
+        # CDNA: at 8 waves (256 VGPRs each) every such launch of the matrix spilled 556-1128 B; 4 waves of 64
+        # rows x 32 keys hold 312-502 with none, predicted faster on each (the four: 158 -> 29 us on MI300X,
+        # 90 -> 16 us on MI355X; of 32x64, 32x32, 64x64, 16x64, 16x32 and 128x32 at 4 waves, the others spill
+        # or are predicted slower)
+        cfg = dict(BLOCK_M=32, BLOCK_N=64, BLOCK_D=block_d, num_warps=8, num_stages=1)
+        return dict(_device.pick_config({"nvidia": cfg, "hip": {**cfg, "BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4}},
+                                        device))
     if block_d <= 128:  # dq
         return dict(BLOCK_M=64, BLOCK_N=32, BLOCK_D=block_d, num_warps=8, num_stages=2)
     # d 192/256 dQ, 32x16: two stages on NVIDIA (K and V stream through shared memory by cp.async

@@ -573,7 +573,9 @@ _RE_AMD_LOAD = re.compile(r"\b(global|buffer)_load_(?:lds_)?(\w+)")
 
 def amd_metadata(asm: str) -> dict:
     """VGPRs, AGPRs, spills, scratch bytes per lane and the compiler's occupancy (waves per SIMD) from
-    the AMDGCN assembly's metadata and its closing comments."""
+    the AMDGCN assembly's metadata and its closing comments. 'vgprs' is the code object's `.vgpr_count`:
+    on gfx90a and later (CDNA3/4) the unified register file's whole allocation, the AGPRs ('agprs')
+    included (the listing's TotalNumVgprs: arch VGPRs up to the accum offset, then the AGPRs)."""
     def num(pattern, default=0):
         m = re.search(pattern, asm)
         return int(m.group(1)) if m else default
@@ -657,7 +659,7 @@ def _compile_hip(launch: Launch, target: str, row: dict) -> dict:
     spill = meta_["scratch_bytes"]
     row.update(ok=True, compile_s=round(time.perf_counter() - t0, 2), shared_kb=round(int(md.shared) / 1024, 1),
                num_warps=int(md.num_warps), num_stages=int(getattr(md, "num_stages", row["num_stages"]) or 0),
-               wave_size=int(getattr(md, "warp_size", 64) or 64), regs=meta_["vgprs"] + meta_["agprs"], **meta_,
+               wave_size=int(getattr(md, "warp_size", 64) or 64), regs=meta_["vgprs"], **meta_,
                spill_stores=meta_["vgpr_spills"] + meta_["sgpr_spills"], spill_loads=0, spill_bytes=spill,
                mma=mma_summary(mma), mma_family=mma["family"], mma_counts=mma["counts"], loads=loads,
                loads_summary=loads_summary(loads).replace("cp.async", "to LDS"))
@@ -847,7 +849,7 @@ def format_row(r: dict, prediction: dict | None = None) -> str:
     if not r.get("ok"):
         return f"{name:60s} {r['target']:6s} ERROR {r.get('error', '')[:200]}"
     flag = "" if r["shared_kb"] <= r["smem_limit_kb"] else "  <-- over the shared-memory limit"
-    regs = r.get("regs") if r.get("regs") is not None else (r.get("vgprs") or 0) + (r.get("agprs") or 0)
+    regs = r.get("regs") if r.get("regs") is not None else (r.get("vgprs") or 0)
     pred = "-"
     if prediction is not None:
         from ..measure import significant

@@ -19,7 +19,8 @@ The model, and every assumption it makes (the pages' "How the prediction is made
    states `Launch.dram_bytes` (e.g. only the routed experts' weights).
 3. **Residency.** CTAs per SM (CU) = the least of: registers (65536 per SM, allocated per warp in
    units of 256), shared memory (the SM's capacity, 1 KB reserved per CTA), 64 warps, 32 CTAs; on
-   CDNA, waves per SIMD from VGPRs+AGPRs (512 per lane, granule 8, at most 8 waves) and LDS per CU,
+   CDNA, waves per SIMD from the unified VGPR file (512 per lane, VGPRs and AGPRs together, granule 8, at
+   most 8 waves) and LDS per CU,
    a workgroup's waves spread over the CU's 4 SIMDs (so a CU holds 4 x waves-per-SIMD 1-wave workgroups).
 4. **Bounds** (seconds; the prediction is the largest, and that one is named):
    - `memory`: DRAM bytes / the copy ceiling — the *measured* one of a committed `ceilings` record
@@ -129,7 +130,9 @@ def residency(row: dict) -> dict:
         by = {"registers": lim["regs"] // (per_warp * warps), "warps": lim["warps"] // warps,
               "shared memory": int(lim["smem_kb"] // (smem + 1)) if smem else lim["ctas"], "CTAs": lim["ctas"]}
     else:
-        vg = int(row.get("vgprs") or 0) + int(row.get("agprs") or 0)
+        # `.vgpr_count` is the unified file's allocation on gfx90a+ (arch VGPRs to the accum offset, then the
+        # AGPRs): the AGPRs are in it already
+        vg = int(row.get("vgprs") or 0)
         alloc = max(-(-max(vg, 1) // 8) * 8, 8)
         waves_simd = min(lim["waves_per_simd"], lim["vgprs"] // alloc)
         # a workgroup's waves spread over the CU's SIMDs, each wave on one: a CU holds SIMDs x waves a SIMD

@@ -164,7 +164,9 @@ class CompilerSection:
                 cells = {"shared KB": "—", "regs": "—", "spill B": "—", "MMA": "compile error",
                          "global loads": r.get("error", "")[:80]}
             else:
-                regs = r.get("regs") if not r["target"].startswith("gfx") else f"{r.get('vgprs')}v+{r.get('agprs', 0)}a"
+                regs = r.get("regs")
+                if r["target"].startswith("gfx"):       # the unified file's allocation, its AGPRs named
+                    regs = f"{r.get('vgprs')}" + (f" ({r['agprs']} AGPRs)" if r.get("agprs") else "")
                 cells = {"shared KB": f"{r['shared_kb']:.1f} / {r['smem_limit_kb']}" + ("" if r.get("smem_ok", True) else " ✗"),
                          "regs": regs, "spill B": r.get("spill_bytes"), "MMA": r.get("mma"),
                          "global loads": r.get("loads_summary")}
