@@ -287,7 +287,7 @@ def test_register_heavy_features_take_smaller_nvidia_tiles_only():
         assert cfg(target, 576, "fwd", 512, pack=True) == (32, 32, 8)
     for target in ("gfx942", "gfx950"):
         assert cfg(target, 64, "fwd", paged=True) == (128, 64, 4)
-        assert cfg(target, 576, "fwd", 512, pack=True, window=True) == (32, 32, 8)
+        assert cfg(target, 576, "fwd", 512, pack=True, window=True) == (32, 16, 4) == cfg(target, 576, "fwd", 512)
         # CDNA's own dK/dV: 128-row tiles on 4 waves, 32 keys under a causal mask or softcap
         assert cfg(target, 64, "dkdv") == (128, 64, 4) and cfg(target, 128, "dkdv", causal=True) == (128, 32, 4)
         assert cfg(target, 96, "dkdv", softcap=True) == (128, 32, 4) and cfg(target, 256, "dkdv") == (64, 32, 4)

@@ -125,13 +125,16 @@ def test_register_saving_nvidia_tiles_pass_interpreted(target, case):
     ("gfx942", _case(head_dim=128, causal=False, pack_gqa=False, heads="MHA", direction="bwd")),   # dK/dV 128x64
     ("gfx950", _case(head_dim=96, direction="bwd", softcap=True)),                    # 128x32 (causal, softcap)
     ("gfx942", _case(head_dim=192, direction="bwd", dv="half", sinks=True)),          # d192: 64x32 on 4 waves
+    ("gfx950", _case(kv="paged-16", dtype="float16", window="left", dv="mla")),       # MLA forward 32x16 on 4 waves
 ])
-def test_cdna_dkdv_tiles_pass_interpreted(target, case):
-    # CDNA's own dK/dV tiles (`block_config`'s 'hip' entries) in the interpreter, on 150 queries x 200 keys so that
-    # the 128-row tiles loop twice with a ragged tail: every checked tensor within the tolerance rule
+def test_cdna_tiles_pass_interpreted(target, case):
+    # CDNA's own dK/dV and MLA forward tiles (`block_config`'s 'hip' entries) in the interpreter, on 150 queries x
+    # 200 keys so that the 128-row tiles loop twice with a ragged tail: every checked tensor within the tolerance rule
     from inferbook.device import building_for
 
     with building_for(target):
-        assert flash.block_config(DEV, case.dims[0], "dkdv", causal=case.causal, softcap=case.softcap)["num_warps"] == 4
+        kind = "fwd" if case.direction == "fwd" else "dkdv"
+        assert flash.block_config(DEV, case.dims[0], kind, case.dims[1], causal=case.causal,
+                                  softcap=case.softcap)["num_warps"] == 4
         rows = matrix.run_case(case, batch=2, n_heads=4, base=(150, 200), device=DEV, generator=torch.Generator().manual_seed(0))
     assert rows and not matrix.failures(rows), matrix.failures(rows)

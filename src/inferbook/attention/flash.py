@@ -536,15 +536,20 @@ def block_config(device: torch.device, head_dim: int, kind: str, head_dim_v: int
         widest = max(head_dim, head_dim_v or head_dim)
         if widest > 256:   # MLA-sized heads (576/512): short tiles keep q and the accumulator in registers
             cfg = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_D=block_d, num_warps=8, num_stages=1)
+            # CDNA: 8 waves sit two a SIMD at 256 VGPRs, and every MLA forward of the matrix spilled there
+            # (104-488 B); 4 waves of 32 rows x 16 keys hold 239-251 with none, predicted faster in all
+            # (the twelve: 508 -> 230 us on MI300X, 385 -> 193 us on MI355X; of 32x32, 16x32, 16x16, 64x32 at 4
+            # waves and 16x32 at 2, the others spill or are predicted slower)
+            amd = {**cfg, "BLOCK_N": 16, "num_warps": 4}
             if not (pack and window):
-                return cfg
+                return dict(_device.pick_config({"nvidia": cfg, "hip": amd}, device))
             # PackGQA with a window: 32x32 at 8 warps spilled 8-32 B on sm_90/sm_100 (255 registers); 16x16
             # at 4 warps holds 190-228 with no spill on sm_80/90/100 and is predicted faster on every such
             # launch of the matrix (predicted, waves-bound: sm_90 d576 paged-1 window-left softcap 13.4 -> 10.1 us,
             # causal empty-q 10.0 -> 5.9 us). Not for every MLA launch: the 1023x1024 contiguous one is
-            # predicted slower at 16x16 (sm_90 107 -> 136 us). AMD keeps the tiles it was checked with.
+            # predicted slower at 16x16 (sm_90 107 -> 136 us). AMD takes its own, as above.
             return dict(_device.pick_config({"nvidia": {**cfg, "BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4},
-                                             "hip": cfg}, device))
+                                             "hip": amd}, device))
         block_d = max(16, triton.next_power_of_2(widest))
         if block_d <= 64:
             cfg = dict(BLOCK_M=128, BLOCK_N=64, BLOCK_D=block_d, num_warps=4, num_stages=3)
