@@ -422,3 +422,34 @@ def test_recipe_backends_agree_and_2d_weight_is_shared():
     assert plain[("dgrad", "weight (col-wise)")]["quantize_pass"]
     assert sum(c["quantize_pass"] for c in plain.values()) == 6
     assert sum(c["quantize_pass"] for c in costs.values()) == 5
+
+
+def test_quantize_warps_and_tiles_per_target():
+    # NVIDIA: 2 warps (a thread holds twice the elements: fewer threads cross a block's reduction), column-wise
+    # 32x1 tiles 128 columns wide; AMD keeps 4 waves
+    from inferbook.device import building_for
+
+    x = torch.zeros(64, 256)
+    for target, warps in (("sm_80", 2), ("sm_90", 2), ("sm_100", 2), ("gfx942", 4), ("gfx950", 4)):
+        with building_for(target):
+            la = mx._quantize_launch(x, x.to(torch.uint8), torch.zeros(2, 256, dtype=torch.uint8), 32, 1, "e4m3", "floor")
+        assert la.kwargs["num_warps"] == warps and la.kwargs["NBC"] == 128 and la.grid == (2, 2), target
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2", "e2m1"])
+def test_magnitude_key_blocks_of_zeros_denormals_and_a_nan(fmt):
+    # the kernel's block max is an integer max of |x|'s bits: -0.0, fp32 denormals (the largest is the block's
+    # amax), a block holding only -inf among zeros and one holding a NaN beside normals, bit-exact with the
+    # reference, on 2 warps' tiles
+    from inferbook.device import building_for
+
+    x = torch.zeros(4, 64)
+    x[0, :32] = -0.0
+    x[1, :32] = torch.tensor([1e-40, -3e-39, 2e-45, 1.1754942e-38] * 8)
+    x[2, 5] = -float("inf")
+    x[3, :32] = torch.linspace(-5, 7, 32)
+    x[3, 40] = float("nan")
+    ref = mx.quantize_reference(x, fmt, axis=-1)
+    with building_for("sm_90"):
+        got = mx.quantize_triton(x, fmt, axis=-1)
+    assert torch.equal(got.scales, ref.scales) and torch.equal(got.elements, ref.elements)
