@@ -413,17 +413,19 @@ def test_cdna_residency_and_issue_count_waves_per_simd():
 
 def test_cdna_register_residency_is_the_compilers():
     # every committed CDNA row: the model's waves a SIMD from registers (a 4-wave workgroup, one wave a SIMD, so
-    # its CTAs a CU by registers are its waves a SIMD) against the compiler's own "; Occupancy" comment. Never
-    # below it; equal where registers bind (the few left, the compiler holds lower by SGPRs, not modelled)
-    seen = same = 0
+    # its CTAs a CU by registers are its waves a SIMD) against the compiler's own "; Occupancy" comment. Where the
+    # VGPRs allow fewer than 8 waves they bind, and the two agree on every row; where they allow 8 the compiler
+    # may say fewer (SGPRs, which the model does not count) but never more. Counting the AGPRs twice failed this
+    seen = 0
     for slug in compiled.kernel_chapters():
         for r in (compiled.load_table(slug) or {"rows": []})["rows"]:
             if not r["target"].startswith("gfx") or not r.get("ok") or r.get("compiler_occupancy") is None:
                 continue
             mine = compiled.residency({**r, "num_warps": 4, "shared_kb": 0.0})["by"]["registers"]
-            assert mine >= r["compiler_occupancy"] or mine == 8, (slug, r["launch"], r["target"], mine, r["compiler_occupancy"])
-            seen, same = seen + 1, same + (mine == r["compiler_occupancy"])
-    assert seen > 500 and same >= 0.99 * seen, (same, seen)
+            occ = r["compiler_occupancy"]
+            assert (mine == occ) if mine < 8 else (occ <= 8), (slug, r["launch"], r["target"], mine, occ)
+            seen += mine < 8
+    assert seen > 300, seen
 
 
 def test_predict_launches_reads_the_committed_table(tmp_path):
