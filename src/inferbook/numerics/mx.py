@@ -800,11 +800,13 @@ def _rowcol_launch(x, er, sr, ec, sc, fmt: str, block: int, scale_rounding: str)
     NBN, MBM = -(-N // block), -(-M // block)
     tc = ROWCOL_TILE_COLS
     # fp32 x on sm_80: 8 warps (4 held 32 fp32 values of x, |x| and the codes per thread and spilled
-    # 136 B at 255 registers; 8: none, 117). bf16 x, and other targets, keep 4: 8 warps cost the timed
-    # bf16 quantize issue slots (predicted 190 -> 248 us on A100 at 8192^2)
+    # 136 B at 255 registers; 8: none, 117); fp32 elsewhere keeps 4. 16-bit x on NVIDIA: 2 warps (each
+    # block's reductions cross fewer threads; predicted at 8192^2 bf16: H200 90 -> 77 us, B200 75 -> 64 us,
+    # still issue-bound: two encodes an element). AMD keeps 4 waves
     from .. import device as _device
 
-    warps = _device.pick_config({"nvidia": 4, "sm_80": 8}, x.device) if x.element_size() == 4 else 4
+    warps = (_device.pick_config({"nvidia": 4, "sm_80": 8, "hip": 4}, x.device) if x.element_size() == 4 else
+             _device.pick_config({"nvidia": 2, "hip": 4}, x.device))
     return Launch(f"mx_quantize_rowcol {fmt} {scale_rounding} {block} {str(x.dtype)[6:]} {M}x{N} tile {block}x{tc}",
                   mx_quantize_rowcol_kernel, [x, er, sr, ec, sc, M, N, NBN, MBM, x.stride(0), x.stride(1)],
                   dict(BLOCK=block, TC=tc, EMAX=f.emax, EMIN=f.emin, MBITS=f.mbits, SIGN_SHIFT=f.sign_shift,
