@@ -453,3 +453,67 @@ def test_magnitude_key_blocks_of_zeros_denormals_and_a_nan(fmt):
     with building_for("sm_90"):
         got = mx.quantize_triton(x, fmt, axis=-1)
     assert torch.equal(got.scales, ref.scales) and torch.equal(got.elements, ref.elements)
+
+
+@pytest.mark.parametrize("fmt,dt", [("e4m3", torch.float8_e4m3fn), ("e5m2", torch.float8_e5m2)])
+def test_reference_codes_are_the_hardware_cast_of_the_clamped_value(fmt, dt):
+    # what the GPU encoder (HW 1/2: cvt.rn.satfinite, round to nearest even) computes -- the block-scaled value
+    # clamped to +-max_normal, cast to the fp8 format -- is the reference's code for every finite block: here
+    # PyTorch's RNE cast stands in for the instruction, on random values over 40 binades, every code and every
+    # halfway point between neighbours (the interpreter cannot run that path: `device.fp8_cast_needs_emulation`)
+    g = torch.Generator().manual_seed(3)
+    f = mx.FORMATS[fmt]
+    grid = torch.arange(256, dtype=torch.uint8).view(dt).float()
+    grid = grid[torch.isfinite(grid)].unique()
+    halves = (grid[1:] + grid[:-1]) / 2
+    rnd = torch.randn(64 * 512, generator=g) * torch.exp2(torch.randint(-30, 10, (64 * 512,), generator=g).float())
+    x = torch.cat([rnd, grid, halves, -halves])
+    x = torch.cat([x, torch.zeros(-x.numel() % 32)]).reshape(-1, 32)
+    x[:, 0] = f.max_normal      # each block's amax at max_normal: s = 0, the grid and halfway points as they are
+    x[-64:, 0] = 0.0
+    ref = mx.quantize_reference(x, fmt, axis=-1)
+    s = ref.scales.to(torch.int32) - 127                         # [rows, 1]
+    y = x * torch.exp2(-s.float())
+    hw = y.clamp(-f.max_normal, f.max_normal).to(dt).view(torch.uint8)
+    assert torch.equal(hw, ref.elements)
+
+
+def test_hw_cast_is_taken_where_the_target_converts_in_hardware():
+    from inferbook.device import building_for
+
+    cpu, meta = torch.device("cpu"), torch.device("meta")
+    assert mx.hw_cast("e4m3", cpu) == 0 and mx.hw_cast("e4m3", meta) == 0      # no target: the integer encoding
+    for target, want in (("sm_80", (0, 0)), ("sm_90", (1, 2)), ("sm_100", (1, 2)), ("gfx942", (0, 0)), ("gfx950", (0, 0))):
+        with building_for(target):
+            # interpreted CPU tensors always emulate; a launch built on meta tensors (to compile) takes the target's
+            assert (mx.hw_cast("e4m3", cpu), mx.hw_cast("e5m2", cpu), mx.hw_cast("e2m1", cpu)) == (0, 0, 0), target
+            assert (mx.hw_cast("e4m3", meta), mx.hw_cast("e5m2", meta), mx.hw_cast("e2m1", meta)) == (*want, 0), target
+
+
+def test_compiled_encoder_uses_the_rn_conversion(tmp_path):
+    # the committed compile table's quantize launches: HW 1 on sm_90/sm_100 (the PTX's cvt.rn.satfinite.e4m3x2),
+    # 0 on sm_80 and CDNA
+    from inferbook import compiled
+
+    rows = [r for r in compiled.load_table("te-mxfp8-recipes")["rows"] if r["launch"].startswith(("quantize-speed e4m3", "rowcol"))]
+    for r in rows:
+        assert r["constexprs"]["HW"] == (1 if r["target"] in ("sm_90", "sm_100") else 0), (r["launch"], r["target"])
+    src = """
+import sys, re, torch
+from inferbook import compiled
+from inferbook.numerics import mx
+from inferbook.device import building_for
+with building_for(sys.argv[1]):
+    (la,) = mx.quantize_launches((256, 256), torch.bfloat16, "e4m3", axis=-1)
+from triton.backends.compiler import GPUTarget
+from triton.runtime.driver import driver
+driver.set_active(compiled._AOTDriver(GPUTarget("cuda", int(sys.argv[1][3:]), 32)))
+ck = la.kernel.run(*[compiled._stand_in(a) for a in la.args], grid=(1,), warmup=True, **la.kwargs)
+print(sorted(set(re.findall(r"cvt[.][a-z0-9.]*e4m3[a-z0-9.]*", ck.asm["ptx"]))))
+"""
+    import os, subprocess, sys
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1", "TRITON_CACHE_DIR": str(tmp_path)}
+    for target, want in (("sm_90", "['cvt.rn.satfinite.e4m3x2.f32']"), ("sm_80", "[]")):
+        r = subprocess.run([sys.executable, "-c", src, target], capture_output=True, text=True, env=env, timeout=600)
+        assert r.returncode == 0, r.stderr[-1500:]
+        assert r.stdout.strip().splitlines()[-1] == want, (target, r.stdout)

@@ -288,9 +288,18 @@ if triton is not None:
 
     @triton.jit
     def _mx_encode(x, inv, nbad, EMIN: tl.constexpr, MBITS: tl.constexpr, SIGN_SHIFT: tl.constexpr,
-                   MAX_NORMAL: tl.constexpr, NAN_CODE: tl.constexpr):
-        """Element codes of fp32 x given its block's 2**-s (`inv`) and NaN/Inf flag, broadcast to x."""
+                   MAX_NORMAL: tl.constexpr, NAN_CODE: tl.constexpr, HW: tl.constexpr = 0):
+        """Element codes of fp32 x given its block's 2**-s (`inv`) and NaN/Inf flag, broadcast to x.
+        HW (`hw_cast`): 1 / 2, the hardware's fp32 -> E4M3 / E5M2 conversion (sm_89+: `cvt.rn.satfinite`,
+        two elements an instruction) of the value clamped to +-max_normal: round to nearest even, as the
+        integer path below, which every other target and the interpreter take."""
         y = x * inv                                                  # exact: a power-of-two scaling
+        if HW == 1:
+            c8 = tl.minimum(tl.maximum(y, -MAX_NORMAL), MAX_NORMAL).to(tl.float8e4nv)
+            return tl.where(nbad != 0, NAN_CODE, c8.to(tl.uint8, bitcast=True).to(tl.int32))
+        if HW == 2:
+            c8 = tl.minimum(tl.maximum(y, -MAX_NORMAL), MAX_NORMAL).to(tl.float8e5)
+            return tl.where(nbad != 0, NAN_CODE, c8.to(tl.uint8, bitcast=True).to(tl.int32))
         sign = (y.to(tl.int32, bitcast=True) >> 31) & 1
         av = tl.minimum(tl.abs(y), MAX_NORMAL)                       # saturate
         e = tl.maximum(((av.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, EMIN)
@@ -305,7 +314,7 @@ if triton is not None:
                            SR: tl.constexpr, SC: tl.constexpr, NBR: tl.constexpr, NBC: tl.constexpr,
                            EMAX: tl.constexpr, EMIN: tl.constexpr, MBITS: tl.constexpr,
                            SIGN_SHIFT: tl.constexpr, MAX_NORMAL: tl.constexpr, MAX_MANT: tl.constexpr,
-                           NAN_CODE: tl.constexpr, ROUND_UP: tl.constexpr):
+                           NAN_CODE: tl.constexpr, ROUND_UP: tl.constexpr, HW: tl.constexpr = 0):
         TR: tl.constexpr = NBR * SR
         TC: tl.constexpr = NBC * SC
         # slab rows: the whole tile when it is small, else MAX_TILE_ELEMENTS // TC rows of a tile
@@ -335,7 +344,7 @@ if triton is not None:
         if SLAB == TR:
             inv_t = tl.reshape(tl.broadcast_to(tl.reshape(inv, (NBR, 1, NBC, 1)), (NBR, SR, NBC, SC)), (TR, TC))
             bad_t = tl.reshape(tl.broadcast_to(tl.reshape(nbad, (NBR, 1, NBC, 1)), (NBR, SR, NBC, SC)), (TR, TC))
-            code = _mx_encode(x, inv_t, bad_t, EMIN, MBITS, SIGN_SHIFT, MAX_NORMAL, NAN_CODE)
+            code = _mx_encode(x, inv_t, bad_t, EMIN, MBITS, SIGN_SHIFT, MAX_NORMAL, NAN_CODE, HW)
             tl.store(e_ptr + rows[:, None].to(tl.int64) * sem + cols[None, :].to(tl.int64) * sen,
                      code.to(tl.uint8), mask=mask)
         else:
@@ -344,7 +353,7 @@ if triton is not None:
             for r0 in range(0, TR, SLAB):
                 rows = pid_r * TR + r0 + tl.arange(0, SLAB)
                 x, key, mask = _mx_load_key(x_ptr, rows, cols, M, N, sxm, sxn)
-                code = _mx_encode(x, inv_t, bad_t, EMIN, MBITS, SIGN_SHIFT, MAX_NORMAL, NAN_CODE)
+                code = _mx_encode(x, inv_t, bad_t, EMIN, MBITS, SIGN_SHIFT, MAX_NORMAL, NAN_CODE, HW)
                 tl.store(e_ptr + rows[:, None].to(tl.int64) * sem + cols[None, :].to(tl.int64) * sen,
                          code.to(tl.uint8), mask=mask)
 
@@ -405,7 +414,7 @@ if triton is not None:
                                   BLOCK: tl.constexpr, TC: tl.constexpr,
                                   EMAX: tl.constexpr, EMIN: tl.constexpr, MBITS: tl.constexpr,
                                   SIGN_SHIFT: tl.constexpr, MAX_NORMAL: tl.constexpr, MAX_MANT: tl.constexpr,
-                                  NAN_CODE: tl.constexpr, ROUND_UP: tl.constexpr):
+                                  NAN_CODE: tl.constexpr, ROUND_UP: tl.constexpr, HW: tl.constexpr = 0):
         """One program: rows [BLOCK*pid_r, +BLOCK) x columns [TC*pid_c, +TC). Row-wise: 1 x BLOCK blocks
         (scales sr [M, NBN]); column-wise: BLOCK x 1 blocks (scales sc [MBM, N]); codes er, ec [M, N]."""
         NB: tl.constexpr = TC // BLOCK
@@ -424,7 +433,7 @@ if triton is not None:
         inv_r = ((127 - s_r) << 23).to(tl.float32, bitcast=True)
         inv_r = tl.reshape(tl.broadcast_to(tl.reshape(inv_r, (BLOCK, NB, 1)), (BLOCK, NB, BLOCK)), (BLOCK, TC))
         bad_rt = tl.reshape(tl.broadcast_to(tl.reshape(bad_r, (BLOCK, NB, 1)), (BLOCK, NB, BLOCK)), (BLOCK, TC))
-        code_r = _mx_encode(x, inv_r, bad_rt, EMIN, MBITS, SIGN_SHIFT, MAX_NORMAL, NAN_CODE)
+        code_r = _mx_encode(x, inv_r, bad_rt, EMIN, MBITS, SIGN_SHIFT, MAX_NORMAL, NAN_CODE, HW)
         tl.store(er_ptr + off, code_r.to(tl.uint8), mask=mask)
         # column-wise blocks: the tile's BLOCK rows of each column are one block
         s_c, b_c, bad_c = _mx_scale(tl.max(key, axis=0), EMAX, MAX_MANT, ROUND_UP)  # [TC]
@@ -432,7 +441,7 @@ if triton is not None:
         inv_c = ((127 - s_c) << 23).to(tl.float32, bitcast=True)
         code_c = _mx_encode(x, tl.broadcast_to(inv_c[None, :], (BLOCK, TC)),
                             tl.broadcast_to(bad_c[None, :], (BLOCK, TC)), EMIN, MBITS, SIGN_SHIFT, MAX_NORMAL,
-                            NAN_CODE)
+                            NAN_CODE, HW)
         tl.store(ec_ptr + off, code_c.to(tl.uint8), mask=mask)
 
 
@@ -765,6 +774,24 @@ def direction_disagreement(x: torch.Tensor, fmt: str, scale_rounding: str = "flo
 # ---------------------------------------------------------------------------
 # Launch builder (inferbook.compiled): what `quantize_triton` launches on a GPU, without running it
 
+def hw_cast(fmt: str, device) -> int:
+    """The encoders' HW constexpr: 1 (E4M3) / 2 (E5M2) where the target converts fp32 to that format in
+    hardware with round-to-nearest-even (NVIDIA sm_89 and later: `cvt.rn.satfinite.e4m3x2.f32`, PTX ISA), else
+    0, the integer encoding: sm_80 (no fp8 conversion), CDNA (gfx942's fp8 is the FNUZ variant; not taken on
+    gfx950 either, unverified), E2M1, and the interpreter (`device.fp8_cast_needs_emulation`). Both give the same
+    codes: the reference rounds to nearest even too (a test holds PyTorch's RNE cast to it)."""
+    from .. import device as _device
+
+    device = torch.device(device)
+    # a meta tensor's launch is built to be compiled for a GPU (`compiled.meta`): the interpreter never runs it
+    if fmt not in ("e4m3", "e5m2") or (device.type != "meta" and _device.fp8_cast_needs_emulation(device)):
+        return 0
+    t = _device.kernel_target(device)
+    if t is None or _device.target_vendor(t) != "nvidia" or int("".join(ch for ch in t if ch.isdigit()) or 0) < 89:
+        return 0
+    return 1 if fmt == "e4m3" else 2
+
+
 def _quantize_launch(x2d, e2d, s2d, sr: int, sc: int, fmt: str, scale_rounding: str):
     """The launch (`compiled.Launch`) `quantize_triton` makes for x2d [M, N] (sr x sc blocks), codes
     e2d uint8 [M, N] and scales s2d uint8 [ceil(M/sr), ceil(N/sc)] (tensors or `meta` stand-ins)."""
@@ -786,7 +813,7 @@ def _quantize_launch(x2d, e2d, s2d, sr: int, sc: int, fmt: str, scale_rounding: 
                    s2d.stride(0), s2d.stride(1)],
                   dict(SR=sr, SC=sc, NBR=nbr, NBC=nbc, EMAX=f.emax, EMIN=f.emin, MBITS=f.mbits,
                        SIGN_SHIFT=f.sign_shift, MAX_NORMAL=f.max_normal, MAX_MANT=f.max_mant, NAN_CODE=f.nan_code,
-                       ROUND_UP=scale_rounding == "up", num_warps=warps),
+                       ROUND_UP=scale_rounding == "up", HW=hw_cast(fmt, x2d.device), num_warps=warps),
                   "numerics/mx.py:quantize_triton", (triton.cdiv(MB, nbr), triton.cdiv(NB, nbc)))
 
 
@@ -811,7 +838,8 @@ def _rowcol_launch(x, er, sr, ec, sc, fmt: str, block: int, scale_rounding: str)
                   mx_quantize_rowcol_kernel, [x, er, sr, ec, sc, M, N, NBN, MBM, x.stride(0), x.stride(1)],
                   dict(BLOCK=block, TC=tc, EMAX=f.emax, EMIN=f.emin, MBITS=f.mbits, SIGN_SHIFT=f.sign_shift,
                        MAX_NORMAL=f.max_normal, MAX_MANT=f.max_mant, NAN_CODE=f.nan_code,
-                       ROUND_UP=scale_rounding == "up", **({"num_warps": warps} if warps != 4 else {})),
+                       ROUND_UP=scale_rounding == "up", HW=hw_cast(fmt, x.device),
+                       **({"num_warps": warps} if warps != 4 else {})),
                   "numerics/mx.py:quantize_rowcol_triton", (MBM, triton.cdiv(N, tc)))
 
 
