@@ -194,6 +194,24 @@ def test_fp16_gate():
     assert res["bfloat16"]["gated_backend"].startswith("F.conv3d") and "bfloat16" in res["bfloat16"]["gated_reason"]
 
 
+def test_implicit_gemm_conv_at_cdna_tiles():
+    # CDNA's 128x128x64 tile (`fused.CONV_CDNA_CONFIG`) in the interpreter: 160 output rows and 136 channels span
+    # two ragged tiles each way, C_in 72 leaves a ragged last K step; fp32 accumulation within the rule
+    from inferbook.device import building_for
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(1, 72, 4, 10, 12, generator=g).half().to(DEV)
+    w = (torch.randn(136, 72, 3, 3, 3, generator=g) / (27 * 72) ** 0.5).half().to(DEV)
+    b = (0.1 * torch.randn(136, generator=g)).half().to(DEV)
+    ref = torch.nn.functional.conv3d(x.double().cpu(), w.double().cpu(), b.double().cpu())
+    with building_for("gfx942"):
+        assert F_.conv_config(72, 136, DEV) == {**F_.CONV_CDNA_CONFIG, "BLOCK_K": 64, "BLOCK_N": 128}
+        out = F_.conv3d_triton(x, w, b, fp16_accumulation=False)
+    chk = F_.fa_rule_check(out, F_.conv3d_eager(x, w, b, 1, None), ref)
+    assert chk["passed"], chk
+    assert F_.conv_config(72, 136, DEV) == {**F_.CONV_GPU_CONFIG, "BLOCK_K": 32, "BLOCK_N": 64}
+
+
 def test_residual_in_conv_epilogue():
     ops = F_.Ops("eager")
     x = torch.randn(1, 4, 3, 4, 4)
