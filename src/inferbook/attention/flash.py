@@ -525,7 +525,8 @@ def block_config(device: torch.device, head_dim: int, kind: str, head_dim_v: int
     Backward at d 192/256: dK/dV 32x64 (wgmma on sm_90), dQ 32x16 with two stages on NVIDIA (64-row dQ
     tiles spill). The flags (paged KV, PackGQA, a window, softcap, causal) add index and mask arithmetic
     that pushed some NVIDIA tiles past 255 registers; those cases take smaller tiles on NVIDIA (below,
-    with the predicted times that chose them). Interpreter: 64x64 — each interpreted op costs far more than
+    with the predicted times that chose them). CDNA takes 4-wave tiles for dK/dV and the MLA forward (8 waves
+    sit two a SIMD at 256 VGPRs and spilled there). Interpreter: 64x64 — each interpreted op costs far more than
     its arithmetic, so fewer, larger tiles run fastest (measured: 32x32 is ~4x slower on the smoke
     matrix); the 113x203 shape still spans several tiles with ragged tails.
     """
