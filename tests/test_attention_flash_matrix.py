@@ -128,7 +128,7 @@ def test_register_saving_nvidia_tiles_pass_interpreted(target, case):
     ("gfx950", _case(kv="paged-16", dtype="float16", window="left", dv="mla")),       # MLA forward 32x16 on 4 waves
 ])
 def test_cdna_tiles_pass_interpreted(target, case):
-    # CDNA's own dK/dV and MLA forward tiles (`block_config`'s 'hip' entries) in the interpreter, on 150 queries x
+    # CDNA's own dK/dV, dQ and MLA forward tiles (`block_config`'s 'hip' entries) in the interpreter, on 150 queries x
     # 200 keys so that the 128-row tiles loop twice with a ragged tail: every checked tensor within the tolerance rule
     from inferbook.device import building_for
 
