@@ -552,22 +552,25 @@ def block_config(device: torch.device, head_dim: int, kind: str, head_dim_v: int
             return dict(_device.pick_config({"nvidia": {**cfg, "BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4},
                                              "hip": amd}, device))
         block_d = max(16, triton.next_power_of_2(widest))
+        # CDNA, d <= 128: 128x64 on 4 waves, one stage (at most 294 registers, no spill; the 8-wave tiles
+        # spilled 12-116 B on five flagged launches a target): every such forward of the matrix predicted
+        # faster or as fast, the twenty-nine 4.4 -> 2.2 ms on MI300X, 3.2 -> 1.6 ms on MI355X; throughput d128
+        # full 2.1 -> 1.1 ms and 1.4 -> 0.7 ms (of 128x64 at 2 stages, 128x128, 128x32, 64x64 at 4 waves)
+        amd_fwd = dict(BLOCK_M=128, BLOCK_N=64, BLOCK_D=block_d, num_warps=4, num_stages=1)
         if block_d <= 64:
             cfg = dict(BLOCK_M=128, BLOCK_N=64, BLOCK_D=block_d, num_warps=4, num_stages=3)
             if not (paged or pack or window or softcap):
-                return cfg
+                return dict(_device.pick_config({"nvidia": cfg, "hip": amd_fwd}, device))
             # 128x64 at 4 warps sits at 252-255 registers at d64; paged KV, PackGQA or a window (softcap's
             # tanh adds more) spilled 16-128 B on NVIDIA. 64-key tiles -> 32 halve the score tile: no spill on sm_80/90/100 and every
             # such launch of the matrix predicted no slower (predicted: sm_80 d64 paged-128 MQA+pack
             # window-left 10.4 -> 7.8 us, sm_90 6.9 -> 5.4, sm_100 10.8 -> 7.8). Not without those
             # features: the plain d64 sinks launch is predicted slower at 32 keys (sm_90 3.9 -> 5.4 us,
-            # latency-bound), and it does not spill. AMD keeps 64.
-            return dict(_device.pick_config({"nvidia": {**cfg, "BLOCK_N": 32}, "hip": cfg}, device))
+            # latency-bound), and it does not spill. AMD takes its own (above).
+            return dict(_device.pick_config({"nvidia": {**cfg, "BLOCK_N": 32}, "hip": amd_fwd}, device))
         if block_d <= 128:
-            # gfx942 (MI300X, 64 KB of LDS per workgroup): the same tiles, two stages (three stages' copies
-            # of the K and V tiles beside q need 80 KB there); gfx950's 160 KB takes NVIDIA's three
             cfg = dict(BLOCK_M=128, BLOCK_N=64, BLOCK_D=block_d, num_warps=8, num_stages=3)
-            configs = {"nvidia": cfg, "gfx942": {**cfg, "num_stages": 2}}
+            configs = {"nvidia": cfg, "hip": amd_fwd}
             if pack and triton.next_power_of_2(head_dim_v or head_dim) == 128:
                 # sm_80, PackGQA with a 128-wide accumulator: 128x64 spilled 88-136 B (255 registers);
                 # 64-row tiles hold 168-192 with no spill and are predicted faster on every such launch of the
