@@ -157,9 +157,13 @@ def test_the_runtime_launch_on_a_faked_mi300x_takes_the_amd_configs(rocm, monkey
     assert [compiled.launch_fingerprint(a) for a in runtime] == [compiled.launch_fingerprint(b) for b in table]
     state = next(la for la in runtime if "state" in la.name)
     assert state.kwargs["num_stages"] == 1 and state.kwargs["PRECISION"] == "ieee"
-    assert flash.block_config(cuda, 128, "fwd")["num_stages"] == 2
-    with dev.building_for("gfx950"):                                # 160 KB of LDS: NVIDIA's three stages
-        assert flash.block_config(cuda, 128, "fwd")["num_stages"] == 3
+    # the device's own gfx942 takes CDNA's forward tile (4 waves, one stage), as gfx950 does; sm_90 NVIDIA's
+    amd_fwd = flash.block_config(cuda, 128, "fwd")
+    assert (amd_fwd["num_warps"], amd_fwd["num_stages"]) == (4, 1)
+    with dev.building_for("gfx950"):
+        assert flash.block_config(cuda, 128, "fwd") == amd_fwd
+    with dev.building_for("sm_90"):
+        assert (flash.block_config(cuda, 128, "fwd")["num_warps"], flash.block_config(cuda, 128, "fwd")["num_stages"]) == (8, 3)
     with dev.building_for("sm_90"):
         state = next(la for la in gdn_chunk.chunked_launches(1, 256, 2, 128, 128) if "state" in la.name)
         assert state.kwargs["num_stages"] == 3 and state.kwargs["PRECISION"] == "tf32"
