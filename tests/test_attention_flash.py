@@ -295,6 +295,7 @@ def test_register_heavy_features_take_smaller_nvidia_tiles_only():
         assert cfg(target, 128, "dq") == (128, 64, 4) and cfg(target, 256, "dq") == (32, 16, 8)
         with building_for(target):
             assert flash.block_config(cpu, 96, "fwd", pack=True)["num_stages"] == 1 == flash.block_config(cpu, 64, "fwd")["num_stages"]
+            assert (flash.block_config(cpu, 256, "fwd")["num_warps"], flash.block_config(cpu, 192, "fwd")["num_stages"]) == (4, 1)
     assert all(cfg(t, 192, "dkdv") == (32, 64, 8) and cfg(t, 128, "dq") == (64, 32, 8) for t in ("sm_80", "sm_90", "sm_100"))
     assert cfg("sm_80", 128, "fwd", pack=True) == (64, 64, 8) and cfg("sm_90", 128, "fwd", pack=True) == (128, 64, 8)
     assert cfg("sm_80", 96, "fwd", 48, pack=True) == (128, 64, 8)

@@ -127,6 +127,7 @@ def test_register_saving_nvidia_tiles_pass_interpreted(target, case):
     ("gfx942", _case(head_dim=192, direction="bwd", dv="half", sinks=True)),          # d192: 64x32 on 4 waves
     ("gfx950", _case(kv="paged-16", dtype="float16", window="left", dv="mla")),       # MLA forward 32x16 on 4 waves
     ("gfx942", _case(head_dim=128, kv="paged-16", window="left", sinks=True)),        # forward 128x64 on 4 waves
+    ("gfx950", _case(head_dim=256, causal=False, window="left", softcap=True)),      # d256 forward 64x32 on 4 waves
 ])
 def test_cdna_tiles_pass_interpreted(target, case):
     # CDNA's own dK/dV, dQ and MLA forward tiles (`block_config`'s 'hip' entries) in the interpreter, on 150 queries x
