@@ -40,7 +40,8 @@ The model, and every assumption it makes (the pages' "How the prediction is made
      trips than the pipeline is deep still waits for its first load), plus one latency, plus two for each
      synchronising atomic of the kernel (acquire or acq_rel in the Triton IR, `machine.sync_atomics`: a
      last-arrival count's round trip, then the reads of what the other CTAs published; counted on every CTA,
-     though only the last arrival reads); resident CTAs overlap. Little's law is reported beside it: bytes in flight per SM vs latency × (bandwidth / SMs).
+     though only the last arrival reads); resident CTAs overlap. Little's law is reported beside it: bytes
+     in flight per SM vs latency × (bandwidth / SMs).
    - `waves`: the issue, compute and latency bounds recomputed for the *busiest* SM: wave
      quantization. CTAs are dispatched in launch order (x fastest), the first SMs × resident count
      breadth-first (CTA i to SM i mod SMs), each later one to the slot that frees first, a CTA
@@ -52,8 +53,9 @@ The model, and every assumption it makes (the pages' "How the prediction is made
    - `floor`: the old ideal roofline, max(DRAM bytes / datasheet bandwidth, FLOPs / peak) — shown as
      the floor, never as the prediction.
 Not modelled: L2 and shared-memory bandwidth, bank conflicts, local memory (a spill's traffic: a spilling
-launch's prediction is a floor), launch overhead, clocks below boost, contention on atomics, waiting for other CTAs beyond the synchronising atomics' round trips. Every number
-is labelled *predicted* wherever it is shown.
+launch's prediction is a floor), launch overhead, clocks below boost, contention on atomics, waiting for
+other CTAs beyond the synchronising atomics' round trips. Every number is labelled *predicted* wherever it
+is shown.
 """
 from __future__ import annotations
 

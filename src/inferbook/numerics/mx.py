@@ -294,11 +294,9 @@ if triton is not None:
         two elements an instruction) of the value clamped to +-max_normal: round to nearest even, as the
         integer path below, which every other target and the interpreter take."""
         y = x * inv                                                  # exact: a power-of-two scaling
-        if HW == 1:
-            c8 = tl.minimum(tl.maximum(y, -MAX_NORMAL), MAX_NORMAL).to(tl.float8e4nv)
-            return tl.where(nbad != 0, NAN_CODE, c8.to(tl.uint8, bitcast=True).to(tl.int32))
-        if HW == 2:
-            c8 = tl.minimum(tl.maximum(y, -MAX_NORMAL), MAX_NORMAL).to(tl.float8e5)
+        if HW != 0:
+            clamped = tl.minimum(tl.maximum(y, -MAX_NORMAL), MAX_NORMAL)
+            c8 = clamped.to(tl.float8e4nv) if HW == 1 else clamped.to(tl.float8e5)
             return tl.where(nbad != 0, NAN_CODE, c8.to(tl.uint8, bitcast=True).to(tl.int32))
         sign = (y.to(tl.int32, bitcast=True) >> 31) & 1
         av = tl.minimum(tl.abs(y), MAX_NORMAL)                       # saturate
@@ -787,7 +785,7 @@ def hw_cast(fmt: str, device) -> int:
     if fmt not in ("e4m3", "e5m2") or (device.type != "meta" and _device.fp8_cast_needs_emulation(device)):
         return 0
     t = _device.kernel_target(device)
-    if t is None or _device.target_vendor(t) != "nvidia" or int("".join(ch for ch in t if ch.isdigit()) or 0) < 89:
+    if t is None or _device.target_vendor(t) != "nvidia" or int(t[3:]) < 89:      # 'sm_90' -> 90
         return 0
     return 1 if fmt == "e4m3" else 2
 
