@@ -410,12 +410,25 @@ def test_chapter_parameters_are_checked_before_any_work(change, needle):
         ch.make_workload("some", ch.PRESETS["smoke"], 0)
 
 
-def test_cpu_preset_file_and_peer_tiers_serve_and_a_request_waits(tmp_path):
+def test_cpu_preset_file_and_peer_tiers_serve_and_a_request_waits(tmp_path, monkeypatch):
     """Issue 24: at the cpu preset's sizes the host tier is smaller than the working set of prefixes and
     the file tier larger than the host, so on the shared workload with every tier both the file and the
-    peer serve blocks, and a request waits for its fetch while the engine steps the others."""
+    peer serve blocks, and a request waits for its fetch while the engine steps the others.
+
+    The sizes' claim holds while the slow-tier writes keep up with the engine, so here each step waits
+    for its copies and writes (fetches stay asynchronous). Without that, a disk whose fsync is slow (a CI
+    runner's: 2 ms a block is enough) leaves a write backlog that pins host rows: fewer blocks go below,
+    the file tier never overflows and the peer serves none ({'host': 18, 'file': 32, 'peer': 0})."""
     from inferbook.chapters import tiered_kv_offload as ch
     from inferbook.serving.kv_offload.bench import run_workload
+    from inferbook.serving.kv_offload.engine_tiers import EngineKVTiers
+
+    note_step = EngineKVTiers.note_step
+
+    def note_step_then_writes_done(self):
+        note_step(self)
+        assert self.copier.wait_idle(30) and self.store.flush(30)
+    monkeypatch.setattr(EngineKVTiers, "note_step", note_step_then_writes_done)
 
     P = dict(ch.PRESETS["cpu"])
     assert P["host_blocks"] < P["num_prefixes"] * P["prefix_len"] // P["block_size"] and P["file_blocks"] > P["host_blocks"]
