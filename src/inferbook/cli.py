@@ -8,6 +8,7 @@
     inferbook ceilings [--device D] [--save-reference]
     inferbook budgets [--preset P] [--part K/N] [--table] [--dry-run [--save]]
     inferbook inspect CHAPTER|--all [--target sm_80|sm_90|sm_100|gfx942|gfx950|all] [--save] [--jobs N]
+    inferbook sweep CHAPTER TARGET CONFIG --kernel NAME [--launch TEXT] --set KEY=V1,V2 ... [--jobs N] [--each]
     inferbook workflow run FILE.json [--output-dir D] [--input-dir D] [--device D] [--no-cache]
     inferbook workflow validate FILE.json
 
@@ -376,6 +377,20 @@ def cmd_inspect(args) -> int:
     return 1 if bad else 0
 
 
+def cmd_sweep(args) -> int:
+    """A named launch config's alternatives, compiled and predicted beside the chosen one
+    (`inferbook.compiled.sweep`; its arguments are passed on as they are)."""
+    import os
+
+    from .compiled import sweep
+
+    if os.environ.get("TRITON_INTERPRET") == "0":
+        return sweep.main(args.rest)
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": os.environ.get("TRITON_DEFAULT_FP_FUSION", "1")}
+    os.execve(sys.executable, [sys.executable, "-m", "inferbook.compiled.sweep", *args.rest], env)  # compile for real
+    return 0    # pragma: no cover - execve does not return
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = _OneLineParser(prog="inferbook", description="Execute, measure and render the inferbook chapters.")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -406,6 +421,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save", action="store_true", help="write data/compiled/<slug>.json (commit it)")
     p.add_argument("--jobs", type=int, default=2, help="compiling processes (default 2)")
     p.set_defaults(fn=cmd_inspect)
+    p = sub.add_parser("sweep", help="compile and predict a kernel's launches at other tiles/warps/stages of a named "
+                                     "config (no GPU); `inferbook sweep -h` for its arguments", add_help=False)
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.set_defaults(fn=cmd_sweep)
     p = sub.add_parser("book", help="execute changed chapters and build _build/html")
     p.add_argument("--force", action="store_true", help="re-execute every chapter")
     p.add_argument("--keep-going", action="store_true", help="build the other chapters when one fails")
@@ -461,7 +480,11 @@ def main(argv: list[str] | None = None) -> int:
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _on_sigterm)
     try:
-        args = build_parser().parse_args(argv)
+        argv = sys.argv[1:] if argv is None else list(argv)
+        if argv[:1] == ["sweep"]:          # its own parser, options and -h included (`compiled.sweep`)
+            args = argparse.Namespace(fn=cmd_sweep, rest=argv[1:])
+        else:
+            args = build_parser().parse_args(argv)
         try:
             from .book import ChapterFailed
         except ImportError:  # a bare GPU image without the book extras can still `measure`

@@ -312,6 +312,48 @@ def build_target() -> str | None:
     return b.target if b is not None else None
 
 
+class ConfigOverride:
+    """What `overriding_config` holds: the config's name, the values put over it, and what the builds
+    saw (how many times the config was asked, and its keys)."""
+
+    def __init__(self, name: str, values: dict):
+        self.name, self.values = name, dict(values)
+        self.asked = 0
+        self.keys: set[str] = set()
+
+
+_OVERRIDE: contextvars.ContextVar[ConfigOverride | None] = contextvars.ContextVar("inferbook_config_override",
+                                                                                  default=None)
+
+
+@contextlib.contextmanager
+def overriding_config(name: str, values: dict):
+    """Inside this block, the config named `name` (see `swept`) is returned with `values` put over it:
+    the hook of `python -m inferbook.compiled.sweep`, which builds a chapter's launches at other tiles,
+    warps or stages through the launchers' own code (so each grid follows the tile). Yields the
+    `ConfigOverride`."""
+    o = ConfigOverride(name, values)
+    token = _OVERRIDE.set(o)
+    try:
+        yield o
+    finally:
+        _OVERRIDE.reset(token)
+
+
+def swept(name: str, cfg: dict) -> dict:
+    """`cfg` (a launch config: tiles, warps, stages), or inside `overriding_config(name, values)` a copy
+    with `values` put over it. A value for a key `cfg` does not have raises `UserError` naming the keys."""
+    o = _OVERRIDE.get()
+    if o is None or o.name != name:
+        return cfg
+    o.asked += 1
+    o.keys |= set(cfg)
+    unknown = sorted(set(o.values) - set(cfg))
+    if unknown:
+        raise UserError(f"config {name!r} has no {', '.join(unknown)}; its keys are {', '.join(sorted(cfg))}")
+    return {**cfg, **o.values}
+
+
 def _device_target(device: torch.device) -> str | None:
     if gpu_vendor() == "rocm":
         return gcn_arch(device)

@@ -516,6 +516,16 @@ def head_tiles(head_dim: int, head_dim_v: int | None = None) -> dict:
 def block_config(device: torch.device, head_dim: int, kind: str, head_dim_v: int | None = None, *,
                  paged: bool = False, pack: bool = False, window: bool = False, softcap: bool = False,
                  causal: bool = False) -> dict:
+    """`_block_config`'s tiles for `kind` ('fwd', 'dq', 'dkdv'), through `device.swept` under the name
+    'attention.<kind>' (what `python -m inferbook.compiled.sweep` varies)."""
+    return _device.swept(f"attention.{kind}", _block_config(device, head_dim, kind, head_dim_v, paged=paged,
+                                                              pack=pack, window=window, softcap=softcap,
+                                                              causal=causal))
+
+
+def _block_config(device: torch.device, head_dim: int, kind: str, head_dim_v: int | None = None, *,
+                  paged: bool = False, pack: bool = False, window: bool = False, softcap: bool = False,
+                  causal: bool = False) -> dict:
     """Tile sizes and warps per kernel. Fixed, not autotuned (autotuning would add minutes of
     compilation per head dim and mask combination to every run of the matrix).
 

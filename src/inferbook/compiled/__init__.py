@@ -27,6 +27,8 @@ detected without compiling. Code that launches kernels directly (a whole model) 
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import json
 import math
 import os
@@ -176,12 +178,29 @@ def row_fingerprint(row: dict) -> dict:
     return {k: row.get(k) for k in ("launch", "kernel", "kernel_src", "args", "constexprs")}
 
 
+_EVERY_LAUNCH: contextvars.ContextVar[bool] = contextvars.ContextVar("inferbook_every_launch", default=False)
+
+
+@contextlib.contextmanager
+def every_launch():
+    """Inside this block `dedupe` keeps every launch: a config sweep (`compiled.sweep`) builds a chapter's
+    launches at several configs and must find the same launch at the same place in each, where another
+    tile could make two launches one specialisation."""
+    token = _EVERY_LAUNCH.set(True)
+    try:
+        yield
+    finally:
+        _EVERY_LAUNCH.reset(token)
+
+
 def dedupe(launches: list[Launch], keep_grids: tuple[str, ...] = ()) -> list[Launch]:
     """Launches that compile to different kernels, first of each kind kept (a sweep over sizes
     that Triton does not specialise on is one compile). A kernel named in `keep_grids` keeps one
     launch per specialisation *and grid*: the cost model's waves, residency and trips depend on the
     grid, so a launch of the same kernel at another grid is another row of the table (its compile
-    comes from the cache)."""
+    comes from the cache). Inside `every_launch()`: all of them."""
+    if _EVERY_LAUNCH.get():
+        return list(launches)
     seen, out = set(), []
     for la in launches:
         key = specialization_key(la)

@@ -689,8 +689,12 @@ def _conv3d_implicit_gemm_kernel(
 
 CONV_GPU_CONFIG = dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=3)
 # CDNA: the NVIDIA tile's K step of 32 gives an MFMA loop short on work per load; 128x128x64 on 4 waves, one
-# stage (gfx942's 64 KB of LDS), no spill. Predicted on the timed encoder's fp16 convs (a sweep of 64-256 rows,
-# 64-128 columns, K 32-128, 4-8 waves, 1-3 stages): 9.0 -> 4.3 ms on MI300X, 7.6 -> 3.7 ms on MI355X
+# stage (gfx942's 64 KB of LDS), no spill. Predicted over the timed encoder's 15 fp16 convs: the NVIDIA tile
+# (128x64x32, 3 stages) 15.1 ms on MI300X and 12.7 ms on MI355X, this one 7.0 and 5.9 ms, the best total of the
+# 24 swept on MI355X; on MI300X 256x128x64 is 6.7 ms in all but slower on 5 of the 15, so not taken (the model
+# counts no stalls). Rerun with (gfx950 likewise)
+#   inferbook sweep h3-vae-fusion gfx942 conv3d --kernel _conv3d_implicit_gemm_kernel --launch "timed encoder" \
+#     --set BLOCK_M=64,128,256 --set BLOCK_N=64,128 --set BLOCK_K=32,64 --set num_stages=1,3 --jobs 2
 CONV_CDNA_CONFIG = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=1)
 
 
@@ -699,7 +703,8 @@ def conv_config(Ci: int, Co: int, device=None) -> dict:
     matrix runs the GPU's tiles)."""
     from .. import device as _device
 
-    cfg = dict(_device.pick_config({"nvidia": CONV_GPU_CONFIG, "hip": CONV_CDNA_CONFIG}, device or "cpu"))
+    cfg = dict(_device.swept("conv3d", _device.pick_config({"nvidia": CONV_GPU_CONFIG, "hip": CONV_CDNA_CONFIG},
+                                                           device or "cpu")))
     cfg["BLOCK_K"] = max(16, min(cfg["BLOCK_K"], triton.next_power_of_2(Ci)))
     cfg["BLOCK_N"] = max(16, min(cfg["BLOCK_N"], triton.next_power_of_2(Co)))
     return cfg

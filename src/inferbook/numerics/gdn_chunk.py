@@ -276,7 +276,7 @@ def chunk_blocks(K: int, V: int, device: torch.device) -> dict:
                gpu_precision="tf32")
     if _device.wants_gpu_config(device):
         amd = dict(out, stages_state=1 if bk_state >= 128 else out["stages_state"], gpu_precision="ieee")
-        out = _device.pick_config({"nvidia": out, "hip": amd}, device)
+        out = _device.swept("gdn.chunk", _device.pick_config({"nvidia": out, "hip": amd}, device))
     return out
 
 

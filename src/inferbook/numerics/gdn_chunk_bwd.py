@@ -280,6 +280,7 @@ def bwd_blocks(K: int, V: int, device: torch.device) -> dict:
                BK_wy=bk, BV_wy=bv, stages_wy=None)
     if gpu:
         out.update(_device.pick_config(_BWD_TARGET_CONFIGS, device)(out))
+        out = _device.swept("gdn.bwd", out)
     return out
 
 

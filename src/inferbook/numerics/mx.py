@@ -805,7 +805,7 @@ def _quantize_launch(x2d, e2d, s2d, sr: int, sc: int, fmt: str, scale_rounding: 
     # holds more registers for no more. AMD keeps 4 waves (not swept)
     from .. import device as _device
 
-    warps = _device.pick_config({"nvidia": 2, "hip": 4}, x2d.device)
+    warps = _device.swept("mx.quantize", {"num_warps": _device.pick_config({"nvidia": 2, "hip": 4}, x2d.device)})["num_warps"]
     return Launch(f"mx_quantize {fmt} {scale_rounding} {sr}x{sc} {str(x2d.dtype)[6:]} {M}x{N}", mx_quantize_kernel,
                   [x2d, e2d, s2d, M, N, MB, NB, x2d.stride(0), x2d.stride(1), e2d.stride(0), e2d.stride(1),
                    s2d.stride(0), s2d.stride(1)],
@@ -832,6 +832,7 @@ def _rowcol_launch(x, er, sr, ec, sc, fmt: str, block: int, scale_rounding: str)
 
     warps = (_device.pick_config({"nvidia": 4, "sm_80": 8, "hip": 4}, x.device) if x.element_size() == 4 else
              _device.pick_config({"nvidia": 2, "hip": 4}, x.device))
+    warps = _device.swept("mx.quantize_rowcol", {"num_warps": warps})["num_warps"]
     return Launch(f"mx_quantize_rowcol {fmt} {scale_rounding} {block} {str(x.dtype)[6:]} {M}x{N} tile {block}x{tc}",
                   mx_quantize_rowcol_kernel, [x, er, sr, ec, sc, M, N, NBN, MBM, x.stride(0), x.stride(1)],
                   dict(BLOCK=block, TC=tc, EMAX=f.emax, EMIN=f.emin, MBITS=f.mbits, SIGN_SHIFT=f.sign_shift,
@@ -967,7 +968,7 @@ def mx_gemm_config(interpreted: bool, device="cuda") -> dict:
     from .. import device as _device
 
     cfg = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=2)
-    return dict(_device.pick_config({"nvidia": cfg, "sm_80": {**cfg, "BLOCK_K": 32}}, device))
+    return dict(_device.swept("mx.gemm", _device.pick_config({"nvidia": cfg, "sm_80": {**cfg, "BLOCK_K": 32}}, device)))
 
 
 def _check_gemm_operand(t, name: str, k: int | None = None) -> None:
