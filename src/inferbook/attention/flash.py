@@ -565,7 +565,10 @@ def _block_config(device: torch.device, head_dim: int, kind: str, head_dim_v: in
         # CDNA, d <= 128: 128x64 on 4 waves, one stage (at most 294 registers, no spill; the 8-wave tiles
         # spilled 12-116 B on five flagged launches a target): every such forward of the matrix predicted
         # faster or as fast, the twenty-nine 4.4 -> 2.2 ms on MI300X, 3.2 -> 1.6 ms on MI355X; throughput d128
-        # full 2.1 -> 1.1 ms and 1.4 -> 0.7 ms (of 128x64 at 2 stages, 128x128, 128x32, 64x64 at 4 waves)
+        # full 2.1 -> 1.1 ms and 1.4 -> 0.7 ms, best of the 24 of (128x128 within 1 %)
+        #   inferbook sweep attention-test-matrix gfx942 attention.fwd --kernel _attn_fwd_kernel \
+        #     --launch "throughput d128 full" --set BLOCK_M=64,128 --set BLOCK_N=32,64,128 --set num_warps=4,8 \
+        #     --set num_stages=1,2 --jobs 2
         amd_fwd = dict(BLOCK_M=128, BLOCK_N=64, BLOCK_D=block_d, num_warps=4, num_stages=1)
         if block_d <= 64:
             cfg = dict(BLOCK_M=128, BLOCK_N=64, BLOCK_D=block_d, num_warps=4, num_stages=3)
@@ -615,10 +618,13 @@ def _block_config(device: torch.device, head_dim: int, kind: str, head_dim_v: in
             # CDNA (gfx942/gfx950): 8 waves of 32x64 sit two a SIMD, 256 VGPRs each, and spilled 8-652 B on
             # 12 of the matrix's 14 d <= 128 dK/dV launches on each. 4 waves of 128x64, one a SIMD with the unified
             # file's 512, spill none without a causal mask or softcap (400-485 registers; with them 511-512 and
-            # 16-88 B spilled), so those take 32 keys (250-330, no spill). Predicted (`inferbook inspect`, from
-            # a sweep of 16-128 rows, 16-128 keys, 1-8 waves, 1-2 stages): throughput d128 full 12.2 -> 2.0 ms on
-            # MI300X, 7.4 -> 1.1 ms on MI355X; causal 7.5 -> 1.3, 4.7 -> 0.9 ms. aotriton tunes its own dK/dV over
-            # 32x64 and 64x16 at 1-2 waves; ours at 32x64 spills at 1 wave and is predicted 3x slower at 2
+            # 16-88 B spilled), so those take 32 keys (250-330, no spill). Predicted: throughput d128 full 12.2 ->
+            # 2.0 ms on MI300X (the best of the 24 the command below sweeps; at 8 waves 128x64 spills 484 B),
+            # 7.4 -> 1.1 ms on MI355X; causal 7.5 -> 1.3, 4.7 -> 0.9 ms. aotriton tunes its own dK/dV over
+            # 32x64 and 64x16 at 1-2 waves; ours at 32x64 spills at 1 wave and is predicted 3x slower at 2.
+            #   inferbook sweep attention-test-matrix gfx942 attention.dkdv --kernel _attn_bwd_dkdv_kernel \
+            #     --launch "throughput d128 full" --set BLOCK_M=32,64,128 --set BLOCK_N=32,64 --set num_warps=4,8 \
+            #     --set num_stages=1,2 --jobs 2
             configs["hip"] = {**cfg, "BLOCK_M": 128, "BLOCK_N": 32 if (causal or softcap) else 64, "num_warps": 4,
                               "num_stages": 1}
             return dict(_device.pick_config(configs, device))
@@ -634,7 +640,11 @@ def _block_config(device: torch.device, head_dim: int, kind: str, head_dim_v: in
     if block_d <= 128:  # dq
         # CDNA: 128 rows x 64 keys on 4 waves, one stage (311-386 registers, no spill): every d <= 128 dQ
         # launch of the matrix predicted faster than at 64x32 on 8 waves, the fourteen 7.6 -> 2.3 ms on MI300X
-        # and 5.6 -> 1.5 ms on MI355X (throughput d128 full 4.5 -> 1.3 ms on MI300X)
+        # and 5.6 -> 1.5 ms on MI355X (throughput d128 full 4.5 -> 1.3 ms on MI300X, tied best of the 16 of
+        #   inferbook sweep attention-test-matrix gfx942 attention.dq --kernel _attn_bwd_dq_kernel \
+        #     --launch "throughput d128 full" --set BLOCK_M=64,128 --set BLOCK_N=32,64 --set num_warps=4,8 \
+        #     --set num_stages=1,2 --jobs 2
+        # with 128x32)
         cfg = dict(BLOCK_M=64, BLOCK_N=32, BLOCK_D=block_d, num_warps=8, num_stages=2)
         return dict(_device.pick_config({"nvidia": cfg, "hip": {**cfg, "BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4,
                                                                   "num_stages": 1}}, device))

@@ -12,7 +12,7 @@ The launches are built by the chapter's own `gpu_launches`, so a launcher that d
 the tile derives it from the swept tile too (`device.overriding_config`; the config functions return
 their value through `device.swept` under the names in `CONFIGS`). Each config prints its predicted time
 summed over the matched launches (predicted, not measured), how many of them it makes faster or slower
-than the chosen config, the most any of them spills, and what binds them; `--each` adds a line per
+than the chosen config (by more than 1 %), the most any of them spills, and what binds them; `--each` adds a line per
 launch. The card is the target's (`compiled.TARGET_CARD`) unless `--card` names another of its vendor;
 its copy ceiling is the measured one where a committed `ceilings` record has it, else the datasheet's.
 The launches are every one the chapter makes, as often as it makes it (`compiled.every_launch`), where
@@ -49,6 +49,8 @@ USAGE = ("python -m inferbook.compiled.sweep CHAPTER TARGET CONFIG --kernel NAME
 MAX_CONFIGS = 64        # each config is a compile per matched launch: a larger grid is a typo more often than a plan
 MAX_COMPILES = 1000
 VALUE_RANGE = (1, 1 << 16)
+SAME = 0.01             # a launch predicted within 1 % of the chosen config's counts as neither faster nor slower:
+                        # the model (datasheet ceilings, no stalls) is not that precise
 
 
 def _values(key: str, text: str) -> tuple[int, ...]:
@@ -202,8 +204,8 @@ def summary(res: dict, chosen: dict | None) -> str:
     vs = ""
     if chosen is not None and res["values"] is not None and all(r["ok"] for r in chosen["rows"]):
         base = {r["index"]: r["seconds"] for r in chosen["rows"]}
-        faster = sum(1 for r in rows if r["seconds"] < base[r["index"]] * (1 - 1e-9))
-        slower = sum(1 for r in rows if r["seconds"] > base[r["index"]] * (1 + 1e-9))
+        faster = sum(1 for r in rows if r["seconds"] < base[r["index"]] * (1 - SAME))
+        slower = sum(1 for r in rows if r["seconds"] > base[r["index"]] * (1 + SAME))
         vs = f", faster on {faster}, slower on {slower}"
     return (f"{head}: {_time(total)} predicted over {len(rows)} launches{vs}, spill up to "
             f"{max(r['spill'] for r in rows)} B; bound " + ", ".join(f"{b} {n}" for b, n in sorted(bounds.items())))
