@@ -181,7 +181,7 @@ def test_rowcol_one_pass_equals_two_reference_passes(fmt, rule, shape):
 
 
 def test_rowcol_warps_per_target():
-    # fp32 x on sm_80 takes 8 warps (4 spilled 136 B there), elsewhere 4; 16-bit x 2 on NVIDIA; AMD 4 waves
+    # fp32 x on sm_80 takes 8 warps (4 spilled 136 B there), elsewhere 4; 16-bit x 2 on NVIDIA; AMD 4 waves on small grids
     from inferbook.device import building_for
 
     for target, dtype, warps in (("sm_80", torch.float32, 8), ("sm_80", torch.bfloat16, 2), ("sm_90", torch.bfloat16, 2),
@@ -189,6 +189,13 @@ def test_rowcol_warps_per_target():
         with building_for(target):
             (la,) = mx.quantize_rowcol_launches((67, 133), dtype)
         assert la.kwargs.get("num_warps", 4) == warps, (target, dtype)
+    # CDNA, 16-bit x on a grid of at least CDNA_ONE_WAVE_MIN_PROGRAMS programs: one wave; fp32 keeps 4
+    for target in ("gfx942", "gfx950"):
+        for dtype, warps in ((torch.bfloat16, 1), (torch.float16, 1), (torch.float32, 4)):
+            with building_for(target):
+                (la,) = mx.quantize_rowcol_launches((8192, 8192), dtype)
+            assert la.grid[0] * la.grid[1] >= mx.CDNA_ONE_WAVE_MIN_PROGRAMS
+            assert la.kwargs.get("num_warps", 4) == warps, (target, dtype)
 
 
 def test_rowcol_one_pass_bf16_strided_and_bytes():
@@ -426,7 +433,7 @@ def test_recipe_backends_agree_and_2d_weight_is_shared():
 
 def test_quantize_warps_and_tiles_per_target():
     # NVIDIA: 2 warps (a thread holds twice the elements: fewer threads cross a block's reduction), column-wise
-    # 32x1 tiles 128 columns wide; AMD keeps 4 waves
+    # 32x1 tiles 128 columns wide; AMD 4 waves on small grids (16-bit x on large ones: one, below)
     from inferbook.device import building_for
 
     x = torch.zeros(64, 256)
@@ -434,6 +441,16 @@ def test_quantize_warps_and_tiles_per_target():
         with building_for(target):
             la = mx._quantize_launch(x, x.to(torch.uint8), torch.zeros(2, 256, dtype=torch.uint8), 32, 1, "e4m3", "floor")
         assert la.kwargs["num_warps"] == warps and la.kwargs["NBC"] == 128 and la.grid == (2, 2), target
+    # CDNA, 16-bit x: one wave where the grid holds CDNA_ONE_WAVE_MIN_PROGRAMS programs, 4 below it
+    from inferbook.compiled import meta
+
+    for rows, warps in ((8192, 1), (64, 4)):
+        x = meta((rows, 8192), torch.bfloat16)
+        with building_for("gfx942"):
+            la = mx._quantize_launch(x, meta((rows, 8192), torch.uint8), meta((rows, 256), torch.uint8), 1, 32, "e4m3",
+                                     "floor")
+        assert (la.grid[0] * la.grid[1] >= mx.CDNA_ONE_WAVE_MIN_PROGRAMS) == (warps == 1)
+        assert la.kwargs["num_warps"] == warps, rows
 
 
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2", "e2m1"])

@@ -802,17 +802,34 @@ def _quantize_launch(x2d, e2d, s2d, sr: int, sc: int, fmt: str, scale_rounding: 
     # NVIDIA: 2 warps, twice the elements a thread, so a block's reduction and the broadcast of its scale
     # cross fewer threads: at 8192^2 bf16 on H200 (predicted) row-wise 56 -> 42 us, column-wise 118 -> 46 us
     # (with the key max and 128 columns), 2-D 32x32 55 -> 42 us, memory-bound or within 8 % of it; 1 warp
-    # holds more registers for no more. AMD keeps 4 waves (not swept)
+    # holds more registers for no more. AMD: see `_cdna_waves`
     from .. import device as _device
 
-    warps = _device.swept("mx.quantize", {"num_warps": _device.pick_config({"nvidia": 2, "hip": 4}, x2d.device)})["num_warps"]
+    grid = (triton.cdiv(MB, nbr), triton.cdiv(NB, nbc))
+    warps = _device.pick_config({"nvidia": 2, "hip": _cdna_waves(grid[0] * grid[1]) if x2d.element_size() == 2 else 4},
+                                x2d.device)
+    warps = _device.swept("mx.quantize", {"num_warps": warps})["num_warps"]
     return Launch(f"mx_quantize {fmt} {scale_rounding} {sr}x{sc} {str(x2d.dtype)[6:]} {M}x{N}", mx_quantize_kernel,
                   [x2d, e2d, s2d, M, N, MB, NB, x2d.stride(0), x2d.stride(1), e2d.stride(0), e2d.stride(1),
                    s2d.stride(0), s2d.stride(1)],
                   dict(SR=sr, SC=sc, NBR=nbr, NBC=nbc, EMAX=f.emax, EMIN=f.emin, MBITS=f.mbits,
                        SIGN_SHIFT=f.sign_shift, MAX_NORMAL=f.max_normal, MAX_MANT=f.max_mant, NAN_CODE=f.nan_code,
                        ROUND_UP=scale_rounding == "up", HW=hw_cast(fmt, x2d.device), num_warps=warps),
-                  "numerics/mx.py:quantize_triton", (triton.cdiv(MB, nbr), triton.cdiv(NB, nbc)))
+                  "numerics/mx.py:quantize_triton", grid)
+
+
+# CDNA, 16-bit x: one wave of 64 lanes a program (as many lanes as NVIDIA's 2 warps) where the grid holds
+# at least this many programs; 4 waves below it. Predicted at 8192^2 bf16 (`inferbook sweep te-mxfp8-recipes
+# gfx942 mx.quantize --kernel mx_quantize_kernel --launch quantize-speed --set num_warps=1,2,4,8`, likewise
+# gfx950 and mx.quantize_rowcol --launch "one pass"): the four quantize layouts 187 -> 153 us on MI300X (all
+# memory-bound) and 212 -> 140 us on MI355X, none slower; row+column in one pass 95 -> 63 us and 125 -> 70 us.
+# The small bit-exact check grids (153-1105 programs) are predicted slower at one wave (74 -> 161 us in all on
+# MI300X, waves-bound: fewer lanes a program, too few programs to make it up), so they keep 4
+CDNA_ONE_WAVE_MIN_PROGRAMS = 4096
+
+
+def _cdna_waves(programs: int) -> int:
+    return 1 if programs >= CDNA_ONE_WAVE_MIN_PROGRAMS else 4
 
 
 def _rowcol_launch(x, er, sr, ec, sc, fmt: str, block: int, scale_rounding: str):
@@ -827,11 +844,11 @@ def _rowcol_launch(x, er, sr, ec, sc, fmt: str, block: int, scale_rounding: str)
     # fp32 x on sm_80: 8 warps (4 held 32 fp32 values of x, |x| and the codes per thread and spilled
     # 136 B at 255 registers; 8: none, 117); fp32 elsewhere keeps 4. 16-bit x on NVIDIA: 2 warps (each
     # block's reductions cross fewer threads; predicted at 8192^2 bf16: H200 90 -> 77 us, B200 75 -> 64 us,
-    # still issue-bound: two encodes an element). AMD keeps 4 waves
+    # still issue-bound: two encodes an element). AMD: fp32 keeps 4 waves (not swept), 16-bit `_cdna_waves`
     from .. import device as _device
 
     warps = (_device.pick_config({"nvidia": 4, "sm_80": 8, "hip": 4}, x.device) if x.element_size() == 4 else
-             _device.pick_config({"nvidia": 2, "hip": 4}, x.device))
+             _device.pick_config({"nvidia": 2, "hip": _cdna_waves(MBM * triton.cdiv(N, tc))}, x.device))
     warps = _device.swept("mx.quantize_rowcol", {"num_warps": warps})["num_warps"]
     return Launch(f"mx_quantize_rowcol {fmt} {scale_rounding} {block} {str(x.dtype)[6:]} {M}x{N} tile {block}x{tc}",
                   mx_quantize_rowcol_kernel, [x, er, sr, ec, sc, M, N, NBN, MBM, x.stride(0), x.stride(1)],
