@@ -32,13 +32,13 @@ def test_swept_is_the_config_outside_an_override_and_the_values_over_it_inside()
 
 
 def _args(**kw) -> dict:
-    a = dict(slug="te-mxfp8-recipes", target="sm_90", name="mx.gemm", kernel="mx_gemm_kernel", launch="",
+    a = dict(slug="te-mxfp8-recipes", target="sm_90", name="mx.gemm", kernel="mx_gemm_kernel", launch=[],
              set={}, card="H200", jobs=1, each=False)
     return {**a, **kw}
 
 
 def test_an_override_reaches_the_builders_launch_and_its_grid_follows_the_tile():
-    a = _args(launch="(gemm_paths, timed)")
+    a = _args(launch=["(gemm_paths, timed)"])
     i = sweep.match(a, sweep.build(a, {})[0])[0]
     chosen = sweep.build(a, {})[0][i]
     half = sweep.build(a, {"BLOCK_M": 64})[0][i]
@@ -47,9 +47,19 @@ def test_an_override_reaches_the_builders_launch_and_its_grid_follows_the_tile()
     assert {k: v for k, v in half.kwargs.items() if k != "BLOCK_M"} == \
         {k: v for k, v in chosen.kwargs.items() if k != "BLOCK_M"}
     # the per-target choice is still the target's: sm_80 takes BLOCK_K 32 unless the sweep sets it
-    a80 = _args(target="sm_80", launch="(gemm_paths, timed)")
+    a80 = _args(target="sm_80", launch=["(gemm_paths, timed)"])
     assert sweep.build(a80, {"BLOCK_M": 64})[0][i].kwargs["BLOCK_K"] == 32
     assert sweep.build(a80, {"BLOCK_K": 64})[0][i].kwargs["BLOCK_K"] == 64
+
+
+def test_launch_texts_select_any_of_them():
+    a = _args(slug="attention-test-matrix", target="sm_90", name="attention.dkdv", kernel="_attn_bwd_dkdv_kernel")
+    launches = sweep.build(a, {})[0]
+    names = lambda texts: [launches[i].name for i in sweep.match({**a, "launch": texts}, launches)]  # noqa: E731
+    full, causal = names(["throughput d128 full"]), names(["throughput d128 causal"])
+    assert len(full) == len(causal) == 1
+    assert sorted(names(["throughput d128 full", "throughput d128 causal"])) == sorted(full + causal)
+    assert len(names([])) > 2 and names(["no such launch"]) == []
 
 
 @pytest.mark.parametrize("argv, says", [

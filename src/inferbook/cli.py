@@ -8,7 +8,7 @@
     inferbook ceilings [--device D] [--save-reference]
     inferbook budgets [--preset P] [--part K/N] [--table] [--dry-run [--save]]
     inferbook inspect CHAPTER|--all [--target sm_80|sm_90|sm_100|gfx942|gfx950|all] [--save] [--jobs N]
-    inferbook sweep CHAPTER TARGET CONFIG --kernel NAME [--launch TEXT] --set KEY=V1,V2 ... [--jobs N] [--each]
+    inferbook sweep CHAPTER TARGET CONFIG --kernel NAME [--launch TEXT ...] --set KEY=V1,V2 ... [--jobs N] [--each]
     inferbook workflow run FILE.json [--output-dir D] [--input-dir D] [--device D] [--no-cache]
     inferbook workflow validate FILE.json
 

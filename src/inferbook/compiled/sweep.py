@@ -44,7 +44,7 @@ CONFIGS = {
     "gdn.chunk": "numerics.gdn_chunk.chunk_blocks",
     "gdn.bwd": "numerics.gdn_chunk_bwd.bwd_blocks",
 }
-USAGE = ("python -m inferbook.compiled.sweep CHAPTER TARGET CONFIG --kernel NAME [--launch TEXT] "
+USAGE = ("python -m inferbook.compiled.sweep CHAPTER TARGET CONFIG --kernel NAME [--launch TEXT ...] "
          "[--set KEY=V1,V2 ...] [--card CARD] [--jobs N] [--each]")
 MAX_CONFIGS = 64        # each config is a compile per matched launch: a larger grid is a typo more often than a plan
 MAX_COMPILES = 1000
@@ -76,7 +76,7 @@ def parse(argv: list[str]) -> dict:
         raise UserError(f"target {target!r} is not known; choose {choices(compiled.TARGETS)}")
     if name not in CONFIGS:
         raise UserError(f"config {name!r} is not known; choose {choices(CONFIGS)}")
-    a = dict(slug=slug, target=target, name=name, kernel=None, launch="", set={}, card=compiled.TARGET_CARD[target],
+    a = dict(slug=slug, target=target, name=name, kernel=None, launch=[], set={}, card=compiled.TARGET_CARD[target],
              jobs=1, each=False)
     i = 0
     while i < len(rest):
@@ -91,7 +91,9 @@ def parse(argv: list[str]) -> dict:
             raise UserError(f"{flag} needs a value; usage: {USAGE}")
         value = rest[i + 1]
         i += 2
-        if flag == "--set":
+        if flag == "--launch":
+            a["launch"].append(value)
+        elif flag == "--set":
             key, eq, text = value.partition("=")
             if not eq or not key:
                 raise UserError(f"--set {value!r}: write KEY=V1,V2")
@@ -125,7 +127,8 @@ def parse(argv: list[str]) -> dict:
     matched = match(a, launches)
     if not matched:
         kernels = sorted({_kernel_name(x) for x in launches})
-        raise UserError(f"no launch of kernel {a['kernel']!r}" + (f" named with {a['launch']!r}" if a["launch"] else "")
+        raise UserError(f"no launch of kernel {a['kernel']!r}" + (f" named with {' or '.join(map(repr, a['launch']))}"
+                                                                  if a["launch"] else "")
                         + f" in {slug} on {target}; its kernels: {', '.join(kernels)}")
     if not override.asked:
         raise UserError(f"config {name!r} is not asked for by {slug}'s launches on {target}")
@@ -161,10 +164,12 @@ def build(a: dict, values: dict):
 
 
 def match(a: dict, launches: list) -> list[int]:
-    """Indices of the launches of `--kernel` whose name contains `--launch`, in a build of every launch
+    """Indices of the launches of `--kernel` whose name contains a `--launch` text (any; all without one), in a
+    build of every launch
     (`compiled.every_launch`): each launch the chapter makes, as often as it makes it, where its compile
     table keeps one per specialisation. A tile that makes two launches one compile cannot shift them."""
-    return [i for i, x in enumerate(launches) if _kernel_name(x) == a["kernel"] and a["launch"] in x.name]
+    return [i for i, x in enumerate(launches)
+            if _kernel_name(x) == a["kernel"] and (not a["launch"] or any(t in x.name for t in a["launch"]))]
 
 
 def run_config(a: dict, values: dict | None) -> dict:
@@ -229,7 +234,8 @@ def sweep(a: dict, out=print) -> list[dict]:
     configs = [None] + grid(a)
     measured = compiled.measured_copy_gbps(a["card"])
     out(f"{a['name']} ({CONFIGS[a['name']]}) on {a['target']}, {a['card']}: kernel {a['kernel']}"
-        + (f", launches named with {a['launch']!r}" if a["launch"] else "") + "; predicted by the cost model, not "
+        + (f", launches named with {' or '.join(map(repr, a['launch']))}" if a["launch"] else "")
+        + "; predicted by the cost model, not "
         f"measured ({'measured copy ceiling: ' + measured[1] if measured else 'datasheet ceilings'})")
     if a["jobs"] > 1:
         with ProcessPoolExecutor(max_workers=a["jobs"], mp_context=get_context("spawn")) as pool:
