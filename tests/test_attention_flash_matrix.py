@@ -140,3 +140,20 @@ def test_cdna_tiles_pass_interpreted(target, case):
                                   softcap=case.softcap)["num_warps"] == 4
         rows = matrix.run_case(case, batch=2, n_heads=4, base=(150, 200), device=DEV, generator=torch.Generator().manual_seed(0))
     assert rows and not matrix.failures(rows), matrix.failures(rows)
+
+
+
+@pytest.mark.parametrize("case", [
+    _case(head_dim=128, causal=True, pack_gqa=False, heads="MHA", direction="bwd"),    # dK/dV 64x64, dQ 64x32
+    _case(head_dim=64, causal=False, heads="GQA", direction="bwd", sinks=True),        # d64: the same tiles
+])
+def test_sm90_backward_tiles_pass_interpreted(case):
+    # sm_90's d <= 128 backward tiles (`block_config`): 64-row dK/dV (one warpgroup) and 64x32 dQ, interpreted on 150
+    # queries x 200 keys so that both loop with ragged tails
+    from inferbook.device import building_for
+
+    with building_for("sm_90"):
+        c = flash.block_config(DEV, case.dims[0], "dkdv", case.dims[1], causal=case.causal, softcap=case.softcap)
+        assert (c["BLOCK_M"], c["BLOCK_N"], c["num_warps"]) == (64, 64, 4)
+        rows = matrix.run_case(case, batch=2, n_heads=4, base=(150, 200), device=DEV, generator=torch.Generator().manual_seed(0))
+    assert rows and not matrix.failures(rows), matrix.failures(rows)

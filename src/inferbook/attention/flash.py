@@ -532,8 +532,9 @@ def _block_config(device: torch.device, head_dim: int, kind: str, head_dim_v: in
     GPU: 128x64 forward tiles up to D=128; D=192/256 pad to 256 and halve the tiles to keep the
     fp32 accumulators in registers; MLA-sized heads (d or dv > 256) 32x32 with 8 warps (q [32, 576] and
     the [32, 512] accumulator in registers: no spill on sm_90).
-    Backward at d 192/256: dK/dV 32x64 (wgmma on sm_90), dQ 32x16 with two stages on NVIDIA (64-row dQ
-    tiles spill). The flags (paged KV, PackGQA, a window, softcap, causal) add index and mask arithmetic
+    Backward at d <= 128 on sm_90: dK/dV 64x64 on one warpgroup (wgmma), dQ 64x32 on 4 warps. At d 192/256:
+    dK/dV 32x64 (on sm_90 mostly mma.sync: 32 rows are half a warpgroup's wgmma, and every 64-row tile spilled),
+    dQ 32x16 with two stages on NVIDIA (64-row dQ tiles spill). The flags (paged KV, PackGQA, a window, softcap, causal) add index and mask arithmetic
     that pushed some NVIDIA tiles past 255 registers; those cases take smaller tiles on NVIDIA (below,
     with the predicted times that chose them). CDNA takes 4-wave tiles for dK/dV and the MLA forward (8 waves
     sit two a SIMD at 256 VGPRs and spilled there). Interpreter: 64x64 — each interpreted op costs far more than
@@ -615,6 +616,17 @@ def _block_config(device: torch.device, head_dim: int, kind: str, head_dim_v: in
                 # non-causal (the d128 MQA sinks launch is predicted 7.8 -> 8.4 us at 4 warps) nor with
                 # softcap (maxnreg below; 7.8 -> 8.4 us at d128 window-band)
                 configs["sm_100"] = {**cfg, "num_warps": 4}
+            if not softcap:
+                # sm_90: 32 query rows on 8 warps are too few for wgmma (64 rows a warpgroup): 32 of the loop's 36
+                # MMAs were mma.sync. 64 rows on 4 warps (one warpgroup), one stage, 170-254 registers, no spill:
+                # predicted faster on all 16 d <= 128 dK/dV launches of the matrix, 7.6 -> 3.6 ms in all, throughput
+                # d128 full 4.9 -> 2.3 ms and causal 2.4 -> 1.2 ms (waves-bound). With softcap's tanh three of them
+                # spilled 80-188 B at 255 registers, so softcap keeps 32x64 on 8 warps. Not sm_80 (predicted no faster
+                # in all: A100 is compute-bound there) nor sm_100 (spilled 8-276 B on 10 of the 16). Rerun with
+                #   inferbook sweep attention-test-matrix sm_90 attention.dkdv --kernel _attn_bwd_dkdv_kernel \
+                #     --launch "· d64" --launch "· d96" --launch "· d128" --launch "throughput d128" \
+                #     --set BLOCK_M=32,64 --set num_warps=4,8 --set num_stages=1 --jobs 2
+                configs["sm_90"] = {**cfg, "BLOCK_M": 64, "num_warps": 4, "num_stages": 1}
             # CDNA (gfx942/gfx950): 8 waves of 32x64 sit two a SIMD, 256 VGPRs each, and spilled 8-652 B on
             # 12 of the matrix's 14 d <= 128 dK/dV launches on each. 4 waves of 128x64, one a SIMD with the unified
             # file's 512, spill none without a causal mask or softcap (400-485 registers; with them 511-512 and
@@ -628,8 +640,11 @@ def _block_config(device: torch.device, head_dim: int, kind: str, head_dim_v: in
             configs["hip"] = {**cfg, "BLOCK_M": 128, "BLOCK_N": 32 if (causal or softcap) else 64, "num_warps": 4,
                               "num_stages": 1}
             return dict(_device.pick_config(configs, device))
-        # d 192/256: 64 keys per program keep dK/dV's MMAs at wgmma's M = 64 on sm_90 (16x32 tiles were
-        # mma.sync) with no spill on sm_80/90/100; one stage so the K, V, dK, dV tiles fit shared memory.
+        # d 192/256: 32x64 on 8 warps, no spill on sm_80/90/100; one stage so the K, V, dK, dV tiles fit shared
+        # memory. On sm_90 the dK and dV MMAs are 4 wgmma and 48-64 mma.sync (32 rows are half a warpgroup's M
+        # of 64); 64 rows spilled 960-4396 B on the matrix's four launches, 16 rows are predicted slower
+        # (`inferbook sweep attention-test-matrix sm_90 attention.dkdv --kernel _attn_bwd_dkdv_kernel --launch
+        # "· d192" --launch "· d256" --set BLOCK_M=16,32,64 --set num_warps=4,8`).
         # CDNA: at 8 waves (256 VGPRs each) every such launch of the matrix spilled 556-1128 B; 4 waves of 64
         # rows x 32 keys hold 312-502 with none, predicted faster on each (the four: 158 -> 29 us on MI300X,
         # 90 -> 16 us on MI355X; of 32x64, 32x32, 64x64, 16x64, 16x32 and 128x32 at 4 waves, the others spill
@@ -645,9 +660,15 @@ def _block_config(device: torch.device, head_dim: int, kind: str, head_dim_v: in
         #     --launch "throughput d128 full" --set BLOCK_M=64,128 --set BLOCK_N=32,64 --set num_warps=4,8 \
         #     --set num_stages=1,2 --jobs 2
         # with 128x32)
-        cfg = dict(BLOCK_M=64, BLOCK_N=32, BLOCK_D=block_d, num_warps=8, num_stages=2)
-        return dict(_device.pick_config({"nvidia": cfg, "hip": {**cfg, "BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4,
-                                                                  "num_stages": 1}}, device))
+        # NVIDIA: 64x32 on 4 warps, one stage (8 warps and two stages before: a 64-row tile is one warpgroup's
+        # wgmma on sm_90, and the second warpgroup only split it): over the 16 d <= 128 dQ launches of the matrix,
+        # predicted faster on 12 / 10 / 15 and slower on none, no spill, 5.2 -> 2.7 ms on H200, 3.2 -> 1.9 ms on
+        # B200, 8.5 -> 8.2 ms on A100 (throughput d128 full 3.2 -> 1.7 ms on H200). Rerun with
+        #   inferbook sweep attention-test-matrix sm_90 attention.dq --kernel _attn_bwd_dq_kernel \
+        #     --launch "· d64" --launch "· d96" --launch "· d128" --launch "throughput d128" \
+        #     --set num_warps=4,8 --set num_stages=1,2 --jobs 2             (likewise sm_100, sm_80)
+        cfg = dict(BLOCK_M=64, BLOCK_N=32, BLOCK_D=block_d, num_warps=4, num_stages=1)
+        return dict(_device.pick_config({"nvidia": cfg, "hip": {**cfg, "BLOCK_M": 128, "BLOCK_N": 64}}, device))
     # d 192/256 dQ, 32x16: two stages on NVIDIA (K and V stream through shared memory by cp.async
     # instead of being held in registers: one stage spilled 8 B at d 192 on sm_90 and sm_100, at 128
     # registers; two use 105-140, no spill on sm_80/90/100). AMD keeps the one stage it was checked with.
