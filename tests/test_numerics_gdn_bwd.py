@@ -60,14 +60,16 @@ def test_a_broken_backward_fails():
 
 def test_chunked_backward_at_the_gpu_tiles():
     """The GPU tiles (`device.building_for('sm_90')`) in the interpreter: K 128 in two BK 64 blocks in dqkwg
-    and wy (dg summed over them), V 96 in BV 64 blocks, the second masked."""
+    and wy (dg summed over them), V 96 in BV 64 blocks, the second masked (the state kernels in three of 32);
+    K 64, V 40: the state kernels' BV 16 blocks, the last masked."""
     from inferbook import device
 
     with device.building_for("sm_90"):
         c = gdn_chunk_bwd.bwd_blocks(128, 96, DEV)
-        assert (c["BK"], c["BV"], c["BV_STATE"]) == (64, 64, 64)
-        rep = gdn.check_backend(FN, head_dims=(), extra_cases=[dict(K=128, V=96, lengths=[70])], heads=1,
-                                dtypes=(torch.bfloat16,))
+        assert (c["BK"], c["BV"], c["BV_STATE"]) == (64, 64, 32)     # dhu: V 96 in three BV 32 blocks
+        rep = gdn.check_backend(FN, head_dims=(), extra_cases=[dict(K=128, V=96, lengths=[70]),
+                                                                 dict(K=64, V=40, lengths=[70])], heads=1,
+                                dtypes=(torch.bfloat16,))      # K 64: the state kernels' BV 16, V 40 -> 3 blocks
     assert rep.passed, rep.failures()
 
 
@@ -83,6 +85,23 @@ def test_sm100_takes_dqkwg_on_4_warps():
     assert {k: v for k, v in c100.items() if k != "warps_dqkwg"} == {k: v for k, v in c90.items() if k != "warps_dqkwg"}
 
 
+def test_state_kernels_take_narrow_v_blocks_on_sm90_and_sm100():
+    """sm_90/sm_100: the state kernel (forward) and dhu (backward) walk the chunks in order, so their V
+    block sets how many programs share the work: BV 16 up to K 64, 32 at K 128; K 256 keeps 32 (16 in dhu);
+    sm_80 keeps its own."""
+    from inferbook import device
+    from inferbook.numerics import gdn_chunk
+
+    for target in ("sm_90", "sm_100"):
+        with device.building_for(target):
+            for K, want in ((32, 16), (64, 16), (128, 32), (256, 32)):
+                assert gdn_chunk.chunk_blocks(K, K, DEV)["BV_STATE"] == want, (target, K)
+                assert gdn_chunk_bwd.bwd_blocks(K, K, DEV)["BV_STATE"] == (16 if K == 256 else want), (target, K)
+            assert gdn_chunk.chunk_blocks(64, 8, DEV)["BV_STATE"] == 16        # never below the dot's 16
+    with device.building_for("sm_80"):
+        assert gdn_chunk.chunk_blocks(64, 64, DEV)["BV_STATE"] == 64
+
+
 def test_chunked_backward_at_the_sm80_tiles():
     """sm_80's config (`_sm80_bwd`, against spills): wy over BK = BV = 16 blocks, unpipelined, dhu at K 64
     and 128 over BV 32 (one stage at K 256), dqkwg and dv_local over BV 32; in the interpreter at K 64 (four
@@ -92,7 +111,7 @@ def test_chunked_backward_at_the_sm80_tiles():
 
     with device.building_for("sm_90"):
         c90 = gdn_chunk_bwd.bwd_blocks(64, 48, DEV)
-    assert (c90["BK_wy"], c90["BV_wy"], c90["stages_wy"], c90["BV_STATE"]) == (64, 64, None, 64)
+    assert (c90["BK_wy"], c90["BV_wy"], c90["stages_wy"], c90["BV_STATE"]) == (64, 64, None, 16)
     with device.building_for("sm_80"):
         c = gdn_chunk_bwd.bwd_blocks(64, 48, DEV)
         assert (c["BK"], c["BV"], c["BK_wy"], c["BV_wy"], c["stages_wy"], c["BV_STATE"]) == (64, 32, 16, 16, 1, 32)
