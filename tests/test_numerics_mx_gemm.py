@@ -56,7 +56,7 @@ def test_mx_gemm_sm80_tile_is_its_own_and_correct():
     # across several K steps and a masked M/N edge.
     from inferbook.device import building_for
 
-    with building_for("sm_90"):
+    with building_for("sm_100"):
         assert mx.mx_gemm_config(False)["BLOCK_K"] == 128
     with building_for("sm_80"):
         cfg = mx.mx_gemm_config(False)
@@ -68,3 +68,20 @@ def test_mx_gemm_sm80_tile_is_its_own_and_correct():
     b = mx.quantize(torch.randn(12, 96, generator=g), "e5m2")
     c = mx.mx_gemm(a, b, block=dict(BLOCK_M=32, BLOCK_N=16, BLOCK_K=cfg["BLOCK_K"]))
     assert ((c - mx.mx_gemm_reference(a, b)).abs() <= _bound(a, b)).all()
+
+
+def test_mx_gemm_sm90_tile_is_its_own_and_correct():
+    # sm_90 (no block-scaled MMA: the codes are decoded to bf16 before the wgmma) takes 128 x 256 x 64; run in
+    # the interpreter at that tile, two K steps and masked M and N edges match the reference
+    from inferbook.device import building_for
+
+    with building_for("sm_90"):
+        cfg = mx.mx_gemm_config(False)
+        (la,) = mx.mx_gemm_launches(256, 512, 256)
+    assert (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"]) == (128, 256, 64, 8)
+    assert la.kwargs["BLOCK_N"] == 256 and la.grid[0] * la.grid[1] == 2 * 2
+    g = torch.Generator().manual_seed(4)
+    a = mx.quantize(torch.randn(130, 128, generator=g), "e4m3")
+    b = mx.quantize(torch.randn(260, 128, generator=g), "e4m3")
+    c = mx.mx_gemm(a, b, block=dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64))
+    assert c.shape == (130, 260) and ((c - mx.mx_gemm_reference(a, b)).abs() <= _bound(a, b)).all()

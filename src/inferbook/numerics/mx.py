@@ -973,7 +973,7 @@ if triton is not None:
 
 
 def mx_gemm_config(interpreted: bool, device="cuda") -> dict:
-    """Tiles: 128 x 128 x 128, 8 warps (no spills on sm_90 and sm_100), 2 stages on a GPU (the tile tcgen05's block-scaled MMA wants; two
+    """Tiles: 128 x 128 x 128, 8 warps (no spills on sm_90 and sm_100; sm_90 128 x 256 x 64, below), 2 stages on a GPU (the tile tcgen05's block-scaled MMA wants; two
     stages keep sm_80's register-decode path inside its shared memory); one 32 x 32 x 64 program per
     tile in the interpreter. sm_80 (`device.pick_config`: the target `device` or `building_for`
     names) takes BLOCK_K 32: there both operands are decoded to fp32 in registers before the BF16
@@ -985,7 +985,13 @@ def mx_gemm_config(interpreted: bool, device="cuda") -> dict:
     from .. import device as _device
 
     cfg = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=2)
-    return dict(_device.swept("mx.gemm", _device.pick_config({"nvidia": cfg, "sm_80": {**cfg, "BLOCK_K": 32}}, device)))
+    # sm_90 has no block-scaled MMA: Triton decodes the codes to bf16 in registers before the wgmma, so a
+    # 256-wide N tile halves the A decodes an output; with a 64-wide K step it holds no spill. Predicted at
+    # 4096^3 (waves-bound) 202 -> 156 us, the best of the 32 swept without a spill (`inferbook sweep
+    # te-mxfp8-recipes sm_90 mx.gemm --kernel mx_gemm_kernel --launch timed --set BLOCK_M=64,128 --set
+    # BLOCK_N=128,256 --set BLOCK_K=64,128 --set num_warps=4,8 --set num_stages=2,3`)
+    return dict(_device.swept("mx.gemm", _device.pick_config({"nvidia": cfg, "sm_80": {**cfg, "BLOCK_K": 32},
+                                                               "sm_90": {**cfg, "BLOCK_N": 256, "BLOCK_K": 64}}, device)))
 
 
 def _check_gemm_operand(t, name: str, k: int | None = None) -> None:
