@@ -351,20 +351,20 @@ def test_chunked_triton_in_the_harness_and_a_misread_chunk_state_is_caught(monke
 def test_chunked_triton_at_the_amd_gpu_config():
     """The chunked kernels at the GPU tiles of the AMD config (`device.pick_config`'s 'hip' entry, which
     `inferbook inspect --target gfx942` compiles) in the interpreter: at K 128 the state kernel splits
-    V into BV 64 blocks (two programs, the second masked at V 96) and runs one stage; the NVIDIA build
+    V into BV 32 blocks (three programs, the third masked at V 80) and runs one stage; the NVIDIA build
     keeps its three stages and tf32."""
     from inferbook import device
     from inferbook.numerics import gdn_chunk
 
     with device.building_for("gfx942"):
-        c = gdn_chunk.chunk_blocks(128, 96, torch.device("cpu"))
-        (amd_state,) = [la for la in gdn_chunk.chunked_launches(1, 70, 1, 128, 96) if "state" in la.name]
+        c = gdn_chunk.chunk_blocks(128, 80, torch.device("cpu"))
+        (amd_state,) = [la for la in gdn_chunk.chunked_launches(1, 70, 1, 128, 80) if "state" in la.name]
     with device.building_for("sm_90"):
-        (nv_state,) = [la for la in gdn_chunk.chunked_launches(1, 70, 1, 128, 96) if "state" in la.name]
-    assert c["BV_STATE"] == 64 and c["BV_O"] == 64 and c["stages_state"] == 1 and c["gpu_precision"] == "ieee"
+        (nv_state,) = [la for la in gdn_chunk.chunked_launches(1, 70, 1, 128, 80) if "state" in la.name]
+    assert c["BV_STATE"] == 32 and amd_state.grid[0] == 3 and c["BV_O"] == 64 and c["stages_state"] == 1 and c["gpu_precision"] == "ieee"
     assert (amd_state.kwargs["num_stages"], amd_state.kwargs["PRECISION"]) == (1, "ieee")
     assert (nv_state.kwargs["num_stages"], nv_state.kwargs["PRECISION"]) == (3, "tf32")
-    inp = gdn.make_inputs(1, 70, 1, 128, 96, "random", seed=3)
+    inp = gdn.make_inputs(1, 70, 1, 128, 80, "random", seed=3)
     args = [inp[x].bfloat16() for x in NAMES]
     with device.building_for("gfx942"), torch.no_grad():
         o, S = gdn_chunk.chunked_triton(*(a.to(DEV) for a in args), initial_state=inp["h0"].float().to(DEV))

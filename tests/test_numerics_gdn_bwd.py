@@ -85,14 +85,14 @@ def test_sm100_takes_dqkwg_on_4_warps():
     assert {k: v for k, v in c100.items() if k != "warps_dqkwg"} == {k: v for k, v in c90.items() if k != "warps_dqkwg"}
 
 
-def test_state_kernels_take_narrow_v_blocks_on_sm90_and_sm100():
+def test_state_kernels_take_narrow_v_blocks_on_sm90_sm100_and_cdna():
     """sm_90/sm_100: the state kernel (forward) and dhu (backward) walk the chunks in order, so their V
     block sets how many programs share the work: BV 16 up to K 64, 32 at K 128; K 256 keeps 32 (16 in dhu);
     sm_80 keeps its own."""
     from inferbook import device
     from inferbook.numerics import gdn_chunk
 
-    for target in ("sm_90", "sm_100"):
+    for target in ("sm_90", "sm_100", "gfx942", "gfx950"):
         with device.building_for(target):
             for K, want in ((32, 16), (64, 16), (128, 32), (256, 32)):
                 assert gdn_chunk.chunk_blocks(K, K, DEV)["BV_STATE"] == want, (target, K)

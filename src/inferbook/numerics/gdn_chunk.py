@@ -252,7 +252,7 @@ def chunk_blocks(K: int, V: int, device: torch.device) -> dict:
     of K, at least 16, when smaller); the state kernel holds all of K (BK_STATE = next power of two)
     and a BV-column block of the fp32 state in registers: BV 64 up to K 128, 32 at K 256 (fla's
     autotuner picks 32 or 64), so the state is <= 8K values per program (sm_90/sm_100: 16 up to K 64 and
-    32 at K 128, for more programs; below); at K 256 the state kernel runs
+    32 at K 128, for more programs; also on CDNA; below); at K 256 the state kernel runs
     8 warps and 2 stages (4 warps spill on sm_90; 3 stages exceed sm_80's shared memory), at K 128 8 warps
     (4 spill on sm_80 and sm_100). The
     interpreter runs one program at a time: there the whole of V is one block.
@@ -276,17 +276,18 @@ def chunk_blocks(K: int, V: int, device: torch.device) -> dict:
                warps_wy=4, warps_state=8 if bk_state >= 128 else 4, stages_state=2 if big else 3, warps_o=4,
                gpu_precision="tf32")
     if _device.wants_gpu_config(device):
-        amd = dict(out, stages_state=1 if bk_state >= 128 else out["stages_state"], gpu_precision="ieee")
-        # sm_90/sm_100: the state kernel walks the chunks one after another, so a launch with few programs
+        # sm_90/sm_100 and CDNA: the state kernel walks the chunks one after another, so a launch with few programs
         # (V / BV x sequences x heads: 8 at the long single sequence) is bound by that chain's latency; BV 16
         # up to K 64 and 32 at K 128 give it 2-4x the programs, each a shorter chain. The backward's dhu
         # kernel takes the same BV (`gdn_chunk_bwd.bwd_blocks`). Predicted over the chapter's 19 state
         # launches 347 -> 158 us on H200 (the long K 64 sequence 197 -> 50 us) and 348 -> 143 us on B200; its
-        # 18 dhu launches 169 -> 125 and 158 -> 99 us; none slower, no spill. Not at K 256 (BV 16 is predicted
-        # slower there) nor on sm_80 (not swept).
+        # 18 dhu launches 169 -> 125 and 158 -> 99 us; MI300X 605 -> 218 and 515 -> 218 us, MI355X 314 -> 132 and
+        # 311 -> 141 us; none slower, no spill. Not at K 256 (BV 16 is predicted slower there) nor on sm_80
+        # (there it spilled 16-72 B and made five launches slower).
         #   inferbook sweep gdn-backward-check sm_90 gdn.chunk --kernel gdn_chunk_state_fwd_kernel \
         #     --set BV_STATE=16,32,64 --jobs 2     (gdn.bwd --kernel gdn_chunk_dhu_bwd_kernel likewise)
         fast = dict(out, BV_STATE=min(bv_full, 16 if bk_state <= 64 else 32) if bk_state <= 128 else bv_state)
+        amd = dict(fast, stages_state=1 if bk_state >= 128 else out["stages_state"], gpu_precision="ieee")
         out = _device.swept("gdn.chunk", _device.pick_config({"nvidia": out, "sm_90": fast, "sm_100": fast,
                                                               "hip": amd}, device))
     return out
