@@ -300,6 +300,8 @@ def test_register_heavy_features_take_smaller_nvidia_tiles_only():
     assert cfg("sm_80", 128, "fwd", pack=True) == (64, 64, 8) and cfg("sm_90", 128, "fwd", pack=True) == (128, 64, 8)
     assert cfg("sm_80", 96, "fwd", 48, pack=True) == (128, 64, 8)
     assert cfg("sm_80", 64, "dkdv") == (32, 32, 8) and cfg("sm_90", 64, "dkdv") == (64, 64, 4)
+    # d 192/256 dQ: 4 warps on NVIDIA, 64 rows on sm_90 (32 on 4 warps spilled there)
+    assert cfg("sm_80", 256, "dq") == cfg("sm_100", 192, "dq") == (32, 16, 4) and cfg("sm_90", 256, "dq") == (64, 16, 4)
     # sm_90 d <= 128 dK/dV: one warpgroup of 64 rows (wgmma), except under softcap (it spilled there)
     assert cfg("sm_90", 128, "dkdv") == cfg("sm_90", 96, "dkdv", causal=True) == (64, 64, 4)
     assert cfg("sm_90", 96, "dkdv", softcap=True) == (32, 64, 8) and cfg("sm_80", 128, "dkdv") == (32, 64, 8)

@@ -532,9 +532,10 @@ def _block_config(device: torch.device, head_dim: int, kind: str, head_dim_v: in
     GPU: 128x64 forward tiles up to D=128; D=192/256 pad to 256 and halve the tiles to keep the
     fp32 accumulators in registers; MLA-sized heads (d or dv > 256) 32x32 with 8 warps (q [32, 576] and
     the [32, 512] accumulator in registers: no spill on sm_90).
-    Backward at d <= 128 on sm_90: dK/dV 64x64 on one warpgroup (wgmma), dQ 64x32 on 4 warps. At d 192/256:
+    Backward at d <= 128: dK/dV 64x64 on one warpgroup on sm_90 (wgmma), dQ 64x32 on 4 warps on NVIDIA. At d 192/256:
     dK/dV 32x64 (on sm_90 mostly mma.sync: 32 rows are half a warpgroup's wgmma, and every 64-row tile spilled),
-    dQ 32x16 with two stages on NVIDIA (64-row dQ tiles spill). The flags (paged KV, PackGQA, a window, softcap, causal) add index and mask arithmetic
+    dQ 32x16 on 4 warps with two stages on NVIDIA (64x16 on sm_90). The flags (paged KV, PackGQA, a window,
+    softcap, causal) add index and mask arithmetic
     that pushed some NVIDIA tiles past 255 registers; those cases take smaller tiles on NVIDIA (below,
     with the predicted times that chose them). CDNA takes 4-wave tiles for dK/dV and the MLA forward (8 waves
     sit two a SIMD at 256 VGPRs and spilled there). Interpreter: 64x64 — each interpreted op costs far more than
@@ -672,8 +673,14 @@ def _block_config(device: torch.device, head_dim: int, kind: str, head_dim_v: in
     # d 192/256 dQ, 32x16: two stages on NVIDIA (K and V stream through shared memory by cp.async
     # instead of being held in registers: one stage spilled 8 B at d 192 on sm_90 and sm_100, at 128
     # registers; two use 105-140, no spill on sm_80/90/100). AMD keeps the one stage it was checked with.
-    cfg = dict(BLOCK_M=32, BLOCK_N=16, BLOCK_D=block_d, num_warps=8, num_stages=2)
-    return dict(_device.pick_config({"nvidia": cfg, "hip": {**cfg, "num_stages": 1}}, device))
+    # NVIDIA on 4 warps (8 split a 32-row tile thinner than an MMA needs): over the matrix's four d 192/256 dQ
+    # launches predicted 27.7 -> 22.9 us on A100 and 18.0 -> 16.2 us on B200, none slower, no spill; sm_90
+    # takes 64 rows (32 on 4 warps spilled 8 B there; 64x16 none), 18.1 -> 15.0 us, faster on all four.
+    #   inferbook sweep attention-test-matrix sm_90 attention.dq --kernel _attn_bwd_dq_kernel \
+    #     --launch "· d192" --launch "· d256" --set BLOCK_M=32,64 --set num_warps=4,8     (likewise sm_80, sm_100)
+    cfg = dict(BLOCK_M=32, BLOCK_N=16, BLOCK_D=block_d, num_warps=4, num_stages=2)
+    return dict(_device.pick_config({"nvidia": cfg, "sm_90": {**cfg, "BLOCK_M": 64},
+                                     "hip": {**cfg, "num_warps": 8, "num_stages": 1}}, device))
 
 
 def select_backend(device: torch.device) -> tuple[str, str]:
