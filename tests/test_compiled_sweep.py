@@ -81,6 +81,9 @@ def test_launch_texts_select_any_of_them():
     (["te-mxfp8-recipes", "sm_90", "mx.gemm", "--kernel", "mx_gemm_kernel", "--set", "BLOCK_M=64", "--jobs", "0"],
      "--jobs 0"),
     (["no-such-chapter", "sm_90", "mx.gemm", "--kernel", "k", "--set", "BLOCK_M=64"], "no-such-chapter"),
+    (["te-mxfp8-recipes", "sm_90", "mx.gemm", "--kernel", "a", "--kernel", "b", "--set", "BLOCK_M=64"], "--kernel given twice"),
+    (["te-mxfp8-recipes", "sm_90", "mx.gemm", "--kernel", "mx_gemm_kernel", "--set", "BLOCK_M=64", "--set", "BLOCK_M=32"],
+     "--set BLOCK_M given twice"),
 ])
 def test_bad_input_is_one_line_naming_it(argv, says):
     with pytest.raises(UserError, match=None) as e:

@@ -16,7 +16,9 @@ than the chosen config (by more than 1 %), the most any of them spills, and what
 launch. The card is the target's (`compiled.TARGET_CARD`) unless `--card` names another of its vendor;
 its copy ceiling is the measured one where a committed `ceilings` record has it, else the datasheet's.
 The launches are every one the chapter makes, as often as it makes it (`compiled.every_launch`), where
-its compile table keeps one per specialisation. `inferbook sweep ...` is this module with the interpreter
+its compile table keeps one per specialisation. The values apply wherever the named config is asked (every
+head dim's dK/dV, say); `--launch` picks which of the kernel's launches are compiled and summed, so a sweep
+of one branch of a config function names that branch's launches. `inferbook sweep ...` is this module with the interpreter
 off. Nothing here runs a kernel. The W4A16 decode kernels have their own sweep
 (`inferbook.moe.decode_sweep`: split-K and swap-AB are not a config dict's values).
 """
@@ -78,7 +80,7 @@ def parse(argv: list[str]) -> dict:
         raise UserError(f"config {name!r} is not known; choose {choices(CONFIGS)}")
     a = dict(slug=slug, target=target, name=name, kernel=None, launch=[], set={}, card=compiled.TARGET_CARD[target],
              jobs=1, each=False)
-    i = 0
+    i, given = 0, set()
     while i < len(rest):
         flag = rest[i]
         if flag == "--each":
@@ -91,6 +93,9 @@ def parse(argv: list[str]) -> dict:
             raise UserError(f"{flag} needs a value; usage: {USAGE}")
         value = rest[i + 1]
         i += 2
+        if flag in given and flag != "--launch" and flag != "--set":
+            raise UserError(f"{flag} given twice")
+        given.add(flag)
         if flag == "--launch":
             a["launch"].append(value)
         elif flag == "--set":
