@@ -380,15 +380,10 @@ def cmd_inspect(args) -> int:
 def cmd_sweep(args) -> int:
     """A named launch config's alternatives, compiled and predicted beside the chosen one
     (`inferbook.compiled.sweep`; its arguments are passed on as they are)."""
-    import os
+    from .compiled import restart_compiling, sweep
 
-    from .compiled import sweep
-
-    if os.environ.get("TRITON_INTERPRET") == "0":
-        return sweep.main(args.rest)
-    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": os.environ.get("TRITON_DEFAULT_FP_FUSION", "1")}
-    os.execve(sys.executable, [sys.executable, "-m", "inferbook.compiled.sweep", *args.rest], env)  # compile for real
-    return 0    # pragma: no cover - execve does not return
+    restart_compiling("inferbook.compiled.sweep", args.rest)     # compile for real (returns where it is off)
+    return sweep.main(args.rest)
 
 
 def build_parser() -> argparse.ArgumentParser:

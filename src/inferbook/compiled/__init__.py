@@ -165,11 +165,16 @@ def kernel_source_hash(kernel) -> str:
     return hashlib.sha256(src.encode()).hexdigest()[:12]
 
 
+def kernel_name(launch: Launch) -> str:
+    """The launched @triton.jit function's name (a table row's 'kernel')."""
+    fn = getattr(launch.kernel, "fn", launch.kernel)
+    return getattr(fn, "__name__", str(fn))
+
+
 def launch_fingerprint(launch: Launch) -> dict:
     """What a saved table row must match for the table to describe this launch: its name, the kernel
     (name and source hash), the argument specialisation and the keyword arguments."""
-    fn = getattr(launch.kernel, "fn", launch.kernel)
-    return {"launch": launch.name, "kernel": getattr(fn, "__name__", str(fn)), "kernel_src": kernel_source_hash(launch.kernel),
+    return {"launch": launch.name, "kernel": kernel_name(launch), "kernel_src": kernel_source_hash(launch.kernel),
             "args": arg_spec(launch), "constexprs": {k: _jsonable(v) for k, v in launch.kwargs.items()}}
 
 
@@ -204,7 +209,7 @@ def dedupe(launches: list[Launch], keep_grids: tuple[str, ...] = ()) -> list[Lau
     seen, out = set(), []
     for la in launches:
         key = specialization_key(la)
-        if getattr(getattr(la.kernel, "fn", la.kernel), "__name__", "") in keep_grids:
+        if kernel_name(la) in keep_grids:
             key += (tuple(launch_shape_facts(la)["grid"]),)
         if key not in seen:
             seen.add(key)
@@ -808,6 +813,30 @@ def nvidia_config_facts(launch: Launch, nvidia: Launch, row: dict) -> dict:
     out.update({k: row.get(k) for k in ("shared_kb", "smem_limit_kb", "smem_ok", "vgprs", "agprs", "scratch_bytes",
                                          "num_warps", "num_stages", "mma")})
     return out
+
+
+def restart_compiling(module: str, argv: list[str]) -> None:
+    """Where the Triton interpreter is on (the test suite, a notebook), run `python -m module argv` in this
+    process's place with the interpreter off, as `inspect`'s workers compile (fp fusion on unless
+    set): the sweep tools compile for real. Returns where it is already off."""
+    if os.environ.get("TRITON_INTERPRET") == "0":
+        return
+    env = {**os.environ, "TRITON_INTERPRET": "0",
+           "TRITON_DEFAULT_FP_FUSION": os.environ.get("TRITON_DEFAULT_FP_FUSION", "1")}
+    os.execve(sys.executable, [sys.executable, "-m", module, *argv], env)
+
+
+def run_tool(name: str, argv: list[str], parse, run) -> int:
+    """A compiling tool's main: `parse(argv)` (a `UserError` is one line `name: ...` and exit 2, before any
+    compile), then `run(args)` with the Triton cache in a temporary folder of the tool's own unless set."""
+    try:
+        a = parse(argv)
+    except UserError as e:
+        print(f"{name}: {e}", file=sys.stderr)
+        return 2
+    os.environ.setdefault("TRITON_CACHE_DIR", str(Path(tempfile.gettempdir()) / f"inferbook-{name.replace('_', '-')}"))
+    run(a)
+    return 0
 
 
 def repo_root() -> Path:

@@ -302,11 +302,11 @@ def liger_rmsnorm(T: int, H: int, dtype=torch.bfloat16) -> list:
 
 
 def _our_rmsnorm_shapes(slug: str) -> list[tuple[int, int]]:
-    from . import launches_for
+    from . import kernel_name, launches_for
 
     shapes = []
     for la in launches_for(slug):
-        if getattr(getattr(la.kernel, "fn", la.kernel), "__name__", "") == "_rmsnorm_kernel":
+        if kernel_name(la) == "_rmsnorm_kernel":
             x = la.args[0]
             shape = (int(x.shape[0]), int(x.shape[-1])) if x.dim() == 2 else None
             if shape and shape not in shapes:

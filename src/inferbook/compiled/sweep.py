@@ -12,26 +12,24 @@ The launches are built by the chapter's own `gpu_launches`, so a launcher that d
 the tile derives it from the swept tile too (`device.overriding_config`; the config functions return
 their value through `device.swept` under the names in `CONFIGS`). Each config prints its predicted time
 summed over the matched launches (predicted, not measured), how many of them it makes faster or slower
-than the chosen config (by more than 1 %), the most any of them spills, and what binds them; `--each` adds a line per
-launch. The card is the target's (`compiled.TARGET_CARD`) unless `--card` names another of its vendor;
+than the chosen config (by more than 1 %), the most any of them spills, and what binds them; `--each` adds
+a line per launch. The card is the target's (`compiled.TARGET_CARD`) unless `--card` names another of its vendor;
 its copy ceiling is the measured one where a committed `ceilings` record has it, else the datasheet's.
 The launches are every one the chapter makes, as often as it makes it (`compiled.every_launch`), where
 its compile table keeps one per specialisation. The values apply wherever the named config is asked (every
 head dim's dK/dV, say); `--launch` picks which of the kernel's launches are compiled and summed, so a sweep
-of one branch of a config function names that branch's launches. `inferbook sweep ...` is this module with the interpreter
-off. Nothing here runs a kernel. The W4A16 decode kernels have their own sweep
+of one branch of a config function names that branch's launches. `inferbook sweep ...` is this module with
+the interpreter off. Nothing here runs a kernel. The W4A16 decode kernels have their own sweep
 (`inferbook.moe.decode_sweep`: split-K and swap-AB are not a config dict's values).
 """
 from __future__ import annotations
 
 import itertools
-import os
 import sys
-import tempfile
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
-from pathlib import Path
 
+from .. import compiled
 from ..errors import UserError, choices
 
 # name -> where the config is chosen (each returns it through `device.swept(name, ...)`)
@@ -69,8 +67,6 @@ def _values(key: str, text: str) -> tuple[int, ...]:
 def parse(argv: list[str]) -> dict:
     """The sweep's arguments, checked before any compile (a bad value raises `UserError` naming it).
     Builds the chapter's launches once (no compile) to check the kernel, the launch filter and the keys."""
-    from .. import compiled
-
     if len(argv) < 3:
         raise UserError(f"usage: {USAGE}")
     slug, target, name, rest = argv[0], argv[1], argv[2], argv[3:]
@@ -131,7 +127,7 @@ def parse(argv: list[str]) -> dict:
     launches, override = build(a, {})
     matched = match(a, launches)
     if not matched:
-        kernels = sorted({_kernel_name(x) for x in launches})
+        kernels = sorted({compiled.kernel_name(x) for x in launches})
         raise UserError(f"no launch of kernel {a['kernel']!r}" + (f" named with {' or '.join(map(repr, a['launch']))}"
                                                                   if a["launch"] else "")
                         + f" in {slug} on {target}; its kernels: {', '.join(kernels)}")
@@ -153,14 +149,8 @@ def grid(a: dict) -> list[dict]:
     return [dict(zip(keys, combo)) for combo in itertools.product(*(a["set"][k] for k in keys))]
 
 
-def _kernel_name(launch) -> str:
-    fn = getattr(launch.kernel, "fn", launch.kernel)
-    return getattr(fn, "__name__", str(fn))
-
-
 def build(a: dict, values: dict):
     """(the chapter's launches for the target with `values` over the named config, the `ConfigOverride`)."""
-    from .. import compiled
     from ..device import overriding_config
 
     with overriding_config(a["name"], values) as o, compiled.every_launch():
@@ -170,22 +160,20 @@ def build(a: dict, values: dict):
 
 def match(a: dict, launches: list) -> list[int]:
     """Indices of the launches of `--kernel` whose name contains a `--launch` text (any; all without one), in a
-    build of every launch
-    (`compiled.every_launch`): each launch the chapter makes, as often as it makes it, where its compile
-    table keeps one per specialisation. A tile that makes two launches one compile cannot shift them."""
+    build of every launch (`compiled.every_launch`): each launch the chapter makes, as often as it makes it,
+    where its compile table keeps one per specialisation. A tile that makes two launches one compile cannot
+    shift them."""
     return [i for i, x in enumerate(launches)
-            if _kernel_name(x) == a["kernel"] and (not a["launch"] or any(t in x.name for t in a["launch"]))]
+            if compiled.kernel_name(x) == a["kernel"] and (not a["launch"] or any(t in x.name for t in a["launch"]))]
 
 
 def run_config(a: dict, values: dict | None) -> dict:
     """Compile and predict the matched launches at `values` (None: the config as chosen). The Triton
     interpreter must be off in this process."""
-    from .. import compiled
-
     launches, _ = build(a, values or {})
     rows = []
     for i in a["indices"]:          # the chosen config's matched launches (`parse`), at these values
-        if i >= len(launches) or _kernel_name(launches[i]) != a["kernel"]:
+        if i >= len(launches) or compiled.kernel_name(launches[i]) != a["kernel"]:
             rows.append(dict(index=i, name="?", ok=False, seconds=None, error="the build at this config made other launches"))
             continue
         launch = launches[i]
@@ -234,8 +222,6 @@ def each(res: dict) -> list[str]:
 
 def sweep(a: dict, out=print) -> list[dict]:
     """The chosen config, then every grid config: compiled, predicted, printed best first."""
-    from .. import compiled
-
     configs = [None] + grid(a)
     measured = compiled.measured_copy_gbps(a["card"])
     out(f"{a['name']} ({CONFIGS[a['name']]}) on {a['target']}, {a['card']}: kernel {a['kernel']}"
@@ -266,19 +252,11 @@ def main(argv: list[str]) -> int:
         for name, where in CONFIGS.items():
             print(f"  {name:20s} {where}")
         return 0
-    try:
-        a = parse(argv)
-    except UserError as e:
-        print(f"sweep: {e}", file=sys.stderr)
-        return 2
-    os.environ.setdefault("TRITON_CACHE_DIR", str(Path(tempfile.gettempdir()) / "inferbook-sweep"))
-    sweep(a)
-    return 0
+    return compiled.run_tool("sweep", argv, parse, sweep)
 
 
 if __name__ == "__main__":
-    if os.environ.get("TRITON_INTERPRET") != "0":   # compile for real: restart with the interpreter off
-        os.environ["TRITON_INTERPRET"] = "0"
-        os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")    # as `inspect` compiles
-        os.execv(sys.executable, [sys.executable, "-m", "inferbook.compiled.sweep", *sys.argv[1:]])
+    from inferbook.compiled import restart_compiling
+
+    restart_compiling("inferbook.compiled.sweep", sys.argv[1:])
     sys.exit(main(sys.argv[1:]))

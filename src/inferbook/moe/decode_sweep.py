@@ -22,10 +22,7 @@ M rows each, N its intermediate size, K its hidden size; the split count is its 
 from __future__ import annotations
 
 import itertools
-import os
 import sys
-import tempfile
-from pathlib import Path
 
 from ..errors import UserError, choices
 
@@ -152,19 +149,13 @@ def sweep(a: dict, out=print) -> list[tuple[dict, dict | None]]:
 
 
 def main(argv: list[str]) -> int:
-    try:
-        a = parse(argv)
-    except UserError as e:
-        print(f"decode_sweep: {e}", file=sys.stderr)
-        return 2
-    os.environ.setdefault("TRITON_CACHE_DIR", str(Path(tempfile.gettempdir()) / "inferbook-decode-sweep"))
-    sweep(a)
-    return 0
+    from .. import compiled
+
+    return compiled.run_tool("decode_sweep", argv, parse, sweep)
 
 
 if __name__ == "__main__":
-    if os.environ.get("TRITON_INTERPRET") != "0":   # compile for real: restart with the interpreter off
-        os.environ["TRITON_INTERPRET"] = "0"
-        os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")    # as `inspect` compiles
-        os.execv(sys.executable, [sys.executable, "-m", "inferbook.moe.decode_sweep", *sys.argv[1:]])
+    from inferbook.compiled import restart_compiling
+
+    restart_compiling("inferbook.moe.decode_sweep", sys.argv[1:])
     sys.exit(main(sys.argv[1:]))
