@@ -752,7 +752,9 @@ def _worker(out_path: str, slugs: list[str], targets: list[str], shard: int, sha
         nvidia = None
         for t in targets:
             if t in AMD_TARGETS and nvidia is None and asked:     # a build that asked no target: nothing differs
-                nvidia = next((by_target[n] for n in targets if n in NVIDIA_TARGETS), None) or launches_for(slug, "sm_90")
+                # sm_90's launches, as a single-target run takes them: the first NVIDIA target of a full run
+                # (sm_80) has configs of its own, and pairing with it left rows unpaired
+                nvidia = by_target.get("sm_90") or launches_for(slug, "sm_90")
             pairs = (nvidia_counterparts(by_target[t], nvidia) if t in AMD_TARGETS and nvidia is not None
                      else [None] * len(by_target[t]))
             jobs += [(slug, i, launch, t, nv) for i, (launch, nv) in enumerate(zip(by_target[t], pairs))
