@@ -320,14 +320,20 @@ def record_logits(engine, index: dict) -> dict:
     return log
 
 
-def serve(engine, prompts, max_tokens: int) -> tuple[list[list[int]], dict]:
-    """Every prompt through `engine`, in order, recording logits; -> (outputs, logits)."""
+def serve(engine, prompts, max_tokens: int, tiers=None) -> tuple[list[list[int]], dict]:
+    """Every prompt through `engine`, in order, recording logits; -> (outputs, logits). With the engine's
+    `tiers` (`EngineKVTiers`), each step waits for its device-to-host copies and its file writes: the TP
+    check's claim is which tier serves each prefix, and a copy backlog on a loaded machine pins host rows,
+    so fewer blocks reach the file tier and the prefixes meant to come back from it do not (seen on a
+    machine running six book builds: 0 blocks from file). The overlap itself is the tier tests' subject."""
     from .sequence import SamplingParams
 
     seqs = [engine.add_request(p, SamplingParams(max_tokens=max_tokens)) for p in prompts]
     log = record_logits(engine, {s.seq_id: i for i, s in enumerate(seqs)})
     while engine.has_unfinished():
         engine.step()
+        if tiers is not None and not (tiers.copier.wait_idle(60) and tiers.store.flush(60)):
+            raise RuntimeError("the KV tiers' copies or writes did not finish within 60 s")
     return [s.output_ids for s in seqs], log
 
 
@@ -369,7 +375,7 @@ def run_tp_engine(model, va: dict, comm: TPComm) -> dict:
     factory = lambda m, nb, bs: TPModelRunner(m, nb, bs, comm, fault=va.get("fault"))  # noqa: E731
     engine, tiers = engine_for(model, va, factory)
     try:
-        outputs, logits = serve(engine, va["prompts"], int(va["max_tokens"]))
+        outputs, logits = serve(engine, va["prompts"], int(va["max_tokens"]), tiers)
         out = {"outputs": outputs, "logits": logits, "steps": len(engine.steps), "idle_steps": engine.idle_steps,
                "compute_syncs": engine.compute_syncs}
         if tiers is not None:

@@ -148,14 +148,14 @@ def tp_engine_check(seed: int, workdir: Path, use_cuda: bool = False, faults: tu
         if kv_heads not in refs:     # the TP-1 engine with the same tiers, and the float64 gold (no tiers)
             ref_va = {**va, "tiers": {**va["tiers"], "file_dir": str(Path(workdir) / f"tp1-kv{kv_heads}")}}
             e1, t1 = tpe.engine_for(model, ref_va)
-            out1, log1 = tpe.serve(e1, prompts, va["max_tokens"])
+            out1, log1 = tpe.serve(e1, prompts, va["max_tokens"], t1)
             t1.close()
             eg, _ = tpe.engine_for(tpe.build_model(va["cfg"], va["seed"], "cpu", torch.float64), {**va, "tiers": None})
             refs[kv_heads] = (out1, log1) + tpe.serve(eg, prompts, va["max_tokens"])
         out1, log1, outg, logg = refs[kv_heads]
         # a TP-1 engine reading what the TP-2 engine wrote below the host: the merged rows serve any TP size
         er, tr = tpe.engine_for(model, {**va, "tiers": {**va["tiers"], "host_blocks": 4}})
-        outr, _ = tpe.serve(er, prompts, va["max_tokens"])
+        outr, _ = tpe.serve(er, prompts, va["max_tokens"], tr)
         from_files = tr.stats.restored_blocks["file"]
         tr.close()
         keys = []
