@@ -558,10 +558,11 @@ def test_w4a16_and_fused_moe_builders_match_launchers(recorded, monkeypatch):
                "mxfp4": MXF.quantize(torch.randn(E, H, I, generator=g)),
                "bf16": torch.randn(E, H, I, generator=g).bfloat16()}
     for fmt, w2 in weights.items():
-        for kernel in FM.TAIL_KERNELS:
+        for kernel in FM.TAIL_KERNELS if fmt == "w4a16" else ("expert-major", "token-major"):
+            w = W.pack_decode(w2) if kernel == "decode" else w2     # the decode tail reads the decode packing
             for fused, inter in ((True, torch.bfloat16), (False, torch.bfloat16), (False, torch.float32)):
                 recorded.clear()
-                FM.moe_tail(act, w2, tw, ids, fused=fused, inter_dtype=inter, block="gpu", kernel=kernel)
+                FM.moe_tail(act, w, tw, ids, fused=fused, inter_dtype=inter, block="gpu", kernel=kernel)
                 built = FM.moe_tail_launches(T, k, E, H, I, fmt, fused=fused, inter_dtype=inter, kernel=kernel)
                 assert len(recorded) == len(built), (fmt, kernel, fused)
                 for call, launch in zip(recorded, built):

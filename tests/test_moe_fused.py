@@ -265,3 +265,95 @@ def test_fused_moe_group16_k48_every_layout(layout):
     err, tol, ok = FM.within_tolerance(out, FM.fused_moe_reference(x, w13, w2, tw, ids),
                                        FM.fused_moe_torch(x, w13, w2, tw, ids))
     assert ok, (err, tol)
+
+
+@pytest.mark.parametrize("n, E, bm", [(16, 896, 16), (128, 896, 16), (2048, 896, 16), (42, 8, 16), (3, 64, 64),
+                                      (0, 8, 16), (1, 1, 16)])
+def test_padded_rows_caps_at_one_block_a_slot_as_vllm(n, E, bm):
+    P = R.padded_rows(n, E, bm)
+    uncapped = (n + E * (bm - 1) + bm - 1) // bm * bm
+    assert P == min(uncapped, n * bm) and P % bm == 0
+    # the worst routing fits: every slot on its own expert (n <= E), or the experts filled one by one
+    g = torch.Generator().manual_seed(n + E)
+    for ids in (torch.randperm(E, generator=g)[:min(n, E)].repeat(-(-n // E) if n else 1)[:n],
+                torch.randint(0, E, (n,), generator=g)):
+        al = R.align_indexed(ids.reshape(-1, 1).to(torch.int32), E, bm)
+        assert al.sorted_ids.numel() == P
+        used = int(((al.counts + bm - 1) // bm).sum())
+        assert used <= R.max_blocks(n, E, bm) <= P // bm
+        assert sorted(al.sorted_ids[al.sorted_ids < n].tolist()) == list(range(n))
+
+
+def test_kimi_decode_tail_grid_is_its_slots_not_its_experts():
+    # K3's tail at T 1: 16 slots over 896 experts make at most 16 row blocks (vLLM's cap); the launch counts
+    # the weights of those blocks' experts, not the whole [896, 3584, 256] table
+    las = FM.moe_tail_launches(1, 16, 896, 3584, 256, "w4a16", fused=True, kernel="expert-major")
+    assert las[0].grid[0] == 16
+    table = 896 * W.weight_bytes(3584, 256, "w4a16")
+    assert 16 * W.weight_bytes(3584, 256, "w4a16") < las[0].dram_bytes < table / 40
+    dec = FM.moe_tail_launches(1, 16, 896, 3584, 256, "w4a16", fused=True, kernel="decode")
+    assert dec[0].grid[1] == 16 and dec[0].kernel is FM.moe_decode_tail_kernel and len(dec) == 1
+    with pytest.raises(ValueError, match="w4a16 experts only"):
+        FM.moe_tail_launches(1, 16, 896, 3584, 256, "mxfp4", fused=True, kernel="decode")
+
+
+# The decode tail (`moe_decode_tail_kernel`, decode-packed W4A16): K a multiple of 256 or not (the run's
+# padding), H a multiple of the column block or not, fewer slots than experts (T*k < E), experts with more
+# than 16 slots (several row blocks of one expert), dead experts, k = 1.
+DECODE_TAIL = [(16, 8, 1, 64, 32), (16, 8, 7, 200, 96), (4, 2, 40, 130, 288), (64, 8, 3, 128, 256),
+               (8, 1, 33, 96, 512), (8, 2, 21, 64, 32)]
+
+
+@pytest.mark.parametrize("E, k, T, Hd, Id", DECODE_TAIL, ids=[f"E{E}-k{k}-T{T}-H{h}-I{i}" for E, k, T, h, i in DECODE_TAIL])
+@pytest.mark.parametrize("block", [None, "gpu"], ids=["interp-tiles", "gpu-tiles"])
+def test_decode_tail_matches_reference_and_its_separate_pass(E, k, T, Hd, Id, block):
+    g = torch.Generator().manual_seed(E * T + Id)
+    q = W.quantize(torch.randn(E, Hd, Id, generator=g) * 0.1, layout="indexed")
+    d = W.pack_decode(q)
+    tw, ids = _routing(T, E, k, T + k, dead=(1,) if E == 8 and k == 2 else ())
+    act = torch.randn(T * k, Id, generator=g).bfloat16()
+    ref = FM.moe_tail_reference(act, d, tw, ids)
+    assert torch.equal(ref, FM.moe_tail_reference(act, q, tw, ids))    # the repack loses nothing
+    pt = FM.moe_tail_torch(act, q, tw, ids)
+    fused, n, buf = FM.moe_tail(act, d, tw, ids, fused=True, kernel="decode", block=block)
+    assert n == 3 and buf == {"rows": 0, "accumulator": T * Hd * 4}
+    sep32, _, _ = FM.moe_tail(act, d, tw, ids, fused=False, inter_dtype=torch.float32, kernel="decode", block=block)
+    sep16, n_s, buf_s = FM.moe_tail(act, d, tw, ids, fused=False, kernel="decode", block=block)
+    assert n_s == 2 and buf_s == {"rows": T * k * Hd * 2, "accumulator": 0}
+    for out in (fused, sep16):
+        err, tol, ok = FM.within_tolerance(out, ref, pt)
+        assert ok, (err, tol)
+    ok, worst = FM.reorder_bound(fused, sep32, act, q, tw, ids)    # the same terms, added in another order
+    assert ok, worst
+
+
+def test_decode_tail_can_fail_and_takes_only_decode_packed_weights():
+    E, k, T = 8, 2, 9
+    q = W.quantize(torch.randn(E, H, I) * 0.1, layout="indexed")
+    d = W.pack_decode(q)
+    tw, ids = _routing(T, E, k, 4)
+    act = torch.randn(T * k, I).bfloat16()
+    ref, pt = FM.moe_tail_reference(act, q, tw, ids), FM.moe_tail_torch(act, q, tw, ids)
+    assert FM.within_tolerance(FM.moe_tail(act, d, tw, ids, fused=True, kernel="decode")[0], ref, pt)[2]
+    # router weights paired with the wrong slots, or another expert's weights: the check catches both
+    assert not FM.within_tolerance(FM.moe_tail(act, d, tw.flip(1), ids, fused=True, kernel="decode")[0], ref, pt)[2]
+    assert not FM.within_tolerance(FM.moe_tail(act, d, tw, (ids + 1) % E, fused=True, kernel="decode")[0], ref, pt)[2]
+    with pytest.raises(ValueError, match="decode-packed"):
+        FM.moe_tail(act, q, tw, ids, fused=True, kernel="decode")
+    with pytest.raises(ValueError, match="decode-packed"):
+        FM.moe_tail(act, d, tw, ids, fused=True)
+
+
+def test_decode_tail_config_per_target():
+    from inferbook.device import building_for
+
+    for t in ("sm_80", "sm_90", "sm_100"):
+        with building_for(t):
+            cfg = FM.decode_tail_config(False, programs=10 ** 6)
+        assert (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_warps"], cfg["num_stages"]) == (16, 64, 2, 1), t
+    for t in ("gfx942", "gfx950"):
+        with building_for(t):
+            small, big = FM.decode_tail_config(False, programs=448), FM.decode_tail_config(False, programs=3584)
+        assert small["CDNA_LOOP"] and big["CDNA_LOOP"] and small["BLOCK_N"] == big["BLOCK_N"] == 128
+        assert (small["num_warps"], big["num_warps"]) == (2, 1), t
+    assert FM.decode_tail_config(True) == {"BLOCK_M": 16, "BLOCK_N": 64}

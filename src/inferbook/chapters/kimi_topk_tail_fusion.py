@@ -10,7 +10,8 @@ finalize), so the intermediate rows never exist. The older token-major GEMV (no 
 the k rows summed in registers in slot order) is kept as a third variant.
 
 Records, per expert-weight format (BF16, W4A16, MXFP4) and decode batch T:
-- `<fmt>-T<T>-separate` / `-fused` / `-token-major`: launches, the buffers each call allocated
+- `<fmt>-T<T>-separate` / `-fused` / `-token-major` (and, W4A16 only, `-decode`: the fused finalize on
+  the decode kernels' Marlin-style loop, `moe_decode_tail_kernel`): launches, the buffers each call allocated
   against their independent byte formulas, the bytes each kernel requests (weights counted per
   expert row block, or per slot for the token-major kernel), the checks (each against fp32; fused
   vs separate within the bound that summation order allows; token-major fused == its separate
@@ -32,11 +33,10 @@ import torch
 
 from ..errors import UserError
 from ..measure import benchmark
-from ..errors import UserError
 from .. import tolerance
 from ..presets import Param
 from ..record import RunRecord
-from ..moe import fused_moe as FM, latent_tail as LT, mxfp4 as MXF, w4a16 as W
+from ..moe import fused_moe as FM, latent_tail as LT, mxfp4 as MXF, routing, w4a16 as W
 from ..moe.routing import cpu_threads, on_gpu
 from ..moe.timing import gpu_time
 from .chord_w4a16 import parse_ints
@@ -46,7 +46,14 @@ VARIANTS = {  # record variant -> (moe_tail kernel, fused)
     "separate": ("expert-major", False),
     "fused": ("expert-major", True),
     "token-major": ("token-major", True),
+    "decode": ("decode", True),      # W4A16 only: the Marlin-style decode loop, the same fused finalize
 }
+DECODE_FORMATS = ("w4a16",)
+
+
+def variants(fmt: str) -> dict:
+    """The tail variants this chapter runs for weight format `fmt` (the decode kernel reads W4A16 only)."""
+    return {v: kf for v, kf in VARIANTS.items() if v != "decode" or fmt in DECODE_FORMATS}
 QUANT_LABEL = {"bf16": "none (bf16)", "w4a16": "w4a16 g32", "mxfp4": MXF.LABEL}
 
 # The results page's headline: (record name prefix, measurement).
@@ -150,26 +157,40 @@ def traffic(T: int, k: int, H: int, I: int, fmt: str, counts: list[int], block_m
     - separate: the [T*k, H] BF16 rows written, then read by the combine.
     - fused: the fp32 [T, H] accumulator zero-filled, written back by the atomics (at least once),
       and read by the cast to BF16.
+    - decode (W4A16): the fused tail at row blocks of 16 (`FM.DECODE_TAIL_BLOCK_M`), weights in
+      `pack_decode`'s layout (K padded to 256, `decode_weight_bytes`).
     """
     wb = weight_bytes(H, I, fmt)
     blocks = sum(-(-c // block_m) for c in counts if c)
     E = len(counts)
-    P = (T * k + E * (block_m - 1) + block_m - 1) // block_m * block_m  # align_indexed's worst-case size
+    P = routing.padded_rows(T * k, E, block_m)  # align_indexed's worst-case size
     common = T * k * I * 2 + T * k * 8 + T * H * 2
     sort = P * 4 + (P // block_m) * 4
     rows, acc = T * k * H * 2, T * H * 4
-    return {"weight_reads_expert_major": blocks, "weight_reads_token_major": T * k, "weight_bytes_each": wb,
+    bm16 = FM.DECODE_TAIL_BLOCK_M
+    blocks16 = sum(-(-c // bm16) for c in counts if c)
+    P16 = routing.padded_rows(T * k, E, bm16)
+    return {"weight_reads_expert_major": blocks, "weight_reads_token_major": T * k, "weight_reads_decode": blocks16,
+            "weight_bytes_each": wb, "decode_weight_bytes_each": decode_weight_bytes(H, I),
             "rows_bytes": rows, "accumulator_bytes": acc,
             "separate": blocks * wb + common + sort + 2 * rows,
             "fused": blocks * wb + common + sort + 3 * acc,
-            "token-major": T * k * wb + common}
+            "token-major": T * k * wb + common,
+            "decode": blocks16 * decode_weight_bytes(H, I) + common + P16 * 4 + (P16 // bm16) * 4 + 3 * acc}
+
+
+def decode_weight_bytes(n: int, k: int) -> int:
+    """Bytes of one [N, K] expert weight in `pack_decode`'s layout: K padded to a run of 256, int32 words
+    of 8 nibbles, BF16 group-32 scales in column pairs."""
+    kp = -(-k // W.RUN) * W.RUN
+    return kp // 8 * n * 4 + (kp // W.RUN) * (-(-n // 2)) * (W.RUN // 32) * 2 * 2
 
 
 def buffers_expected(T: int, k: int, H: int, variant: str, inter_bytes_per: int = 2) -> dict:
     """The intermediate buffers a variant must allocate, from the shapes alone."""
     if variant == "separate":
         return {"rows": T * k * H * inter_bytes_per, "accumulator": 0}
-    if variant == "fused":
+    if variant in ("fused", "decode"):
         return {"rows": 0, "accumulator": T * H * 4}
     return {"rows": 0, "accumulator": 0}
 
@@ -185,6 +206,7 @@ def _record(ctx, name, variant, fmt, T, p, backend, why):
 
 BACKEND = {"separate": "expert-major tl.dot down GEMM, router weight in the epilogue, then moe_sum",
            "fused": "expert-major tl.dot down GEMM, router weight + atomic scatter-add into token rows",
+           "decode": "expert-major decode GEMM (Marlin-style loop, 16-row blocks), router weight + atomic scatter-add",
            "token-major": "token-major GEMV per slot (no tensor cores), k rows summed in registers"}
 
 
@@ -209,8 +231,10 @@ def measure(ctx, *, hidden, inter, experts, top_k, tokens, formats, reps, ranks,
             block_m = FM.moe_config(T * top_k / experts, interp)["BLOCK_M"]
             tr = traffic(T, top_k, hidden, inter, fmt, counts, block_m)
             outs, recs = {}, {}
-            for variant, (kernel, fused) in VARIANTS.items():
-                out, launches, buffers = FM.moe_tail(act, w2, tw, ids, fused=fused, kernel=kernel)
+            d2 = W.pack_decode(w2) if fmt in DECODE_FORMATS else None   # load time, once: not in the timed tail
+            for variant, (kernel, fused) in variants(fmt).items():
+                w = d2 if kernel == "decode" else w2
+                out, launches, buffers = FM.moe_tail(act, w, tw, ids, fused=fused, kernel=kernel)
                 outs[variant] = out
                 tail_backend = f"{name}: {BACKEND[variant]}" + (", MXFP4 decoded in registers" if fmt == "mxfp4" else "")
                 rec = _record(ctx, f"{fmt}-T{T}-{variant}", variant, fmt, T, p, tail_backend, why)
@@ -222,11 +246,11 @@ def measure(ctx, *, hidden, inter, experts, top_k, tokens, formats, reps, ranks,
                         note="fused: zero-fill, GEMM, cast" if variant == "fused" else "")
                 rec.add("intermediate_bytes", buffers["rows"], "bytes", phase="analysis")
                 rec.add("accumulator_bytes", buffers["accumulator"], "bytes", phase="analysis")
-                rec.add("tail_bytes", tr[variant], "bytes", phase="analysis",
-                        weight_bytes=tr["weight_bytes_each"] * (tr["weight_reads_token_major"] if variant == "token-major"
-                                                                else tr["weight_reads_expert_major"]),
-                        weight_reads=(tr["weight_reads_token_major"] if variant == "token-major"
-                                      else tr["weight_reads_expert_major"]))
+                reads = tr[{"token-major": "weight_reads_token_major", "decode": "weight_reads_decode"}.get(
+                    variant, "weight_reads_expert_major")]
+                each = tr["decode_weight_bytes_each" if variant == "decode" else "weight_bytes_each"]
+                rec.add("tail_bytes", tr[variant], "bytes", phase="analysis", weight_bytes=each * reads,
+                        weight_reads=reads)
                 rec.add("weight_bits_per_weight", 8 * weight_bytes(hidden, inter, fmt) / (hidden * inter), "bits",
                         phase="analysis")
                 if triton_ok:  # the buffers the call allocated against the shapes' formula (0 cannot pass for rows)
@@ -241,6 +265,11 @@ def measure(ctx, *, hidden, inter, experts, top_k, tokens, formats, reps, ranks,
                 ok_order, worst = FM.reorder_bound(outs["fused"], sep32, act, w2, tw, ids)
                 recs["fused"].add_check("fused == separate (fp32 rows) up to summation order (bound)", ok_order,
                                         error=worst, tolerance=1.0)
+                if d2 is not None:   # the decode kernel's own separate pass (fp32 rows): the same terms, slot order
+                    dec32, _, _ = FM.moe_tail(act, d2, tw, ids, fused=False, inter_dtype=torch.float32, kernel="decode")
+                    ok_dec, worst_dec = FM.reorder_bound(outs["decode"], dec32, act, w2, tw, ids)
+                    recs["decode"].add_check("decode fused == its separate pass (fp32 rows) up to summation order (bound)",
+                                             ok_dec, error=worst_dec, tolerance=1.0)
                 tm32, _, _ = FM.moe_tail(act, w2, tw, ids, fused=False, inter_dtype=torch.float32, kernel="token-major")
                 recs["token-major"].add_check("token-major fused == its separate pass with fp32 rows (bitwise)",
                                               torch.equal(outs["token-major"], tm32),
@@ -251,9 +280,9 @@ def measure(ctx, *, hidden, inter, experts, top_k, tokens, formats, reps, ranks,
                 recs["fused"].add_check("in-kernel MXFP4 decode == numerics.mx.dequantize (bitwise, one-hot probe)",
                                         same, error=err, tolerance=0.0)
             if on_gpu(ctx) and triton_ok:
-                for variant, (kernel, fused) in VARIANTS.items():
-                    fn = (lambda kernel=kernel, fused=fused:
-                          FM.moe_tail(act, w2, tw, ids, fused=fused, kernel=kernel, check=False))
+                for variant, (kernel, fused) in variants(fmt).items():
+                    fn = (lambda kernel=kernel, fused=fused, w=(d2 if kernel == "decode" else w2):
+                          FM.moe_tail(act, w, tw, ids, fused=fused, kernel=kernel, check=False))
                     t, how = gpu_time(fn, ctx.device, label=f"{fmt} T={T} {variant}", reps=reps)
                     recs[variant].add_timing("tail", t, phase="decode", how=how)
                     recs[variant].add("tail_gbps", tr[variant] / t.median_s / 1e9, "GB/s", phase="decode")
@@ -431,9 +460,9 @@ def rows(records: list[RunRecord]) -> list[dict]:
 
 def gpu_launches(params: dict) -> list:
     """The Triton launches of this chapter at its gpu preset (`inferbook.compiled`): in every weight
-    format at every token count, each tail variant (`VARIANTS`: expert-major separate and fused,
-    token-major fused) and the two fp32-row separate passes the checks compare with (expert-major
-    and token-major); the MXFP4 decode probe (one-hot, T = inter, k = 1) and the MXFP4 weight
+    format at every token count, each tail variant (`variants`: expert-major separate and fused,
+    token-major fused, and for W4A16 the decode kernel's fused tail) and the fp32-row separate passes
+    the checks compare with (expert-major, token-major, and decode for W4A16); the MXFP4 decode probe (one-hot, T = inter, k = 1) and the MXFP4 weight
     packing (MX quantize of W2)."""
     from .. import compiled
     from ..numerics import mx as MX
@@ -443,9 +472,9 @@ def gpu_launches(params: dict) -> list:
     launches = []
     for fmt in parse_formats(p["formats"]):
         for T in parse_ints(p["tokens"], "tokens"):
-            for variant, (kernel, fused) in VARIANTS.items():
+            for variant, (kernel, fused) in variants(fmt).items():
                 launches += FM.moe_tail_launches(T, k, E, H, I, fmt, fused=fused, kernel=kernel, name=variant)
-            for kernel in FM.TAIL_KERNELS:
+            for kernel in FM.TAIL_KERNELS if fmt in DECODE_FORMATS else ("expert-major", "token-major"):
                 launches += FM.moe_tail_launches(T, k, E, H, I, fmt, fused=False, inter_dtype=torch.float32,
                                                  kernel=kernel, name="check: fp32 rows")
         for T in parse_ints(p["tokens"], "tokens") if fmt in LATENT_FORMATS else ():
@@ -455,7 +484,8 @@ def gpu_launches(params: dict) -> list:
             launches += FM.moe_tail_launches(I, 1, E, H, I, fmt, fused=True, name="MXFP4 decode probe")
             launches += MX.quantize_launches((E, H, I), torch.float32, MXF.ELEMENT, axis=-1, block=MXF.BLOCK,
                                              scale_rounding=MXF.SCALE_ROUNDING, name=f"MXFP4 pack of W2 [{E}, {H}, {I}]")
-    return compiled.dedupe(launches)
+    # the tail GEMMs keep a row per token count: their grids (and so waves and residency) follow T
+    return compiled.dedupe(launches, keep_grids=("moe_gemm_kernel", "moe_decode_tail_kernel", "down_tail_kernel"))
 
 
 def roofline_work(params: dict) -> list[dict]:

@@ -43,6 +43,7 @@ CONFIGS = {
     "mx.gemm": "numerics.mx.mx_gemm_config",
     "gdn.chunk": "numerics.gdn_chunk.chunk_blocks",
     "gdn.bwd": "numerics.gdn_chunk_bwd.bwd_blocks",
+    "moe.decode_tail": "moe.fused_moe.decode_tail_config",
 }
 USAGE = ("python -m inferbook.compiled.sweep CHAPTER TARGET CONFIG --kernel NAME [--launch TEXT ...] "
          "[--set KEY=V1,V2 ...] [--card CARD] [--jobs N] [--each]")

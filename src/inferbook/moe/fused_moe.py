@@ -291,6 +291,45 @@ if triton is not None:
         else:
             tl.store(ptrs, acc, mask=valid[:, None] & n_ok[None, :])
 
+    @triton.jit
+    def moe_decode_tail_kernel(a_ptr, qw_ptr, s_ptr, c_ptr, rows_ptr, block_expert_ptr, roww_ptr, n_rows, N, K,
+                               q_expert_stride, s_expert_stride, stride_am, stride_cm, OUT_DIV,
+                               ATOMIC: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+                               BLOCK_N: tl.constexpr, ASM: tl.constexpr, DOT_FP32: tl.constexpr,
+                               EVEN_N: tl.constexpr = False, EVEN_K: tl.constexpr = False,
+                               CDNA_LOOP: tl.constexpr = False, OUT_BF16: tl.constexpr = True):
+        """The decode tail's down projection on `decode_run`'s Marlin-style loop, over the indexed layout
+        (`routing.align_indexed` at BLOCK_M 16): program (column block, row block b) gathers the at most
+        BLOCK_M slots of block b (all of one expert; the sentinel n_rows pads) and computes their rows of
+        act @ W2[e].T from `pack_decode`'s words, then the epilogue: each row times its slot's router
+        weight, written at slot // OUT_DIV. ATOMIC (the fused finalize, OUT_DIV = k): added into an fp32
+        [T, N] accumulator zeroed by the caller, so the k rows of a token meet there (in CTA order); else
+        rows [T*k, N] in BF16 (OUT_BF16) or fp32 for a separate combine. A block past the last expert's run (-1) loads and writes nothing; the loop's bound is K's alone."""
+        pid_n = tl.program_id(0)
+        pid_b = tl.program_id(1)
+        e = tl.load(block_expert_ptr + pid_b)
+        if e >= 0:
+            slot = tl.load(rows_ptr + pid_b * BLOCK_M + tl.arange(0, BLOCK_M))
+            m_ok = slot < n_rows
+            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            n_ok = offs_n < N
+            qw = qw_ptr + e.to(tl.int64) * q_expert_stride
+            sc = s_ptr + e.to(tl.int64) * s_expert_stride
+            neg = decode_neg(BLOCK_N, DOT_FP32)
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for r in range(0, (K + 255) // 256):   # the slot ids are the activation rows (gathered)
+                acc = decode_run(acc, a_ptr, stride_am, slot, m_ok, qw, sc, N, pid_n * BLOCK_N, offs_n, n_ok, K, r,
+                                 neg, GROUP, ASM, DOT_FP32, EVEN_N, EVEN_K, CDNA_LOOP)
+            acc = acc * tl.load(roww_ptr + slot, mask=m_ok, other=0.0)[:, None]
+            ptrs = c_ptr + (slot // OUT_DIV)[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
+            mask = m_ok[:, None] & n_ok[None, :]
+            if ATOMIC:
+                tl.atomic_add(ptrs, acc, mask=mask, sem="relaxed")
+            elif OUT_BF16:
+                tl.store(ptrs, round_bf16(acc, DOT_FP32), mask=mask)
+            else:
+                tl.store(ptrs, acc, mask=mask)
+
 
 # ---------------------------------------------------------------------------
 # References
@@ -764,12 +803,17 @@ def _tail_weights(w2):
         w2.require("indexed", "the decode tail kernel")
         E, H, I = w2.shape
         return w2.qweight, w2.scales, LAYOUT_CODE["indexed"], w2.group_size, E, H, I
+    if isinstance(w2, DecodeW4):
+        if len(w2.shape) != 3:
+            raise ValueError(f"w2 must be [E, H, I], got {w2.shape}")
+        E, H, I = w2.shape
+        return w2.qweight, w2.scales, None, w2.group_size, E, H, I
     if isinstance(w2, torch.Tensor) and w2.ndim == 3 and w2.dtype == torch.bfloat16:
         E, H, I = w2.shape
         w = w2.contiguous()
         return w, w, LAYOUT_CODE["bf16"], 32, E, H, I
-    raise ValueError(f"w2 must be an indexed PackedW4, a PackedMXFP4 or a BF16 [E, H, I] tensor, "
-                     f"got {type(w2).__name__}")
+    raise ValueError(f"w2 must be an indexed PackedW4, a PackedMXFP4, a decode-packed DecodeW4 (kernel='decode') "
+                     f"or a BF16 [E, H, I] tensor, got {type(w2).__name__}")
 
 
 def token_major_config(interpreted: bool) -> dict:
@@ -777,7 +821,42 @@ def token_major_config(interpreted: bool) -> dict:
     return dict(BLOCK_N=128, BLOCK_K=128) if interpreted else dict(BLOCK_N=64, BLOCK_K=128, num_warps=4)
 
 
-TAIL_KERNELS = ("expert-major", "token-major")
+TAIL_KERNELS = ("expert-major", "token-major", "decode")
+DECODE_TAIL_BLOCK_M = 16   # the decode tail's row blocks: one m16 MMA tile of one expert's slots
+
+
+def decode_tail_config(interpreted: bool, device=None, *, programs: int | None = None) -> dict:
+    """Tiles of the decode tail (`moe_decode_tail_kernel`), given its grid's `programs` where known. Its K is
+    one expert's FFN slice (Kimi K3: 256 a rank), so a CTA runs one or two runs of 256: there is nothing for
+    a pipeline to overlap, and one stage frees the registers the stages held.
+    NVIDIA: 64 columns on 2 warps, 1 stage. Predicted at K3's tail (k 16, 896 experts, H 3584, I 256), T 8:
+    H200 14.8 us, issue-bound at 0.93 of the copy ceiling's 13.8 us (the fused_moe decode-down tile, 128
+    columns on 4 warps, 3 stages: 16.8 us, waves); A100 33.1 us against 32.6 of memory; B200 12.2 us,
+    issue-bound against 8.3 (0.68: B200 brings 1.5x H200's bytes a cycle to an SM). Over the chapter's four
+    T on H200: 188 us, the least of the 18 configs swept that spill nothing (`inferbook sweep
+    kimi-topk-tail-fusion sm_90 moe.decode_tail --kernel moe_decode_tail_kernel --launch "decode w4a16 fused"
+    --set BLOCK_N=32,64,128 --set num_warps=1,2,4 --set num_stages=1,3`). At T 1 (8 MB) every config
+    without a spill is 2.4 us there: two rounds of one-run CTAs.
+    CDNA: `moe_decode_config`'s down tile and loop (128 columns, one stage), on 1 wave for a grid of at least
+    2048 programs, else 2. Over the four T: MI300X 213 -> 179 us (T 8: 16.7 -> 14.1, memory 12.5), MI355X
+    199 -> 160 us, both issue-bound; 128 columns on 1 wave was the best of the 9 swept at gfx942 and gfx950
+    (--set BLOCK_N=32,64,128 --set num_warps=1,2,4). At T 1 (448 programs) one wave leaves the CUs half
+    empty (MI300X 2.8 -> 4.8 us), so small grids keep 2. The interpreter: BLOCK_N 64."""
+    from .. import device as _device
+
+    if interpreted:
+        return dict(BLOCK_M=DECODE_TAIL_BLOCK_M, BLOCK_N=64)
+    dev = torch.device("cuda") if device is None else device
+    if pick_config(MOE_DECODE_CDNA, dev) is None:
+        cfg = dict(BLOCK_M=DECODE_TAIL_BLOCK_M, BLOCK_N=64, num_warps=2, num_stages=1)
+    else:
+        cfg = dict(moe_decode_config(False, False, device=dev))
+        if programs is not None and programs >= DECODE_TAIL_ONE_WAVE_PROGRAMS:
+            cfg["num_warps"] = 1
+    return dict(_device.swept("moe.decode_tail", cfg))
+
+
+DECODE_TAIL_ONE_WAVE_PROGRAMS = 2048   # CDNA: from this grid on, one wave a program (`decode_tail_config`)
 
 
 def moe_tail(act: torch.Tensor, w2, topk_weights, topk_ids, *, fused: bool, inter_dtype=torch.bfloat16,
@@ -794,6 +873,9 @@ def moe_tail(act: torch.Tensor, w2, topk_weights, topk_ids, *, fused: bool, inte
     reproducible on a GPU).
     kernel="token-major": the older GEMV kernel, one program per token (no tensor cores), the k
     rows summed in registers in slot order when fused.
+    kernel="decode" (W4A16 only; w2 a `DecodeW4` from `pack_decode`, repacked once at load time):
+    `moe_decode_tail_kernel`, the same indexed layout at BLOCK_M 16 on the decode kernels' Marlin-style
+    loop (dequantized nibbles straight into the MMA operand), the same two epilogues.
 
     Returns (out [T, H] BF16, launches, buffers): `buffers` maps each intermediate tensor the call
     allocated to its bytes, {"rows": [T*k, H] rows, "accumulator": fp32 [T, H]} (0 where absent).
@@ -801,6 +883,9 @@ def moe_tail(act: torch.Tensor, w2, topk_weights, topk_ids, *, fused: bool, inte
     qw, sc, code, group, E, H, I = _tail_weights(w2)
     if kernel not in TAIL_KERNELS:
         raise ValueError(f"kernel must be one of {TAIL_KERNELS}, got {kernel!r}")
+    if (kernel == "decode") != isinstance(w2, DecodeW4):
+        raise ValueError("kernel='decode' takes w2 decode-packed (w4a16.pack_decode of an indexed PackedW4), and only it "
+                         f"does; got kernel={kernel!r} with {type(w2).__name__}")
     if not isinstance(act, torch.Tensor) or act.dtype != torch.bfloat16 or act.ndim != 2 or act.shape[1] != I:
         raise ValueError(f"act must be BF16 [T*k, {I}], got {getattr(act, 'dtype', None)} {tuple(getattr(act, 'shape', ()))}")
     if check:  # reads the ids back to the host; check=False for CUDA-graph capture
@@ -834,6 +919,24 @@ def moe_tail(act: torch.Tensor, w2, topk_weights, topk_ids, *, fused: bool, inte
         y = torch.empty((T * k, H), dtype=inter_dtype, device=act.device)
         _run(_down_tail_launch(a, qw, sc, ids, w, y, H, I, k, q_es, s_es, fused=False, code=code, group=group,
                                emu=emu, cfg={**cfg, **extra}, grid=grid))
+        return combine(y, k, block="gpu" if gpu_cfg else None), 2, {"rows": y.numel() * y.element_size(), "accumulator": 0}
+    if kernel == "decode":
+        al = routing.align_indexed(ids, E, DECODE_TAIL_BLOCK_M, check=False)
+        cfg = dict(decode_tail_config(False, act.device, programs=_decode_tail_programs(H, al.block_expert.numel()))
+                   if gpu_cfg else (block or decode_tail_config(interp, act.device,
+                                                                programs=_decode_tail_programs(H, al.block_expert.numel()))))
+        grid = (triton.cdiv(H, cfg["BLOCK_N"]), al.block_expert.numel())
+
+        def decode(c, *, out_div, atomic):
+            _run(_decode_tail_launch(a, qw, sc, c, al.sorted_ids, al.block_expert, w.flatten(), T, k, H, I, q_es, s_es,
+                                     grid, out_div=out_div, atomic=atomic, group=group, cfg=cfg, device=act.device))
+
+        if fused:
+            acc = torch.zeros((T, H), dtype=torch.float32, device=act.device)
+            decode(acc, out_div=k, atomic=True)
+            return acc.to(torch.bfloat16), 3, {"rows": 0, "accumulator": acc.numel() * acc.element_size()}
+        y = torch.empty((T * k, H), dtype=inter_dtype, device=act.device)
+        decode(y, out_div=1, atomic=False)
         return combine(y, k, block="gpu" if gpu_cfg else None), 2, {"rows": y.numel() * y.element_size(), "accumulator": 0}
     cfg = dict(moe_config(T * k / E, False) if gpu_cfg else (block or moe_config(T * k / E, interp)))
     check_block_k(cfg["BLOCK_K"], group, "indexed")  # MXFP4: group 32, whole blocks per tile
@@ -881,6 +984,25 @@ def _tail_gemm_launch(a, qw, sc, c, sorted_ids, block_expert, dummy, roww, T, k,
                         source="moe/fused_moe.py:moe_tail")
 
 
+def _decode_tail_programs(H: int, row_blocks: int) -> int:
+    """The decode tail's grid size at CDNA's 128-column tile (the tile `decode_tail_config`'s rule is about)."""
+    return triton.cdiv(H, 128) * row_blocks
+
+
+def _decode_tail_launch(a, qw, sc, c, sorted_ids, block_expert, roww, T, k, H, I, q_es, s_es, grid, *, out_div: int,
+                        atomic: bool, group: int, cfg: dict, device, dram_bytes=None):
+    """The decode tail's `moe_decode_tail_kernel` launch (`compiled.Launch`): a [T*k, I] bf16 routed rows,
+    `pack_decode`'s words qw / scales sc (q_es, s_es elements an expert), c = fp32 [T, H] (atomic) or rows
+    [T*k, H]; grid (column blocks, row blocks of `align_indexed` at BLOCK_M 16)."""
+    from ..compiled import Launch
+
+    kw = dict(ATOMIC=atomic, GROUP=group, ASM=decode_asm(device), DOT_FP32=dot_needs_fp32(device),
+              EVEN_N=H % cfg["BLOCK_N"] == 0, EVEN_K=I % 256 == 0, OUT_BF16=c.dtype == torch.bfloat16, **cfg)
+    return Launch("down_tail decode", moe_decode_tail_kernel,
+                  [a, qw, sc, c, sorted_ids, block_expert, roww, T * k, H, I, q_es, s_es, a.stride(0), c.stride(0),
+                   out_div], kw, "moe/fused_moe.py:moe_tail", grid, dram_bytes=dram_bytes)
+
+
 def reorder_bound(out_a: torch.Tensor, out_b: torch.Tensor, act, w2, topk_weights, topk_ids):
     """Whether two BF16 tails that add the same k fp32 terms per element, in different orders, each
     rounded once to BF16, differ by no more than that allows: per element
@@ -904,6 +1026,8 @@ def _expert_weight(w2, e: int, dtype) -> torch.Tensor:
         return dequantize(expert(w2, e), dtype)
     if isinstance(w2, PackedMXFP4):
         return MXF.dequantize(PackedMXFP4(w2.qweight[e], w2.scales[e], tuple(w2.shape[1:])), dtype)
+    if isinstance(w2, DecodeW4):
+        return dequantize_decode(_decode_expert(w2, e), dtype)
     return w2[e].to(dtype)
 
 
@@ -1201,7 +1325,7 @@ def fused_moe_launches(tokens: int, top_k: int, experts: int, hidden: int, inter
                                 MUL_ROW_WEIGHT=MUL_ROW_WEIGHT, common=common, source="moe/fused_moe.py:fused_moe"))
 
     y = meta((T * k, H), inter_dtype)
-    P = (T * k + E * (BM - 1) + BM - 1) // BM * BM               # routing's worst-case buffer (indexed, contiguous)
+    P = routing.padded_rows(T * k, E, BM)                        # routing's worst-case buffer (indexed, contiguous)
     nb = P // BM
     if layout == "indexed":
         ids, be = meta((P,), i32), meta((nb,), i32)
@@ -1246,13 +1370,24 @@ def moe_tail_launches(tokens: int, top_k: int, experts: int, hidden: int, inter:
     """`moe_tail`'s launches on a GPU for act [tokens*top_k, inter] and w2 [E, hidden, inter] in
     `fmt` ('bf16', 'w4a16' (indexed) or 'mxfp4'), for `kernel` ('expert-major': `moe_gemm_kernel`
     with the router weight in its epilogue, atomically added into an fp32 [T, H] accumulator when
-    fused; 'token-major': `down_tail_kernel`), plus `combine` when not fused."""
+    fused; 'token-major': `down_tail_kernel`; 'decode', w4a16 only: `moe_decode_tail_kernel` on
+    `pack_decode`'s layout), plus `combine` when not fused. Each GEMM launch states its DRAM bytes
+    (`tail_dram_bytes`): the weights of the experts it can reach, not the whole [E, H, I] table."""
     from ..compiled import meta
 
     if kernel not in TAIL_KERNELS:
         raise ValueError(f"kernel must be one of {TAIL_KERNELS}, got {kernel!r}")
+    if kernel == "decode" and fmt != "w4a16":
+        raise ValueError(f"the decode tail kernel takes w4a16 experts only, got fmt {fmt!r}")
     T, k, E, H, I = tokens, top_k, experts, hidden, inter
-    if fmt == "bf16":
+    if kernel == "decode":
+        from .w4a16 import RUN
+
+        Kp = -(-I // RUN) * RUN
+        q_es, s_es = Kp // 8 * H, (Kp // RUN) * (-(-H // 2)) * (RUN // 32) * 2          # pack_decode's shapes
+        qw, sc = meta((E, q_es), torch.int32), meta((E, s_es), torch.bfloat16)
+        code, group = None, 32
+    elif fmt == "bf16":
         qw = sc = meta((E, H, I), torch.bfloat16)
         code, group, q_es, s_es = LAYOUT_CODE["bf16"], 32, H * I, H * I
     elif fmt == "w4a16":
@@ -1263,27 +1398,57 @@ def moe_tail_launches(tokens: int, top_k: int, experts: int, hidden: int, inter:
         code, group, q_es, s_es = MXF.LAYOUT_CODE, MXF.BLOCK, H * I // 2, H * I // MXF.BLOCK
     else:
         raise ValueError(f"fmt must be 'bf16', 'w4a16' or 'mxfp4', got {fmt!r}")
+    expert_bytes = q_es * qw.element_size() + (s_es * sc.element_size() if sc is not qw else 0)
     dev = torch.device("cuda")
     emu = dot_needs_fp32(dev)
     a, ids, w = meta((T * k, I), torch.bfloat16), meta((T, k), torch.int32), meta((T, k), torch.float32)
+    c = meta((T, H), torch.float32) if fused else meta((T * k, H), inter_dtype)
     tag = f"{fmt} {'fused' if fused else 'separate y:' + str(inter_dtype)[6:]} T{T} k{k} H{H} I{I}"
     if kernel == "token-major":
         cfg = dict(token_major_config(False), enable_fp_fusion=False)
-        c = meta((T, H), torch.bfloat16) if fused else meta((T * k, H), inter_dtype)
+        c = meta((T, H), torch.bfloat16) if fused else c
         la = _down_tail_launch(a, qw, sc, ids, w, c, H, I, k, q_es, s_es, fused=fused, code=code, group=group, emu=emu,
                                cfg=cfg, grid=(T, triton.cdiv(H, cfg["BLOCK_N"])))
+        la.dram_bytes = tail_dram_bytes(T, k, E, H, I, expert_bytes, None, c, atomic=False)
+    elif kernel == "decode":
+        BM = DECODE_TAIL_BLOCK_M
+        P = routing.padded_rows(T * k, E, BM)
+        cfg = decode_tail_config(False, programs=_decode_tail_programs(H, P // BM))
+        la = _decode_tail_launch(a, qw, sc, c, meta((P,), torch.int32), meta((P // BM,), torch.int32),
+                                 meta((T * k,), torch.float32), T, k, H, I, q_es, s_es,
+                                 (triton.cdiv(H, cfg["BLOCK_N"]), P // BM), out_div=k if fused else 1, atomic=fused,
+                                 group=group, cfg=cfg, device=dev, dram_bytes=tail_dram_bytes(T, k, E, H, I, expert_bytes, BM, c, atomic=fused))
+        tag += f" cfg {BM}x{cfg['BLOCK_N']}x256"
     else:
         cfg = dict(moe_config(T * k / E, False))
         BM, BN = cfg["BLOCK_M"], cfg["BLOCK_N"]
-        P = (T * k + E * (BM - 1) + BM - 1) // BM * BM            # routing.align_indexed's worst-case buffer
-        c = meta((T, H), torch.float32) if fused else meta((T * k, H), inter_dtype)
+        P = routing.padded_rows(T * k, E, BM)                     # routing.align_indexed's worst-case buffer
         la = _tail_gemm_launch(a, qw, sc, c, meta((P,), torch.int32), meta((P // BM,), torch.int32),
                                meta((1,), torch.int32), meta((T * k,), torch.float32), T, k, H, I, q_es, s_es,
                                (P // BM, triton.cdiv(H, BN)), out_div=k if fused else 1, atomic=fused, code=code,
                                group=group, emu=emu, cfg=cfg)
+        la.dram_bytes = tail_dram_bytes(T, k, E, H, I, expert_bytes, BM, c, atomic=fused)
         tag += f" cfg {BM}x{BN}x{cfg['BLOCK_K']}"
     la.name = f"{name} {la.name} {tag}".strip()
     out = [la]
     if not fused:
         out += combine_launches(T, k, H, inter_dtype, torch.bfloat16, name=name)
     return out
+
+
+def tail_dram_bytes(T: int, k: int, E: int, H: int, I: int, expert_bytes: int, block_m: int | None, out, *,
+                    atomic: bool) -> int:
+    """DRAM bytes of one tail GEMM launch, from shapes alone (the routing unseen, so its worst case):
+    weights, one expert's `expert_bytes` per row block that can hold slots (`routing.max_blocks`; the
+    token-major kernel (block_m None) reads its slot's expert for every slot, T*k), the activations
+    [T*k, I] BF16, the router ids and weights (8 B a slot), the sorted ids and block experts (4 B each,
+    `padded_rows`), and the output `out`: rows written once, or (atomic) an fp32 [T, H] accumulator read
+    and written back once by its atomics (L2 absorbs the k adds of a token)."""
+    if block_m is None:
+        weights, routing_bytes = T * k * expert_bytes, T * k * 8
+    else:
+        P = routing.padded_rows(T * k, E, block_m)
+        weights = routing.max_blocks(T * k, E, block_m) * expert_bytes
+        routing_bytes = T * k * 8 + P * 4 + P // block_m * 4
+    out_bytes = out.numel() * out.element_size() * (2 if atomic else 1)
+    return weights + T * k * I * 2 + routing_bytes + out_bytes

@@ -249,7 +249,7 @@ def _gemm2_launch(a, w2, c, al, dest, w_flat, T, k, L, I, device, cfg, *, atomic
     qw, sc, code, group, E, _, _ = FM._tail_weights(w2)
     dummy = _meta((1,), torch.int32) if c.device.type == "meta" else torch.empty(1, dtype=torch.int32, device=c.device)
     grid = (al[1].numel(), triton.cdiv(L, cfg["BLOCK_N"]))
-    return FM._gemm_launch("latent GEMM2" + (" atomic" if atomic else " rows"), a, qw, sc, c, al[0], al[1], dummy,
+    return FM._gemm_launch(f"latent GEMM2 {'atomic' if atomic else 'rows'} T{T} k{k} L{L} I{I}", a, qw, sc, c, al[0], al[1], dummy,
                            dummy if atomic else dest, w_flat, T * k, L, I, 0, qw[0].numel(), sc[0].numel(), grid,
                            ROWS=0, A_DIV=1, SCATTER=not atomic, GATED=False, MUL_ROW_WEIGHT=atomic,
                            common=dict(LAYOUT=code, GROUP=group, DOT_FP32=dot_needs_fp32(device), **cfg),
@@ -338,7 +338,7 @@ def tail_launches(tokens: int, top_k: int, experts: int, latent: int, hidden: in
     dev = torch.device("cuda")
     cfg = dict(FM.moe_config(T * k / E, False))
     BM = cfg["BLOCK_M"]
-    P = (T * k + E * (BM - 1) + BM - 1) // BM * BM
+    P = routing.padded_rows(T * k, E, BM)
     if fmt == "bf16":
         w2 = meta((E, L, I), torch.bfloat16)
     else:
@@ -355,6 +355,7 @@ def tail_launches(tokens: int, top_k: int, experts: int, latent: int, hidden: in
     nw = meta((L,), torch.bfloat16)
     xn, out = meta((T, L), torch.bfloat16), meta((T, H), torch.bfloat16)
     las = []
+    expert_bytes = weight_bytes(L, I, fmt)
     if variant == "atomic":
         las.append(_gemm2_launch(a, w2, meta((T, L), torch.float32), al, None, w_flat, T, k, L, I, dev, cfg, atomic=True))
         las.append(_collective_launch(meta((N, T, L), torch.bfloat16), perm, ws, nw, xn, T, L, k, 1e-6, deferred=False,
@@ -369,6 +370,8 @@ def tail_launches(tokens: int, top_k: int, experts: int, latent: int, hidden: in
             las.append(_collective_launch(partials, perm, ws, nw, xn, T, L, k, 1e-6, deferred=False, device=dev))
         else:
             las.append(_collective_launch(rows, perm, ws, nw, xn, T, L, k, 1e-6, deferred=True, device=dev))
+    # GEMM2 reads the weights of the experts its row blocks can reach, not the whole [E, L, I] table
+    las[0].dram_bytes = FM.tail_dram_bytes(T, k, E, L, I, expert_bytes, BM, las[0].args[3], atomic=variant == "atomic")
     las.append(_up_proj_launch(xn, meta((H, L), torch.bfloat16), meta((T, H), torch.bfloat16), out, T, H, L, dev,
                                up_proj_config(False)))
     for la in las:
@@ -395,7 +398,7 @@ def tail_costs(T: int, k: int, E: int, L: int, H: int, I: int, N: int, fmt: str,
     projection: [T, L] + W_up [H, L] + shared [T, H] in, [T, H] out. The zero-fill writes and the cast
     reads the fp32 [T, L]; the cast writes BF16."""
     blocks = sum(-(-c // block_m) for c in counts if c)
-    P = (T * k + E * (block_m - 1) + block_m - 1) // block_m * block_m
+    P = routing.padded_rows(T * k, E, block_m)
     g_in = T * k * I * 2 + blocks * weight_bytes(L, I, fmt) + T * k * 8 + P * 4 + (P // block_m) * 4
     rows, part, acc32 = T * k * L * 2, T * L * 2, T * L * 4
     up = {"launch": "up-projection", "read": T * L * 2 + H * L * 2 + T * H * 2, "written": T * H * 2}

@@ -85,6 +85,23 @@ def _positions(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     return order, pos, counts, padded
 
 
+def padded_rows(n: int, num_experts: int, block_m: int) -> int:
+    """Rows of the expert-grouped buffer for `n` routed slots: the worst case, each expert's run padded
+    to `block_m` (n + E (block_m - 1), rounded up to block_m), but never more than n * block_m, since
+    an expert holding c slots takes ceil(c / block_m) <= c blocks. vLLM's `moe_align_block_size` takes
+    that cap when n < E; at decode over many experts (Kimi K3: 16 slots a token over 896 experts) it
+    is the difference between 16 row blocks and 857, most of which a kernel would launch to skip."""
+    return min((n + num_experts * (block_m - 1) + block_m - 1) // block_m * block_m, n * block_m)
+
+
+def max_blocks(n: int, num_experts: int, block_m: int) -> int:
+    """The most row blocks `n` slots over `num_experts` experts can fill (each a read of one expert's
+    weights by an expert-major kernel): min(n, E) experts hold a first block, and every further
+    block_m slots at most one more. What a launch built from shapes alone can count, routing unseen."""
+    first = min(n, num_experts)
+    return first + (n - first) // block_m
+
+
 def _check_block(block_m: int) -> None:
     if isinstance(block_m, bool) or not isinstance(block_m, int) or block_m <= 0:
         raise ValueError(f"block_m must be a positive int, got {block_m!r}")
@@ -92,15 +109,15 @@ def _check_block(block_m: int) -> None:
 
 def align_indexed(topk_ids: torch.Tensor, num_experts: int, block_m: int, *, check: bool = True) -> Indexed:
     """Slot ids sorted by expert, each expert's run padded to `block_m`, in a buffer of the
-    *worst-case* size T*k + E*(block_m - 1) (rounded up to block_m), as vLLM does: no device-to-host
-    sync, so the step can be captured in a CUDA graph. Blocks past the last expert's run get
+    *worst-case* size `padded_rows` (T*k + E*(block_m - 1), at most T*k*block_m), as vLLM does: no
+    device-to-host sync, so the step can be captured in a CUDA graph. Blocks past the last expert's run get
     expert -1 and hold only sentinels (T*k); the kernel skips them."""
     if check:
         _check_topk(topk_ids, num_experts)
     _check_block(block_m)
     order, pos, counts, padded = _positions(topk_ids, num_experts, block_m)
     n = topk_ids.numel()
-    P = (n + num_experts * (block_m - 1) + block_m - 1) // block_m * block_m
+    P = padded_rows(n, num_experts, block_m)
     dev = topk_ids.device
     sorted_ids = torch.full((P,), n, dtype=torch.int32, device=dev)
     sorted_ids[pos] = order.to(torch.int32)
@@ -123,7 +140,7 @@ class Contiguous:
 def permute_contiguous(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, block_m: int, *,
                        check: bool = True) -> Contiguous:
     """Activations copied into per-expert segments, each padded to `block_m` rows, in a buffer of
-    the worst-case size T*k + E*(block_m - 1) (rounded up to block_m), as `align_indexed` sizes its
+    the worst-case size `padded_rows`, as `align_indexed` sizes its
     ids: nothing is read back to the host (check=False also skips the id-range check), so a prefill
     step can be timed or captured without a sync. Blocks past the last segment get expert -1."""
     if check:
@@ -132,7 +149,7 @@ def permute_contiguous(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int
     k = topk_ids.shape[1]
     order, pos, counts, padded = _positions(topk_ids, num_experts, block_m)
     n = topk_ids.numel()
-    P = (n + num_experts * (block_m - 1) + block_m - 1) // block_m * block_m
+    P = padded_rows(n, num_experts, block_m)
     xp = torch.zeros((P, x.shape[-1]), dtype=x.dtype, device=x.device)
     xp[pos] = x[order // k]
     dest = torch.full((P,), -1, dtype=torch.int32, device=x.device)
