@@ -371,7 +371,9 @@ def tail_launches(tokens: int, top_k: int, experts: int, latent: int, hidden: in
         else:
             las.append(_collective_launch(rows, perm, ws, nw, xn, T, L, k, 1e-6, deferred=True, device=dev))
     # GEMM2 reads the weights of the experts its row blocks can reach, not the whole [E, L, I] table
-    las[0].dram_bytes = FM.tail_dram_bytes(T, k, E, L, I, expert_bytes, BM, las[0].args[3], atomic=variant == "atomic")
+    # (the rows variant writes its T*k rows at their sorted positions of the [P, L] buffer: T*k rows moved)
+    written = las[0].args[3] if variant == "atomic" else meta((T * k, L), torch.bfloat16)
+    las[0].dram_bytes = FM.tail_dram_bytes(T, k, E, L, I, expert_bytes, BM, written, atomic=variant == "atomic")
     las.append(_up_proj_launch(xn, meta((H, L), torch.bfloat16), meta((T, H), torch.bfloat16), out, T, H, L, dev,
                                up_proj_config(False)))
     for la in las:
