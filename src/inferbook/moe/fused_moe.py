@@ -304,7 +304,8 @@ if triton is not None:
         act @ W2[e].T from `pack_decode`'s words, then the epilogue: each row times its slot's router
         weight, written at slot // OUT_DIV. ATOMIC (the fused finalize, OUT_DIV = k): added into an fp32
         [T, N] accumulator zeroed by the caller, so the k rows of a token meet there (in CTA order); else
-        rows [T*k, N] in BF16 (OUT_BF16) or fp32 for a separate combine. A block past the last expert's run (-1) loads and writes nothing; the loop's bound is K's alone."""
+        rows [T*k, N] in BF16 (OUT_BF16) or fp32 for a separate combine. A block past the last expert's run
+        (-1) loads and writes nothing; the loop's bound is K's alone (the cost model reads its trips)."""
         pid_n = tl.program_id(0)
         pid_b = tl.program_id(1)
         e = tl.load(block_expert_ptr + pid_b)
