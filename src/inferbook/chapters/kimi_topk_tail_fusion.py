@@ -11,9 +11,9 @@ the k rows summed in registers in slot order) is kept as a third variant.
 
 Records, per expert-weight format (BF16, W4A16, MXFP4) and decode batch T:
 - `<fmt>-T<T>-separate` / `-fused` / `-token-major` (and, W4A16 only, `-decode`: the fused finalize on
-  the decode kernels' Marlin-style loop, `moe_decode_tail_kernel`): launches, the buffers each call allocated
-  against their independent byte formulas, the bytes each kernel requests (weights counted per
-  expert row block, or per slot for the token-major kernel), the checks (each against fp32; fused
+  the decode kernels' Marlin-style loop, `moe_decode_tail_kernel`): launches, the buffers each call
+  allocated against their independent byte formulas, the bytes each kernel requests (weights counted
+  per expert row block, or per slot for the token-major kernel), the checks (each against fp32; fused
   vs separate within the bound that summation order allows; token-major fused == its separate
   pass with an fp32 intermediate, bit for bit; for MXFP4 also the kernel's in-register decode
   against `numerics.mx.dequantize`, bit for bit), and on CUDA the Triton kernels' times. On CPU
@@ -158,7 +158,7 @@ def traffic(T: int, k: int, H: int, I: int, fmt: str, counts: list[int], block_m
     - fused: the fp32 [T, H] accumulator zero-filled, written back by the atomics (at least once),
       and read by the cast to BF16.
     - decode (W4A16): the fused tail at row blocks of 16 (`FM.DECODE_TAIL_BLOCK_M`), weights in
-      `pack_decode`'s layout (K padded to 256, `decode_weight_bytes`).
+      `pack_decode`'s layout (K padded to 256, `W.decode_weight_bytes`).
     """
     wb = weight_bytes(H, I, fmt)
     blocks = sum(-(-c // block_m) for c in counts if c)
@@ -171,19 +171,13 @@ def traffic(T: int, k: int, H: int, I: int, fmt: str, counts: list[int], block_m
     blocks16 = sum(-(-c // bm16) for c in counts if c)
     P16 = routing.padded_rows(T * k, E, bm16)
     return {"weight_reads_expert_major": blocks, "weight_reads_token_major": T * k, "weight_reads_decode": blocks16,
-            "weight_bytes_each": wb, "decode_weight_bytes_each": decode_weight_bytes(H, I),
+            "weight_bytes_each": wb, "decode_weight_bytes_each": W.decode_weight_bytes(H, I),
             "rows_bytes": rows, "accumulator_bytes": acc,
             "separate": blocks * wb + common + sort + 2 * rows,
             "fused": blocks * wb + common + sort + 3 * acc,
             "token-major": T * k * wb + common,
-            "decode": blocks16 * decode_weight_bytes(H, I) + common + P16 * 4 + (P16 // bm16) * 4 + 3 * acc}
+            "decode": blocks16 * W.decode_weight_bytes(H, I) + common + P16 * 4 + (P16 // bm16) * 4 + 3 * acc}
 
-
-def decode_weight_bytes(n: int, k: int) -> int:
-    """Bytes of one [N, K] expert weight in `pack_decode`'s layout: K padded to a run of 256, int32 words
-    of 8 nibbles, BF16 group-32 scales in column pairs."""
-    kp = -(-k // W.RUN) * W.RUN
-    return kp // 8 * n * 4 + (kp // W.RUN) * (-(-n // 2)) * (W.RUN // 32) * 2 * 2
 
 
 def buffers_expected(T: int, k: int, H: int, variant: str, inter_bytes_per: int = 2) -> dict:
@@ -461,8 +455,9 @@ def rows(records: list[RunRecord]) -> list[dict]:
 def gpu_launches(params: dict) -> list:
     """The Triton launches of this chapter at its gpu preset (`inferbook.compiled`): in every weight
     format at every token count, each tail variant (`variants`: expert-major separate and fused,
-    token-major fused, and for W4A16 the decode kernel's fused tail) and the fp32-row separate passes
-    the checks compare with (expert-major, token-major, and decode for W4A16); the MXFP4 decode probe (one-hot, T = inter, k = 1) and the MXFP4 weight
+    token-major fused, and for W4A16 the decode kernel's fused tail) and the fp32-row separate pass of
+    each of those kernels, which the checks compare with; the MXFP4 decode probe (one-hot, T = inter,
+    k = 1) and the MXFP4 weight
     packing (MX quantize of W2)."""
     from .. import compiled
     from ..numerics import mx as MX
@@ -474,7 +469,7 @@ def gpu_launches(params: dict) -> list:
         for T in parse_ints(p["tokens"], "tokens"):
             for variant, (kernel, fused) in variants(fmt).items():
                 launches += FM.moe_tail_launches(T, k, E, H, I, fmt, fused=fused, kernel=kernel, name=variant)
-            for kernel in FM.TAIL_KERNELS if fmt in DECODE_FORMATS else ("expert-major", "token-major"):
+            for kernel in dict.fromkeys(kernel for kernel, _ in variants(fmt).values()):
                 launches += FM.moe_tail_launches(T, k, E, H, I, fmt, fused=False, inter_dtype=torch.float32,
                                                  kernel=kernel, name="check: fp32 rows")
         for T in parse_ints(p["tokens"], "tokens") if fmt in LATENT_FORMATS else ():

@@ -18,6 +18,8 @@ expert weights may be BF16, W4A16 (indexed) or MXFP4 (`moe.mxfp4`, decoded in re
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -25,7 +27,8 @@ from ..device import dot_needs_fp32, pick_config, triton_backend_for
 from . import mxfp4 as MXF, routing
 from .mxfp4 import PackedMXFP4
 from .w4a16 import (DECODE_MAX_M, DECODE_TARGETS, LAYOUT_CODE, LAYOUTS, DecodeW4, PackedW4, cat_experts, check_block_k,
-                    decode_asm, decode_linear, dequantize, dequantize_decode, expert, linear, pack_decode, triton)
+                    decode_asm, decode_linear, decode_packed_shapes, dequantize, dequantize_decode, expert, linear,
+                    pack_decode, triton)
 
 if triton is not None:
     import triton.language as tl
@@ -705,7 +708,6 @@ def fused_moe_decode_launches(tokens: int, top_k: int, experts: int, hidden: int
     """`fused_moe_decode`'s gate/up and down launches plus its combine on a GPU (meta tensors);
     `gated_cfg` (a sweep's): the gate/up launch's config instead of `moe_decode_config`'s."""
     from ..compiled import meta
-    from .w4a16 import RUN
 
     T, k, E, H, I = tokens, top_k, experts, hidden, inter
     i32, bf16, f32 = torch.int32, torch.bfloat16, torch.float32
@@ -715,9 +717,7 @@ def fused_moe_decode_launches(tokens: int, top_k: int, experts: int, hidden: int
     out = []
     for stage, a, c, N, K, gated in (("gate_up", meta((E * max_m, H), bf16), act, I, H, True),
                                      ("down", act, meta((T * k, H), inter_dtype), H, I, False)):
-        rows = 2 * N if gated else N
-        Kp = -(-K // RUN) * RUN
-        q_es, s_es = Kp // 8 * rows, (Kp // RUN) * (-(-rows // 2)) * (RUN // group_size) * 2   # pack_decode's shapes
+        q_es, s_es = (math.prod(sh) for sh in decode_packed_shapes(2 * N if gated else N, K, group_size))
         cfg = (gated and gated_cfg) or moe_decode_config(False, gated, **(dict(n=N, experts=E, k=K) if gated else {}))
         part, lock = decode_split_buffers(E, max_m, N, cfg, gated=gated, device=dev, meta=True)
         split = f" split{cfg['SPLITS']}" if part is not None else ""
@@ -923,22 +923,16 @@ def moe_tail(act: torch.Tensor, w2, topk_weights, topk_ids, *, fused: bool, inte
         return combine(y, k, block="gpu" if gpu_cfg else None), 2, {"rows": y.numel() * y.element_size(), "accumulator": 0}
     if kernel == "decode":
         al = routing.align_indexed(ids, E, DECODE_TAIL_BLOCK_M, check=False)
-        cfg = dict(decode_tail_config(False, act.device, programs=_decode_tail_programs(H, al.block_expert.numel()))
-                   if gpu_cfg else (block or decode_tail_config(interp, act.device,
-                                                                programs=_decode_tail_programs(H, al.block_expert.numel()))))
-        grid = (triton.cdiv(H, cfg["BLOCK_N"]), al.block_expert.numel())
+        blocks = al.block_expert.numel()
+        cfg = dict(block if block and not gpu_cfg else
+                   decode_tail_config(interp and not gpu_cfg, act.device, programs=_decode_tail_programs(H, blocks)))
+        grid = (triton.cdiv(H, cfg["BLOCK_N"]), blocks)
 
         def decode(c, *, out_div, atomic):
             _run(_decode_tail_launch(a, qw, sc, c, al.sorted_ids, al.block_expert, w.flatten(), T, k, H, I, q_es, s_es,
                                      grid, out_div=out_div, atomic=atomic, group=group, cfg=cfg, device=act.device))
 
-        if fused:
-            acc = torch.zeros((T, H), dtype=torch.float32, device=act.device)
-            decode(acc, out_div=k, atomic=True)
-            return acc.to(torch.bfloat16), 3, {"rows": 0, "accumulator": acc.numel() * acc.element_size()}
-        y = torch.empty((T * k, H), dtype=inter_dtype, device=act.device)
-        decode(y, out_div=1, atomic=False)
-        return combine(y, k, block="gpu" if gpu_cfg else None), 2, {"rows": y.numel() * y.element_size(), "accumulator": 0}
+        return _expert_major_finish(decode, T, k, H, fused, inter_dtype, act.device, gpu_cfg)
     cfg = dict(moe_config(T * k / E, False) if gpu_cfg else (block or moe_config(T * k / E, interp)))
     check_block_k(cfg["BLOCK_K"], group, "indexed")  # MXFP4: group 32, whole blocks per tile
     BM, BN = cfg["BLOCK_M"], cfg["BLOCK_N"]
@@ -950,11 +944,18 @@ def moe_tail(act: torch.Tensor, w2, topk_weights, topk_ids, *, fused: bool, inte
         _run(_tail_gemm_launch(a, qw, sc, c, al.sorted_ids, al.block_expert, dummy, w.flatten(), T, k, H, I, q_es,
                                s_es, grid, out_div=out_div, atomic=atomic, code=code, group=group, emu=emu, cfg=cfg))
 
+    return _expert_major_finish(launch, T, k, H, fused, inter_dtype, act.device, gpu_cfg)
+
+
+def _expert_major_finish(launch, T: int, k: int, H: int, fused: bool, inter_dtype, device, gpu_cfg: bool):
+    """The two expert-major tails' (tl.dot and decode) outputs from `launch(c, out_div=, atomic=)`: fused, a
+    zeroed fp32 [T, H] accumulator the launch adds into, then the cast (3 launches); separate, [T*k, H] rows
+    in `inter_dtype`, then `combine` (2). Returns `moe_tail`'s (out, launches, buffers)."""
     if fused:
-        acc = torch.zeros((T, H), dtype=torch.float32, device=act.device)
+        acc = torch.zeros((T, H), dtype=torch.float32, device=device)
         launch(acc, out_div=k, atomic=True)
         return acc.to(torch.bfloat16), 3, {"rows": 0, "accumulator": acc.numel() * acc.element_size()}
-    y = torch.empty((T * k, H), dtype=inter_dtype, device=act.device)
+    y = torch.empty((T * k, H), dtype=inter_dtype, device=device)
     launch(y, out_div=1, atomic=False)
     return combine(y, k, block="gpu" if gpu_cfg else None), 2, {"rows": y.numel() * y.element_size(), "accumulator": 0}
 
@@ -1382,12 +1383,9 @@ def moe_tail_launches(tokens: int, top_k: int, experts: int, hidden: int, inter:
         raise ValueError(f"the decode tail kernel takes w4a16 experts only, got fmt {fmt!r}")
     T, k, E, H, I = tokens, top_k, experts, hidden, inter
     if kernel == "decode":
-        from .w4a16 import RUN
-
-        Kp = -(-I // RUN) * RUN
-        q_es, s_es = Kp // 8 * H, (Kp // RUN) * (-(-H // 2)) * (RUN // 32) * 2          # pack_decode's shapes
-        qw, sc = meta((E, q_es), torch.int32), meta((E, s_es), torch.bfloat16)
         code, group = None, 32
+        q_es, s_es = (math.prod(sh) for sh in decode_packed_shapes(H, I, group))
+        qw, sc = meta((E, q_es), torch.int32), meta((E, s_es), torch.bfloat16)
     elif fmt == "bf16":
         qw = sc = meta((E, H, I), torch.bfloat16)
         code, group, q_es, s_es = LAYOUT_CODE["bf16"], 32, H * I, H * I

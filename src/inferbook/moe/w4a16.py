@@ -43,6 +43,7 @@ Conversions between specs are explicit (`to_layout`). The reference for every ke
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -769,6 +770,19 @@ def pack_decode(q: PackedW4) -> DecodeW4:
     return DecodeW4(qweight, scales, tuple(q.shape), q.group_size)
 
 
+def decode_packed_shapes(n: int, k: int, group_size: int = GROUP_SIZE) -> tuple[tuple, tuple]:
+    """The shapes `pack_decode` gives one [N, K] weight: int32 words [Kp/8, N] and bf16 scales
+    [Kp/256, ceil(N/2), 256/g, 2] (Kp = K rounded up to a run of 256), for the launch builders' meta tensors."""
+    kp = -(-k // RUN) * RUN
+    return (kp // 8, n), (kp // RUN, -(-n // 2), RUN // group_size, 2)
+
+
+def decode_weight_bytes(n: int, k: int, group_size: int = GROUP_SIZE) -> int:
+    """Bytes of one [N, K] weight in `pack_decode`'s layout (K padded to 256): what a decode kernel reads."""
+    words, scales = decode_packed_shapes(n, k, group_size)
+    return math.prod(words) * 4 + math.prod(scales) * 2
+
+
 def unpack_decode(d: DecodeW4) -> tuple[torch.Tensor, torch.Tensor]:
     """(int8 values, bf16 scales) in the logical shape ([N, K] and [N, K/g], or with E in front):
     the inverse of `pack_decode`."""
@@ -1372,9 +1386,8 @@ def decode_launches(m: int, n: int, k: int, *, group_size: int = GROUP_SIZE, det
 
     cfg = cfg or decode_config(m, n, k)
     out = meta((cfg["SPLIT_K"], m, n) if deterministic else (m, n), torch.float32)
-    kp = -(-k // RUN) * RUN                                        # pack_decode's shapes: the real bytes
-    la = _decode_launch(meta((m, k), torch.bfloat16), meta((kp // 8, n), torch.int32),
-                        meta((kp // RUN, -(-n // 2), RUN // group_size, 2), torch.bfloat16), out, n, k,
+    words, scales = decode_packed_shapes(n, k, group_size)         # pack_decode's shapes: the real bytes
+    la = _decode_launch(meta((m, k), torch.bfloat16), meta(words, torch.int32), meta(scales, torch.bfloat16), out, n, k,
                         group_size, cfg, device=torch.device("cuda"), atomic=not deterministic)
     if name:
         la.name = name
