@@ -527,7 +527,7 @@ def test_flash_builder_matches_launcher(recorded):
 
 
 def test_w4a16_and_fused_moe_builders_match_launchers(recorded, monkeypatch):
-    from inferbook.moe import fused_moe as FM, mxfp4 as MXF, w4a16 as W
+    from inferbook.moe import fused_moe as FM, mxfp4 as MXF, mxfp4_decode as MXD, w4a16 as W
 
     monkeypatch.setattr(W, "dot_needs_fp32", lambda d: False)      # what a GPU passes
     monkeypatch.setattr(FM, "dot_needs_fp32", lambda d: False)
@@ -558,8 +558,10 @@ def test_w4a16_and_fused_moe_builders_match_launchers(recorded, monkeypatch):
                "mxfp4": MXF.quantize(torch.randn(E, H, I, generator=g)),
                "bf16": torch.randn(E, H, I, generator=g).bfloat16()}
     for fmt, w2 in weights.items():
-        for kernel in FM.TAIL_KERNELS if fmt == "w4a16" else ("expert-major", "token-major"):
-            w = W.pack_decode(w2) if kernel == "decode" else w2     # the decode tail reads the decode packing
+        for kernel in FM.TAIL_KERNELS if fmt in FM.DECODE_FORMATS else ("expert-major", "token-major"):
+            w = w2
+            if kernel == "decode":   # the decode tail reads the decode packing
+                w = MXD.pack_decode(w2) if fmt == "mxfp4" else W.pack_decode(w2)
             for fused, inter in ((True, torch.bfloat16), (False, torch.bfloat16), (False, torch.float32)):
                 recorded.clear()
                 FM.moe_tail(act, w, tw, ids, fused=fused, inter_dtype=inter, block="gpu", kernel=kernel)

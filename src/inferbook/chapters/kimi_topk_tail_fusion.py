@@ -10,13 +10,13 @@ finalize), so the intermediate rows never exist. The older token-major GEMV (no 
 the k rows summed in registers in slot order) is kept as a third variant.
 
 Records, per expert-weight format (BF16, W4A16, MXFP4) and decode batch T:
-- `<fmt>-T<T>-separate` / `-fused` / `-token-major` (and, W4A16 only, `-decode`: the fused finalize on
+- `<fmt>-T<T>-separate` / `-fused` / `-token-major` (and, W4A16 and MXFP4, `-decode`: the fused finalize on
   the decode kernels' Marlin-style loop, `moe_decode_tail_kernel`): launches, the buffers each call
   allocated against their independent byte formulas, the bytes each kernel requests (weights counted
   per expert row block, or per slot for the token-major kernel), the checks (each against fp32; fused
   vs separate within the bound that summation order allows; token-major fused == its separate
   pass with an fp32 intermediate, bit for bit; for MXFP4 also the kernel's in-register decode
-  against `numerics.mx.dequantize`, bit for bit), and on CUDA the Triton kernels' times. On CPU
+  against `numerics.mx.dequantize`, bit for bit, in both the tl.dot and the decode kernel), and on CUDA the Triton kernels' times. On CPU
   (interpreter) the Triton paths are checked, not timed.
 - `cpu-<fmt>-T<T>`: on CPU, the PyTorch tail timed with its combine pass timed on its own, so the
   combine's share of the tail on this machine is measured, labelled CPU.
@@ -36,7 +36,7 @@ from ..measure import benchmark
 from .. import tolerance
 from ..presets import Param
 from ..record import RunRecord
-from ..moe import fused_moe as FM, latent_tail as LT, mxfp4 as MXF, routing, w4a16 as W
+from ..moe import fused_moe as FM, latent_tail as LT, mxfp4 as MXF, mxfp4_decode as MXD, routing, w4a16 as W
 from ..moe.routing import cpu_threads, on_gpu
 from ..moe.timing import gpu_time
 from .chord_w4a16 import parse_ints
@@ -46,13 +46,13 @@ VARIANTS = {  # record variant -> (moe_tail kernel, fused)
     "separate": ("expert-major", False),
     "fused": ("expert-major", True),
     "token-major": ("token-major", True),
-    "decode": ("decode", True),      # W4A16 only: the Marlin-style decode loop, the same fused finalize
+    "decode": ("decode", True),      # W4A16 and MXFP4: the Marlin-style decode loop, the same fused finalize
 }
-DECODE_FORMATS = ("w4a16",)
+DECODE_FORMATS = FM.DECODE_FORMATS
 
 
 def variants(fmt: str) -> dict:
-    """The tail variants this chapter runs for weight format `fmt` (the decode kernel reads W4A16 only)."""
+    """The tail variants this chapter runs for weight format `fmt` (the decode kernel reads W4A16 and MXFP4)."""
     return {v: kf for v, kf in VARIANTS.items() if v != "decode" or fmt in DECODE_FORMATS}
 QUANT_LABEL = {"bf16": "none (bf16)", "w4a16": "w4a16 g32", "mxfp4": MXF.LABEL}
 
@@ -129,15 +129,16 @@ def dense_weights(w2, dtype=torch.bfloat16) -> torch.Tensor:
     return MXF.dequantize(w2, dtype) if isinstance(w2, MXF.PackedMXFP4) else W.dequantize(w2, dtype)
 
 
-def decode_probe(w2) -> tuple[bool, float]:
-    """Run the tail kernel with one-hot activations (token t = unit vector t, one slot of weight 1 on
-    expert t mod E): output row t is then column t of that expert's weight, exactly, so the kernel's
-    in-register MXFP4 decode is compared bit for bit with `numerics.mx.dequantize`."""
+def decode_probe(w2, kernel: str = "expert-major", w=None) -> tuple[bool, float]:
+    """Run the tail kernel `kernel` (on `w`, w2 repacked for it; default w2) with one-hot activations
+    (token t = unit vector t, one slot of weight 1 on expert t mod E): output row t is then column t of
+    that expert's weight, exactly, so the kernel's in-register MXFP4 decode is compared bit for bit with
+    `numerics.mx.dequantize`."""
     E, H, I = w2.shape
     dev = w2.device
     ids = (torch.arange(I, device=dev) % E).to(torch.int32)[:, None]
     act = torch.eye(I, device=dev).bfloat16()
-    out, _, _ = FM.moe_tail(act, w2, torch.ones((I, 1), device=dev), ids, fused=True)
+    out, _, _ = FM.moe_tail(act, w2 if w is None else w, torch.ones((I, 1), device=dev), ids, fused=True, kernel=kernel)
     want = torch.empty((I, H), dtype=torch.float32, device=dev)
     for e in range(min(E, I)):  # one expert at a time: the whole fp32 table can be gigabytes
         cols = torch.arange(e, I, E, device=dev)
@@ -157,8 +158,8 @@ def traffic(T: int, k: int, H: int, I: int, fmt: str, counts: list[int], block_m
     - separate: the [T*k, H] BF16 rows written, then read by the combine.
     - fused: the fp32 [T, H] accumulator zero-filled, written back by the atomics (at least once),
       and read by the cast to BF16.
-    - decode (W4A16): the fused tail at row blocks of 16 (`FM.DECODE_TAIL_BLOCK_M`), weights in
-      `pack_decode`'s layout (K padded to 256, `W.decode_weight_bytes`).
+    - decode (W4A16, MXFP4): the fused tail at row blocks of 16 (`FM.DECODE_TAIL_BLOCK_M`), weights in
+      `pack_decode`'s layout (K padded to 256, `decode_weight_bytes`).
     """
     wb = weight_bytes(H, I, fmt)
     blocks = sum(-(-c // block_m) for c in counts if c)
@@ -171,12 +172,24 @@ def traffic(T: int, k: int, H: int, I: int, fmt: str, counts: list[int], block_m
     blocks16 = sum(-(-c // bm16) for c in counts if c)
     P16 = routing.padded_rows(T * k, E, bm16)
     return {"weight_reads_expert_major": blocks, "weight_reads_token_major": T * k, "weight_reads_decode": blocks16,
-            "weight_bytes_each": wb, "decode_weight_bytes_each": W.decode_weight_bytes(H, I),
+            "weight_bytes_each": wb, "decode_weight_bytes_each": decode_weight_bytes(H, I, fmt),
             "rows_bytes": rows, "accumulator_bytes": acc,
             "separate": blocks * wb + common + sort + 2 * rows,
             "fused": blocks * wb + common + sort + 3 * acc,
             "token-major": T * k * wb + common,
-            "decode": blocks16 * W.decode_weight_bytes(H, I) + common + P16 * 4 + (P16 // bm16) * 4 + 3 * acc}
+            "decode": blocks16 * decode_weight_bytes(H, I, fmt) + common + P16 * 4 + (P16 // bm16) * 4 + 3 * acc}
+
+
+def decode_weight_bytes(H: int, I: int, fmt: str) -> int:
+    """Bytes of one expert's [H, I] weights in the decode kernel's layout (0 for a format it does not read)."""
+    if fmt == "mxfp4":
+        return MXD.decode_weight_bytes(H, I)
+    return W.decode_weight_bytes(H, I) if fmt == "w4a16" else 0
+
+
+def pack_for_decode(w2):
+    """w2 repacked once, at load time, for the decode kernel (`w4a16.pack_decode` or `mxfp4_decode.pack_decode`)."""
+    return MXD.pack_decode(w2) if isinstance(w2, MXF.PackedMXFP4) else W.pack_decode(w2)
 
 
 
@@ -225,7 +238,7 @@ def measure(ctx, *, hidden, inter, experts, top_k, tokens, formats, reps, ranks,
             block_m = FM.moe_config(T * top_k / experts, interp)["BLOCK_M"]
             tr = traffic(T, top_k, hidden, inter, fmt, counts, block_m)
             outs, recs = {}, {}
-            d2 = W.pack_decode(w2) if fmt in DECODE_FORMATS else None   # load time, once: not in the timed tail
+            d2 = pack_for_decode(w2) if fmt in DECODE_FORMATS else None   # load time, once: not in the timed tail
             for variant, (kernel, fused) in variants(fmt).items():
                 w = d2 if kernel == "decode" else w2
                 out, launches, buffers = FM.moe_tail(act, w, tw, ids, fused=fused, kernel=kernel)
@@ -273,6 +286,9 @@ def measure(ctx, *, hidden, inter, experts, top_k, tokens, formats, reps, ranks,
                 same, err = decode_probe(w2)
                 recs["fused"].add_check("in-kernel MXFP4 decode == numerics.mx.dequantize (bitwise, one-hot probe)",
                                         same, error=err, tolerance=0.0)
+                same, err = decode_probe(w2, "decode", d2)
+                recs["decode"].add_check("decode loop's MXFP4 decode == numerics.mx.dequantize (bitwise, one-hot probe)",
+                                         same, error=err, tolerance=0.0)
             if on_gpu(ctx) and triton_ok:
                 for variant, (kernel, fused) in variants(fmt).items():
                     fn = (lambda kernel=kernel, fused=fused, w=(d2 if kernel == "decode" else w2):
@@ -455,10 +471,9 @@ def rows(records: list[RunRecord]) -> list[dict]:
 def gpu_launches(params: dict) -> list:
     """The Triton launches of this chapter at its gpu preset (`inferbook.compiled`): in every weight
     format at every token count, each tail variant (`variants`: expert-major separate and fused,
-    token-major fused, and for W4A16 the decode kernel's fused tail) and the fp32-row separate pass of
-    each of those kernels, which the checks compare with; the MXFP4 decode probe (one-hot, T = inter,
-    k = 1) and the MXFP4 weight
-    packing (MX quantize of W2)."""
+    token-major fused, and for W4A16 and MXFP4 the decode kernel's fused tail) and the fp32-row separate pass
+    of each of those kernels, which the checks compare with; the MXFP4 decode probes (one-hot, T = inter,
+    k = 1; the tl.dot and the decode kernel) and the MXFP4 weight packing (MX quantize of W2)."""
     from .. import compiled
     from ..numerics import mx as MX
 
@@ -477,6 +492,7 @@ def gpu_launches(params: dict) -> list:
                 launches += LT.tail_launches(T, k, E, H, p["up_hidden"], I, p["ranks"], fmt, variant, name="latent")
         if fmt == "mxfp4":
             launches += FM.moe_tail_launches(I, 1, E, H, I, fmt, fused=True, name="MXFP4 decode probe")
+            launches += FM.moe_tail_launches(I, 1, E, H, I, fmt, fused=True, kernel="decode", name="MXFP4 decode probe")
             launches += MX.quantize_launches((E, H, I), torch.float32, MXF.ELEMENT, axis=-1, block=MXF.BLOCK,
                                              scale_rounding=MXF.SCALE_ROUNDING, name=f"MXFP4 pack of W2 [{E}, {H}, {I}]")
     # the tail GEMMs keep a row per token count: their grids (and so waves and residency) follow T

@@ -25,7 +25,9 @@ import torch.nn.functional as F
 
 from ..device import dot_needs_fp32, pick_config, triton_backend_for
 from . import mxfp4 as MXF, routing
+from . import mxfp4_decode as MXD
 from .mxfp4 import PackedMXFP4
+from .mxfp4_decode import DecodeMXFP4
 from .w4a16 import (DECODE_MAX_M, DECODE_TARGETS, LAYOUT_CODE, LAYOUTS, DecodeW4, PackedW4, cat_experts, check_block_k,
                     decode_asm, decode_linear, decode_packed_shapes, dequantize, dequantize_decode, expert, linear,
                     pack_decode, triton)
@@ -34,6 +36,7 @@ if triton is not None:
     import triton.language as tl
 
     from .mxfp4 import mxfp4_tile
+    from .mxfp4_decode import decode_run_fp4
     from .w4a16 import decode_neg, decode_run, round_bf16, w4_tile
 
     @triton.jit
@@ -300,8 +303,10 @@ if triton is not None:
                                ATOMIC: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
                                BLOCK_N: tl.constexpr, ASM: tl.constexpr, DOT_FP32: tl.constexpr,
                                EVEN_N: tl.constexpr = False, EVEN_K: tl.constexpr = False,
-                               CDNA_LOOP: tl.constexpr = False, OUT_BF16: tl.constexpr = True):
-        """The decode tail's down projection on `decode_run`'s Marlin-style loop, over the indexed layout
+                               CDNA_LOOP: tl.constexpr = False, OUT_BF16: tl.constexpr = True,
+                               FP4: tl.constexpr = False, FOLD: tl.constexpr = False):
+        """The decode tail's down projection on `decode_run`'s Marlin-style loop (FP4: `decode_run_fp4`'s, over
+        `mxfp4_decode.pack_decode`'s words and E8M0 bytes, FOLD its scale-folding form), over the indexed layout
         (`routing.align_indexed` at BLOCK_M 16): program (column block, row block b) gathers the at most
         BLOCK_M slots of block b (all of one expert; the sentinel n_rows pads) and computes their rows of
         act @ W2[e].T from `pack_decode`'s words, then the epilogue: each row times its slot's router
@@ -322,8 +327,12 @@ if triton is not None:
             neg = decode_neg(BLOCK_N, DOT_FP32)
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for r in range(0, (K + 255) // 256):   # the slot ids are the activation rows (gathered)
-                acc = decode_run(acc, a_ptr, stride_am, slot, m_ok, qw, sc, N, pid_n * BLOCK_N, offs_n, n_ok, K, r,
-                                 neg, GROUP, ASM, DOT_FP32, EVEN_N, EVEN_K, CDNA_LOOP)
+                if FP4:
+                    acc = decode_run_fp4(acc, a_ptr, stride_am, slot, m_ok, qw, sc, N, offs_n, n_ok, K, r, ASM,
+                                         DOT_FP32, EVEN_N, EVEN_K, FOLD)
+                else:
+                    acc = decode_run(acc, a_ptr, stride_am, slot, m_ok, qw, sc, N, pid_n * BLOCK_N, offs_n, n_ok, K,
+                                     r, neg, GROUP, ASM, DOT_FP32, EVEN_N, EVEN_K, CDNA_LOOP)
             acc = acc * tl.load(roww_ptr + slot, mask=m_ok, other=0.0)[:, None]
             ptrs = c_ptr + (slot // OUT_DIV)[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
             mask = m_ok[:, None] & n_ok[None, :]
@@ -804,7 +813,7 @@ def _tail_weights(w2):
         w2.require("indexed", "the decode tail kernel")
         E, H, I = w2.shape
         return w2.qweight, w2.scales, LAYOUT_CODE["indexed"], w2.group_size, E, H, I
-    if isinstance(w2, DecodeW4):
+    if isinstance(w2, (DecodeW4, DecodeMXFP4)):
         if len(w2.shape) != 3:
             raise ValueError(f"w2 must be [E, H, I], got {w2.shape}")
         E, H, I = w2.shape
@@ -813,7 +822,7 @@ def _tail_weights(w2):
         E, H, I = w2.shape
         w = w2.contiguous()
         return w, w, LAYOUT_CODE["bf16"], 32, E, H, I
-    raise ValueError(f"w2 must be an indexed PackedW4, a PackedMXFP4, a decode-packed DecodeW4 (kernel='decode') "
+    raise ValueError(f"w2 must be an indexed PackedW4, a PackedMXFP4, a decode-packed DecodeW4 or DecodeMXFP4 (kernel='decode') "
                      f"or a BF16 [E, H, I] tensor, got {type(w2).__name__}")
 
 
@@ -823,10 +832,11 @@ def token_major_config(interpreted: bool) -> dict:
 
 
 TAIL_KERNELS = ("expert-major", "token-major", "decode")
+DECODE_FORMATS = ("w4a16", "mxfp4")   # the decode tail's expert formats (`w4a16.pack_decode`, `mxfp4_decode.pack_decode`)
 DECODE_TAIL_BLOCK_M = 16   # the decode tail's row blocks: one m16 MMA tile of one expert's slots
 
 
-def decode_tail_config(interpreted: bool, device=None, *, programs: int | None = None) -> dict:
+def decode_tail_config(interpreted: bool, device=None, *, programs: int | None = None, fp4: bool = False) -> dict:
     """Tiles of the decode tail (`moe_decode_tail_kernel`), given its grid's `programs` where known. Its K is
     one expert's FFN slice (Kimi K3: 256 a rank), so a CTA runs one or two runs of 256: there is nothing for
     a pipeline to overlap, and one stage frees the registers the stages held.
@@ -842,19 +852,22 @@ def decode_tail_config(interpreted: bool, device=None, *, programs: int | None =
     2048 programs, else 2. Over the four T: MI300X 213 -> 179 us (T 8: 16.7 -> 14.1, memory 12.5), MI355X
     199 -> 160 us, both issue-bound; 128 columns on 1 wave was the best of the 9 swept at gfx942 and gfx950
     (--set BLOCK_N=32,64,128 --set num_warps=1,2,4). At T 1 (448 programs) one wave leaves the CUs half
-    empty (MI300X 2.8 -> 4.8 us), so small grids keep 2. The interpreter: BLOCK_N 64."""
+    empty (MI300X 2.8 -> 4.8 us), so small grids keep 2. The interpreter: BLOCK_N 64.
+    fp4 (MXFP4, `mxfp4_decode`): on NVIDIA 64 columns on one warp (the same sweep at T 1-8: the least
+    summed time on sm_80, sm_90 and sm_100, no spill; H200 T 8 13.4 us, issue-bound at 0.97 of the copy
+    ceiling, where 2 warps give 15.3); on CDNA the rule above (gfx942 T 8 19.0 us at 128 columns on 1 wave)."""
     from .. import device as _device
 
     if interpreted:
         return dict(BLOCK_M=DECODE_TAIL_BLOCK_M, BLOCK_N=64)
     dev = torch.device("cuda") if device is None else device
     if pick_config(MOE_DECODE_CDNA, dev) is None:
-        cfg = dict(BLOCK_M=DECODE_TAIL_BLOCK_M, BLOCK_N=64, num_warps=2, num_stages=1)
+        cfg = dict(BLOCK_M=DECODE_TAIL_BLOCK_M, BLOCK_N=64, num_warps=1 if fp4 else 2, num_stages=1)
     else:
         cfg = dict(moe_decode_config(False, False, device=dev))
         if programs is not None and programs >= DECODE_TAIL_ONE_WAVE_PROGRAMS:
             cfg["num_warps"] = 1
-    return dict(_device.swept("moe.decode_tail", cfg))
+    return dict(_device.swept("moe.decode_tail_fp4" if fp4 else "moe.decode_tail", cfg))
 
 
 DECODE_TAIL_ONE_WAVE_PROGRAMS = 2048   # CDNA: from this grid on, one wave a program (`decode_tail_config`)
@@ -874,9 +887,10 @@ def moe_tail(act: torch.Tensor, w2, topk_weights, topk_ids, *, fused: bool, inte
     reproducible on a GPU).
     kernel="token-major": the older GEMV kernel, one program per token (no tensor cores), the k
     rows summed in registers in slot order when fused.
-    kernel="decode" (W4A16 only; w2 a `DecodeW4` from `pack_decode`, repacked once at load time):
-    `moe_decode_tail_kernel`, the same indexed layout at BLOCK_M 16 on the decode kernels' Marlin-style
-    loop (dequantized nibbles straight into the MMA operand), the same two epilogues.
+    kernel="decode" (w2 a `DecodeW4` from `w4a16.pack_decode` or a `DecodeMXFP4` from `mxfp4_decode.pack_decode`,
+    repacked once at load time): `moe_decode_tail_kernel`, the same indexed layout at BLOCK_M 16 on the decode
+    kernels' Marlin-style loop (dequantized nibbles or e2m1 codes straight into the MMA operand), the same
+    two epilogues.
 
     Returns (out [T, H] BF16, launches, buffers): `buffers` maps each intermediate tensor the call
     allocated to its bytes, {"rows": [T*k, H] rows, "accumulator": fp32 [T, H]} (0 where absent).
@@ -884,9 +898,10 @@ def moe_tail(act: torch.Tensor, w2, topk_weights, topk_ids, *, fused: bool, inte
     qw, sc, code, group, E, H, I = _tail_weights(w2)
     if kernel not in TAIL_KERNELS:
         raise ValueError(f"kernel must be one of {TAIL_KERNELS}, got {kernel!r}")
-    if (kernel == "decode") != isinstance(w2, DecodeW4):
-        raise ValueError("kernel='decode' takes w2 decode-packed (w4a16.pack_decode of an indexed PackedW4), and only it "
-                         f"does; got kernel={kernel!r} with {type(w2).__name__}")
+    if (kernel == "decode") != isinstance(w2, (DecodeW4, DecodeMXFP4)):
+        raise ValueError("kernel='decode' takes w2 decode-packed (w4a16.pack_decode of an indexed PackedW4, or "
+                         f"mxfp4_decode.pack_decode of a PackedMXFP4), and only it does; got kernel={kernel!r} with "
+                         f"{type(w2).__name__}")
     if not isinstance(act, torch.Tensor) or act.dtype != torch.bfloat16 or act.ndim != 2 or act.shape[1] != I:
         raise ValueError(f"act must be BF16 [T*k, {I}], got {getattr(act, 'dtype', None)} {tuple(getattr(act, 'shape', ()))}")
     if check:  # reads the ids back to the host; check=False for CUDA-graph capture
@@ -925,12 +940,14 @@ def moe_tail(act: torch.Tensor, w2, topk_weights, topk_ids, *, fused: bool, inte
         al = routing.align_indexed(ids, E, DECODE_TAIL_BLOCK_M, check=False)
         blocks = al.block_expert.numel()
         cfg = dict(block if block and not gpu_cfg else
-                   decode_tail_config(interp and not gpu_cfg, act.device, programs=_decode_tail_programs(H, blocks)))
+                   decode_tail_config(interp and not gpu_cfg, act.device, programs=_decode_tail_programs(H, blocks),
+                                      fp4=isinstance(w2, DecodeMXFP4)))
         grid = (triton.cdiv(H, cfg["BLOCK_N"]), blocks)
 
         def decode(c, *, out_div, atomic):
             _run(_decode_tail_launch(a, qw, sc, c, al.sorted_ids, al.block_expert, w.flatten(), T, k, H, I, q_es, s_es,
-                                     grid, out_div=out_div, atomic=atomic, group=group, cfg=cfg, device=act.device))
+                                     grid, out_div=out_div, atomic=atomic, group=group, cfg=cfg, device=act.device,
+                                     fp4=isinstance(w2, DecodeMXFP4), fold=getattr(w2, "fold", False)))
 
         return _expert_major_finish(decode, T, k, H, fused, inter_dtype, act.device, gpu_cfg)
     cfg = dict(moe_config(T * k / E, False) if gpu_cfg else (block or moe_config(T * k / E, interp)))
@@ -992,14 +1009,16 @@ def _decode_tail_programs(H: int, row_blocks: int) -> int:
 
 
 def _decode_tail_launch(a, qw, sc, c, sorted_ids, block_expert, roww, T, k, H, I, q_es, s_es, grid, *, out_div: int,
-                        atomic: bool, group: int, cfg: dict, device, dram_bytes=None):
+                        atomic: bool, group: int, cfg: dict, device, dram_bytes=None, fp4: bool = False,
+                        fold: bool = False):
     """The decode tail's `moe_decode_tail_kernel` launch (`compiled.Launch`): a [T*k, I] bf16 routed rows,
     `pack_decode`'s words qw / scales sc (q_es, s_es elements an expert), c = fp32 [T, H] (atomic) or rows
     [T*k, H]; grid (column blocks, row blocks of `align_indexed` at BLOCK_M 16)."""
     from ..compiled import Launch
 
     kw = dict(ATOMIC=atomic, GROUP=group, ASM=decode_asm(device), DOT_FP32=dot_needs_fp32(device),
-              EVEN_N=H % cfg["BLOCK_N"] == 0, EVEN_K=I % 256 == 0, OUT_BF16=c.dtype == torch.bfloat16, **cfg)
+              EVEN_N=H % cfg["BLOCK_N"] == 0, EVEN_K=I % 256 == 0, OUT_BF16=c.dtype == torch.bfloat16, **cfg,
+              **(dict(FP4=True, FOLD=fold) if fp4 else {}))
     return Launch("down_tail decode", moe_decode_tail_kernel,
                   [a, qw, sc, c, sorted_ids, block_expert, roww, T * k, H, I, q_es, s_es, a.stride(0), c.stride(0),
                    out_div], kw, "moe/fused_moe.py:moe_tail", grid, dram_bytes=dram_bytes)
@@ -1030,6 +1049,8 @@ def _expert_weight(w2, e: int, dtype) -> torch.Tensor:
         return MXF.dequantize(PackedMXFP4(w2.qweight[e], w2.scales[e], tuple(w2.shape[1:])), dtype)
     if isinstance(w2, DecodeW4):
         return dequantize_decode(_decode_expert(w2, e), dtype)
+    if isinstance(w2, DecodeMXFP4):
+        return MXD.dequantize_decode(DecodeMXFP4(w2.qweight[e], w2.scales[e], tuple(w2.shape[1:])), dtype)
     return w2[e].to(dtype)
 
 
@@ -1372,20 +1393,22 @@ def moe_tail_launches(tokens: int, top_k: int, experts: int, hidden: int, inter:
     """`moe_tail`'s launches on a GPU for act [tokens*top_k, inter] and w2 [E, hidden, inter] in
     `fmt` ('bf16', 'w4a16' (indexed) or 'mxfp4'), for `kernel` ('expert-major': `moe_gemm_kernel`
     with the router weight in its epilogue, atomically added into an fp32 [T, H] accumulator when
-    fused; 'token-major': `down_tail_kernel`; 'decode', w4a16 only: `moe_decode_tail_kernel` on
-    `pack_decode`'s layout), plus `combine` when not fused. Each GEMM launch states its DRAM bytes
+    fused; 'token-major': `down_tail_kernel`; 'decode', w4a16 or mxfp4: `moe_decode_tail_kernel` on
+    `w4a16.pack_decode`'s or `mxfp4_decode.pack_decode`'s layout), plus `combine` when not fused. Each GEMM launch states its DRAM bytes
     (`tail_dram_bytes`): the weights of the experts it can reach, not the whole [E, H, I] table."""
     from ..compiled import meta
 
     if kernel not in TAIL_KERNELS:
         raise ValueError(f"kernel must be one of {TAIL_KERNELS}, got {kernel!r}")
-    if kernel == "decode" and fmt != "w4a16":
-        raise ValueError(f"the decode tail kernel takes w4a16 experts only, got fmt {fmt!r}")
+    if kernel == "decode" and fmt not in DECODE_FORMATS:
+        raise ValueError(f"the decode tail kernel takes {' or '.join(DECODE_FORMATS)} experts, got fmt {fmt!r}")
     T, k, E, H, I = tokens, top_k, experts, hidden, inter
     if kernel == "decode":
         code, group = None, 32
-        q_es, s_es = (math.prod(sh) for sh in decode_packed_shapes(H, I, group))
-        qw, sc = meta((E, q_es), torch.int32), meta((E, s_es), torch.bfloat16)
+        fp4 = fmt == "mxfp4"
+        shapes = MXD.decode_packed_shapes(H, I) if fp4 else decode_packed_shapes(H, I, group)
+        q_es, s_es = (math.prod(sh) for sh in shapes)
+        qw, sc = meta((E, q_es), torch.int32), meta((E, s_es), torch.uint8 if fp4 else torch.bfloat16)
     elif fmt == "bf16":
         qw = sc = meta((E, H, I), torch.bfloat16)
         code, group, q_es, s_es = LAYOUT_CODE["bf16"], 32, H * I, H * I
@@ -1412,11 +1435,12 @@ def moe_tail_launches(tokens: int, top_k: int, experts: int, hidden: int, inter:
     elif kernel == "decode":
         BM = DECODE_TAIL_BLOCK_M
         P = routing.padded_rows(T * k, E, BM)
-        cfg = decode_tail_config(False, programs=_decode_tail_programs(H, P // BM))
+        cfg = decode_tail_config(False, programs=_decode_tail_programs(H, P // BM), fp4=fp4)
         la = _decode_tail_launch(a, qw, sc, c, meta((P,), torch.int32), meta((P // BM,), torch.int32),
                                  meta((T * k,), torch.float32), T, k, H, I, q_es, s_es,
                                  (triton.cdiv(H, cfg["BLOCK_N"]), P // BM), out_div=k if fused else 1, atomic=fused,
-                                 group=group, cfg=cfg, device=dev, dram_bytes=tail_dram_bytes(T, k, E, H, I, expert_bytes, BM, c, atomic=fused))
+                                 group=group, cfg=cfg, device=dev, fp4=fp4, fold=fp4,
+                                 dram_bytes=tail_dram_bytes(T, k, E, H, I, expert_bytes, BM, c, atomic=fused))
         tag += f" cfg {BM}x{cfg['BLOCK_N']}x256"
     else:
         cfg = dict(moe_config(T * k / E, False))
