@@ -44,6 +44,7 @@ CONFIGS = {
     "gdn.chunk": "numerics.gdn_chunk.chunk_blocks",
     "gdn.bwd": "numerics.gdn_chunk_bwd.bwd_blocks",
     "moe.decode_tail": "moe.fused_moe.decode_tail_config",
+    "moe.decode_tail_fp4": "moe.fused_moe.decode_tail_config(fp4=True)",
 }
 USAGE = ("python -m inferbook.compiled.sweep CHAPTER TARGET CONFIG --kernel NAME [--launch TEXT ...] "
          "[--set KEY=V1,V2 ...] [--card CARD] [--jobs N] [--each]")

@@ -853,9 +853,13 @@ def decode_tail_config(interpreted: bool, device=None, *, programs: int | None =
     199 -> 160 us, both issue-bound; 128 columns on 1 wave was the best of the 9 swept at gfx942 and gfx950
     (--set BLOCK_N=32,64,128 --set num_warps=1,2,4). At T 1 (448 programs) one wave leaves the CUs half
     empty (MI300X 2.8 -> 4.8 us), so small grids keep 2. The interpreter: BLOCK_N 64.
-    fp4 (MXFP4, `mxfp4_decode`): on NVIDIA 64 columns on one warp (the same sweep at T 1-8: the least
-    summed time on sm_80, sm_90 and sm_100, no spill; H200 T 8 13.4 us, issue-bound at 0.97 of the copy
-    ceiling, where 2 warps give 15.3); on CDNA the rule above (gfx942 T 8 19.0 us at 128 columns on 1 wave)."""
+    fp4 (MXFP4, `mxfp4_decode`): on NVIDIA 64 columns on one warp, no spill (`inferbook sweep
+    kimi-topk-tail-fusion sm_90 moe.decode_tail_fp4 --kernel moe_decode_tail_kernel --launch "decode mxfp4
+    fused" --set BLOCK_N=32,64,128 --set num_warps=1,2,4`: 198 us over the gpu preset's five launches, within
+    1 % of the best of the nine, 128 columns on 2 warps; 2 warps at 64 columns: 222). H200 T 8: 13.4 us,
+    issue-bound at 0.97 of the copy ceiling; the least summed time of the nine at T 1-8 on sm_80 and sm_100
+    (B200 12.2 us at T 8, issue-bound at 0.64). CDNA: the rule above (gfx942 T 8 19.0 us at 128 columns on
+    1 wave, issue-bound at 0.62: the AMDGCN form multiplies in fp32)."""
     from .. import device as _device
 
     if interpreted:
