@@ -571,6 +571,26 @@ def test_w4a16_and_fused_moe_builders_match_launchers(recorded, monkeypatch):
                     _same(call, launch)
 
 
+def test_latent_tail_builders_match_launchers(recorded, monkeypatch):
+    # the latent tail's launches, GEMM2 on the tl.dot kernel and on the decode loop, as run_tail launches them
+    from inferbook.moe import fused_moe as FM, latent_tail as LT, w4a16 as W
+
+    monkeypatch.setattr(W, "dot_needs_fp32", lambda d: False)      # what a GPU passes
+    monkeypatch.setattr(FM, "dot_needs_fp32", lambda d: False)
+    monkeypatch.setattr(LT, "dot_needs_fp32", lambda d: False)
+    monkeypatch.setattr(LT, "bf16_cast_needs_emulation", lambda d: False)
+    T, k, E, L, H, I = 3, 2, 4, 96, 64, 64
+    for fmt, gemm2 in (("mxfp4", "decode"), ("w4a16", "decode"), ("mxfp4", "expert-major"), ("bf16", "expert-major")):
+        x = LT.make_inputs(1, T, L, H, E, k, I, fmt=fmt, seed=4, gemm2=gemm2)
+        for v in LT.VARIANTS:
+            recorded.clear()
+            LT.run_tail(x, v, block="gpu")
+            built = LT.tail_launches(T, k, E, L, H, I, 1, fmt, v, gemm2=gemm2)
+            assert len(recorded) == len(built), (fmt, gemm2, v)
+            for call, launch in zip(recorded, built):
+                _same(call, launch)
+
+
 def test_mx_and_tail_builders_match_launchers(recorded, monkeypatch):
     from inferbook import device as D
     from inferbook.comm import tail

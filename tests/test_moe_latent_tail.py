@@ -76,3 +76,33 @@ def test_gpu_launches_build_at_k3_shapes():
     for v in LT.VARIANTS:
         las = LT.tail_launches(8, 16, 896, 3584, 7168, 256, 8, "mxfp4", v)
         assert len(las) == len([n for n in LT.LAUNCHES[v] if not n.startswith(("zero", "cast"))])
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "w4a16"])
+@pytest.mark.parametrize("ranks,tokens,top_k", [(1, 1, 4), (2, 3, 4), (3, 2, 1)], ids=lambda v: str(v))
+def test_decode_gemm2_variants_against_the_reference(fmt, ranks, tokens, top_k):
+    # GEMM2 on the decode loop (weights repacked at load time): rows written at their sorted positions, or
+    # weighted and added atomically; the finalize placements agree as with the tl.dot GEMM2
+    x = LT.make_inputs(ranks, tokens, 80, 48, 8, top_k, 64 * ranks, fmt=fmt, seed=ranks * 10 + tokens, gemm2="decode")
+    assert LT.is_decode_packed(x.w2[0])
+    ref = LT.latent_tail_reference(x)
+    torch_err = _err(LT.latent_tail_torch(x), ref)
+    outs = {}
+    for v in LT.VARIANTS:
+        outs[v], names, _ = LT.run_tail(x, v)
+        assert any(n.startswith("latent GEMM2 decode") for n in names), names
+        assert _err(outs[v], ref) <= 2 * torch_err + 2 ** -7 * float(ref.float().abs().max()), v
+    assert torch.equal(outs["deferred"], outs["separate"])
+
+
+def test_decode_gemm2_launches_and_bad_input():
+    las = LT.tail_launches(8, 16, 896, 3584, 7168, 256, 8, "mxfp4", "deferred", gemm2="decode")
+    g2 = las[0]
+    assert g2.kernel is FM.moe_decode_tail_kernel and g2.kwargs["OUT_SORTED"] and not g2.kwargs["ROW_WEIGHT"]
+    assert g2.grid[1] == 8 * 16                # a 16-row block a slot at most, 128 slots (vLLM's cap)
+    at = LT.tail_launches(8, 16, 896, 3584, 7168, 256, 8, "mxfp4", "atomic", gemm2="decode")[0]
+    assert at.kwargs["ATOMIC"] and "ROW_WEIGHT" not in at.kwargs and "OUT_SORTED" not in at.kwargs
+    with pytest.raises(ValueError, match="gemm2"):
+        LT.make_inputs(1, 1, 64, 32, 8, 2, 64, fmt="bf16", gemm2="decode")
+    with pytest.raises(ValueError, match="decode GEMM2"):
+        LT.tail_launches(1, 2, 8, 64, 32, 64, 1, "bf16", "atomic", gemm2="decode")

@@ -307,6 +307,19 @@ def measure(ctx, *, hidden, inter, experts, top_k, tokens, formats, reps, ranks,
 # #53152's experts are MXFP4; BF16 beside them. (The latent tail runs W4A16 too; this chapter leaves it out.)
 LATENT_FORMATS = ("bf16", "mxfp4")
 
+
+def latent_gemm2(fmt: str) -> str:
+    """The latent tail's GEMM2 kernel for `fmt`: the decode loop for 4-bit weights (at decode a row block
+    holds a slot or two, so the tl.dot kernel's dequantization would set its time), tl.dot for BF16."""
+    return "decode" if fmt in DECODE_FORMATS else "expert-major"
+
+
+def latent_block_m(fmt: str, T: int, k: int, E: int, interpreted: bool) -> int:
+    """GEMM2's row block: 16 on the decode loop, else `moe_config`'s."""
+    if latent_gemm2(fmt) == "decode":
+        return FM.DECODE_TAIL_BLOCK_M
+    return FM.moe_config(T * k / E, interpreted)["BLOCK_M"]
+
 LATENT_BACKEND = {
     "separate": "GEMM2 rows (permuted, unweighted) -> finalize kernel (gather, x router weight, fp32 top-k sum) "
                 "-> collective (rank sum, RMSNorm) -> up-projection + shared",
@@ -319,7 +332,7 @@ LATENT_BACKEND = {
 def latent_counts(T: int, k: int, E: int, L: int, H: int, I: int, N: int, fmt: str, variant: str,
                   counts: list[int], block_m: int) -> dict:
     """Launches and bytes of one rank's latent tail, summed over `LT.tail_costs`'s launches."""
-    costs = LT.tail_costs(T, k, E, L, H, I, N, fmt, variant, counts, block_m)
+    costs = LT.tail_costs(T, k, E, L, H, I, N, fmt, variant, counts, block_m, latent_gemm2(fmt))
     return {"launches": len(costs), "bytes": sum(c["read"] + c["written"] for c in costs), "per_launch": costs}
 
 
@@ -327,11 +340,12 @@ def latent_records(ctx, fmt, T, p, ranks, up_hidden, reps, triton_ok, backend_na
     """The latent tail at this run's shapes (latent = `hidden`, `ranks` TP slices of `inter` each):
     one record per variant, with launches and bytes per rank, the checks, and GPU times on CUDA."""
     E, k, L, I = p["experts"], p["top_k"], p["hidden"], p["inter"]
-    x = LT.make_inputs(ranks, T, L, up_hidden, E, k, I * ranks, fmt=fmt, device=ctx.device, seed=ctx.seed + 77 + T)
+    x = LT.make_inputs(ranks, T, L, up_hidden, E, k, I * ranks, fmt=fmt, device=ctx.device, seed=ctx.seed + 77 + T,
+                       gemm2=latent_gemm2(fmt))
     ref = LT.latent_tail_reference(x)
     torch_out = LT.latent_tail_torch(x)
     counts = torch.bincount(x.topk_ids.flatten().long(), minlength=E).tolist()
-    block_m = FM.moe_config(T * k / E, ctx.device.type != "cuda")["BLOCK_M"]
+    block_m = latent_block_m(fmt, T, k, E, ctx.device.type != "cuda")
     outs, recs = {}, {}
     for variant in LT.VARIANTS:
         out, names, buffers = LT.run_tail(x, variant)
@@ -339,7 +353,8 @@ def latent_records(ctx, fmt, T, p, ranks, up_hidden, reps, triton_ok, backend_na
         rec = ctx.new_record(f"latent-{fmt}-T{T}-{variant}", variant=f"latent {variant}", workload={
             "model": f"latent MoE tail: E{E} L{L} I{I}/rank top-{k}, TP{ranks}, up-projection to {up_hidden}",
             "quantization": QUANT_LABEL[fmt], "batch": T, "dtype": "bfloat16", "ranks": ranks})
-        rec.set_backend("latent_tail", f"{backend_name}: {LATENT_BACKEND[variant]}" if triton_ok else "torch", reason=why,
+        gemm2 = " (GEMM2 on the decode loop)" if latent_gemm2(fmt) == "decode" else ""
+        rec.set_backend("latent_tail", f"{backend_name}: {LATENT_BACKEND[variant]}{gemm2}" if triton_ok else "torch", reason=why,
                         shapes={"rows": [ranks, T * k, L], "w_up": [up_hidden, L]})
         c = latent_counts(T, k, E, L, up_hidden, I, ranks, fmt, variant, counts, block_m)
         rec.add("launches", c["launches"], "kernels per rank", phase="analysis", launches=list(LT.LAUNCHES[variant]),
@@ -387,7 +402,7 @@ def k3_table(tokens=(1, 8, 32, 128), fmt: str = "mxfp4") -> list[dict]:
     rows = []
     for T in tokens:
         counts = [T * k // E + (1 if e < T * k % E else 0) for e in range(E)]
-        block_m = FM.moe_config(T * k / E, False)["BLOCK_M"]
+        block_m = latent_block_m(fmt, T, k, E, False)
         for variant in LT.VARIANTS:
             c = latent_counts(T, k, E, L, H, I, N, fmt, variant, counts, block_m)
             rows.append({"T": T, "variant": variant, "launches per rank": c["launches"],
@@ -489,7 +504,8 @@ def gpu_launches(params: dict) -> list:
                                                  kernel=kernel, name="check: fp32 rows")
         for T in parse_ints(p["tokens"], "tokens") if fmt in LATENT_FORMATS else ():
             for variant in LT.VARIANTS:
-                launches += LT.tail_launches(T, k, E, H, p["up_hidden"], I, p["ranks"], fmt, variant, name="latent")
+                launches += LT.tail_launches(T, k, E, H, p["up_hidden"], I, p["ranks"], fmt, variant, name="latent",
+                                             gemm2=latent_gemm2(fmt))
         if fmt == "mxfp4":
             launches += FM.moe_tail_launches(I, 1, E, H, I, fmt, fused=True, name="MXFP4 decode probe")
             launches += FM.moe_tail_launches(I, 1, E, H, I, fmt, fused=True, kernel="decode", name="MXFP4 decode probe")

@@ -304,15 +304,17 @@ if triton is not None:
                                BLOCK_N: tl.constexpr, ASM: tl.constexpr, DOT_FP32: tl.constexpr,
                                EVEN_N: tl.constexpr = False, EVEN_K: tl.constexpr = False,
                                CDNA_LOOP: tl.constexpr = False, OUT_BF16: tl.constexpr = True,
-                               FP4: tl.constexpr = False, FOLD: tl.constexpr = False):
+                               FP4: tl.constexpr = False, FOLD: tl.constexpr = False,
+                               ROW_WEIGHT: tl.constexpr = True, OUT_SORTED: tl.constexpr = False):
         """The decode tail's down projection on `decode_run`'s Marlin-style loop (FP4: `decode_run_fp4`'s, over
         `mxfp4_decode.pack_decode`'s words and E8M0 bytes, FOLD its scale-folding form), over the indexed layout
         (`routing.align_indexed` at BLOCK_M 16): program (column block, row block b) gathers the at most
         BLOCK_M slots of block b (all of one expert; the sentinel n_rows pads) and computes their rows of
         act @ W2[e].T from `pack_decode`'s words, then the epilogue: each row times its slot's router
-        weight, written at slot // OUT_DIV. ATOMIC (the fused finalize, OUT_DIV = k): added into an fp32
-        [T, N] accumulator zeroed by the caller, so the k rows of a token meet there (in CTA order); else
-        rows [T*k, N] in BF16 (OUT_BF16) or fp32 for a separate combine. A block past the last expert's run
+        weight (ROW_WEIGHT), written at slot // OUT_DIV, or (OUT_SORTED, the latent tail's permuted rows) at
+        the slot's position in the sorted order, pid_b * BLOCK_M + j. ATOMIC (the fused finalize, OUT_DIV = k):
+        added into an fp32 [T, N] accumulator zeroed by the caller, so the k rows of a token meet there (in CTA
+        order); else rows [T*k, N] (or [P, N], OUT_SORTED) in BF16 (OUT_BF16) or fp32 for a separate combine. A block past the last expert's run
         (-1) loads and writes nothing; the loop's bound is K's alone (the cost model reads its trips)."""
         pid_n = tl.program_id(0)
         pid_b = tl.program_id(1)
@@ -333,8 +335,13 @@ if triton is not None:
                 else:
                     acc = decode_run(acc, a_ptr, stride_am, slot, m_ok, qw, sc, N, pid_n * BLOCK_N, offs_n, n_ok, K,
                                      r, neg, GROUP, ASM, DOT_FP32, EVEN_N, EVEN_K, CDNA_LOOP)
-            acc = acc * tl.load(roww_ptr + slot, mask=m_ok, other=0.0)[:, None]
-            ptrs = c_ptr + (slot // OUT_DIV)[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
+            if ROW_WEIGHT:
+                acc = acc * tl.load(roww_ptr + slot, mask=m_ok, other=0.0)[:, None]
+            if OUT_SORTED:
+                out_row = pid_b * BLOCK_M + tl.arange(0, BLOCK_M)
+            else:
+                out_row = slot // OUT_DIV
+            ptrs = c_ptr + out_row[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
             mask = m_ok[:, None] & n_ok[None, :]
             if ATOMIC:
                 tl.atomic_add(ptrs, acc, mask=mask, sem="relaxed")
@@ -1014,7 +1021,8 @@ def _decode_tail_programs(H: int, row_blocks: int) -> int:
 
 def _decode_tail_launch(a, qw, sc, c, sorted_ids, block_expert, roww, T, k, H, I, q_es, s_es, grid, *, out_div: int,
                         atomic: bool, group: int, cfg: dict, device, dram_bytes=None, fp4: bool = False,
-                        fold: bool = False):
+                        fold: bool = False, row_weight: bool = True, out_sorted: bool = False,
+                        name: str = "down_tail decode", source: str = "moe/fused_moe.py:moe_tail"):
     """The decode tail's `moe_decode_tail_kernel` launch (`compiled.Launch`): a [T*k, I] bf16 routed rows,
     `pack_decode`'s words qw / scales sc (q_es, s_es elements an expert), c = fp32 [T, H] (atomic) or rows
     [T*k, H]; grid (column blocks, row blocks of `align_indexed` at BLOCK_M 16)."""
@@ -1022,10 +1030,11 @@ def _decode_tail_launch(a, qw, sc, c, sorted_ids, block_expert, roww, T, k, H, I
 
     kw = dict(ATOMIC=atomic, GROUP=group, ASM=decode_asm(device), DOT_FP32=dot_needs_fp32(device),
               EVEN_N=H % cfg["BLOCK_N"] == 0, EVEN_K=I % 256 == 0, OUT_BF16=c.dtype == torch.bfloat16, **cfg,
-              **(dict(FP4=True, FOLD=fold) if fp4 else {}))
-    return Launch("down_tail decode", moe_decode_tail_kernel,
+              **(dict(FP4=True, FOLD=fold) if fp4 else {}),
+              **({} if row_weight else {"ROW_WEIGHT": False}), **({"OUT_SORTED": True} if out_sorted else {}))
+    return Launch(name, moe_decode_tail_kernel,
                   [a, qw, sc, c, sorted_ids, block_expert, roww, T * k, H, I, q_es, s_es, a.stride(0), c.stride(0),
-                   out_div], kw, "moe/fused_moe.py:moe_tail", grid, dram_bytes=dram_bytes)
+                   out_div], kw, source, grid, dram_bytes=dram_bytes)
 
 
 def reorder_bound(out_a: torch.Tensor, out_b: torch.Tensor, act, w2, topk_weights, topk_ids):

@@ -49,6 +49,7 @@ except Exception:  # pragma: no cover - triton missing: only the references work
     triton = None
 
 VARIANTS = ("separate", "atomic", "deferred")
+GEMM2_KERNELS = ("expert-major", "decode")   # tl.dot `moe_gemm_kernel`, or the decode loop's `moe_decode_tail_kernel`
 LAUNCHES = {"separate": ("GEMM2 (rows, permuted)", "finalize", "collective", "up-projection"),
             "atomic": ("zero-fill fp32 [T, L]", "GEMM2 (weight + atomic add)", "cast to BF16", "collective",
                        "up-projection"),
@@ -154,10 +155,11 @@ class TailInputs:
 
 
 def make_inputs(ranks: int, tokens: int, latent: int, hidden: int, experts: int, top_k: int, inter: int, *,
-                fmt: str = "bf16", device="cpu", seed: int = 0) -> TailInputs:
+                fmt: str = "bf16", device="cpu", seed: int = 0, gemm2: str = "expert-major") -> TailInputs:
     """Random inputs: W2 per rank N(0, 1/I) (I = the full intermediate size), router softmax top-k
-    renormalized, W_up N(0, 1/L), shared N(0, 1)."""
-    from . import mxfp4 as MXF, w4a16 as W
+    renormalized, W_up N(0, 1/L), shared N(0, 1). gemm2 "decode" (W4A16, MXFP4): W2 repacked for the decode
+    loop once here, at load time (`GEMM2_KERNELS`)."""
+    from . import mxfp4 as MXF, mxfp4_decode as MXD, w4a16 as W
 
     if inter % ranks or (inter // ranks) % 32:
         raise ValueError(f"inter={inter} must split into {ranks} slices of a multiple of 32")
@@ -165,7 +167,11 @@ def make_inputs(ranks: int, tokens: int, latent: int, hidden: int, experts: int,
     ip = inter // ranks
     quant = {"bf16": lambda w: w.bfloat16(), "w4a16": lambda w: W.quantize(w, layout="indexed"),
              "mxfp4": MXF.quantize}[fmt]
+    if gemm2 not in GEMM2_KERNELS or (gemm2 == "decode" and fmt == "bf16"):
+        raise ValueError(f"gemm2 must be one of {GEMM2_KERNELS} ('decode' for w4a16 or mxfp4), got {gemm2!r} for {fmt}")
     w2 = [quant((torch.randn(experts, latent, ip, generator=g) / inter ** 0.5).to(device)) for _ in range(ranks)]
+    if gemm2 == "decode":
+        w2 = [MXD.pack_decode(w) if fmt == "mxfp4" else W.pack_decode(w) for w in w2]
     act = torch.randn(ranks, tokens * top_k, ip, generator=g).bfloat16().to(device)
     tw, ids = torch.randn(tokens, experts, generator=g).softmax(-1).topk(top_k)
     return TailInputs(act=act, w2=w2, topk_weights=(tw / tw.sum(-1, keepdim=True)).to(device),
@@ -247,6 +253,14 @@ def _up_proj_launch(xn, w_up, shared, out, T, H, L, device, cfg):
 
 def _gemm2_launch(a, w2, c, al, dest, w_flat, T, k, L, I, device, cfg, *, atomic: bool):
     qw, sc, code, group, E, _, _ = FM._tail_weights(w2)
+    if is_decode_packed(w2):   # the decode loop (`moe_decode_tail_kernel`), 16-row blocks: rows at sorted positions
+        grid = (triton.cdiv(L, cfg["BLOCK_N"]), al[1].numel())
+        return FM._decode_tail_launch(a, qw, sc, c, al[0], al[1], w_flat, T, k, L, I, qw[0].numel(), sc[0].numel(), grid,
+                                      out_div=k if atomic else 1, atomic=atomic, group=group, cfg=cfg, device=device,
+                                      fp4=isinstance(w2, FM.DecodeMXFP4), fold=getattr(w2, "fold", False),
+                                      row_weight=atomic, out_sorted=not atomic,
+                                      name=f"latent GEMM2 decode {'atomic' if atomic else 'rows'} T{T} k{k} L{L} I{I}",
+                                      source="moe/latent_tail.py:run_tail")
     dummy = _meta((1,), torch.int32) if c.device.type == "meta" else torch.empty(1, dtype=torch.int32, device=c.device)
     grid = (al[1].numel(), triton.cdiv(L, cfg["BLOCK_N"]))
     return FM._gemm_launch(f"latent GEMM2 {'atomic' if atomic else 'rows'} T{T} k{k} L{L} I{I}", a, qw, sc, c, al[0], al[1], dummy,
@@ -254,6 +268,22 @@ def _gemm2_launch(a, w2, c, al, dest, w_flat, T, k, L, I, device, cfg, *, atomic
                            ROWS=0, A_DIV=1, SCATTER=not atomic, GATED=False, MUL_ROW_WEIGHT=atomic,
                            common=dict(LAYOUT=code, GROUP=group, DOT_FP32=dot_needs_fp32(device), **cfg),
                            OUT_DIV=k if atomic else 1, ATOMIC=atomic, source="moe/latent_tail.py:run_tail")
+
+
+def is_decode_packed(w2) -> bool:
+    """Whether GEMM2's weights are repacked for the decode loop (`w4a16.pack_decode`, `mxfp4_decode.pack_decode`)."""
+    return isinstance(w2, (FM.DecodeW4, FM.DecodeMXFP4))
+
+
+def gemm2_config(w2, T: int, k: int, E: int, L: int, interpreted: bool, device=None) -> dict:
+    """GEMM2's tiles for T tokens of top-k over E experts into L columns: the tl.dot kernel's `moe_config`,
+    or for decode-packed weights the decode tail's (`decode_tail_config`: 16-row blocks, its grid
+    (L / BLOCK_N) x the row blocks of `routing.padded_rows`)."""
+    if is_decode_packed(w2):
+        blocks = routing.padded_rows(T * k, E, FM.DECODE_TAIL_BLOCK_M) // FM.DECODE_TAIL_BLOCK_M
+        return FM.decode_tail_config(interpreted, device, fp4=isinstance(w2, FM.DecodeMXFP4),
+                                     programs=FM._decode_tail_programs(L, blocks))
+    return dict(FM.moe_config(T * k / E, interpreted))
 
 
 def _meta(shape, dtype):
@@ -279,7 +309,7 @@ def run_tail(x: TailInputs, variant: str, *, block=None) -> tuple[torch.Tensor, 
     L, H = x.norm_weight.numel(), x.w_up.shape[0]
     E = FM._tail_weights(x.w2[0])[4]
     interp = dev.type != "cuda"
-    cfg = dict(FM.moe_config(T * k / E, False) if block == "gpu" else (block or FM.moe_config(T * k / E, interp)))
+    cfg = gemm2_config(x.w2[0], T, k, E, L, interp and block != "gpu", dev) if block in (None, "gpu") else dict(block)
     ids = x.topk_ids.to(torch.int32).contiguous()
     w = x.topk_weights.float().contiguous()
     al = routing.align_indexed(ids, E, cfg["BLOCK_M"], check=False)
@@ -329,17 +359,25 @@ def run_tail(x: TailInputs, variant: str, *, block=None) -> tuple[torch.Tensor, 
 
 
 def tail_launches(tokens: int, top_k: int, experts: int, latent: int, hidden: int, inter_per_rank: int, ranks: int,
-                  fmt: str, variant: str, name: str = "") -> list:
+                  fmt: str, variant: str, name: str = "", gemm2: str = "expert-major") -> list:
     """The Triton launches of `variant` on a GPU, built without running (`compiled.Launch`); the torch
-    zero-fill and cast of the atomic variant are not Triton launches and are not listed."""
+    zero-fill and cast of the atomic variant are not Triton launches and are not listed. gemm2 "decode":
+    GEMM2 on the decode loop, its weights in the decode packing."""
     from ..compiled import meta
 
     T, k, E, L, H, I, N = tokens, top_k, experts, latent, hidden, inter_per_rank, ranks
     dev = torch.device("cuda")
-    cfg = dict(FM.moe_config(T * k / E, False))
-    BM = cfg["BLOCK_M"]
-    P = routing.padded_rows(T * k, E, BM)
-    if fmt == "bf16":
+    if gemm2 == "decode":
+        from . import mxfp4_decode as MXD, w4a16 as W
+        if fmt == "mxfp4":
+            qs, ss = MXD.decode_packed_shapes(L, I)
+            w2 = MXD.DecodeMXFP4(meta((E, *qs), torch.int32), meta((E, *ss), torch.uint8), (E, L, I))
+        elif fmt == "w4a16":
+            qs, ss = W.decode_packed_shapes(L, I)
+            w2 = W.DecodeW4(meta((E, *qs), torch.int32), meta((E, *ss), torch.bfloat16), (E, L, I), 32)
+        else:
+            raise ValueError(f"the decode GEMM2 takes w4a16 or mxfp4 weights, got {fmt!r}")
+    elif fmt == "bf16":
         w2 = meta((E, L, I), torch.bfloat16)
     else:
         from . import mxfp4 as MXF, w4a16 as W
@@ -349,13 +387,16 @@ def tail_launches(tokens: int, top_k: int, experts: int, latent: int, hidden: in
         else:
             w2 = W.PackedW4(meta((E, L, I // 8), torch.int32), meta((E, L, I // 32), torch.bfloat16), (E, L, I), 32,
                             "indexed")
+    cfg = gemm2_config(w2, T, k, E, L, False, dev)
+    BM = cfg["BLOCK_M"]
+    P = routing.padded_rows(T * k, E, BM)
     a = meta((T * k, I), torch.bfloat16)
     al = (meta((P,), torch.int32), meta((P // BM,), torch.int32))
     w_flat, perm, ws = meta((T * k,), torch.float32), meta((N, T, k), torch.int32), meta((N, T, k), torch.float32)
     nw = meta((L,), torch.bfloat16)
     xn, out = meta((T, L), torch.bfloat16), meta((T, H), torch.bfloat16)
     las = []
-    expert_bytes = weight_bytes(L, I, fmt)
+    expert_bytes = weight_bytes(L, I, fmt, gemm2)
     if variant == "atomic":
         las.append(_gemm2_launch(a, w2, meta((T, L), torch.float32), al, None, w_flat, T, k, L, I, dev, cfg, atomic=True))
         las.append(_collective_launch(meta((N, T, L), torch.bfloat16), perm, ws, nw, xn, T, L, k, 1e-6, deferred=False,
@@ -384,14 +425,17 @@ def tail_launches(tokens: int, top_k: int, experts: int, latent: int, hidden: in
 # ---------------------------------------------------------------------------
 # What each launch moves, counted launch by launch
 
-def weight_bytes(n: int, k: int, fmt: str) -> int:
-    from . import mxfp4 as MXF, w4a16 as W
+def weight_bytes(n: int, k: int, fmt: str, gemm2: str = "expert-major") -> int:
+    """Bytes of one expert's [n, k] GEMM2 weights as that kernel reads them (the decode loop: K padded to 256)."""
+    from . import mxfp4 as MXF, mxfp4_decode as MXD, w4a16 as W
 
+    if gemm2 == "decode":
+        return MXD.decode_weight_bytes(n, k) if fmt == "mxfp4" else W.decode_weight_bytes(n, k)
     return MXF.weight_bytes(n, k) if fmt == "mxfp4" else W.weight_bytes(n, k, fmt)
 
 
 def tail_costs(T: int, k: int, E: int, L: int, H: int, I: int, N: int, fmt: str, variant: str,
-               counts: list[int], block_m: int) -> list[dict]:
+               counts: list[int], block_m: int, gemm2: str = "expert-major") -> list[dict]:
     """Per launch of one rank's tail: {launch, read, written} bytes, from the tensors that launch
     touches — GEMM2: its activations [T*k, I], its experts' [L, I] weights once per BLOCK_M row block
     (Σ_e ceil(c_e / BLOCK_M)), routing 8 B per slot and the sorted ids; finalize: k rows + 8 B per
@@ -401,7 +445,7 @@ def tail_costs(T: int, k: int, E: int, L: int, H: int, I: int, N: int, fmt: str,
     reads the fp32 [T, L]; the cast writes BF16."""
     blocks = sum(-(-c // block_m) for c in counts if c)
     P = routing.padded_rows(T * k, E, block_m)
-    g_in = T * k * I * 2 + blocks * weight_bytes(L, I, fmt) + T * k * 8 + P * 4 + (P // block_m) * 4
+    g_in = T * k * I * 2 + blocks * weight_bytes(L, I, fmt, gemm2) + T * k * 8 + P * 4 + (P // block_m) * 4
     rows, part, acc32 = T * k * L * 2, T * L * 2, T * L * 4
     up = {"launch": "up-projection", "read": T * L * 2 + H * L * 2 + T * H * 2, "written": T * H * 2}
     coll_sep = {"launch": "collective", "read": N * part + L * 2, "written": T * L * 2}
