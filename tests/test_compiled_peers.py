@@ -382,3 +382,18 @@ def test_save_without_the_tables_only_peer_keeps_the_table(tmp_path, monkeypatch
     with pytest.raises(UserError, match="fla-core is not usable here .*einops"):
         peers.save("gdn-backward-check", root=tmp_path)
     assert path.read_text() == before
+
+
+def test_kimi_tail_pairs_our_fused_tails_with_vllms_down_gemm():
+    doc = peers.load("kimi-topk-tail-fusion")
+    assert doc is not None and doc["peer"] == "vllm"
+    pairs = peers.compare("kimi-topk-tail-fusion", doc["rows"])
+    P = compiled.gpu_params("kimi-topk-tail-fusion")
+    assert len(pairs) == len(str(P["tokens"]).split(","))
+    for q in pairs:
+        assert q["ours_launch"].startswith(("fused down_tail", "decode down_tail")), q["ours_launch"]
+        assert q["peer_launches"] and all("fused_moe_kernel_gptq_awq down" in n for n in q["peer_launches"])
+    # the peer's bytes are the reachable experts', not the whole table its arguments span
+    rows = [r for r in doc["rows"] if r["target"] == "sm_90" and r.get("ok")]
+    table = 896 * 3584 * 256 // 2
+    assert rows and all(r["dram_bytes"] < table / 10 for r in rows if " T1 " in r["launch"] or "@ T1 " in r["launch"])

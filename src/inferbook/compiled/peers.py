@@ -57,6 +57,12 @@ a peer that is not installed, or that cannot be imported on this machine, is ski
   `[peers]` extra: its pinned dependencies would replace this environment's); `python -m
   inferbook.compiled.peers chord-w4a16 --save --only vllm` recompiles its rows and keeps gemlite's.
 
+- vLLM's same kernel for kimi-topk-tail-fusion's W4A16 tail (`kimi_topk_tail_fusion`): the down GEMM with the
+  router weight only, at the chapter's tail shapes (T tokens top-16 over 896 experts, H 3584, I 256), its
+  DRAM bytes stated as our tail builders state theirs (`fused_moe.tail_dram_bytes`: the experts its row
+  blocks can reach, not the [E, H, I/2] table its arguments span), ours the faster of the chapter's two
+  W4A16 fused tails (tl.dot and decode) at each T.
+
 **Autotuned peers.** fla, torchao and gemlite pick their launch by benchmarking configs on the GPU,
 which this machine cannot do. `traced(configs="all")` records one launch per config the peer's own
 autotuner would try (after its own pruning; at most `SWEEP_MAX`, evenly spaced through a longer list:
@@ -856,7 +862,8 @@ def vllm_config(T: int, k: int, E: int, H: int, I: int, group: int = 32) -> tupl
     return config, origin, on_cuda
 
 
-def vllm_moe_w4a16(m: int, T: int, k: int, E: int, H: int, I: int, group: int = 32) -> list:
+def vllm_moe_w4a16(m: int, T: int, k: int, E: int, H: int, I: int, group: int = 32, *,
+                   stages_of: tuple[str, ...] = ("gate_up", "down"), key: str | None = None) -> list:
     """vLLM's two `fused_moe_kernel_gptq_awq` launches of `fused_experts_impl` (gate/up, then down with the
     router weights) for INT4 weights, bf16 group scales, no zero points (symmetric, the shift 8 as
     zero, as ours), bf16 activations x [T, H] routed top-k over E experts, through vLLM's own
@@ -865,7 +872,8 @@ def vllm_moe_w4a16(m: int, T: int, k: int, E: int, H: int, I: int, group: int = 
     [E, N, K/group], intermediate_cache1 [T, k, 2I], cache2 [T*k, I], cache3 [T, k, H] (both views of one
     buffer of T*k*max(2I, H)), the routing tables at `vllm_align_shapes`. Not traced: the
     `moe_align_block_size` sort, `silu_and_mul` between the two GEMMs and `moe_sum` after them (CUDA ops
-    of vllm._custom_ops, not Triton)."""
+    of vllm._custom_ops, not Triton). `stages_of`: which of the two GEMMs (kimi's tail: the down one only);
+    `key`: the shape label (default `moe_shape_key`)."""
     import triton.language as tl
 
     V = _vllm()
@@ -883,6 +891,8 @@ def vllm_moe_w4a16(m: int, T: int, k: int, E: int, H: int, I: int, group: int = 
                cache13[:T * k * H].view(T, k, H), True, 1))
     out = []
     for stage, A, B, S, C, mul_w, top_k in stages:
+        if stage not in stages_of:
+            continue
         with traced(f"vllm/{'/'.join(VLLM_FUSED_MOE)}:invoke_fused_moe_wna16_triton_kernel", None) as launches:
             V["triton"]["invoke_fused_moe_wna16_triton_kernel"](
                 A, B, C, S, None, topk_w, sorted_ids, expert_ids, post, mul_w, top_k, dict(config),
@@ -893,7 +903,43 @@ def vllm_moe_w4a16(m: int, T: int, k: int, E: int, H: int, I: int, group: int = 
                        f"G{kw['GROUP_SIZE_M']} w{kw.get('num_warps', 4)} s{kw.get('num_stages', 3)}"
                        + (" (on CUDA vLLM runs moe_wna16_gemm here)" if on_cuda else ""))
         out += launches
-    return _label(out, "vllm", moe_shape_key(m, T, k, E, H, I, group))
+    return _label(out, "vllm", key or moe_shape_key(m, T, k, E, H, I, group))
+
+
+def tail_shapes(params: dict) -> list[tuple[int, int, int, int, int]]:
+    """(T, k, E, H, I) of kimi-topk-tail-fusion's MoE tail at its gpu preset: each token count T, top-k over
+    E experts, the down projection [E, H, I]."""
+    E, k, H, I = int(params["experts"]), int(params["top_k"]), int(params["hidden"]), int(params["inter"])
+    return [(int(T), k, E, H, I) for T in str(params["tokens"]).split(",")]
+
+
+def tail_shape_key(T: int, k: int, E: int, H: int, I: int, group: int = 32) -> str:
+    return f"T{T} k{k} E{E} H{H} I{I} g{group}"
+
+
+def kimi_topk_tail_fusion(params=None) -> list:
+    """vLLM's W4A16 down GEMM (`fused_moe_kernel_gptq_awq` with the router weight, MUL_ROUTED_WEIGHT) at
+    kimi-topk-tail-fusion's tail shapes: the kernel vLLM's Triton path runs for the tail our W4A16 variants
+    build (its `moe_sum` after it, a CUDA op, is outside the model, as our zero fill and cast are)."""
+    from . import gpu_params
+
+    if not usable("vllm"):
+        return []
+    from ..moe import w4a16
+
+    from ..moe import fused_moe as FM
+
+    g = w4a16.GROUP_SIZE
+    out = []
+    for T, k, E, H, I in tail_shapes(params or gpu_params("kimi-topk-tail-fusion")):
+        for la in vllm_moe_w4a16(-(-T * k // E), T, k, E, H, I, g, stages_of=("down",), key=tail_shape_key(T, k, E, H, I, g)):
+            # the bytes as ours are stated (`fused_moe.tail_dram_bytes`): the weights of the experts its row blocks
+            # can reach (at 896 experts a T-token step touches a few), not the whole [E, H, I/2] table its
+            # arguments span; its output the [T*k, H] BF16 rows moe_sum then reads
+            la.dram_bytes = FM.tail_dram_bytes(T, k, E, H, I, w4a16.weight_bytes(H, I, "w4a16"), la.kwargs["BLOCK_SIZE_M"],
+                                               torch.empty(T * k, H, dtype=torch.bfloat16, device="meta"), atomic=False)
+            out.append(la)
+    return out
 
 
 # A peer's kernel that does not compile for a target, and why (the table keeps the failed row: a fact
@@ -910,9 +956,10 @@ PEER_KNOWN_FAILURES = {
 PEERS = {"sglang-fused-comm": "py:inferbook.compiled.peers:sglang_fused_comm",
          "gdn-backward-check": "py:inferbook.compiled.peers:gdn_backward_check",
          "te-mxfp8-recipes": "py:inferbook.compiled.peers:te_mxfp8_recipes",
-         "chord-w4a16": "py:inferbook.compiled.peers:chord_w4a16"}
+         "chord-w4a16": "py:inferbook.compiled.peers:chord_w4a16",
+         "kimi-topk-tail-fusion": "py:inferbook.compiled.peers:kimi_topk_tail_fusion"}
 PEER_OF = {"sglang-fused-comm": "liger-kernel", "gdn-backward-check": "fla-core", "te-mxfp8-recipes": "torchao",
-           "chord-w4a16": "gemlite"}
+           "chord-w4a16": "gemlite", "kimi-topk-tail-fusion": "vllm"}
 # a chapter whose table holds several peers (rows named '<peer>: ...'): {slug: {peer: the launch spec that
 # builds that peer's launches only}} (`save(slug, only=peer)` recompiles one and keeps the others' rows)
 PEER_SPECS = {"chord-w4a16": {"gemlite": "py:inferbook.compiled.peers:chord_w4a16_gemlite",
@@ -971,6 +1018,14 @@ def _ours_from_chapter(slug: str, target: str, card: str, root: Path | None = No
                 p for p in preds if pat.search(p["launch"]) and not re.search(r"gate_up|down|\bT\d+", p["launch"])]
         for shape in moe_shapes(_params(slug)):
             out[moe_shape_key(*shape, w4a16.GROUP_SIZE)] = _our_moe_paths(preds, *shape)
+    elif slug == "kimi-topk-tail-fusion":
+        from ..moe import w4a16
+
+        # the W4A16 fused tails at each T (the tl.dot and the decode kernel; the fastest is compared): one
+        # down GEMM with the router weight and the scatter-add, against vLLM's down GEMM with the router weight
+        for T, k, E, H, I in tail_shapes(_params(slug)):
+            pat = re.compile(rf"^(fused|decode) down_tail \S+ w4a16 fused T{T} k{k} H{H} I{I}\b")
+            out[tail_shape_key(T, k, E, H, I, w4a16.GROUP_SIZE)] = [p for p in preds if pat.match(p["launch"])]
     return out
 
 
