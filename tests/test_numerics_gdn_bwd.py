@@ -120,3 +120,19 @@ def test_chunked_backward_at_the_sm80_tiles():
         rep = gdn.check_backend(FN, head_dims=(), extra_cases=[dict(K=64, V=48, lengths=[70])], heads=1,
                                 dtypes=(torch.bfloat16,))
     assert rep.passed, rep.failures()
+
+
+def test_cdna_takes_dqkwg_wy_and_dhu_on_4_waves():
+    """gfx942/gfx950 (`_cdna_bwd`): dqkwg, wy and dhu on 4 waves, the tiles as on sm_90 (whose dqkwg and wy keep 8)."""
+    from inferbook import device
+
+    with device.building_for("sm_90"):
+        c90 = gdn_chunk_bwd.bwd_blocks(128, 128, DEV)
+    changed = ("warps_dqkwg", "warps_wy", "warps_state")
+    for t in ("gfx942", "gfx950"):
+        with device.building_for(t):
+            c = gdn_chunk_bwd.bwd_blocks(128, 128, DEV)
+        assert tuple(c[k] for k in changed) == (4, 4, 4), t
+        tiles = ("BK", "BV", "BK_wy", "BV_wy", "BK_STATE", "BV_STATE")
+        assert {k: c[k] for k in tiles} == {k: c90[k] for k in tiles}, t
+    assert (c90["warps_dqkwg"], c90["warps_wy"]) == (8, 8)

@@ -315,8 +315,19 @@ def _sm100_bwd(c: dict) -> dict:
     return {"warps_dqkwg": 4}
 
 
+def _cdna_bwd(c: dict) -> dict:
+    """CDNA (gfx942, gfx950): dqkwg, wy and dhu on 4 waves. At 8 every wave repeats the address arithmetic and
+    the reductions of tiles split over twice the waves, and wy spilled 8-16 B of scratch at K 64 and 128 on
+    gfx942. Predicted over the gpu preset's 18 launches of each kernel (`inferbook sweep gdn-backward-check
+    gfx942 gdn.bwd --kernel gdn_chunk_wy_bwd_kernel --set BK_wy=16,32,64 --set warps_wy=4,8`, and
+    warps_dqkwg / warps_state likewise; faster on every launch, no scratch): wy 447 -> 256 us on MI300X, 288
+    -> 152 on MI355X; dqkwg 322 -> 182 and 244 -> 132; dhu 218 -> 179 and 141 -> 123 (slower on none). BK_wy
+    64 stays (32: 268 and 151 us). dv_local keeps 4 (2: 79.1 us against 79.2, slower on 12 of 18)."""
+    return {"warps_wy": 4, "warps_dqkwg": 4, "warps_state": 4}
+
+
 # per-target changes to `bwd_blocks`' GPU config (`device.pick_config`: 'nvidia' is every other target)
-_BWD_TARGET_CONFIGS = {"nvidia": lambda c: {}, "sm_80": _sm80_bwd, "sm_100": _sm100_bwd}
+_BWD_TARGET_CONFIGS = {"nvidia": lambda c: {}, "sm_80": _sm80_bwd, "sm_100": _sm100_bwd, "hip": _cdna_bwd}
 
 
 def _bwd_launches(q, k, v, beta, g_cum, A, w, h, v_new, do, dht, h0, cu, idx, offs, dv_local, dv2, dh, dh0,
