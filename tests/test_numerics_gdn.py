@@ -362,8 +362,8 @@ def test_chunked_triton_at_the_amd_gpu_config():
     with device.building_for("sm_90"):
         (nv_state,) = [la for la in gdn_chunk.chunked_launches(1, 70, 1, 128, 80) if "state" in la.name]
     assert c["BV_STATE"] == 32 and amd_state.grid[0] == 3 and c["BV_O"] == 64 and c["stages_state"] == 1 and c["gpu_precision"] == "ieee"
-    assert (amd_state.kwargs["num_stages"], amd_state.kwargs["PRECISION"]) == (1, "ieee")
-    assert (nv_state.kwargs["num_stages"], nv_state.kwargs["PRECISION"]) == (3, "tf32")
+    assert (amd_state.kwargs["num_stages"], amd_state.kwargs["PRECISION"], amd_state.kwargs["num_warps"]) == (1, "ieee", 4)
+    assert (nv_state.kwargs["num_stages"], nv_state.kwargs["PRECISION"], nv_state.kwargs["num_warps"]) == (3, "tf32", 8)
     inp = gdn.make_inputs(1, 70, 1, 128, 80, "random", seed=3)
     args = [inp[x].bfloat16() for x in NAMES]
     with device.building_for("gfx942"), torch.no_grad():

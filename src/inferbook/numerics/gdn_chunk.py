@@ -287,7 +287,10 @@ def chunk_blocks(K: int, V: int, device: torch.device) -> dict:
         #   inferbook sweep gdn-backward-check sm_90 gdn.chunk --kernel gdn_chunk_state_fwd_kernel \
         #     --set BV_STATE=16,32,64 --jobs 2     (gdn.bwd --kernel gdn_chunk_dhu_bwd_kernel likewise)
         fast = dict(out, BV_STATE=min(bv_full, 16 if bk_state <= 64 else 32) if bk_state <= 128 else bv_state)
-        amd = dict(fast, stages_state=1 if bk_state >= 128 else out["stages_state"], gpu_precision="ieee")
+        # CDNA: the state kernel on 4 waves at every K (8 at K >= 128 repeat address arithmetic and reductions
+        # of tiles split over twice the waves): its 19 launches 218 -> 172 us on MI300X, 132 -> 118 on MI355X,
+        # slower on none, no scratch (`... gfx942 gdn.chunk --kernel gdn_chunk_state_fwd_kernel --set warps_state=4,8`)
+        amd = dict(fast, stages_state=1 if bk_state >= 128 else out["stages_state"], gpu_precision="ieee", warps_state=4)
         out = _device.swept("gdn.chunk", _device.pick_config({"nvidia": out, "sm_90": fast, "sm_100": fast,
                                                               "hip": amd}, device))
     return out

@@ -322,8 +322,9 @@ def _cdna_bwd(c: dict) -> dict:
     gfx942 gdn.bwd --kernel gdn_chunk_wy_bwd_kernel --set BK_wy=16,32,64 --set warps_wy=4,8`, and
     warps_dqkwg / warps_state likewise; faster on every launch, no scratch): wy 447 -> 256 us on MI300X, 288
     -> 152 on MI355X; dqkwg 322 -> 182 and 244 -> 132; dhu 218 -> 179 and 141 -> 123 (slower on none). BK_wy
-    64 stays (32: 268 and 151 us). dv_local keeps 4 (2: 79.1 us against 79.2, slower on 12 of 18)."""
-    return {"warps_wy": 4, "warps_dqkwg": 4, "warps_state": 4}
+    64 stays (32: 268 and 151 us). dv_local keeps 4 (2: 79.1 us against 79.2, slower on 12 of 18). dhu's 4
+    (`warps_state`) comes from the forward's `gdn_chunk.chunk_blocks`, whose state kernel takes 4 on CDNA too."""
+    return {"warps_wy": 4, "warps_dqkwg": 4}
 
 
 # per-target changes to `bwd_blocks`' GPU config (`device.pick_config`: 'nvidia' is every other target)
