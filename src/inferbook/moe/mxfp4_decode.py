@@ -1,5 +1,5 @@
 """MXFP4 weights repacked for the decode loop: e2m1 codes straight into the MMA operand in 2 to 4 bit
-instructions a pair of weights, one BF16 FMA, and no per-weight scale multiply.
+instructions a pair of weights and one BF16 FMA that applies the group's E8M0 scale too.
 
 `moe.mxfp4` packs OCP MX e2m1 codes two to a byte and decodes them with a chain of compares and selects
 (`mxfp4_tile`): some thirty instructions a weight, which is why its tails are instruction-bound. This
@@ -11,19 +11,20 @@ put an e2m1 code's sign in BF16's sign bit and its three magnitude bits (exponen
 BF16 bits 8..6 (the low two exponent bits and the top mantissa bit). Those BF16 bits read as the e2m1
 value times 2**-126 exactly, the codes 0 and 0.5 included (BF16 subnormals, whose spacing is e2m1's
 with the same factor); one BF16 multiply by 2**126 (Marlin's `__hmul2` by its bias register) makes
-every value the exact, normal e2m1 number, so the tensor cores never see a subnormal operand. The E8M0
-scale of each group of 32 multiplies the fp32 dot of that group, as `w4a16.decode_run` applies its
-BF16 group scales (Marlin multiplies its B fragment by the scale instead: one more instruction a pair).
+every value the exact, normal e2m1 number, so the tensor cores never see a subnormal operand. Marlin
+then multiplies its B fragment by the group's scale (a second `__hmul2` a pair); ours folds the E8M0
+scale into the one FMA (multiplier 2**(b - 1), `pair_scale`), so the MMA accumulates straight into the
+fp32 sum, for scale bytes in FOLD_SCALES; a tensor with a byte outside takes the exact path, which scales
+each group's fp32 dot as `w4a16.decode_run` applies its BF16 group scales (`DecodeMXFP4.fold` says which).
 
 Where ours differs from Marlin: Marlin's pairs are nibbles i and i + 4 of one word (its repack
 interleaves them), so `(q & 0x80008000) | ((q & 0x70007000) >> 6)` decodes a pair from one register.
 Triton hands an inline asm two elements of its own choosing (`pack=2`, here two adjacent K rows: two
 words), so a pair is first assembled with one `prmt` (two bytes of each word into the two halves), and
 the codes are laid out in the word so that after that `prmt`, five of a word's eight codes need one
-shift and one AND, one needs the AND alone, and two need a second shift and an AND-OR (`CODE_BITS`,
-found by an exhaustive search over byte pairs and shifts: no layout serves all eight with one shift,
-because each of a code's sign and top exponent bits wants a byte's bit 7 at no shift). That is 3.1
-integer instructions a pair on average, plus the FMA; W4A16's loop takes 2.5 and a second MMA.
+shift and one AND, one needs the AND alone, and two need a shift, an AND and an AND-OR (`CODE_BITS`,
+found by an exhaustive search over byte pairs and shifts: no layout serves all eight with one shift).
+That is 3.1 integer instructions a pair on average, plus the FMA; W4A16's loop takes 2.5 and a second MMA.
 
 Layout (``mxfp4 decode``), for one weight ``W [N, K]`` (``[E, ...]`` in front for experts), K padded to
 Kp (a multiple of 256; pad codes 0, pad scales 127 = 1.0):
