@@ -232,33 +232,13 @@ if triton is not None:
     from .w4a16 import group_activations
 
     @triton.jit
-    def _fp4_pair_ptx(words, SEL: tl.constexpr, KIND: tl.constexpr, SHIFT: tl.constexpr):
-        """Two BF16 weights (exact e2m1 values) from one code of two words: `code_bits_model` (KIND 0: the
-        mask alone; 1: one shift and the mask; 2: the two-shift form), then fma.rn.bf16x2 by 2**126 (BF16
-        FMA takes subnormal inputs exactly; the result is a normal e2m1 number)."""
-        if KIND == 0:
-            return tl.inline_asm_elementwise(
-                "{ .reg .b32 t, m, z; prmt.b32 t, $1, $2, " + SEL + "; and.b32 t, t, 0x81C081C0; "
-                "mov.b32 m, 0x7E807E80; mov.b32 z, 0x80008000; fma.rn.bf16x2 $0, t, m, z; }",
-                "=r,r,r", [words], dtype=tl.bfloat16, is_pure=True, pack=2)
-        elif KIND == 1:
-            return tl.inline_asm_elementwise(
-                "{ .reg .b32 t, m, z; prmt.b32 t, $1, $2, " + SEL + "; shl.b32 t, t, " + SHIFT + "; "
-                "and.b32 t, t, 0x81C081C0; mov.b32 m, 0x7E807E80; mov.b32 z, 0x80008000; fma.rn.bf16x2 $0, t, m, z; }",
-                "=r,r,r", [words], dtype=tl.bfloat16, is_pure=True, pack=2)
-        else:
-            return tl.inline_asm_elementwise(
-                "{ .reg .b32 t, u, m, z; prmt.b32 t, $1, $2, " + SEL + "; shl.b32 u, t, " + SHIFT + "; "
-                "and.b32 t, t, 0x01C001C0; lop3.b32 t, u, 0x80008000, t, 0xEA; mov.b32 m, 0x7E807E80; "
-                "mov.b32 z, 0x80008000; fma.rn.bf16x2 $0, t, m, z; }",
-                "=r,r,r", [words], dtype=tl.bfloat16, is_pure=True, pack=2)
-
-    @triton.jit
-    def _fp4_scaled_pair_ptx(words, mult, SEL: tl.constexpr, KIND: tl.constexpr, SHIFT: tl.constexpr):
-        """`_fp4_pair_ptx` with the group's scale folded into the FMA: two BF16 weights e2m1 x 2**(b - 127),
-        exact, from one code of two words and `mult` (int32, BF16 2**(b - 1) in both halves, `pair_scale`).
-        The pair is two K rows of one column (Triton runs the asm in the MMA operand layout, `dot_op` opIdx 1
-        with kWidth 2: tests/test_mxfp4_decode.py reads it from the TTGIR), so $3 serves both halves."""
+    def _fp4_pair_ptx(words, mult, SEL: tl.constexpr, KIND: tl.constexpr, SHIFT: tl.constexpr):
+        """Two BF16 weights from one code of two words: `code_bits_model` (KIND 0: the mask alone; 1: one shift
+        and the mask; 2: the two-shift form), then fma.rn.bf16x2 by `mult` (int32, a BF16 multiplier in both
+        halves: 2**(b - 1) from `pair_scale`, the e2m1 value x 2**(b - 127), or 2**126, the bare value). BF16
+        FMA takes the subnormal inputs exactly and the result is normal. The pair is two K rows of one column
+        (Triton runs the asm in the MMA operand layout, `dot_op` opIdx 1 with kWidth 2:
+        tests/test_mxfp4_decode.py reads it from the TTGIR), so $3 serves both halves."""
         if KIND == 0:
             return tl.inline_asm_elementwise(
                 "{ .reg .b32 t, z; prmt.b32 t, $1, $2, " + SEL + "; and.b32 t, t, 0x81C081C0; "
@@ -275,6 +255,27 @@ if triton is not None:
                 "and.b32 t, t, 0x01C001C0; lop3.b32 t, u, 0x80008000, t, 0xEA; "
                 "mov.b32 z, 0x80008000; fma.rn.bf16x2 $0, t, $3, z; }",
                 "=r,r,r,r,r", [words, mult], dtype=tl.bfloat16, is_pure=True, pack=2)
+
+    @triton.jit
+    def fp4_pair_ptx(words, mult, I: tl.constexpr):
+        """[32, BN] int32 words -> [32, BN] bf16: code I times `mult` (`_fp4_pair_ptx`), code I's selector,
+        kind and shift from `CODE_DECODE` (`PRMT_SEL`)."""
+        if I == 0:
+            return _fp4_pair_ptx(words, mult, "0x4501", 0, "0")
+        elif I == 1:
+            return _fp4_pair_ptx(words, mult, "0x5410", 1, "5")
+        elif I == 2:
+            return _fp4_pair_ptx(words, mult, "0x5410", 1, "2")
+        elif I == 3:
+            return _fp4_pair_ptx(words, mult, "0x5612", 2, "6")
+        elif I == 4:
+            return _fp4_pair_ptx(words, mult, "0x5612", 1, "4")
+        elif I == 5:
+            return _fp4_pair_ptx(words, mult, "0x5713", 1, "3")
+        elif I == 6:
+            return _fp4_pair_ptx(words, mult, "0x6723", 2, "2")
+        else:
+            return _fp4_pair_ptx(words, mult, "0x6723", 1, "6")
 
     @triton.jit
     def _fp4_bits_amd(words, SEL: tl.constexpr, KIND: tl.constexpr, SHIFT: tl.constexpr):
@@ -333,22 +334,7 @@ if triton is not None:
         (NVIDIA; the 2**126 multiply inside the asm, one fma.rn.bf16x2 a pair); 2: AMDGCN bits, then the
         multiply in fp32 (CDNA3 has no packed BF16 multiply); 0: plain tl ops in fp32 (`_fp4_value_tl`)."""
         if ASM == 1:
-            if I == 0:
-                return _fp4_pair_ptx(words, "0x4501", 0, "0")
-            elif I == 1:
-                return _fp4_pair_ptx(words, "0x5410", 1, "5")
-            elif I == 2:
-                return _fp4_pair_ptx(words, "0x5410", 1, "2")
-            elif I == 3:
-                return _fp4_pair_ptx(words, "0x5612", 2, "6")
-            elif I == 4:
-                return _fp4_pair_ptx(words, "0x5612", 1, "4")
-            elif I == 5:
-                return _fp4_pair_ptx(words, "0x5713", 1, "3")
-            elif I == 6:
-                return _fp4_pair_ptx(words, "0x6723", 2, "2")
-            else:
-                return _fp4_pair_ptx(words, "0x6723", 1, "6")
+            return fp4_pair_ptx(words, tl.full(words.shape, BF16X2_TWO_126_C, tl.int32), I)
         else:
             if ASM == 2:
                 b = fp4_bits_amd(words, I)
@@ -376,26 +362,10 @@ if triton is not None:
     def fp4_scaled_bf16(words, I: tl.constexpr, ASM: tl.constexpr, sw):
         """[32, BN] int32 words and sw, int32 [BN]: the column's scale word of group I's four (byte I % 4 its
         E8M0 byte b, in FOLD_SCALES) -> [32, BN] bf16 weights e2m1 x 2**(b - 127), exact and normal. ASM 1:
-        the scale folded into the PTX FMA (`_fp4_scaled_pair_ptx`, `pair_scale`); otherwise `fp4_code_bf16`
+        the scale folded into the PTX FMA (`fp4_pair_ptx`, `pair_scale`); otherwise `fp4_code_bf16`
         times the fp32 scale, then BF16 (exact)."""
         if ASM == 1:
-            mult = pair_scale(sw, I % 4)[None, :]
-            if I == 0:
-                return _fp4_scaled_pair_ptx(words, mult, "0x4501", 0, "0")
-            elif I == 1:
-                return _fp4_scaled_pair_ptx(words, mult, "0x5410", 1, "5")
-            elif I == 2:
-                return _fp4_scaled_pair_ptx(words, mult, "0x5410", 1, "2")
-            elif I == 3:
-                return _fp4_scaled_pair_ptx(words, mult, "0x5612", 2, "6")
-            elif I == 4:
-                return _fp4_scaled_pair_ptx(words, mult, "0x5612", 1, "4")
-            elif I == 5:
-                return _fp4_scaled_pair_ptx(words, mult, "0x5713", 1, "3")
-            elif I == 6:
-                return _fp4_scaled_pair_ptx(words, mult, "0x6723", 2, "2")
-            else:
-                return _fp4_scaled_pair_ptx(words, mult, "0x6723", 1, "6")
+            return fp4_pair_ptx(words, pair_scale(sw, I % 4)[None, :], I)
         elif ASM == 2:
             # the AMDGCN bits (value x 2**-126; fp32 subnormals are kept: Triton's AMD kernels run
             # "denormal-fp-math-f32"="ieee") times 2**(b - 1) in fp32 is the exact weight, a BF16 number:
@@ -428,6 +398,7 @@ if triton is not None:
                                              "=r,r", [sw], dtype=tl.int32, is_pure=True, pack=1)
 
     TWO_126_F32: tl.constexpr = tl.constexpr(TWO_126)
+    BF16X2_TWO_126_C: tl.constexpr = tl.constexpr(BF16X2_TWO_126)
 
     @triton.jit
     def e8m0_scale(s_ptr, r, i, offs_n, n_ok, N, EVEN_N: tl.constexpr):
