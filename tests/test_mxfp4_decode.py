@@ -224,3 +224,22 @@ def test_fold_asm_runs_in_the_mma_operand_layout():
     assert r.returncode == 0, r.stderr[-2000:]
     n, in_operand = map(int, r.stdout.split()[-2:])
     assert n == 8 and in_operand == n
+
+
+def test_exact_path_takes_the_w4a16_tile_on_a_gpu(monkeypatch):
+    # one warp (the folded loop's tile) spills 1.8 KB on sm_90 with the exact path's per-group fp32 scales
+    from inferbook.device import building_for
+
+    ran = []
+    monkeypatch.setattr(FM, "_run", lambda la: ran.append(la))
+    p = MXF.quantize(torch.randn(4, 64, 256) * 0.1)
+    d = D.pack_decode(p)
+    exact = D.DecodeMXFP4(d.qweight, d.scales, d.shape, fold=False)
+    tw, ids = _routing(3, 4, 2, 1)
+    act = torch.randn(6, 256).bfloat16()
+    with building_for("sm_90"):
+        for w, warps in ((d, 1), (exact, 2)):
+            ran.clear()
+            FM.moe_tail(act, w, tw, ids, fused=True, kernel="decode", block="gpu")
+            (la,) = [x for x in ran if x.kernel is FM.moe_decode_tail_kernel]
+            assert (la.kwargs["FOLD"], la.kwargs["num_warps"]) == (w.fold, warps)

@@ -860,8 +860,9 @@ def decode_tail_config(interpreted: bool, device=None, *, programs: int | None =
     199 -> 160 us, both issue-bound; 128 columns on 1 wave was the best of the 9 swept at gfx942 and gfx950
     (--set BLOCK_N=32,64,128 --set num_warps=1,2,4). At T 1 (448 programs) one wave leaves the CUs half
     empty (MI300X 2.8 -> 4.8 us), so small grids keep 2. The interpreter: BLOCK_N 64.
-    fp4 (MXFP4, `mxfp4_decode`): on NVIDIA 64 columns on one warp, no spill (`inferbook sweep
-    kimi-topk-tail-fusion sm_90 moe.decode_tail_fp4 --kernel moe_decode_tail_kernel --launch "decode mxfp4
+    fp4 (the folded MXFP4 loop, `DecodeMXFP4.fold`; MXFP4's exact path takes W4A16's tile: on one warp its
+    per-group fp32 scales spill 1.8 KB on sm_90, on two none): on NVIDIA 64 columns on one warp, no spill
+    (`inferbook sweep kimi-topk-tail-fusion sm_90 moe.decode_tail_fp4 --kernel moe_decode_tail_kernel --launch "decode mxfp4
     fused" --set BLOCK_N=32,64,128 --set num_warps=1,2,4`: 198 us over the gpu preset's five launches, within
     1 % of the best of the nine, 128 columns on 2 warps; 2 warps at 64 columns: 222). H200 T 8: 13.4 us,
     issue-bound at 0.97 of the copy ceiling; the least summed time of the nine at T 1-8 on sm_80 and sm_100
@@ -952,7 +953,7 @@ def moe_tail(act: torch.Tensor, w2, topk_weights, topk_ids, *, fused: bool, inte
         blocks = al.block_expert.numel()
         cfg = dict(block if block and not gpu_cfg else
                    decode_tail_config(interp and not gpu_cfg, act.device, programs=_decode_tail_programs(H, blocks),
-                                      fp4=isinstance(w2, DecodeMXFP4)))
+                                      fp4=getattr(w2, "fold", False)))
         grid = (triton.cdiv(H, cfg["BLOCK_N"]), blocks)
 
         def decode(c, *, out_div, atomic):
