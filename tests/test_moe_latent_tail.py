@@ -84,7 +84,7 @@ def test_decode_gemm2_variants_against_the_reference(fmt, ranks, tokens, top_k):
     # GEMM2 on the decode loop (weights repacked at load time): rows written at their sorted positions, or
     # weighted and added atomically; the finalize placements agree as with the tl.dot GEMM2
     x = LT.make_inputs(ranks, tokens, 80, 48, 8, top_k, 64 * ranks, fmt=fmt, seed=ranks * 10 + tokens, gemm2="decode")
-    assert LT.is_decode_packed(x.w2[0])
+    assert FM.is_decode_packed(x.w2[0])
     ref = LT.latent_tail_reference(x)
     torch_err = _err(LT.latent_tail_torch(x), ref)
     outs = {}

@@ -36,7 +36,7 @@ from ..measure import benchmark
 from .. import tolerance
 from ..presets import Param
 from ..record import RunRecord
-from ..moe import fused_moe as FM, latent_tail as LT, mxfp4 as MXF, mxfp4_decode as MXD, routing, w4a16 as W
+from ..moe import fused_moe as FM, latent_tail as LT, mxfp4 as MXF, routing, w4a16 as W
 from ..moe.routing import cpu_threads, on_gpu
 from ..moe.timing import gpu_time
 from .chord_w4a16 import parse_ints
@@ -159,7 +159,7 @@ def traffic(T: int, k: int, H: int, I: int, fmt: str, counts: list[int], block_m
     - fused: the fp32 [T, H] accumulator zero-filled, written back by the atomics (at least once),
       and read by the cast to BF16.
     - decode (W4A16, MXFP4): the fused tail at row blocks of 16 (`FM.DECODE_TAIL_BLOCK_M`), weights in
-      `pack_decode`'s layout (K padded to 256, `decode_weight_bytes`).
+      `pack_decode`'s layout (K padded to 256, `FM.decode_weight_bytes`; 0 for BF16, which it does not read).
     """
     wb = weight_bytes(H, I, fmt)
     blocks = sum(-(-c // block_m) for c in counts if c)
@@ -171,26 +171,14 @@ def traffic(T: int, k: int, H: int, I: int, fmt: str, counts: list[int], block_m
     bm16 = FM.DECODE_TAIL_BLOCK_M
     blocks16 = sum(-(-c // bm16) for c in counts if c)
     P16 = routing.padded_rows(T * k, E, bm16)
+    dwb = FM.decode_weight_bytes(H, I, fmt) if fmt in DECODE_FORMATS else 0
     return {"weight_reads_expert_major": blocks, "weight_reads_token_major": T * k, "weight_reads_decode": blocks16,
-            "weight_bytes_each": wb, "decode_weight_bytes_each": decode_weight_bytes(H, I, fmt),
+            "weight_bytes_each": wb, "decode_weight_bytes_each": dwb,
             "rows_bytes": rows, "accumulator_bytes": acc,
             "separate": blocks * wb + common + sort + 2 * rows,
             "fused": blocks * wb + common + sort + 3 * acc,
             "token-major": T * k * wb + common,
-            "decode": blocks16 * decode_weight_bytes(H, I, fmt) + common + P16 * 4 + (P16 // bm16) * 4 + 3 * acc}
-
-
-def decode_weight_bytes(H: int, I: int, fmt: str) -> int:
-    """Bytes of one expert's [H, I] weights in the decode kernel's layout (0 for a format it does not read)."""
-    if fmt == "mxfp4":
-        return MXD.decode_weight_bytes(H, I)
-    return W.decode_weight_bytes(H, I) if fmt == "w4a16" else 0
-
-
-def pack_for_decode(w2):
-    """w2 repacked once, at load time, for the decode kernel (`w4a16.pack_decode` or `mxfp4_decode.pack_decode`)."""
-    return MXD.pack_decode(w2) if isinstance(w2, MXF.PackedMXFP4) else W.pack_decode(w2)
-
+            "decode": blocks16 * dwb + common + P16 * 4 + (P16 // bm16) * 4 + 3 * acc}
 
 
 def buffers_expected(T: int, k: int, H: int, variant: str, inter_bytes_per: int = 2) -> dict:
@@ -238,7 +226,7 @@ def measure(ctx, *, hidden, inter, experts, top_k, tokens, formats, reps, ranks,
             block_m = FM.moe_config(T * top_k / experts, interp)["BLOCK_M"]
             tr = traffic(T, top_k, hidden, inter, fmt, counts, block_m)
             outs, recs = {}, {}
-            d2 = pack_for_decode(w2) if fmt in DECODE_FORMATS else None   # load time, once: not in the timed tail
+            d2 = FM.pack_for_decode(w2) if fmt in DECODE_FORMATS else None   # load time, once: not in the timed tail
             for variant, (kernel, fused) in variants(fmt).items():
                 w = d2 if kernel == "decode" else w2
                 out, launches, buffers = FM.moe_tail(act, w, tw, ids, fused=fused, kernel=kernel)

@@ -31,6 +31,7 @@ from .mxfp4_decode import DecodeMXFP4
 from .w4a16 import (DECODE_MAX_M, DECODE_TARGETS, LAYOUT_CODE, LAYOUTS, DecodeW4, PackedW4, cat_experts, check_block_k,
                     decode_asm, decode_linear, decode_packed_shapes, dequantize, dequantize_decode, expert, linear,
                     pack_decode, triton)
+from .w4a16 import decode_weight_bytes as w4_decode_weight_bytes
 
 if triton is not None:
     import triton.language as tl
@@ -840,6 +841,25 @@ def token_major_config(interpreted: bool) -> dict:
 
 TAIL_KERNELS = ("expert-major", "token-major", "decode")
 DECODE_FORMATS = ("w4a16", "mxfp4")   # the decode tail's expert formats (`w4a16.pack_decode`, `mxfp4_decode.pack_decode`)
+
+
+def pack_for_decode(w):
+    """Expert weights repacked once, at load time, for the decode kernels: an indexed `PackedW4` by
+    `w4a16.pack_decode`, a `PackedMXFP4` by `mxfp4_decode.pack_decode`."""
+    return MXD.pack_decode(w) if isinstance(w, PackedMXFP4) else pack_decode(w)
+
+
+def is_decode_packed(w) -> bool:
+    """Whether `w` is in a decode kernel's packing (`pack_for_decode`)."""
+    return isinstance(w, (DecodeW4, DecodeMXFP4))
+
+
+def decode_weight_bytes(n: int, k: int, fmt: str) -> int:
+    """Bytes of one [n, k] weight in the decode packing of `fmt` (DECODE_FORMATS; K padded to 256): what a
+    decode kernel reads."""
+    if fmt not in DECODE_FORMATS:
+        raise ValueError(f"the decode kernels read {' or '.join(DECODE_FORMATS)} weights, got {fmt!r}")
+    return MXD.decode_weight_bytes(n, k) if fmt == "mxfp4" else w4_decode_weight_bytes(n, k)
 DECODE_TAIL_BLOCK_M = 16   # the decode tail's row blocks: one m16 MMA tile of one expert's slots
 
 
@@ -910,7 +930,7 @@ def moe_tail(act: torch.Tensor, w2, topk_weights, topk_ids, *, fused: bool, inte
     qw, sc, code, group, E, H, I = _tail_weights(w2)
     if kernel not in TAIL_KERNELS:
         raise ValueError(f"kernel must be one of {TAIL_KERNELS}, got {kernel!r}")
-    if (kernel == "decode") != isinstance(w2, (DecodeW4, DecodeMXFP4)):
+    if (kernel == "decode") != is_decode_packed(w2):
         raise ValueError("kernel='decode' takes w2 decode-packed (w4a16.pack_decode of an indexed PackedW4, or "
                          f"mxfp4_decode.pack_decode of a PackedMXFP4), and only it does; got kernel={kernel!r} with "
                          f"{type(w2).__name__}")

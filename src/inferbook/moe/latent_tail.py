@@ -159,7 +159,7 @@ def make_inputs(ranks: int, tokens: int, latent: int, hidden: int, experts: int,
     """Random inputs: W2 per rank N(0, 1/I) (I = the full intermediate size), router softmax top-k
     renormalized, W_up N(0, 1/L), shared N(0, 1). gemm2 "decode" (W4A16, MXFP4): W2 repacked for the decode
     loop once here, at load time (`GEMM2_KERNELS`)."""
-    from . import mxfp4 as MXF, mxfp4_decode as MXD, w4a16 as W
+    from . import mxfp4 as MXF, w4a16 as W
 
     if inter % ranks or (inter // ranks) % 32:
         raise ValueError(f"inter={inter} must split into {ranks} slices of a multiple of 32")
@@ -167,11 +167,11 @@ def make_inputs(ranks: int, tokens: int, latent: int, hidden: int, experts: int,
     ip = inter // ranks
     quant = {"bf16": lambda w: w.bfloat16(), "w4a16": lambda w: W.quantize(w, layout="indexed"),
              "mxfp4": MXF.quantize}[fmt]
-    if gemm2 not in GEMM2_KERNELS or (gemm2 == "decode" and fmt == "bf16"):
+    if gemm2 not in GEMM2_KERNELS or (gemm2 == "decode" and fmt not in FM.DECODE_FORMATS):
         raise ValueError(f"gemm2 must be one of {GEMM2_KERNELS} ('decode' for w4a16 or mxfp4), got {gemm2!r} for {fmt}")
     w2 = [quant((torch.randn(experts, latent, ip, generator=g) / inter ** 0.5).to(device)) for _ in range(ranks)]
     if gemm2 == "decode":
-        w2 = [MXD.pack_decode(w) if fmt == "mxfp4" else W.pack_decode(w) for w in w2]
+        w2 = [FM.pack_for_decode(w) for w in w2]
     act = torch.randn(ranks, tokens * top_k, ip, generator=g).bfloat16().to(device)
     tw, ids = torch.randn(tokens, experts, generator=g).softmax(-1).topk(top_k)
     return TailInputs(act=act, w2=w2, topk_weights=(tw / tw.sum(-1, keepdim=True)).to(device),
@@ -253,7 +253,7 @@ def _up_proj_launch(xn, w_up, shared, out, T, H, L, device, cfg):
 
 def _gemm2_launch(a, w2, c, al, dest, w_flat, T, k, L, I, device, cfg, *, atomic: bool):
     qw, sc, code, group, E, _, _ = FM._tail_weights(w2)
-    if is_decode_packed(w2):   # the decode loop (`moe_decode_tail_kernel`), 16-row blocks: rows at sorted positions
+    if FM.is_decode_packed(w2):   # the decode loop (`moe_decode_tail_kernel`), 16-row blocks: rows at sorted positions
         grid = (triton.cdiv(L, cfg["BLOCK_N"]), al[1].numel())
         return FM._decode_tail_launch(a, qw, sc, c, al[0], al[1], w_flat, T, k, L, I, qw[0].numel(), sc[0].numel(), grid,
                                       out_div=k if atomic else 1, atomic=atomic, group=group, cfg=cfg, device=device,
@@ -270,16 +270,11 @@ def _gemm2_launch(a, w2, c, al, dest, w_flat, T, k, L, I, device, cfg, *, atomic
                            OUT_DIV=k if atomic else 1, ATOMIC=atomic, source="moe/latent_tail.py:run_tail")
 
 
-def is_decode_packed(w2) -> bool:
-    """Whether GEMM2's weights are repacked for the decode loop (`w4a16.pack_decode`, `mxfp4_decode.pack_decode`)."""
-    return isinstance(w2, (FM.DecodeW4, FM.DecodeMXFP4))
-
-
 def gemm2_config(w2, T: int, k: int, E: int, L: int, interpreted: bool, device=None) -> dict:
     """GEMM2's tiles for T tokens of top-k over E experts into L columns: the tl.dot kernel's `moe_config`,
     or for decode-packed weights the decode tail's (`decode_tail_config`: 16-row blocks, its grid
     (L / BLOCK_N) x the row blocks of `routing.padded_rows`)."""
-    if is_decode_packed(w2):
+    if FM.is_decode_packed(w2):
         blocks = routing.padded_rows(T * k, E, FM.DECODE_TAIL_BLOCK_M) // FM.DECODE_TAIL_BLOCK_M
         return FM.decode_tail_config(interpreted, device, fp4=getattr(w2, "fold", False),
                                      programs=FM._decode_tail_programs(L, blocks))
@@ -427,10 +422,10 @@ def tail_launches(tokens: int, top_k: int, experts: int, latent: int, hidden: in
 
 def weight_bytes(n: int, k: int, fmt: str, gemm2: str = "expert-major") -> int:
     """Bytes of one expert's [n, k] GEMM2 weights as that kernel reads them (the decode loop: K padded to 256)."""
-    from . import mxfp4 as MXF, mxfp4_decode as MXD, w4a16 as W
+    from . import mxfp4 as MXF, w4a16 as W
 
     if gemm2 == "decode":
-        return MXD.decode_weight_bytes(n, k) if fmt == "mxfp4" else W.decode_weight_bytes(n, k)
+        return FM.decode_weight_bytes(n, k, fmt)
     return MXF.weight_bytes(n, k) if fmt == "mxfp4" else W.weight_bytes(n, k, fmt)
 
 
