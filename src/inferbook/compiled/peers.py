@@ -925,9 +925,7 @@ def kimi_topk_tail_fusion(params=None) -> list:
 
     if not usable("vllm"):
         return []
-    from ..moe import w4a16
-
-    from ..moe import fused_moe as FM
+    from ..moe import fused_moe as FM, w4a16
 
     g = w4a16.GROUP_SIZE
     out = []

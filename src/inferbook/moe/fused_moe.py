@@ -854,6 +854,19 @@ def is_decode_packed(w) -> bool:
     return isinstance(w, (DecodeW4, DecodeMXFP4))
 
 
+def decode_packed_meta(E: int, N: int, K: int, fmt: str):
+    """Meta stand-ins of E experts' [N, K] weights in `fmt`'s decode packing (a `DecodeW4` or a folded
+    `DecodeMXFP4` of meta tensors), for the launch builders."""
+    from ..compiled import meta
+
+    decode_weight_bytes(N, K, fmt)   # the format check
+    if fmt == "mxfp4":
+        qs, ss = MXD.decode_packed_shapes(N, K)
+        return DecodeMXFP4(meta((E, *qs), torch.int32), meta((E, *ss), torch.uint8), (E, N, K))
+    qs, ss = decode_packed_shapes(N, K)
+    return DecodeW4(meta((E, *qs), torch.int32), meta((E, *ss), torch.bfloat16), (E, N, K), 32)
+
+
 def decode_weight_bytes(n: int, k: int, fmt: str) -> int:
     """Bytes of one [n, k] weight in the decode packing of `fmt` (DECODE_FORMATS; K padded to 256): what a
     decode kernel reads."""
@@ -1438,11 +1451,9 @@ def moe_tail_launches(tokens: int, top_k: int, experts: int, hidden: int, inter:
         raise ValueError(f"the decode tail kernel takes {' or '.join(DECODE_FORMATS)} experts, got fmt {fmt!r}")
     T, k, E, H, I = tokens, top_k, experts, hidden, inter
     if kernel == "decode":
-        code, group = None, 32
         fp4 = fmt == "mxfp4"
-        shapes = MXD.decode_packed_shapes(H, I) if fp4 else decode_packed_shapes(H, I, group)
-        q_es, s_es = (math.prod(sh) for sh in shapes)
-        qw, sc = meta((E, q_es), torch.int32), meta((E, s_es), torch.uint8 if fp4 else torch.bfloat16)
+        qw, sc, code, group, *_ = _tail_weights(decode_packed_meta(E, H, I, fmt))
+        q_es, s_es = qw[0].numel(), sc[0].numel()
     elif fmt == "bf16":
         qw = sc = meta((E, H, I), torch.bfloat16)
         code, group, q_es, s_es = LAYOUT_CODE["bf16"], 32, H * I, H * I

@@ -363,15 +363,7 @@ def tail_launches(tokens: int, top_k: int, experts: int, latent: int, hidden: in
     T, k, E, L, H, I, N = tokens, top_k, experts, latent, hidden, inter_per_rank, ranks
     dev = torch.device("cuda")
     if gemm2 == "decode":
-        from . import mxfp4_decode as MXD, w4a16 as W
-        if fmt == "mxfp4":
-            qs, ss = MXD.decode_packed_shapes(L, I)
-            w2 = MXD.DecodeMXFP4(meta((E, *qs), torch.int32), meta((E, *ss), torch.uint8), (E, L, I))
-        elif fmt == "w4a16":
-            qs, ss = W.decode_packed_shapes(L, I)
-            w2 = W.DecodeW4(meta((E, *qs), torch.int32), meta((E, *ss), torch.bfloat16), (E, L, I), 32)
-        else:
-            raise ValueError(f"the decode GEMM2 takes w4a16 or mxfp4 weights, got {fmt!r}")
+        w2 = FM.decode_packed_meta(E, L, I, fmt)
     elif fmt == "bf16":
         w2 = meta((E, L, I), torch.bfloat16)
     else:
