@@ -300,7 +300,7 @@ if triton is not None:
 
     @triton.jit
     def moe_decode_tail_kernel(a_ptr, qw_ptr, s_ptr, c_ptr, rows_ptr, block_expert_ptr, roww_ptr, n_rows, N, K,
-                               q_expert_stride, s_expert_stride, stride_am, stride_cm, OUT_DIV,
+                               q_expert_stride, s_expert_stride, stride_am, stride_cm, OUT_DIV: tl.constexpr,
                                ATOMIC: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
                                BLOCK_N: tl.constexpr, ASM: tl.constexpr, DOT_FP32: tl.constexpr,
                                EVEN_N: tl.constexpr = False, EVEN_K: tl.constexpr = False,
@@ -316,7 +316,9 @@ if triton is not None:
         the slot's position in the sorted order, pid_b * BLOCK_M + j. ATOMIC (the fused finalize, OUT_DIV = k):
         added into an fp32 [T, N] accumulator zeroed by the caller, so the k rows of a token meet there (in CTA
         order); else rows [T*k, N] (or [P, N], OUT_SORTED) in BF16 (OUT_BF16) or fp32 for a separate combine. A block past the last expert's run
-        (-1) loads and writes nothing; the loop's bound is K's alone (the cost model reads its trips)."""
+        (-1) loads and writes nothing; the loop's bound is K's alone (the cost model reads its trips). OUT_DIV is a
+        constexpr, as vLLM's `top_k: tl.constexpr` is: passed at run time, `slot // k` compiled to a full signed
+        division a row (40 of the 992 instructions a warp on sm_100 at K3's tail); known, k 16 is a shift."""
         pid_n = tl.program_id(0)
         pid_b = tl.program_id(1)
         e = tl.load(block_expert_ptr + pid_b)
@@ -881,16 +883,17 @@ def decode_tail_config(interpreted: bool, device=None, *, programs: int | None =
     one expert's FFN slice (Kimi K3: 256 a rank), so a CTA runs one or two runs of 256: there is nothing for
     a pipeline to overlap, and one stage frees the registers the stages held.
     NVIDIA: 64 columns on 2 warps, 1 stage. Predicted at K3's tail (k 16, 896 experts, H 3584, I 256), T 8:
-    H200 14.8 us, issue-bound at 0.93 of the copy ceiling's 13.8 us (the fused_moe decode-down tile, 128
-    columns on 4 warps, 3 stages: 16.8 us, waves); A100 33.1 us against 32.6 of memory; B200 12.2 us,
-    issue-bound against 8.3 (0.68: B200 brings 1.5x H200's bytes a cycle to an SM). Over the chapter's four
+    H200 14.2 us, issue-bound at 0.98 of the copy ceiling's 13.8 us (the fused_moe decode-down tile, 128
+    columns on 4 warps, 3 stages: 16.8 us, waves); A100 32.6 us, memory-bound; B200 12.0 us, its issue bound
+    at 0.71 of memory's 8.3 and its latency bound (5 CTAs an SM at 190 registers) 11.6 (B200 brings 1.5x
+    H200's bytes a cycle to an SM). Before OUT_DIV was a constexpr: H200 14.8, B200 12.2. Over the chapter's four
     T on H200: 188 us, the least of the 18 configs swept that spill nothing (`inferbook sweep
     kimi-topk-tail-fusion sm_90 moe.decode_tail --kernel moe_decode_tail_kernel --launch "decode w4a16 fused"
     --set BLOCK_N=32,64,128 --set num_warps=1,2,4 --set num_stages=1,3`). At T 1 (8 MB) every config
     without a spill is 2.4 us there: two rounds of one-run CTAs.
     CDNA: `moe_decode_config`'s down tile and loop (128 columns, one stage), on 1 wave for a grid of at least
-    2048 programs, else 2. Over the four T: MI300X 213 -> 179 us (T 8: 16.7 -> 14.1, memory 12.5), MI355X
-    199 -> 160 us, both issue-bound; 128 columns on 1 wave was the best of the 9 swept at gfx942 and gfx950
+    2048 programs, else 2. Over the four T: MI300X 213 -> 179 us (T 8: 16.7 -> 14.1, memory 12.5; 12.8 at 0.97 of
+    memory since OUT_DIV is a constexpr), MI355X 199 -> 160 us, both issue-bound; 128 columns on 1 wave was the best of the 9 swept at gfx942 and gfx950
     (--set BLOCK_N=32,64,128 --set num_warps=1,2,4). At T 1 (448 programs) one wave leaves the CUs half
     empty (MI300X 2.8 -> 4.8 us), so small grids keep 2. The interpreter: BLOCK_N 64.
     fp4 (the folded MXFP4 loop, `DecodeMXFP4.fold`; MXFP4's exact path takes W4A16's tile: on one warp its
@@ -1067,8 +1070,8 @@ def _decode_tail_launch(a, qw, sc, c, sorted_ids, block_expert, roww, T, k, H, I
               **(dict(FP4=True, FOLD=fold) if fp4 else {}),
               **({} if row_weight else {"ROW_WEIGHT": False}), **({"OUT_SORTED": True} if out_sorted else {}))
     return Launch(name, moe_decode_tail_kernel,
-                  [a, qw, sc, c, sorted_ids, block_expert, roww, T * k, H, I, q_es, s_es, a.stride(0), c.stride(0),
-                   out_div], kw, source, grid, dram_bytes=dram_bytes)
+                  [a, qw, sc, c, sorted_ids, block_expert, roww, T * k, H, I, q_es, s_es, a.stride(0), c.stride(0)],
+                  dict(OUT_DIV=out_div, **kw), source, grid, dram_bytes=dram_bytes)
 
 
 def reorder_bound(out_a: torch.Tensor, out_b: torch.Tensor, act, w2, topk_weights, topk_ids):
