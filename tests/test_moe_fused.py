@@ -356,4 +356,11 @@ def test_decode_tail_config_per_target():
             small, big = FM.decode_tail_config(False, programs=448), FM.decode_tail_config(False, programs=3584)
         assert small["CDNA_LOOP"] and big["CDNA_LOOP"] and small["BLOCK_N"] == big["BLOCK_N"] == 128
         assert (small["num_warps"], big["num_warps"]) == (2, 1), t
+        # the scales by scalar FMAs only where a wave holds 128 columns of W4A16 (w4a16._fma_amd)
+        assert big.get("FMA_AMD") and not small.get("FMA_AMD"), t
+        with building_for(t):
+            assert not FM.decode_tail_config(False, programs=3584, fp4=True).get("FMA_AMD"), t
+    for t in ("sm_80", "sm_90", "sm_100"):
+        with building_for(t):
+            assert "FMA_AMD" not in FM.decode_tail_config(False, programs=10 ** 6), t
     assert FM.decode_tail_config(True) == {"BLOCK_M": 16, "BLOCK_N": 64}

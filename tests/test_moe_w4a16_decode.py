@@ -96,6 +96,16 @@ def test_amdgcn_byte_asm_bit_logic(b):
             assert reg & 0xFFFF == _bf16_bits(128 + u0) and reg >> 16 == _bf16_bits(128 + u1), (b, i)
 
 
+def test_amdgcn_scale_fma_is_one_fused_multiply_add():
+    # `_fma_amd`: v_fma_f32 D, S0, S1, S2 is S0 * S1 + S2 rounded once (CDNA3 ISA): $1 the MMA's part, $2 the
+    # column scale, $3 the accumulator, as `group_dot` passes them; one element an asm (no pairing to copy into)
+    import inspect
+    src = inspect.getsource(W._fma_amd.fn)
+    assert '"v_fma_f32 $0, $1, $2, $3", "=v,v,v,v", [x, y, z]' in src and "pack=1" in src
+    gd = inspect.getsource(W.group_dot.fn)
+    assert "_fma_amd(part, tl.broadcast_to(s[None, :], part.shape), acc)" in gd and "acc + part * s[None, :]" in gd
+
+
 def test_amdgcn_byte_asm_is_what_the_model_checks():
     # the asm's instructions, operands and order are the model's: outputs $0 $1, words $2 (w0) $3 (w1), selector
     # $4, mask $6, magic $8 (pack=2: two registers an operand); the shift reads the permuted register before

@@ -306,7 +306,8 @@ if triton is not None:
                                EVEN_N: tl.constexpr = False, EVEN_K: tl.constexpr = False,
                                CDNA_LOOP: tl.constexpr = False, OUT_BF16: tl.constexpr = True,
                                FP4: tl.constexpr = False, FOLD: tl.constexpr = False,
-                               ROW_WEIGHT: tl.constexpr = True, OUT_SORTED: tl.constexpr = False):
+                               ROW_WEIGHT: tl.constexpr = True, OUT_SORTED: tl.constexpr = False,
+                               FMA_AMD: tl.constexpr = False):
         """The decode tail's down projection on `decode_run`'s Marlin-style loop (FP4: `decode_run_fp4`'s, over
         `mxfp4_decode.pack_decode`'s words and E8M0 bytes, FOLD its scale-folding form), over the indexed layout
         (`routing.align_indexed` at BLOCK_M 16): program (column block, row block b) gathers the at most
@@ -337,7 +338,7 @@ if triton is not None:
                                          DOT_FP32, EVEN_N, EVEN_K, FOLD)
                 else:
                     acc = decode_run(acc, a_ptr, stride_am, slot, m_ok, qw, sc, N, pid_n * BLOCK_N, offs_n, n_ok, K,
-                                     r, neg, GROUP, ASM, DOT_FP32, EVEN_N, EVEN_K, CDNA_LOOP)
+                                     r, neg, GROUP, ASM, DOT_FP32, EVEN_N, EVEN_K, CDNA_LOOP, FMA_AMD)
             if ROW_WEIGHT:
                 acc = acc * tl.load(roww_ptr + slot, mask=m_ok, other=0.0)[:, None]
             if OUT_SORTED:
@@ -892,10 +893,13 @@ def decode_tail_config(interpreted: bool, device=None, *, programs: int | None =
     --set BLOCK_N=32,64,128 --set num_warps=1,2,4 --set num_stages=1,3`). At T 1 (8 MB) every config
     without a spill is 2.4 us there: two rounds of one-run CTAs.
     CDNA: `moe_decode_config`'s down tile and loop (128 columns, one stage), on 1 wave for a grid of at least
-    2048 programs, else 2. Over the four T: MI300X 213 -> 179 us (T 8: 16.7 -> 14.1, memory 12.5; 12.8 at 0.97 of
-    memory since OUT_DIV is a constexpr), MI355X 199 -> 160 us, both issue-bound; 128 columns on 1 wave was the best of the 9 swept at gfx942 and gfx950
-    (--set BLOCK_N=32,64,128 --set num_warps=1,2,4). At T 1 (448 programs) one wave leaves the CUs half
-    empty (MI300X 2.8 -> 4.8 us), so small grids keep 2. The interpreter: BLOCK_N 64.
+    2048 programs, else 2; at one wave W4A16's scales by scalar FMAs (`FMA_AMD`, `w4a16._fma_amd`: LLVM's paired
+    FMAs copied each column scale into register pairs, 288 moves a wave on gfx950). Over the four T: MI300X
+    213 -> 179 us (T 8: 16.7 -> 14.1, memory 12.5; since OUT_DIV is a constexpr 12.8, and with FMA_AMD
+    memory-bound at 12.5), MI355X 199 -> 160 us (T 8 since: 11.3, then 10.6 against memory's 8.3), issue-bound;
+    128 columns on 1 wave was the best of the 9 swept at gfx942 and gfx950 (--set BLOCK_N=32,64,128 --set
+    num_warps=1,2,4). At T 1 (448 programs) one wave leaves the CUs half empty (MI300X 2.8 -> 4.8 us), so small
+    grids keep 2. The interpreter: BLOCK_N 64.
     fp4 (the folded MXFP4 loop, `DecodeMXFP4.fold`; MXFP4's exact path takes W4A16's tile: on one warp its
     per-group fp32 scales spill 1.8 KB on sm_90, on two none): on NVIDIA 64 columns on one warp, no spill
     (`inferbook sweep kimi-topk-tail-fusion sm_90 moe.decode_tail_fp4 --kernel moe_decode_tail_kernel --launch "decode mxfp4
@@ -915,6 +919,8 @@ def decode_tail_config(interpreted: bool, device=None, *, programs: int | None =
         cfg = dict(moe_decode_config(False, False, device=dev))
         if programs is not None and programs >= DECODE_TAIL_ONE_WAVE_PROGRAMS:
             cfg["num_warps"] = 1
+            if not fp4:   # W4A16 at 128 columns a wave: the scales by scalar FMAs (`w4a16._fma_amd`)
+                cfg["FMA_AMD"] = True
     return dict(_device.swept("moe.decode_tail_fp4" if fp4 else "moe.decode_tail", cfg))
 
 

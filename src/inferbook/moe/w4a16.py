@@ -983,15 +983,29 @@ if triton is not None:
                            mask=m_ok[:, None] & ((k + offs_j)[None, :] < K), other=0.0)
 
     @triton.jit
-    def group_dot(acc, a, b, s, neg, DOT_FP32: tl.constexpr):
+    def _fma_amd(x, y, z):
+        """x * y + z rounded once (v_fma_f32), one element an asm. What `acc + part * s[None, :]` contracts to on
+        CDNA, written out because LLVM pairs those FMAs into v_pk_fma_f32 and, the column scale being the same for
+        a lane's four accumulator rows, copies it into register pairs first: at 128 columns a wave (the decode
+        tail's one-wave tile, `decode_tail_config`) 288 v_mov_b32 of gfx950's 1944 instructions at K3's shapes, and
+        one scalar FMA a value needs no copy (1823). At 64 columns a wave the paired form copies little and takes
+        fewer instructions (chord's and MiniMax-M3's decode launches: 2-6 % more with this), so they keep it."""
+        return tl.inline_asm_elementwise("v_fma_f32 $0, $1, $2, $3", "=v,v,v,v", [x, y, z], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+
+    @triton.jit
+    def group_dot(acc, a, b, s, neg, DOT_FP32: tl.constexpr, FMA_AMD: tl.constexpr = False):
         """acc [BLOCK_M, BLOCK_N] fp32 + (a @ (b - 136)) * s[None, :] for one nibble tile b [32, BLOCK_N] bf16
         (128 + u) and its column scales s [BLOCK_N] fp32: two MMAs into one fp32 sum (128 + u, then the
-        constant -136 tile `neg`)."""
+        constant -136 tile `neg`); the scale by one FMA a value (FMA_AMD: `_fma_amd`'s, the CDNA loop's)."""
         if DOT_FP32:  # the interpreter: its bf16 dot is wrong (device.dot_needs_fp32)
             part = tl.dot(a.to(tl.float32), b.to(tl.float32), tl.dot(a.to(tl.float32), neg))
         else:
             part = tl.dot(a, b, tl.dot(a, neg))                    # Σ a (128 + u) - 136 Σ a = Σ a (u - 8)
-        return acc + part * s[None, :]
+        if FMA_AMD:
+            return _fma_amd(part, tl.broadcast_to(s[None, :], part.shape), acc)
+        else:
+            return acc + part * s[None, :]
 
     @triton.jit
     def column_scale(s_ptr, r, i, pairs_per_row, offs_n, n_ok, GROUP: tl.constexpr, EVEN_N: tl.constexpr):
@@ -1010,14 +1024,15 @@ if triton is not None:
     @triton.jit
     def decode_run(acc, x_ptr, stride_xm, offs_m, m_ok, qw_ptr, s_ptr, row_stride, n0, offs_n, n_ok, K, r, neg,
                    GROUP: tl.constexpr, ASM: tl.constexpr, DOT_FP32: tl.constexpr, EVEN_N: tl.constexpr,
-                   EVEN_K: tl.constexpr, CDNA_LOOP: tl.constexpr = False):
+                   EVEN_K: tl.constexpr, CDNA_LOOP: tl.constexpr = False, FMA_AMD: tl.constexpr = False):
         """acc [BLOCK_M, BLOCK_N] fp32 += x[offs_m, run r] @ W[offs_n, run r].T for one run of 256 K values:
         one [32, BLOCK_N] word tile (row stride `row_stride` words), eight nibble tiles of one group each
         (or GROUP/32 tiles a group), each through two MMAs (128 + u, then the constant -136) and its
         column scale. Scales: `pack_decode`'s [runs, ceil(row_stride / 2), 256 / GROUP, 2] layout.
         CDNA_LOOP (the AMD configs, `DECODE_TARGETS`): the nibbles a byte at a time (`nibble_byte_bf16`: one
         v_perm_b32 serves two tiles) and each column's scale word loaded where it is used (`column_scale`);
-        the NVIDIA loop loads the run's scales in one [P, 8] load and widens them a pair at a time."""
+        the NVIDIA loop loads the run's scales in one [P, 8] load and widens them a pair at a time. FMA_AMD (the CDNA
+        loop only): the scales by `_fma_amd`, for a tile where LLVM's paired FMAs copy them (`group_dot`)."""
         offs_j = tl.arange(0, 32)
         if EVEN_N:  # N a multiple of BLOCK_N: no column mask in the loop
             words = tl.load(qw_ptr + (r * 32 + offs_j)[:, None] * row_stride + offs_n[None, :])
@@ -1031,9 +1046,11 @@ if triton is not None:
                 k = r * 256 + 64 * bi
                 b_even, b_odd = nibble_byte_bf16(words, bi, ASM)    # 128 + u of tiles 2 bi, 2 bi + 1, exact in bf16
                 acc = group_dot(acc, group_activations(x_ptr, stride_xm, offs_m, m_ok, K, k, EVEN_K), b_even,
-                                column_scale(s_ptr, r, 2 * bi, pairs_per_row, offs_n, n_ok, GROUP, EVEN_N), neg, DOT_FP32)
+                                column_scale(s_ptr, r, 2 * bi, pairs_per_row, offs_n, n_ok, GROUP, EVEN_N), neg, DOT_FP32,
+                                FMA_AMD)
                 acc = group_dot(acc, group_activations(x_ptr, stride_xm, offs_m, m_ok, K, k + 32, EVEN_K), b_odd,
-                                column_scale(s_ptr, r, 2 * bi + 1, pairs_per_row, offs_n, n_ok, GROUP, EVEN_N), neg, DOT_FP32)
+                                column_scale(s_ptr, r, 2 * bi + 1, pairs_per_row, offs_n, n_ok, GROUP, EVEN_N), neg, DOT_FP32,
+                                FMA_AMD)
         else:
             PAIRS: tl.constexpr = EVEN_N and GROUP == 32
             if PAIRS:  # the run's 8 groups x BLOCK_N columns in one load
