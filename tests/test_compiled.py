@@ -13,6 +13,7 @@ compares every launch (the old sweep: about a quarter of an hour cold on 2 cores
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -569,6 +570,13 @@ def test_w4a16_and_fused_moe_builders_match_launchers(recorded, monkeypatch):
                 assert len(recorded) == len(built), (fmt, kernel, fused)
                 for call, launch in zip(recorded, built):
                     _same(call, launch)
+    # MXFP4's exact-scale decode path (a scale byte outside FOLD_SCALES): what moe_tail runs is the fold=False build
+    exact = dataclasses.replace(MXD.pack_decode(weights["mxfp4"]), fold=False)
+    recorded.clear()
+    FM.moe_tail(act, exact, tw, ids, fused=True, block="gpu", kernel="decode")
+    (built,) = FM.moe_tail_launches(T, k, E, H, I, "mxfp4", fused=True, kernel="decode", fold=False)
+    assert len(recorded) == 1 and not built.kwargs["FOLD"]
+    _same(recorded[0], built)
 
 
 def test_latent_tail_builders_match_launchers(recorded, monkeypatch):

@@ -190,10 +190,16 @@ def test_decode_tail_fp4_config_per_target():
             cfg = FM.decode_tail_config(False, programs=10 ** 6, fp4=True)
         assert (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_warps"], cfg["num_stages"]) == (16, 64, 1, 1), t
     with building_for("gfx942"):
-        assert FM.decode_tail_config(False, programs=3584, fp4=True) == FM.decode_tail_config(False, programs=3584)
+        # CDNA: W4A16's tile and rule, less W4A16's scalar scale FMAs (FMA_AMD; the folded MXFP4 loop has no scale FMA)
+        w4 = FM.decode_tail_config(False, programs=3584)
+        assert w4.pop("FMA_AMD") and FM.decode_tail_config(False, programs=3584, fp4=True) == w4
     las = FM.moe_tail_launches(1, 16, 896, 3584, 256, "mxfp4", fused=True, kernel="decode")
     assert las[0].kernel is FM.moe_decode_tail_kernel and las[0].kwargs["FP4"] and las[0].kwargs["FOLD"]
     assert las[0].dram_bytes > 16 * D.decode_weight_bytes(3584, 256)
+    # fold=False: the exact-scale path, on W4A16's two-warp tile (the compile table's "compile check" row)
+    (exact,) = FM.moe_tail_launches(1, 16, 896, 3584, 256, "mxfp4", fused=True, kernel="decode", fold=False)
+    assert exact.kwargs["FP4"] and not exact.kwargs["FOLD"] and exact.kwargs["num_warps"] == 2
+    assert exact.dram_bytes == las[0].dram_bytes and exact.grid == las[0].grid
 
 
 _LAYOUT_PROBE = r"""

@@ -476,7 +476,8 @@ def gpu_launches(params: dict) -> list:
     format at every token count, each tail variant (`variants`: expert-major separate and fused,
     token-major fused, and for W4A16 and MXFP4 the decode kernel's fused tail) and the fp32-row separate pass
     of each of those kernels, which the checks compare with; the MXFP4 decode probes (one-hot, T = inter,
-    k = 1; the tl.dot and the decode kernel) and the MXFP4 weight packing (MX quantize of W2)."""
+    k = 1; the tl.dot and the decode kernel), the decode kernel's exact-scale MXFP4 path at the first T (compiled
+    only: the preset's scales all fold) and the MXFP4 weight packing (MX quantize of W2)."""
     from .. import compiled
     from ..numerics import mx as MX
 
@@ -497,6 +498,11 @@ def gpu_launches(params: dict) -> list:
         if fmt == "mxfp4":
             launches += FM.moe_tail_launches(I, 1, E, H, I, fmt, fused=True, name="MXFP4 decode probe")
             launches += FM.moe_tail_launches(I, 1, E, H, I, fmt, fused=True, kernel="decode", name="MXFP4 decode probe")
+            # the exact-scale path (a scale byte outside FOLD_SCALES), which the preset's weights never take: compiled
+            # so its registers and spills are on record (at the folded loop's one warp it spilled 1.8 KB on sm_90)
+            T0 = parse_ints(p["tokens"], "tokens")[0]
+            launches += FM.moe_tail_launches(T0, k, E, H, I, fmt, fused=True, kernel="decode", fold=False,
+                                             name="compile check: MXFP4 exact scales")
             launches += MX.quantize_launches((E, H, I), torch.float32, MXF.ELEMENT, axis=-1, block=MXF.BLOCK,
                                              scale_rounding=MXF.SCALE_ROUNDING, name=f"MXFP4 pack of W2 [{E}, {H}, {I}]")
     # the tail GEMMs keep a row per token count: their grids (and so waves and residency) follow T

@@ -1445,13 +1445,15 @@ def combine_launches(tokens: int, top_k: int, hidden: int, y_dtype=torch.bfloat1
 
 
 def moe_tail_launches(tokens: int, top_k: int, experts: int, hidden: int, inter: int, fmt: str, *, fused: bool,
-                      inter_dtype=torch.bfloat16, kernel: str = "expert-major", name: str = "") -> list:
+                      inter_dtype=torch.bfloat16, kernel: str = "expert-major", name: str = "",
+                      fold: bool = True) -> list:
     """`moe_tail`'s launches on a GPU for act [tokens*top_k, inter] and w2 [E, hidden, inter] in
     `fmt` ('bf16', 'w4a16' (indexed) or 'mxfp4'), for `kernel` ('expert-major': `moe_gemm_kernel`
     with the router weight in its epilogue, atomically added into an fp32 [T, H] accumulator when
     fused; 'token-major': `down_tail_kernel`; 'decode', w4a16 or mxfp4: `moe_decode_tail_kernel` on
     `w4a16.pack_decode`'s or `mxfp4_decode.pack_decode`'s layout), plus `combine` when not fused. Each GEMM launch states its DRAM bytes
-    (`tail_dram_bytes`): the weights of the experts it can reach, not the whole [E, H, I] table."""
+    (`tail_dram_bytes`): the weights of the experts it can reach, not the whole [E, H, I] table. `fold` (decode,
+    mxfp4): False builds MXFP4's exact-scale path (`DecodeMXFP4.fold` False: a scale byte outside FOLD_SCALES)."""
     from ..compiled import meta
 
     if kernel not in TAIL_KERNELS:
@@ -1460,7 +1462,7 @@ def moe_tail_launches(tokens: int, top_k: int, experts: int, hidden: int, inter:
         raise ValueError(f"the decode tail kernel takes {' or '.join(DECODE_FORMATS)} experts, got fmt {fmt!r}")
     T, k, E, H, I = tokens, top_k, experts, hidden, inter
     if kernel == "decode":
-        fp4 = fmt == "mxfp4"
+        fp4, fold = fmt == "mxfp4", fold and fmt == "mxfp4"
         qw, sc, code, group, *_ = _tail_weights(decode_packed_meta(E, H, I, fmt))
         q_es, s_es = qw[0].numel(), sc[0].numel()
     elif fmt == "bf16":
@@ -1489,11 +1491,11 @@ def moe_tail_launches(tokens: int, top_k: int, experts: int, hidden: int, inter:
     elif kernel == "decode":
         BM = DECODE_TAIL_BLOCK_M
         P = routing.padded_rows(T * k, E, BM)
-        cfg = decode_tail_config(False, programs=_decode_tail_programs(H, P // BM), fp4=fp4)
+        cfg = decode_tail_config(False, programs=_decode_tail_programs(H, P // BM), fp4=fold)
         la = _decode_tail_launch(a, qw, sc, c, meta((P,), torch.int32), meta((P // BM,), torch.int32),
                                  meta((T * k,), torch.float32), T, k, H, I, q_es, s_es,
                                  (triton.cdiv(H, cfg["BLOCK_N"]), P // BM), out_div=k if fused else 1, atomic=fused,
-                                 group=group, cfg=cfg, device=dev, fp4=fp4, fold=fp4,
+                                 group=group, cfg=cfg, device=dev, fp4=fp4, fold=fold,
                                  dram_bytes=tail_dram_bytes(T, k, E, H, I, expert_bytes, BM, c, atomic=fused))
         tag += f" cfg {BM}x{cfg['BLOCK_N']}x256"
     else:
