@@ -184,14 +184,20 @@ SASS = """
         /*0080*/                   EXIT ;
 .L_x_2:
         /*0090*/                   BRA `(.L_x_2);
+        /*00a0*/                   NOP;
+        /*00b0*/                   NOP;
 """
 
 
 def test_main_loop_is_the_innermost_backward_branch():
     loop = compiled.machine.main_loop(compiled.machine.sass_instructions(SASS), "sass")
-    # 5 instructions from .L_x_1 to its branch; 16 B + 2 B per thread, 32 threads; the trap after EXIT is no loop
+    # 5 instructions from .L_x_1 to its branch; 16 B + 2 B per thread, 32 threads; the trap after EXIT is no loop,
+    # and it and the NOPs after it never execute: 9 of the 12 listed
     assert loop == {"instrs": 5, "global_bytes_per_warp": (16 + 2) * 32, "mma": 1, "async": False, "tma_loads": 0,
-                    "kernel_instrs": 10, "loops": 1}
+                    "kernel_instrs": 9, "loops": 1}
+    # a predicated branch to its own label (a spin) executes, and so do NOPs before the last instruction
+    spin = SASS.replace("BRA `(.L_x_2);", "@P1 BRA `(.L_x_2);")
+    assert compiled.machine.main_loop(compiled.machine.sass_instructions(spin), "sass")["kernel_instrs"] == 10
     assert compiled.machine.main_loop(compiled.machine.sass_instructions(SASS.split(".L_x_1:")[0]))["instrs"] == 0
     # sm_100's nvdisasm writes a uniform predicate as the branch's first operand: the same loop
     sm100 = SASS.replace("@P0 BRA `(.L_x_1)", "BRA.U UP0, `(.L_x_1)")

@@ -3,7 +3,8 @@
 The model, and every assumption it makes (the pages' "How the prediction is made" repeats this):
 
 1. **Work.** One CTA (workgroup) executes `kernel_instrs − loop_instrs + loop_instrs × trips`
-   warp-instructions per warp (wave-instructions on AMD) and `flops_per_cta` tensor-core FLOPs
+   warp-instructions per warp (wave-instructions on AMD; `kernel_instrs` less the padding nvdisasm lists after
+   the last instruction, `machine.executable`) and `flops_per_cta` tensor-core FLOPs
    (2·M·N·K of each `tt.dot`, times the trips of the loops around it). The main loop is the
    innermost backward branch of the machine code moving the most global bytes per iteration
    (`machine.main_loop`); `trips` is the Triton IR's bound of the loop nest around it, evaluated on

@@ -884,11 +884,11 @@ def decode_tail_config(interpreted: bool, device=None, *, programs: int | None =
     one expert's FFN slice (Kimi K3: 256 a rank), so a CTA runs one or two runs of 256: there is nothing for
     a pipeline to overlap, and one stage frees the registers the stages held.
     NVIDIA: 64 columns on 2 warps, 1 stage. Predicted at K3's tail (k 16, 896 experts, H 3584, I 256), T 8:
-    H200 14.2 us, issue-bound at 0.98 of the copy ceiling's 13.8 us (the fused_moe decode-down tile, 128
+    H200 14.0 us, issue-bound at 0.99 of the copy ceiling's 13.8 us (the fused_moe decode-down tile, 128
     columns on 4 warps, 3 stages: 16.8 us, waves); A100 32.6 us, memory-bound; B200 12.0 us, its issue bound
-    at 0.71 of memory's 8.3 and its latency bound (5 CTAs an SM at 190 registers) 11.6 (B200 brings 1.5x
-    H200's bytes a cycle to an SM). Before OUT_DIV was a constexpr: H200 14.8, B200 12.2. Over the chapter's four
-    T on H200: 188 us, the least of the 18 configs swept that spill nothing (`inferbook sweep
+    at 0.72 of memory's 8.3 and its latency bound (5 CTAs an SM at 190 registers) 11.7 (B200 brings 1.5x
+    H200's bytes a cycle to an SM). Before OUT_DIV was a constexpr: H200 14.8, B200 12.2 (both counting nvdisasm's padding, since dropped). Over the
+    chapter's four T on H200: 178 us (188 when swept, with the padding), the least of the 18 configs swept that spill nothing (`inferbook sweep
     kimi-topk-tail-fusion sm_90 moe.decode_tail --kernel moe_decode_tail_kernel --launch "decode w4a16 fused"
     --set BLOCK_N=32,64,128 --set num_warps=1,2,4 --set num_stages=1,3`). At T 1 (8 MB) every config
     without a spill is 2.4 us there: two rounds of one-run CTAs.
@@ -904,9 +904,9 @@ def decode_tail_config(interpreted: bool, device=None, *, programs: int | None =
     per-group fp32 scales spill 1.8 KB on sm_90, on two none): on NVIDIA 64 columns on one warp, no spill
     (`inferbook sweep kimi-topk-tail-fusion sm_90 moe.decode_tail_fp4 --kernel moe_decode_tail_kernel --launch "decode mxfp4
     fused" --set BLOCK_N=32,64,128 --set num_warps=1,2,4`: 198 us over the gpu preset's five launches, within
-    1 % of the best of the nine, 128 columns on 2 warps; 2 warps at 64 columns: 222). H200 T 8: 13.4 us,
-    issue-bound at 0.97 of the copy ceiling; the least summed time of the nine at T 1-8 on sm_80 and sm_100
-    (B200 12.2 us at T 8, issue-bound at 0.64). CDNA: the rule above (gfx942 T 8 19.0 us at 128 columns on
+    1 % of the best of the nine, 128 columns on 2 warps; 2 warps at 64 columns: 222). H200 T 8: 13.1 us,
+    memory-bound; the least summed time of the nine at T 1-8 on sm_80 and sm_100
+    (B200 11.6 us at T 8, issue-bound at 0.68). CDNA: the rule above (gfx942 T 8 19.0 us at 128 columns on
     1 wave, issue-bound at 0.62: the AMDGCN form multiplies in fp32)."""
     from .. import device as _device
 
