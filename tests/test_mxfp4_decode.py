@@ -193,6 +193,12 @@ def test_decode_tail_fp4_config_per_target():
         # CDNA: W4A16's tile and rule, less W4A16's scalar scale FMAs (FMA_AMD; the folded MXFP4 loop has no scale FMA)
         w4 = FM.decode_tail_config(False, programs=3584)
         assert w4.pop("FMA_AMD") and FM.decode_tail_config(False, programs=3584, fp4=True) == w4
+        # the exact-scale loop: W4A16's tile, and no FMA_AMD either (it compiled to more instructions with it)
+        assert FM.decode_tail_config(False, programs=3584, fp4=True, fold=False) == w4
+    for t in ("sm_80", "sm_90", "sm_100"):
+        with building_for(t):   # the exact loop on W4A16's two warps (one spilled its per-group scales)
+            assert FM.decode_tail_config(False, programs=10 ** 6, fp4=True, fold=False) == \
+                FM.decode_tail_config(False, programs=10 ** 6), t
     las = FM.moe_tail_launches(1, 16, 896, 3584, 256, "mxfp4", fused=True, kernel="decode")
     assert las[0].kernel is FM.moe_decode_tail_kernel and las[0].kwargs["FP4"] and las[0].kwargs["FOLD"]
     assert las[0].dram_bytes > 16 * D.decode_weight_bytes(3584, 256)

@@ -879,7 +879,8 @@ def decode_weight_bytes(n: int, k: int, fmt: str) -> int:
 DECODE_TAIL_BLOCK_M = 16   # the decode tail's row blocks: one m16 MMA tile of one expert's slots
 
 
-def decode_tail_config(interpreted: bool, device=None, *, programs: int | None = None, fp4: bool = False) -> dict:
+def decode_tail_config(interpreted: bool, device=None, *, programs: int | None = None, fp4: bool = False,
+                       fold: bool = True) -> dict:
     """Tiles of the decode tail (`moe_decode_tail_kernel`), given its grid's `programs` where known. Its K is
     one expert's FFN slice (Kimi K3: 256 a rank), so a CTA runs one or two runs of 256: there is nothing for
     a pipeline to overlap, and one stage frees the registers the stages held.
@@ -900,8 +901,9 @@ def decode_tail_config(interpreted: bool, device=None, *, programs: int | None =
     128 columns on 1 wave was the best of the 9 swept at gfx942 and gfx950 (--set BLOCK_N=32,64,128 --set
     num_warps=1,2,4). At T 1 (448 programs) one wave leaves the CUs half empty (MI300X 2.8 -> 4.8 us), so small
     grids keep 2. The interpreter: BLOCK_N 64.
-    fp4 (the folded MXFP4 loop, `DecodeMXFP4.fold`; MXFP4's exact path takes W4A16's tile: on one warp its
-    per-group fp32 scales spill 1.8 KB on sm_90, on two none): on NVIDIA 64 columns on one warp, no spill
+    fp4 (MXFP4 weights) with fold False (`DecodeMXFP4.fold` False, the exact-scale loop): W4A16's tile (on one warp
+    its per-group fp32 scales spill 1.8 KB on sm_90, on two none) without FMA_AMD (compiled at K3's tail, T 8, one
+    wave: gfx942 7412 -> 7492 instructions a wave with it, gfx950 4502 -> 4581). fp4 and fold (the folded loop): on NVIDIA 64 columns on one warp, no spill
     (`inferbook sweep kimi-topk-tail-fusion sm_90 moe.decode_tail_fp4 --kernel moe_decode_tail_kernel --launch "decode mxfp4
     fused" --set BLOCK_N=32,64,128 --set num_warps=1,2,4`: 198 us over the gpu preset's five launches, within
     1 % of the best of the nine, 128 columns on 2 warps; 2 warps at 64 columns: 222). H200 T 8: 13.1 us,
@@ -914,14 +916,14 @@ def decode_tail_config(interpreted: bool, device=None, *, programs: int | None =
         return dict(BLOCK_M=DECODE_TAIL_BLOCK_M, BLOCK_N=64)
     dev = torch.device("cuda") if device is None else device
     if pick_config(MOE_DECODE_CDNA, dev) is None:
-        cfg = dict(BLOCK_M=DECODE_TAIL_BLOCK_M, BLOCK_N=64, num_warps=1 if fp4 else 2, num_stages=1)
+        cfg = dict(BLOCK_M=DECODE_TAIL_BLOCK_M, BLOCK_N=64, num_warps=1 if fp4 and fold else 2, num_stages=1)
     else:
         cfg = dict(moe_decode_config(False, False, device=dev))
         if programs is not None and programs >= DECODE_TAIL_ONE_WAVE_PROGRAMS:
             cfg["num_warps"] = 1
             if not fp4:   # W4A16 at 128 columns a wave: the scales by scalar FMAs (`w4a16._fma_amd`)
                 cfg["FMA_AMD"] = True
-    return dict(_device.swept("moe.decode_tail_fp4" if fp4 else "moe.decode_tail", cfg))
+    return dict(_device.swept("moe.decode_tail_fp4" if fp4 and fold else "moe.decode_tail", cfg))
 
 
 DECODE_TAIL_ONE_WAVE_PROGRAMS = 2048   # CDNA: from this grid on, one wave a program (`decode_tail_config`)
@@ -995,7 +997,7 @@ def moe_tail(act: torch.Tensor, w2, topk_weights, topk_ids, *, fused: bool, inte
         blocks = al.block_expert.numel()
         cfg = dict(block if block and not gpu_cfg else
                    decode_tail_config(interp and not gpu_cfg, act.device, programs=_decode_tail_programs(H, blocks),
-                                      fp4=getattr(w2, "fold", False)))
+                                      fp4=isinstance(w2, DecodeMXFP4), fold=getattr(w2, "fold", False)))
         grid = (triton.cdiv(H, cfg["BLOCK_N"]), blocks)
 
         def decode(c, *, out_div, atomic):
@@ -1491,7 +1493,7 @@ def moe_tail_launches(tokens: int, top_k: int, experts: int, hidden: int, inter:
     elif kernel == "decode":
         BM = DECODE_TAIL_BLOCK_M
         P = routing.padded_rows(T * k, E, BM)
-        cfg = decode_tail_config(False, programs=_decode_tail_programs(H, P // BM), fp4=fold)
+        cfg = decode_tail_config(False, programs=_decode_tail_programs(H, P // BM), fp4=fp4, fold=fold)
         la = _decode_tail_launch(a, qw, sc, c, meta((P,), torch.int32), meta((P // BM,), torch.int32),
                                  meta((T * k,), torch.float32), T, k, H, I, q_es, s_es,
                                  (triton.cdiv(H, cfg["BLOCK_N"]), P // BM), out_div=k if fused else 1, atomic=fused,

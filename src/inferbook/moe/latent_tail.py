@@ -276,8 +276,8 @@ def gemm2_config(w2, T: int, k: int, E: int, L: int, interpreted: bool, device=N
     (L / BLOCK_N) x the row blocks of `routing.padded_rows`)."""
     if FM.is_decode_packed(w2):
         blocks = routing.padded_rows(T * k, E, FM.DECODE_TAIL_BLOCK_M) // FM.DECODE_TAIL_BLOCK_M
-        return FM.decode_tail_config(interpreted, device, fp4=getattr(w2, "fold", False),
-                                     programs=FM._decode_tail_programs(L, blocks))
+        return FM.decode_tail_config(interpreted, device, fp4=isinstance(w2, FM.DecodeMXFP4),
+                                     fold=getattr(w2, "fold", False), programs=FM._decode_tail_programs(L, blocks))
     return dict(FM.moe_config(T * k / E, interpreted))
 
 
