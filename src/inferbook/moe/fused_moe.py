@@ -346,7 +346,10 @@ if triton is not None:
             else:
                 out_row = slot // OUT_DIV
             ptrs = c_ptr + out_row[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
-            mask = m_ok[:, None] & n_ok[None, :]
+            if ATOMIC and EVEN_N:   # every column in range: the rows' mask alone (gfx950: one s_and_b64 less an atomic;
+                mask = tl.broadcast_to(m_ok[:, None], (BLOCK_M, BLOCK_N))   # on the stores sm_100's ptxas then spilled)
+            else:
+                mask = m_ok[:, None] & n_ok[None, :]
             if ATOMIC:
                 tl.atomic_add(ptrs, acc, mask=mask, sem="relaxed")
             elif OUT_BF16:
@@ -897,7 +900,7 @@ def decode_tail_config(interpreted: bool, device=None, *, programs: int | None =
     2048 programs, else 2; at one wave W4A16's scales by scalar FMAs (`FMA_AMD`, `w4a16._fma_amd`: LLVM's paired
     FMAs copied each column scale into register pairs, 288 moves a wave on gfx950). Over the four T: MI300X
     213 -> 179 us (T 8: 16.7 -> 14.1, memory 12.5; since OUT_DIV is a constexpr 12.8, and with FMA_AMD
-    memory-bound at 12.5), MI355X 199 -> 160 us (T 8 since: 11.3, then 10.6 against memory's 8.3), issue-bound;
+    memory-bound at 12.5), MI355X 199 -> 160 us (T 8 since: 11.3, then 10.6, and with EVEN_N's row mask on the atomics 10.4, against memory's 8.3), issue-bound;
     128 columns on 1 wave was the best of the 9 swept at gfx942 and gfx950 (--set BLOCK_N=32,64,128 --set
     num_warps=1,2,4). At T 1 (448 programs) one wave leaves the CUs half empty (MI300X 2.8 -> 4.8 us), so small
     grids keep 2. The interpreter: BLOCK_N 64.
