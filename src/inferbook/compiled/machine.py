@@ -160,7 +160,8 @@ def body_facts(items: list[tuple[str, str]], isa: str = "sass") -> dict:
 def executable(items: list[tuple[str, str]], isa: str = "sass") -> list[tuple[str, str]]:
     """`items` less the padding after the kernel's last instruction, which never executes: nvdisasm lists a
     `BRA` to its own label after the final EXIT (a trap for a fall-through) and then the NOPs that align the
-    section (16 of the 952 instructions nvdisasm lists for the Kimi decode tail on sm_100). AMDGCN's listing ends at s_endpgm."""
+    section (16 of the 952 instructions nvdisasm lists for the Kimi decode tail on sm_100). AMDGCN's listing
+    ends at s_endpgm."""
     out = list(items)
     if isa != "sass":
         return out

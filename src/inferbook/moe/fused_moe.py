@@ -891,8 +891,9 @@ def decode_tail_config(interpreted: bool, device=None, *, programs: int | None =
     H200 14.0 us, issue-bound at 0.99 of the copy ceiling's 13.8 us (the fused_moe decode-down tile, 128
     columns on 4 warps, 3 stages: 16.8 us, waves); A100 32.6 us, memory-bound; B200 12.0 us, its issue bound
     at 0.72 of memory's 8.3 and its latency bound (5 CTAs an SM at 190 registers) 11.7 (B200 brings 1.5x
-    H200's bytes a cycle to an SM). Before OUT_DIV was a constexpr: H200 14.8, B200 12.2 (both counting nvdisasm's padding, since dropped). Over the
-    chapter's four T on H200: 178 us (188 when swept, with the padding), the least of the 18 configs swept that spill nothing (`inferbook sweep
+    H200's bytes a cycle to an SM). Before OUT_DIV was a constexpr: H200 14.8, B200 12.2 (both counting
+    nvdisasm's padding, since dropped). Over the chapter's four T on H200: 178 us (188 when swept, with the
+    padding), the least of the 18 configs swept that spill nothing (`inferbook sweep
     kimi-topk-tail-fusion sm_90 moe.decode_tail --kernel moe_decode_tail_kernel --launch "decode w4a16 fused"
     --set BLOCK_N=32,64,128 --set num_warps=1,2,4 --set num_stages=1,3`). At T 1 (8 MB) every config
     without a spill is 2.4 us there: two rounds of one-run CTAs.
@@ -900,13 +901,15 @@ def decode_tail_config(interpreted: bool, device=None, *, programs: int | None =
     2048 programs, else 2; at one wave W4A16's scales by scalar FMAs (`FMA_AMD`, `w4a16._fma_amd`: LLVM's paired
     FMAs copied each column scale into register pairs, 288 moves a wave on gfx950). Over the four T: MI300X
     213 -> 179 us (T 8: 16.7 -> 14.1, memory 12.5; since OUT_DIV is a constexpr 12.8, and with FMA_AMD
-    memory-bound at 12.5), MI355X 199 -> 160 us (T 8 since: 11.3, then 10.6, and with EVEN_N's row mask on the atomics 10.4, against memory's 8.3), issue-bound;
+    memory-bound at 12.5), MI355X 199 -> 160 us (T 8 since: 11.3, then 10.6, and with EVEN_N's row mask on
+    the atomics 10.4, against memory's 8.3), issue-bound;
     128 columns on 1 wave was the best of the 9 swept at gfx942 and gfx950 (--set BLOCK_N=32,64,128 --set
     num_warps=1,2,4). At T 1 (448 programs) one wave leaves the CUs half empty (MI300X 2.8 -> 4.8 us), so small
     grids keep 2. The interpreter: BLOCK_N 64.
     fp4 (MXFP4 weights) with fold False (`DecodeMXFP4.fold` False, the exact-scale loop): W4A16's tile (on one warp
     its per-group fp32 scales spill 1.8 KB on sm_90, on two none) without FMA_AMD (compiled at K3's tail, T 8, one
-    wave: gfx942 7412 -> 7492 instructions a wave with it, gfx950 4502 -> 4581). fp4 and fold (the folded loop): on NVIDIA 64 columns on one warp, no spill
+    wave: gfx942 7412 -> 7492 instructions a wave with it, gfx950 4502 -> 4581). fp4 and fold (the folded
+    loop): on NVIDIA 64 columns on one warp, no spill
     (`inferbook sweep kimi-topk-tail-fusion sm_90 moe.decode_tail_fp4 --kernel moe_decode_tail_kernel --launch "decode mxfp4
     fused" --set BLOCK_N=32,64,128 --set num_warps=1,2,4`: 198 us over the gpu preset's five launches, within
     1 % of the best of the nine, 128 columns on 2 warps; 2 warps at 64 columns: 222). H200 T 8: 13.1 us,
