@@ -176,10 +176,11 @@ def executable(items: list[tuple[str, str]], isa: str = "sass") -> list[tuple[st
 def main_loop(items: list[tuple[str, str]], isa: str = "sass") -> dict:
     """The kernel's main loop, found as the module docstring says: {'instrs', 'global_bytes_per_warp',
     'mma', 'async', 'tma_loads', 'kernel_instrs', 'loops'} ('instrs' 0 when the kernel has no loop)."""
+    items = executable(items, isa)       # the trap after EXIT and the alignment NOPs are neither loop nor work
     spans = loops(items, isa)
-    spans = [(a, b) for a, b in spans if sum(k == "insn" for k, _ in items[a:b + 1]) > 1]   # not `BRA self` (the trap after EXIT)
+    spans = [(a, b) for a, b in spans if sum(k == "insn" for k, _ in items[a:b + 1]) > 1]   # not a one-instruction spin
     inner = [(a, b) for a, b in spans if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in spans)]
-    whole = body_facts(executable(items, isa), isa)
+    whole = body_facts(items, isa)
     best, best_key = None, None
     for a, b in inner:
         f = body_facts(items[a:b + 1], isa)

@@ -860,6 +860,12 @@ def is_decode_packed(w) -> bool:
     return isinstance(w, (DecodeW4, DecodeMXFP4))
 
 
+def decode_format(w) -> dict:
+    """The decode tail's format keywords for decode-packed weights `w`, as `decode_tail_config` and
+    `_decode_tail_launch` take them: fp4 (MXFP4) and fold (`DecodeMXFP4.fold`; False for W4A16)."""
+    return dict(fp4=isinstance(w, DecodeMXFP4), fold=getattr(w, "fold", False))
+
+
 def decode_packed_meta(E: int, N: int, K: int, fmt: str):
     """Meta stand-ins of E experts' [N, K] weights in `fmt`'s decode packing (a `DecodeW4` or a folded
     `DecodeMXFP4` of meta tensors), for the launch builders."""
@@ -1003,13 +1009,13 @@ def moe_tail(act: torch.Tensor, w2, topk_weights, topk_ids, *, fused: bool, inte
         blocks = al.block_expert.numel()
         cfg = dict(block if block and not gpu_cfg else
                    decode_tail_config(interp and not gpu_cfg, act.device, programs=_decode_tail_programs(H, blocks),
-                                      fp4=isinstance(w2, DecodeMXFP4), fold=getattr(w2, "fold", False)))
+                                      **decode_format(w2)))
         grid = (triton.cdiv(H, cfg["BLOCK_N"]), blocks)
 
         def decode(c, *, out_div, atomic):
             _run(_decode_tail_launch(a, qw, sc, c, al.sorted_ids, al.block_expert, w.flatten(), T, k, H, I, q_es, s_es,
                                      grid, out_div=out_div, atomic=atomic, group=group, cfg=cfg, device=act.device,
-                                     fp4=isinstance(w2, DecodeMXFP4), fold=getattr(w2, "fold", False)))
+                                     **decode_format(w2)))
 
         return _expert_major_finish(decode, T, k, H, fused, inter_dtype, act.device, gpu_cfg)
     cfg = dict(moe_config(T * k / E, False) if gpu_cfg else (block or moe_config(T * k / E, interp)))

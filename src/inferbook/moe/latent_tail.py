@@ -257,7 +257,7 @@ def _gemm2_launch(a, w2, c, al, dest, w_flat, T, k, L, I, device, cfg, *, atomic
         grid = (triton.cdiv(L, cfg["BLOCK_N"]), al[1].numel())
         return FM._decode_tail_launch(a, qw, sc, c, al[0], al[1], w_flat, T, k, L, I, qw[0].numel(), sc[0].numel(), grid,
                                       out_div=k if atomic else 1, atomic=atomic, group=group, cfg=cfg, device=device,
-                                      fp4=isinstance(w2, FM.DecodeMXFP4), fold=getattr(w2, "fold", False),
+                                      **FM.decode_format(w2),
                                       row_weight=atomic, out_sorted=not atomic,
                                       name=f"latent GEMM2 decode {'atomic' if atomic else 'rows'} T{T} k{k} L{L} I{I}",
                                       source="moe/latent_tail.py:run_tail")
@@ -276,8 +276,8 @@ def gemm2_config(w2, T: int, k: int, E: int, L: int, interpreted: bool, device=N
     (L / BLOCK_N) x the row blocks of `routing.padded_rows`)."""
     if FM.is_decode_packed(w2):
         blocks = routing.padded_rows(T * k, E, FM.DECODE_TAIL_BLOCK_M) // FM.DECODE_TAIL_BLOCK_M
-        return FM.decode_tail_config(interpreted, device, fp4=isinstance(w2, FM.DecodeMXFP4),
-                                     fold=getattr(w2, "fold", False), programs=FM._decode_tail_programs(L, blocks))
+        return FM.decode_tail_config(interpreted, device, **FM.decode_format(w2),
+                                     programs=FM._decode_tail_programs(L, blocks))
     return dict(FM.moe_config(T * k / E, interpreted))
 
 
