@@ -293,6 +293,21 @@ def test_kimi_decode_tail_grid_is_its_slots_not_its_experts():
     assert 16 * W.weight_bytes(3584, 256, "w4a16") < las[0].dram_bytes < table / 40
     dec = FM.moe_tail_launches(1, 16, 896, 3584, 256, "w4a16", fused=True, kernel="decode")
     assert dec[0].grid[1] == 16 and dec[0].kernel is FM.moe_decode_tail_kernel and len(dec) == 1
+    assert dec[0].kwargs["BLOCK_M"] == 16 and not dec[0].kwargs.get("SWAP_AB")
+    # B200's W4A16 tail swaps the operands: 8-slot row blocks, so T 128's 2048 slots over 896 experts
+    # make at most 896 + (2048 - 896) // 8 blocks (each an expert's read), and the launch's bytes count them
+    from inferbook.device import building_for
+
+    with building_for("sm_100"):
+        swapped = FM.moe_tail_launches(1, 16, 896, 3584, 256, "w4a16", fused=True, kernel="decode")[0]
+        big = FM.moe_tail_launches(128, 16, 896, 3584, 256, "w4a16", fused=True, kernel="decode")[0]
+        mx = FM.moe_tail_launches(1, 16, 896, 3584, 256, "mxfp4", fused=True, kernel="decode")[0]
+    assert swapped.kwargs["SWAP_AB"] and swapped.kwargs["BLOCK_M"] == 8 and "swap-AB" in swapped.name
+    assert swapped.grid[1] == 16      # 16 slots: 16 blocks at 8 rows as at 16
+    assert big.grid[1] == R.padded_rows(2048, 896, 8) // 8
+    assert big.dram_bytes == FM.tail_dram_bytes(128, 16, 896, 3584, 256, W.decode_weight_bytes(3584, 256), 8,
+                                                torch.empty(128, 3584), atomic=True)
+    assert not mx.kwargs.get("SWAP_AB") and mx.kwargs["BLOCK_M"] == 16
     with pytest.raises(ValueError, match="w4a16 or mxfp4 experts"):
         FM.moe_tail_launches(1, 16, 896, 3584, 256, "bf16", fused=True, kernel="decode")
 
@@ -305,7 +320,8 @@ DECODE_TAIL = [(16, 8, 1, 64, 32), (16, 8, 7, 200, 96), (4, 2, 40, 130, 288), (6
 
 
 @pytest.mark.parametrize("E, k, T, Hd, Id", DECODE_TAIL, ids=[f"E{E}-k{k}-T{T}-H{h}-I{i}" for E, k, T, h, i in DECODE_TAIL])
-@pytest.mark.parametrize("block", [None, "gpu"], ids=["interp-tiles", "gpu-tiles"])
+@pytest.mark.parametrize("block", [None, "gpu", FM.DECODE_TAIL_NVIDIA["sm_100"]],
+                         ids=["interp-tiles", "gpu-tiles", "sm100-swap-AB-tiles"])
 def test_decode_tail_matches_reference_and_its_separate_pass(E, k, T, Hd, Id, block):
     g = torch.Generator().manual_seed(E * T + Id)
     q = W.quantize(torch.randn(E, Hd, Id, generator=g) * 0.1, layout="indexed")
@@ -350,7 +366,12 @@ def test_decode_tail_config_per_target():
     for t in ("sm_80", "sm_90", "sm_100"):
         with building_for(t):
             cfg = FM.decode_tail_config(False, programs=10 ** 6)
-        assert (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_warps"], cfg["num_stages"]) == (16, 64, 2, 1), t
+            exact, folded = (FM.decode_tail_config(False, programs=10 ** 6, fp4=True, fold=f) for f in (False, True))
+        # W4A16: on sm_100 swap-AB, 8-slot row blocks on one warp of 64 columns; MXFP4 keeps 16-slot blocks, unswapped
+        assert cfg == (dict(BLOCK_M=8, BLOCK_N=64, num_warps=1, num_stages=1, SWAP_AB=True) if t == "sm_100" else
+                       dict(BLOCK_M=16, BLOCK_N=64, num_warps=2, num_stages=1)), t
+        assert (exact["BLOCK_M"], exact["num_warps"], folded["BLOCK_M"], folded["num_warps"]) == (16, 2, 16, 1), t
+        assert not exact.get("SWAP_AB") and not folded.get("SWAP_AB"), t
     for t in ("gfx942", "gfx950"):
         with building_for(t):
             small, big = FM.decode_tail_config(False, programs=448), FM.decode_tail_config(False, programs=3584)

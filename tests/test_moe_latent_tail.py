@@ -78,18 +78,21 @@ def test_gpu_launches_build_at_k3_shapes():
         assert len(las) == len([n for n in LT.LAUNCHES[v] if not n.startswith(("zero", "cast"))])
 
 
-@pytest.mark.parametrize("fmt", ["mxfp4", "w4a16"])
+@pytest.mark.parametrize("fmt", ["mxfp4", "w4a16", "w4a16 swap-AB"])
 @pytest.mark.parametrize("ranks,tokens,top_k", [(1, 1, 4), (2, 3, 4), (3, 2, 1)], ids=lambda v: str(v))
 def test_decode_gemm2_variants_against_the_reference(fmt, ranks, tokens, top_k):
     # GEMM2 on the decode loop (weights repacked at load time): rows written at their sorted positions, or
-    # weighted and added atomically; the finalize placements agree as with the tl.dot GEMM2
-    x = LT.make_inputs(ranks, tokens, 80, 48, 8, top_k, 64 * ranks, fmt=fmt, seed=ranks * 10 + tokens, gemm2="decode")
+    # weighted and added atomically; the finalize placements agree as with the tl.dot GEMM2. "swap-AB": B200's
+    # W4A16 tiles (8-slot row blocks, the transposed epilogue), run here in the interpreter
+    block = FM.DECODE_TAIL_NVIDIA["sm_100"] if fmt.endswith("swap-AB") else None
+    x = LT.make_inputs(ranks, tokens, 80, 48, 8, top_k, 64 * ranks, fmt=fmt.split()[0], seed=ranks * 10 + tokens,
+                       gemm2="decode")
     assert FM.is_decode_packed(x.w2[0])
     ref = LT.latent_tail_reference(x)
     torch_err = _err(LT.latent_tail_torch(x), ref)
     outs = {}
     for v in LT.VARIANTS:
-        outs[v], names, _ = LT.run_tail(x, v)
+        outs[v], names, _ = LT.run_tail(x, v, block=block)
         assert any(n.startswith("latent GEMM2 decode") for n in names), names
         assert _err(outs[v], ref) <= 2 * torch_err + 2 ** -7 * float(ref.float().abs().max()), v
     assert torch.equal(outs["deferred"], outs["separate"])

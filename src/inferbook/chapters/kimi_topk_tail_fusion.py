@@ -147,7 +147,8 @@ def decode_probe(w2, kernel: str = "expert-major", w=None) -> tuple[bool, float]
     return torch.equal(out.float(), want), float((out.float() - want).abs().max())
 
 
-def traffic(T: int, k: int, H: int, I: int, fmt: str, counts: list[int], block_m: int) -> dict:
+def traffic(T: int, k: int, H: int, I: int, fmt: str, counts: list[int], block_m: int,
+            decode_block_m: int = FM.DECODE_TAIL_BLOCK_M) -> dict:
     """Bytes each tail variant requests from memory, counted from the routing (not from the kernels):
 
     - weights: the expert-major kernels read an expert's [H, I] weights once per BLOCK_M-row block
@@ -158,7 +159,8 @@ def traffic(T: int, k: int, H: int, I: int, fmt: str, counts: list[int], block_m
     - separate: the [T*k, H] BF16 rows written, then read by the combine.
     - fused: the fp32 [T, H] accumulator zero-filled, written back by the atomics (at least once),
       and read by the cast to BF16.
-    - decode (W4A16, MXFP4): the fused tail at row blocks of 16 (`FM.DECODE_TAIL_BLOCK_M`), weights in
+    - decode (W4A16, MXFP4): the fused tail at row blocks of `decode_block_m` (`decode_block_m(fmt, device)`:
+      16, or 8 on NVIDIA's swap-AB W4A16 loop), weights in
       `pack_decode`'s layout (K padded to 256, `FM.decode_weight_bytes`; 0 for BF16, which it does not read).
     """
     wb = weight_bytes(H, I, fmt)
@@ -168,17 +170,24 @@ def traffic(T: int, k: int, H: int, I: int, fmt: str, counts: list[int], block_m
     common = T * k * I * 2 + T * k * 8 + T * H * 2
     sort = P * 4 + (P // block_m) * 4
     rows, acc = T * k * H * 2, T * H * 4
-    bm16 = FM.DECODE_TAIL_BLOCK_M
-    blocks16 = sum(-(-c // bm16) for c in counts if c)
-    P16 = routing.padded_rows(T * k, E, bm16)
+    dbm = decode_block_m
+    decode_blocks = sum(-(-c // dbm) for c in counts if c)
+    Pd = routing.padded_rows(T * k, E, dbm)
     dwb = FM.decode_weight_bytes(H, I, fmt) if fmt in DECODE_FORMATS else 0
-    return {"weight_reads_expert_major": blocks, "weight_reads_token_major": T * k, "weight_reads_decode": blocks16,
+    return {"weight_reads_expert_major": blocks, "weight_reads_token_major": T * k, "weight_reads_decode": decode_blocks,
             "weight_bytes_each": wb, "decode_weight_bytes_each": dwb,
             "rows_bytes": rows, "accumulator_bytes": acc,
             "separate": blocks * wb + common + sort + 2 * rows,
             "fused": blocks * wb + common + sort + 3 * acc,
             "token-major": T * k * wb + common,
-            "decode": blocks16 * dwb + common + P16 * 4 + (P16 // bm16) * 4 + 3 * acc}
+            "decode": decode_blocks * dwb + common + Pd * 4 + (Pd // dbm) * 4 + 3 * acc}
+
+
+def decode_block_m(fmt: str, device=None) -> int:
+    """The decode tail's row block for `fmt` on `device` (`FM.decode_tail_config`; None: the build target's):
+    8 where NVIDIA's W4A16 loop swaps the operands, else 16."""
+    dev = device if device is not None else torch.device("cuda")
+    return FM.decode_tail_config(dev.type != "cuda", dev, fp4=fmt == "mxfp4")["BLOCK_M"]
 
 
 def buffers_expected(T: int, k: int, H: int, variant: str, inter_bytes_per: int = 2) -> dict:
@@ -224,7 +233,7 @@ def measure(ctx, *, hidden, inter, experts, top_k, tokens, formats, reps, ranks,
             torch_out = FM.moe_tail_torch(act, w2, tw, ids)
             counts = torch.bincount(ids.flatten().long(), minlength=experts).tolist()
             block_m = FM.moe_config(T * top_k / experts, interp)["BLOCK_M"]
-            tr = traffic(T, top_k, hidden, inter, fmt, counts, block_m)
+            tr = traffic(T, top_k, hidden, inter, fmt, counts, block_m, decode_block_m(fmt, ctx.device))
             outs, recs = {}, {}
             d2 = FM.pack_for_decode(w2) if fmt in DECODE_FORMATS else None   # load time, once: not in the timed tail
             for variant, (kernel, fused) in variants(fmt).items():
@@ -302,10 +311,10 @@ def latent_gemm2(fmt: str) -> str:
     return "decode" if fmt in DECODE_FORMATS else "expert-major"
 
 
-def latent_block_m(fmt: str, T: int, k: int, E: int, interpreted: bool) -> int:
-    """GEMM2's row block: 16 on the decode loop, else `moe_config`'s."""
+def latent_block_m(fmt: str, T: int, k: int, E: int, interpreted: bool, device=None) -> int:
+    """GEMM2's row block: the decode tail's on the decode loop (`decode_block_m`), else `moe_config`'s."""
     if latent_gemm2(fmt) == "decode":
-        return FM.DECODE_TAIL_BLOCK_M
+        return decode_block_m(fmt, device if device is not None or not interpreted else torch.device("cpu"))
     return FM.moe_config(T * k / E, interpreted)["BLOCK_M"]
 
 LATENT_BACKEND = {
@@ -333,7 +342,7 @@ def latent_records(ctx, fmt, T, p, ranks, up_hidden, reps, triton_ok, backend_na
     ref = LT.latent_tail_reference(x)
     torch_out = LT.latent_tail_torch(x)
     counts = torch.bincount(x.topk_ids.flatten().long(), minlength=E).tolist()
-    block_m = latent_block_m(fmt, T, k, E, ctx.device.type != "cuda")
+    block_m = latent_block_m(fmt, T, k, E, ctx.device.type != "cuda", ctx.device)
     outs, recs = {}, {}
     for variant in LT.VARIANTS:
         out, names, buffers = LT.run_tail(x, variant)

@@ -28,7 +28,7 @@ from . import mxfp4 as MXF, routing
 from . import mxfp4_decode as MXD
 from .mxfp4 import PackedMXFP4
 from .mxfp4_decode import DecodeMXFP4
-from .w4a16 import (DECODE_MAX_M, DECODE_TARGETS, LAYOUT_CODE, LAYOUTS, DecodeW4, PackedW4, cat_experts, check_block_k,
+from .w4a16 import (DECODE_MAX_M, DECODE_TARGETS, SWAP_MAX_M, LAYOUT_CODE, LAYOUTS, DecodeW4, PackedW4, cat_experts, check_block_k,
                     decode_asm, decode_linear, decode_packed_shapes, dequantize, dequantize_decode, expert, linear,
                     pack_decode, triton)
 from .w4a16 import decode_weight_bytes as w4_decode_weight_bytes
@@ -38,7 +38,7 @@ if triton is not None:
 
     from .mxfp4 import mxfp4_tile
     from .mxfp4_decode import decode_run_fp4
-    from .w4a16 import decode_neg, decode_run, round_bf16, w4_tile
+    from .w4a16 import decode_neg, decode_run, decode_run_swapped, round_bf16, w4_tile
 
     @triton.jit
     def moe_gemm_kernel(a_ptr, qw_ptr, s_ptr, c_ptr, rows_ptr, block_expert_ptr, counts_ptr, dest_ptr, roww_ptr,
@@ -307,10 +307,10 @@ if triton is not None:
                                CDNA_LOOP: tl.constexpr = False, OUT_BF16: tl.constexpr = True,
                                FP4: tl.constexpr = False, FOLD: tl.constexpr = False,
                                ROW_WEIGHT: tl.constexpr = True, OUT_SORTED: tl.constexpr = False,
-                               FMA_AMD: tl.constexpr = False):
+                               FMA_AMD: tl.constexpr = False, SWAP_AB: tl.constexpr = False):
         """The decode tail's down projection on `decode_run`'s Marlin-style loop (FP4: `decode_run_fp4`'s, over
         `mxfp4_decode.pack_decode`'s words and E8M0 bytes, FOLD its scale-folding form), over the indexed layout
-        (`routing.align_indexed` at BLOCK_M 16): program (column block, row block b) gathers the at most
+        (`routing.align_indexed` at BLOCK_M, 16 or swapped 8): program (column block, row block b) gathers the at most
         BLOCK_M slots of block b (all of one expert; the sentinel n_rows pads) and computes their rows of
         act @ W2[e].T from `pack_decode`'s words, then the epilogue: each row times its slot's router
         weight (ROW_WEIGHT), written at slot // OUT_DIV, or (OUT_SORTED, the latent tail's permuted rows) at
@@ -319,7 +319,10 @@ if triton is not None:
         order); else rows [T*k, N] (or [P, N], OUT_SORTED) in BF16 (OUT_BF16) or fp32 for a separate combine. A block past the last expert's run
         (-1) loads and writes nothing; the loop's bound is K's alone (the cost model reads its trips). OUT_DIV is a
         constexpr, as vLLM's `top_k: tl.constexpr` is: passed at run time, `slot // k` compiled to a full signed
-        division a row (40 of the 992 instructions a warp on sm_100 at K3's tail); known, k 16 is a shift."""
+        division a row (40 of the 992 instructions a warp on sm_100 at K3's tail); known, k 16 is a shift.
+        SWAP_AB (W4A16 only, the NVIDIA configs, `decode_tail_config`): `w4a16.decode_run_swapped`'s loop, the
+        weights the MMA's A operand and the block's BLOCK_M (8) slots its n8 B operand, the sums [BLOCK_N, BLOCK_M]
+        stored through transposed pointers (`_tail_store`'s TRANSPOSED), the same rows in the same buffers."""
         pid_n = tl.program_id(0)
         pid_b = tl.program_id(1)
         e = tl.load(block_expert_ptr + pid_b)
@@ -330,32 +333,64 @@ if triton is not None:
             n_ok = offs_n < N
             qw = qw_ptr + e.to(tl.int64) * q_expert_stride
             sc = s_ptr + e.to(tl.int64) * s_expert_stride
-            neg = decode_neg(BLOCK_N, DOT_FP32)
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for r in range(0, (K + 255) // 256):   # the slot ids are the activation rows (gathered)
-                if FP4:
-                    acc = decode_run_fp4(acc, a_ptr, stride_am, slot, m_ok, qw, sc, N, offs_n, n_ok, K, r, ASM,
-                                         DOT_FP32, EVEN_N, EVEN_K, FOLD)
-                else:
-                    acc = decode_run(acc, a_ptr, stride_am, slot, m_ok, qw, sc, N, pid_n * BLOCK_N, offs_n, n_ok, K,
-                                     r, neg, GROUP, ASM, DOT_FP32, EVEN_N, EVEN_K, CDNA_LOOP, FMA_AMD)
+            if SWAP_AB:   # the weights as the MMA's A operand: sums [BLOCK_N, BLOCK_M]
+                tl.static_assert(not FP4, "SWAP_AB runs the W4A16 loop only")
+                s_col = (offs_n // 2) * (2 * (256 // GROUP)) + offs_n % 2   # a column's scale in its pair's groups
+                neg_t = tl.full((BLOCK_N, 32), -136.0, tl.float32 if DOT_FP32 else tl.bfloat16)
+                acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+                for r in range(0, (K + 255) // 256):
+                    acc_t = decode_run_swapped(acc_t, a_ptr, stride_am, slot, m_ok, qw, sc, N, offs_n, n_ok, K, r, neg_t,
+                                               s_col, GROUP, ASM, DOT_FP32, EVEN_N, EVEN_K)
+                _tail_store(acc_t, c_ptr, roww_ptr, slot, m_ok, offs_n, n_ok, pid_b, stride_cm, OUT_DIV, ATOMIC, BLOCK_M,
+                            DOT_FP32, EVEN_N, OUT_BF16, ROW_WEIGHT, OUT_SORTED, True)
+            else:
+                neg = decode_neg(BLOCK_N, DOT_FP32)
+                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for r in range(0, (K + 255) // 256):   # the slot ids are the activation rows (gathered)
+                    if FP4:
+                        acc = decode_run_fp4(acc, a_ptr, stride_am, slot, m_ok, qw, sc, N, offs_n, n_ok, K, r, ASM,
+                                             DOT_FP32, EVEN_N, EVEN_K, FOLD)
+                    else:
+                        acc = decode_run(acc, a_ptr, stride_am, slot, m_ok, qw, sc, N, pid_n * BLOCK_N, offs_n, n_ok, K,
+                                         r, neg, GROUP, ASM, DOT_FP32, EVEN_N, EVEN_K, CDNA_LOOP, FMA_AMD)
+                _tail_store(acc, c_ptr, roww_ptr, slot, m_ok, offs_n, n_ok, pid_b, stride_cm, OUT_DIV, ATOMIC, BLOCK_M,
+                            DOT_FP32, EVEN_N, OUT_BF16, ROW_WEIGHT, OUT_SORTED, False)
+
+    @triton.jit
+    def _tail_store(acc, c_ptr, roww_ptr, slot, m_ok, offs_n, n_ok, pid_b, stride_cm, OUT_DIV: tl.constexpr,
+                    ATOMIC: tl.constexpr, BLOCK_M: tl.constexpr, DOT_FP32: tl.constexpr, EVEN_N: tl.constexpr,
+                    OUT_BF16: tl.constexpr, ROW_WEIGHT: tl.constexpr, OUT_SORTED: tl.constexpr,
+                    TRANSPOSED: tl.constexpr):
+        """`moe_decode_tail_kernel`'s epilogue on its fp32 sums acc [BLOCK_M, BLOCK_N] (TRANSPOSED: [BLOCK_N,
+        BLOCK_M], the swap-AB loop's): each slot's row times its router weight (ROW_WEIGHT), written at slot //
+        OUT_DIV (OUT_SORTED: at pid_b * BLOCK_M + j), atomically added (ATOMIC) or stored in BF16 / fp32. The
+        transposed form writes the same elements through transposed pointers (no transpose of the sums)."""
+        if OUT_SORTED:
+            out_row = pid_b * BLOCK_M + tl.arange(0, BLOCK_M)
+        else:
+            out_row = slot // OUT_DIV
+        if TRANSPOSED:
+            if ROW_WEIGHT:
+                acc = acc * tl.load(roww_ptr + slot, mask=m_ok, other=0.0)[None, :]
+            ptrs = c_ptr + out_row[None, :].to(tl.int64) * stride_cm + offs_n[:, None]
+            if ATOMIC and EVEN_N:   # every column in range: the rows' mask alone
+                mask = tl.broadcast_to(m_ok[None, :], acc.shape)
+            else:
+                mask = n_ok[:, None] & m_ok[None, :]
+        else:
             if ROW_WEIGHT:
                 acc = acc * tl.load(roww_ptr + slot, mask=m_ok, other=0.0)[:, None]
-            if OUT_SORTED:
-                out_row = pid_b * BLOCK_M + tl.arange(0, BLOCK_M)
-            else:
-                out_row = slot // OUT_DIV
             ptrs = c_ptr + out_row[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
             if ATOMIC and EVEN_N:   # every column in range: the rows' mask alone (gfx950: one s_and_b64 less an atomic;
-                mask = tl.broadcast_to(m_ok[:, None], (BLOCK_M, BLOCK_N))   # on the stores sm_100's ptxas then spilled)
+                mask = tl.broadcast_to(m_ok[:, None], acc.shape)   # on the stores sm_100's ptxas then spilled)
             else:
                 mask = m_ok[:, None] & n_ok[None, :]
-            if ATOMIC:
-                tl.atomic_add(ptrs, acc, mask=mask, sem="relaxed")
-            elif OUT_BF16:
-                tl.store(ptrs, round_bf16(acc, DOT_FP32), mask=mask)
-            else:
-                tl.store(ptrs, acc, mask=mask)
+        if ATOMIC:
+            tl.atomic_add(ptrs, acc, mask=mask, sem="relaxed")
+        elif OUT_BF16:
+            tl.store(ptrs, round_bf16(acc, DOT_FP32), mask=mask)
+        else:
+            tl.store(ptrs, acc, mask=mask)
 
 
 # ---------------------------------------------------------------------------
@@ -886,6 +921,11 @@ def decode_weight_bytes(n: int, k: int, fmt: str) -> int:
         raise ValueError(f"the decode kernels read {' or '.join(DECODE_FORMATS)} weights, got {fmt!r}")
     return MXD.decode_weight_bytes(n, k) if fmt == "mxfp4" else w4_decode_weight_bytes(n, k)
 DECODE_TAIL_BLOCK_M = 16   # the decode tail's row blocks: one m16 MMA tile of one expert's slots
+DECODE_TAIL_SWAP_BLOCK_M = SWAP_MAX_M   # swap-AB's (B200's W4A16 tail): the slots are the MMA's n8 operand
+# the W4A16 decode tail's NVIDIA tiles (`decode_tail_config` says why): sm_100 swaps the operands
+DECODE_TAIL_NVIDIA = {"nvidia": dict(BLOCK_M=DECODE_TAIL_BLOCK_M, BLOCK_N=64, num_warps=2, num_stages=1),
+                      "sm_100": dict(BLOCK_M=DECODE_TAIL_SWAP_BLOCK_M, BLOCK_N=64, num_warps=1, num_stages=1,
+                                     SWAP_AB=True)}
 
 
 def decode_tail_config(interpreted: bool, device=None, *, programs: int | None = None, fp4: bool = False,
@@ -893,16 +933,23 @@ def decode_tail_config(interpreted: bool, device=None, *, programs: int | None =
     """Tiles of the decode tail (`moe_decode_tail_kernel`), given its grid's `programs` where known. Its K is
     one expert's FFN slice (Kimi K3: 256 a rank), so a CTA runs one or two runs of 256: there is nothing for
     a pipeline to overlap, and one stage frees the registers the stages held.
-    NVIDIA: 64 columns on 2 warps, 1 stage. Predicted at K3's tail (k 16, 896 experts, H 3584, I 256), T 8:
-    H200 14.0 us, issue-bound at 0.99 of the copy ceiling's 13.8 us (the fused_moe decode-down tile, 128
-    columns on 4 warps, 3 stages: 16.8 us, waves); A100 32.6 us, memory-bound; B200 12.0 us, its issue bound
-    at 0.72 of memory's 8.3 and its latency bound (5 CTAs an SM at 190 registers) 11.7 (B200 brings 1.5x
-    H200's bytes a cycle to an SM). Before OUT_DIV was a constexpr: H200 14.8, B200 12.2 (both counting
-    nvdisasm's padding, since dropped). Over the chapter's four T on H200: 178 us (188 when swept, with the
-    padding), the least of the 18 configs swept that spill nothing (`inferbook sweep
-    kimi-topk-tail-fusion sm_90 moe.decode_tail --kernel moe_decode_tail_kernel --launch "decode w4a16 fused"
-    --set BLOCK_N=32,64,128 --set num_warps=1,2,4 --set num_stages=1,3`). At T 1 (8 MB) every config
-    without a spill is 2.4 us there: two rounds of one-run CTAs.
+    NVIDIA (`DECODE_TAIL_NVIDIA`): 64 columns on 2 warps, 1 stage. Predicted at K3's tail (k 16, 896 experts,
+    H 3584, I 256), T 8: H200 14.0 us, issue-bound at 0.99 of the copy ceiling's 13.8 us (the fused_moe
+    decode-down tile, 128 columns on 4 warps, 3 stages: 16.8 us, waves); A100 32.6 us, memory-bound. Before
+    OUT_DIV was a constexpr: H200 14.8 (counting nvdisasm's padding, since dropped). Over the chapter's four T
+    on H200: 178 us (188 when swept, with the padding), the least of the 18 configs swept that spill nothing
+    (`inferbook sweep kimi-topk-tail-fusion sm_90 moe.decode_tail --kernel moe_decode_tail_kernel --launch
+    "decode w4a16 fused" --set BLOCK_N=32,64,128 --set num_warps=1,2,4 --set num_stages=1,3`). At T 1 (8 MB)
+    every config without a spill is 2.4 us there: two rounds of one-run CTAs.
+    sm_100 swaps the operands (SWAP_AB, `w4a16.decode_run_swapped`'s loop; B200 brings 1.5x H200's bytes a cycle
+    to an SM, so the 2-warp tile was issue-bound at 0.72 of memory's 8.3 us and latency-bound, 5 CTAs an SM at
+    190 registers, 12.0 us at T 8): 8-slot row blocks, one warp of 64 columns (255 registers, 8 CTAs an SM; 24 B
+    of spill: ptxas keeps three of the epilogue's slot ids in local memory across the loop, one store and one
+    load each a warp). Predicted on B200: T 8 8.3 us, memory-bound, issue/memory 1.01 (latency 7.3); over the
+    four T 110 us, was 149 (`inferbook sweep kimi-topk-tail-fusion sm_100 moe.decode_tail ... --set
+    BLOCK_N=32,64,128 --set num_warps=1,2,4`: the least of the nine; 128 columns on 2 warps 111, spilling 32 B).
+    Swapped on sm_90 it is predicted 184 us over the four T, not 178: T 128's worst case of 8-slot blocks reads
+    7 % more weights (`routing.max_blocks`) and H200's 2-warp tile is not issue-bound there; A100 alike.
     CDNA: `moe_decode_config`'s down tile and loop (128 columns, one stage), on 1 wave for a grid of at least
     2048 programs, else 2; at one wave W4A16's scales by scalar FMAs (`FMA_AMD`, `w4a16._fma_amd`: LLVM's paired
     FMAs copied each column scale into register pairs, 288 moves a wave on gfx950). Over the four T: MI300X
@@ -928,7 +975,10 @@ def decode_tail_config(interpreted: bool, device=None, *, programs: int | None =
         return dict(BLOCK_M=DECODE_TAIL_BLOCK_M, BLOCK_N=64)
     dev = torch.device("cuda") if device is None else device
     if pick_config(MOE_DECODE_CDNA, dev) is None:
-        cfg = dict(BLOCK_M=DECODE_TAIL_BLOCK_M, BLOCK_N=64, num_warps=1 if fp4 and fold else 2, num_stages=1)
+        if fp4:
+            cfg = dict(BLOCK_M=DECODE_TAIL_BLOCK_M, BLOCK_N=64, num_warps=1 if fold else 2, num_stages=1)
+        else:
+            cfg = dict(pick_config(DECODE_TAIL_NVIDIA, dev))
     else:
         cfg = dict(moe_decode_config(False, False, device=dev))
         if programs is not None and programs >= DECODE_TAIL_ONE_WAVE_PROGRAMS:
@@ -956,7 +1006,7 @@ def moe_tail(act: torch.Tensor, w2, topk_weights, topk_ids, *, fused: bool, inte
     kernel="token-major": the older GEMV kernel, one program per token (no tensor cores), the k
     rows summed in registers in slot order when fused.
     kernel="decode" (w2 a `DecodeW4` from `w4a16.pack_decode` or a `DecodeMXFP4` from `mxfp4_decode.pack_decode`,
-    repacked once at load time): `moe_decode_tail_kernel`, the same indexed layout at BLOCK_M 16 on the decode
+    repacked once at load time): `moe_decode_tail_kernel`, the same indexed layout at `decode_tail_config`'s BLOCK_M on the decode
     kernels' Marlin-style loop (dequantized nibbles or e2m1 codes straight into the MMA operand), the same
     two epilogues.
 
@@ -1005,12 +1055,11 @@ def moe_tail(act: torch.Tensor, w2, topk_weights, topk_ids, *, fused: bool, inte
                                emu=emu, cfg={**cfg, **extra}, grid=grid))
         return combine(y, k, block="gpu" if gpu_cfg else None), 2, {"rows": y.numel() * y.element_size(), "accumulator": 0}
     if kernel == "decode":
-        al = routing.align_indexed(ids, E, DECODE_TAIL_BLOCK_M, check=False)
-        blocks = al.block_expert.numel()
         cfg = dict(block if block and not gpu_cfg else
-                   decode_tail_config(interp and not gpu_cfg, act.device, programs=_decode_tail_programs(H, blocks),
+                   decode_tail_config(interp and not gpu_cfg, act.device, programs=_decode_tail_programs(T * k, E, H),
                                       **decode_format(w2)))
-        grid = (triton.cdiv(H, cfg["BLOCK_N"]), blocks)
+        al = routing.align_indexed(ids, E, cfg["BLOCK_M"], check=False)
+        grid = (triton.cdiv(H, cfg["BLOCK_N"]), al.block_expert.numel())
 
         def decode(c, *, out_div, atomic):
             _run(_decode_tail_launch(a, qw, sc, c, al.sorted_ids, al.block_expert, w.flatten(), T, k, H, I, q_es, s_es,
@@ -1071,9 +1120,11 @@ def _tail_gemm_launch(a, qw, sc, c, sorted_ids, block_expert, dummy, roww, T, k,
                         source="moe/fused_moe.py:moe_tail")
 
 
-def _decode_tail_programs(H: int, row_blocks: int) -> int:
-    """The decode tail's grid size at CDNA's 128-column tile (the tile `decode_tail_config`'s rule is about)."""
-    return triton.cdiv(H, 128) * row_blocks
+def _decode_tail_programs(slots: int, E: int, H: int) -> int:
+    """The decode tail's grid size at CDNA's tile, 128 columns and 16-row blocks (the tile `decode_tail_config`'s
+    rule is about), for `slots` routed slots over E experts into H columns: from the shapes, as
+    `routing.align_indexed`'s worst-case buffer is."""
+    return triton.cdiv(H, 128) * (routing.padded_rows(slots, E, DECODE_TAIL_BLOCK_M) // DECODE_TAIL_BLOCK_M)
 
 
 def _decode_tail_launch(a, qw, sc, c, sorted_ids, block_expert, roww, T, k, H, I, q_es, s_es, grid, *, out_div: int,
@@ -1082,7 +1133,7 @@ def _decode_tail_launch(a, qw, sc, c, sorted_ids, block_expert, roww, T, k, H, I
                         name: str = "down_tail decode", source: str = "moe/fused_moe.py:moe_tail"):
     """The decode tail's `moe_decode_tail_kernel` launch (`compiled.Launch`): a [T*k, I] bf16 routed rows,
     `pack_decode`'s words qw / scales sc (q_es, s_es elements an expert), c = fp32 [T, H] (atomic) or rows
-    [T*k, H]; grid (column blocks, row blocks of `align_indexed` at BLOCK_M 16)."""
+    [T*k, H]; grid (column blocks, row blocks of `align_indexed` at cfg's BLOCK_M)."""
     from ..compiled import Launch
 
     kw = dict(ATOMIC=atomic, GROUP=group, ASM=decode_asm(device), DOT_FP32=dot_needs_fp32(device),
@@ -1503,15 +1554,15 @@ def moe_tail_launches(tokens: int, top_k: int, experts: int, hidden: int, inter:
                                cfg=cfg, grid=(T, triton.cdiv(H, cfg["BLOCK_N"])))
         la.dram_bytes = tail_dram_bytes(T, k, E, H, I, expert_bytes, None, c, atomic=False)
     elif kernel == "decode":
-        BM = DECODE_TAIL_BLOCK_M
+        cfg = decode_tail_config(False, programs=_decode_tail_programs(T * k, E, H), fp4=fp4, fold=fold)
+        BM = cfg["BLOCK_M"]
         P = routing.padded_rows(T * k, E, BM)
-        cfg = decode_tail_config(False, programs=_decode_tail_programs(H, P // BM), fp4=fp4, fold=fold)
         la = _decode_tail_launch(a, qw, sc, c, meta((P,), torch.int32), meta((P // BM,), torch.int32),
                                  meta((T * k,), torch.float32), T, k, H, I, q_es, s_es,
                                  (triton.cdiv(H, cfg["BLOCK_N"]), P // BM), out_div=k if fused else 1, atomic=fused,
                                  group=group, cfg=cfg, device=dev, fp4=fp4, fold=fold,
                                  dram_bytes=tail_dram_bytes(T, k, E, H, I, expert_bytes, BM, c, atomic=fused))
-        tag += f" cfg {BM}x{cfg['BLOCK_N']}x256"
+        tag += f" cfg {BM}x{cfg['BLOCK_N']}x256{' swap-AB' if cfg.get('SWAP_AB') else ''}"
     else:
         cfg = dict(moe_config(T * k / E, False))
         BM, BN = cfg["BLOCK_M"], cfg["BLOCK_N"]

@@ -253,7 +253,7 @@ def _up_proj_launch(xn, w_up, shared, out, T, H, L, device, cfg):
 
 def _gemm2_launch(a, w2, c, al, dest, w_flat, T, k, L, I, device, cfg, *, atomic: bool):
     qw, sc, code, group, E, _, _ = FM._tail_weights(w2)
-    if FM.is_decode_packed(w2):   # the decode loop (`moe_decode_tail_kernel`), 16-row blocks: rows at sorted positions
+    if FM.is_decode_packed(w2):   # the decode loop (`moe_decode_tail_kernel`), its row blocks: rows at sorted positions
         grid = (triton.cdiv(L, cfg["BLOCK_N"]), al[1].numel())
         return FM._decode_tail_launch(a, qw, sc, c, al[0], al[1], w_flat, T, k, L, I, qw[0].numel(), sc[0].numel(), grid,
                                       out_div=k if atomic else 1, atomic=atomic, group=group, cfg=cfg, device=device,
@@ -272,12 +272,11 @@ def _gemm2_launch(a, w2, c, al, dest, w_flat, T, k, L, I, device, cfg, *, atomic
 
 def gemm2_config(w2, T: int, k: int, E: int, L: int, interpreted: bool, device=None) -> dict:
     """GEMM2's tiles for T tokens of top-k over E experts into L columns: the tl.dot kernel's `moe_config`,
-    or for decode-packed weights the decode tail's (`decode_tail_config`: 16-row blocks, its grid
-    (L / BLOCK_N) x the row blocks of `routing.padded_rows`)."""
+    or for decode-packed weights the decode tail's (`decode_tail_config`: 16-row blocks, 8 where B200 swaps
+    W4A16's operands; its grid (L / BLOCK_N) x the row blocks of `routing.padded_rows`)."""
     if FM.is_decode_packed(w2):
-        blocks = routing.padded_rows(T * k, E, FM.DECODE_TAIL_BLOCK_M) // FM.DECODE_TAIL_BLOCK_M
         return FM.decode_tail_config(interpreted, device, **FM.decode_format(w2),
-                                     programs=FM._decode_tail_programs(L, blocks))
+                                     programs=FM._decode_tail_programs(T * k, E, L))
     return dict(FM.moe_config(T * k / E, interpreted))
 
 
