@@ -175,7 +175,7 @@ SASS = """
         /*0010*/                   S2R R0, SR_CTAID.X ;
 .L_x_1:
         /*0020*/                   LDG.E.128 R4, desc[UR4][R2.64] ;
-        /*0030*/                   LDG.E.U16 R8, desc[UR4][R6.64] ;
+        /*0030*/                   LDG.E.U16 R8, desc[UR4][R10.64] ;
         /*0040*/                   HMMA.16816.F32.BF16 R12, R4, R8, R12 ;
         /*0050*/                   IADD3 R2, P0, R2, 0x100, RZ ;
         /*0060*/               @P0 BRA `(.L_x_1) ;
@@ -193,8 +193,10 @@ def test_main_loop_is_the_innermost_backward_branch():
     loop = compiled.machine.main_loop(compiled.machine.sass_instructions(SASS), "sass")
     # 5 instructions from .L_x_1 to its branch; 16 B + 2 B per thread, 32 threads; the trap after EXIT is no loop,
     # and it and the NOPs after it never execute: 9 of the 12 listed
+    # one load round a trip (both loads' addresses are ready, the MMA waits for both); the epilogue's cp.async
+    # returns into shared memory and waits on nothing
     assert loop == {"instrs": 5, "global_bytes_per_warp": (16 + 2) * 32, "mma": 1, "async": False, "tma_loads": 0,
-                    "kernel_instrs": 9, "loops": 1}
+                    "kernel_instrs": 9, "loops": 1, "load_rounds": 1, "outside_load_rounds": 0}
     # a predicated branch to its own label (a spin) executes, and so do NOPs before the last instruction
     spin = SASS.replace("BRA `(.L_x_2);", "@P1 BRA `(.L_x_2);")
     assert compiled.machine.main_loop(compiled.machine.sass_instructions(spin), "sass")["kernel_instrs"] == 10
@@ -202,6 +204,66 @@ def test_main_loop_is_the_innermost_backward_branch():
     # sm_100's nvdisasm writes a uniform predicate as the branch's first operand: the same loop
     sm100 = SASS.replace("@P0 BRA `(.L_x_1)", "BRA.U UP0, `(.L_x_1)")
     assert compiled.machine.main_loop(compiled.machine.sass_instructions(sm100), "sass")["instrs"] == 5
+
+
+def _sass(*lines):
+    return compiled.machine.sass_instructions("\n".join(f"        /*{16 * i:04x}*/   {l} ;" for i, l in enumerate(lines)))
+
+
+def test_load_rounds_by_hand_sass():
+    rounds = compiled.machine.load_rounds
+    # two independent loads, then a use of both: one latency
+    assert rounds(_sass("LDG.E.128 R4, desc[UR4][R2.64]", "LDG.E R8, desc[UR4][R20.64]", "FADD R9, R4, R8")) == 1
+    # a load nobody waits for within the span: none; a store of loaded data then another load (a copy loop's
+    # unrolled trips): one, the latency a trip the model always charges
+    assert rounds(_sass("LDG.E R8, desc[UR4][R20.64]", "IADD3 R2, R2, 0x4, RZ")) == 0
+    assert rounds(_sass("LDG.E.128 R4, desc[UR4][R2.64]", "STG.E.128 desc[UR4][R6.64], R4", "LDG.E.128 R8, desc[UR4][R20.64]",
+                        "STG.E.128 desc[UR4][R22.64], R8")) == 1
+    # pointer chasing: the slot id, then the row it gathers, then a use: two
+    chase = ("LDG.E R4, desc[UR4][R2.64]", "IMAD.WIDE R6, R4, 0x4, R10", "LDG.E R12, desc[UR4][R6.64]", "FADD R13, R12, R12")
+    assert rounds(_sass(*chase)) == 2
+    # a predicate from a load guards the next load: two
+    assert rounds(_sass("LDG.E R4, desc[UR4][R2.64]", "ISETP.GE.AND P0, PT, R4, RZ, PT", "@!P0 LDG.E R8, desc[UR4][R20.64]",
+                        "FADD R9, R8, R8")) == 2
+    # tiles staged one by one through one shared buffer: each load issues after the barrier that waits on the
+    # store of the last one, so two tiles are two rounds, three are three
+    tile = lambda r: (f"LDG.E.128 R{r}, desc[UR4][R{r + 20}.64]", f"STS.128 [R0], R{r}", "BAR.SYNC.DEFER_BLOCKING 0x0",
+                      "LDSM.16.M88.4 R40, [R1]", "BAR.SYNC.DEFER_BLOCKING 0x0")
+    assert rounds(_sass(*tile(4), *tile(8))) == 2 and rounds(_sass(*tile(4), *tile(8), *tile(12))) == 3
+    # the same tiles loaded first, then staged: one round
+    assert rounds(_sass("LDG.E.128 R4, desc[UR4][R24.64]", "LDG.E.128 R8, desc[UR4][R28.64]", "STS.128 [R0], R4",
+                        "BAR.SYNC.DEFER_BLOCKING 0x0", "STS.128 [R0], R8")) == 1
+    # asynchronous copies and their wait: the pipeline's, not counted
+    assert rounds(_sass("LDGSTS.E.BYPASS.128 [R11], desc[UR8][R2.64], P5", "LDGDEPBAR", "DEPBAR.LE SB0, 0x0",
+                        "LDS R4, [R11]")) == 0
+
+
+def test_load_rounds_by_hand_amdgcn():
+    rounds = compiled.machine.load_rounds
+
+    def amd(text):   # a listing opens with the kernel's symbol
+        return compiled.machine.amdgcn_instructions("k:\n" + text)
+
+    staged = ("global_load_dwordx4 v[0:3], v[10:11], off", "s_waitcnt vmcnt(0)", "ds_write_b128 v20, v[0:3]",
+              "s_barrier", "global_load_dwordx4 v[4:7], v[12:13], off", "s_waitcnt vmcnt(0)", "ds_write_b128 v20, v[4:7]")
+    assert rounds(amd("\n".join(staged)), "amdgcn") == 2
+    assert rounds(amd("\n".join(s for s in staged if s != "s_barrier")), "amdgcn") == 1
+    # the block's expert by a scalar load, then the rows it addresses, then a use: two
+    chase = ("s_load_dword s4, s[0:1], 0x0", "s_waitcnt lgkmcnt(0)", "v_add_u32 v12, s4, v10",
+             "global_load_dword v1, v[12:13], off", "s_waitcnt vmcnt(0)", "v_add_f32 v2, v1, v1")
+    assert rounds(amd("\n".join(chase)), "amdgcn") == 2
+
+
+def test_load_rounds_are_recorded_and_named_not_charged():
+    # a trip that waits 3 loads one after another (a tile staged three times): recorded and named in the
+    # sentence, but the latency bound still charges one latency a trip (which loads hit L2 the code does not say)
+    row = _row(ctas=4, grid=[4], dram_bytes=4 * 256 * 8192.0, trips=256)
+    plain = compiled.predict(row, "H200")
+    three = compiled.predict({**row, "sass": {**row["sass"], "load_rounds": 3, "outside_load_rounds": 2}}, "H200")
+    assert three["seconds"] == plain["seconds"] == pytest.approx(257 * 600e-9) and three["load_rounds"] == 3
+    assert "waits 3 loads one after another, which the model does not charge" in compiled.bound_sentence(three)
+    assert "one after another" not in compiled.bound_sentence(plain)
+    assert "one after another" not in compiled.bound_sentence({**three, "load_rounds": 1})
 
 
 TTIR = """

@@ -55,7 +55,14 @@ The model, and every assumption it makes (the pages' "How the prediction is made
      the floor, never as the prediction.
 Not modelled: L2 and shared-memory bandwidth, bank conflicts, local memory (a spill's traffic: a spilling
 launch's prediction is a floor), launch overhead, clocks below boost, contention on atomics, waiting for
-other CTAs beyond the synchronising atomics' round trips. Every number is labelled *predicted* wherever it
+other CTAs beyond the synchronising atomics' round trips; L2 hits (every load round is charged a DRAM
+latency) and the work a warp issues between a load and its first use; and the load latencies a trip waits one
+after another. Those are counted from the machine code (`machine.load_rounds`: a load whose address or
+predicate comes from an earlier load — the slot ids, then the rows they gather — or that follows a barrier
+waiting on an earlier load's tile staged through shared memory) and recorded in every row
+(`load_rounds`, `outside_load_rounds`); a prediction whose trip waits more than one names them
+(`bound_sentence`), but the bound charges one latency a trip: which of those loads hit L2, at a fraction
+of a DRAM latency, the code does not say. Every number is labelled *predicted* wherever it
 is shown.
 """
 from __future__ import annotations
@@ -259,7 +266,8 @@ def predict(row: dict, card: str, *, copy_gbps: float | None = None) -> dict:
 
     def chain(t: float) -> float:
         # one CTA's chain of dependent latencies: the loop's, or (straight-line code) one load and one store.
-        # A pipeline deeper than the loop still waits one whole latency for its first load: at least 1
+        # A pipeline deeper than the loop still waits one whole latency for its first load: at least 1.
+        # A trip's load rounds beyond one (`machine.load_rounds`) are recorded, not charged: see "Not modelled"
         return ((max(t / async_depth, 1.0 if t else 0.0) + 1) * lat if loop["instrs"] else 2 * lat) + sync_lat
 
     bounds = {
@@ -292,6 +300,7 @@ def predict(row: dict, card: str, *, copy_gbps: float | None = None) -> dict:
         "bytes_in_flight_per_sm": in_flight, "bytes_in_flight_needed": lat * bw / sms,
         "dram_bytes": dram, "flops": total_flops, "frac_of_copy": (dram / bw) / seconds if seconds else None,
         "spill_bytes": int(row.get("spill_bytes") or 0),     # not charged: see "Not modelled"
+        "load_rounds": loop.get("load_rounds"), "outside_load_rounds": loop.get("outside_load_rounds"),
     }
 
 
@@ -306,16 +315,22 @@ def latency_floor_fraction(p: dict) -> float:
 def bar_columns(p: dict) -> dict:
     """A prediction's columns in the pages' decode-bound tables (issue 21's bar: issue time at most memory
     time / 0.9, >= 80 % of the copy ceiling): issue over memory time, the binding bound, the share of the
-    copy ceiling and which ceiling that is."""
+    copy ceiling and which ceiling that is, and the loads its loop's trip waits one after another
+    (`machine.load_rounds`; more than one is a latency the bound does not charge)."""
     b = p["bounds"]
     return {"issue / memory time": round(b["issue"] / b["memory"], 2), "bound": p["bound"],
-            "% of copy ceiling": round(100 * p["frac_of_copy"]), "ceiling": p["ceiling"]}
+            "% of copy ceiling": round(100 * p["frac_of_copy"]), "ceiling": p["ceiling"],
+            "loads in turn a trip (not charged)": p.get("load_rounds")}
 
 
 def bound_sentence(p: dict) -> str:
-    """'issue-bound: 8.22 µs predicted, 42 % of the datasheet copy ceiling' for prose."""
+    """'issue-bound: 8.22 µs predicted, 42 % of the datasheet copy ceiling' for prose, and where the loop's trip
+    waits more than one load in turn (`machine.load_rounds`), how many, since the bound does not charge them."""
     from ..measure import significant
 
     frac = p.get("frac_of_copy")
+    rounds = p.get("load_rounds") or 0
     return (f"{p['bound']}-bound: {significant(p['seconds'] * 1e6)} µs predicted"
-            + (f", {significant(100 * frac, 2)} % of the {p['ceiling']} copy ceiling" if frac is not None else ""))
+            + (f", {significant(100 * frac, 2)} % of the {p['ceiling']} copy ceiling" if frac is not None else "")
+            + (f" (its loop's trip waits {rounds} loads one after another, which the model does not charge)"
+               if rounds > 1 else ""))

@@ -10,7 +10,9 @@ Pure functions on text, unit-tested on fixed listings (tests/test_compiled.py):
   most global-memory bytes per iteration (ties: the most matrix instructions, then the longest). It
   returns that body's instruction count, global bytes per warp (wave) per iteration, matrix
   instructions, whether its loads are asynchronous copies (cp.async / TMA / direct-to-LDS, which let
-  `num_stages` iterations be in flight) and the whole kernel's instruction count.
+  `num_stages` iterations be in flight), the whole kernel's instruction count, and the global-load
+  latencies a warp waits one after another in one trip and outside the loop (`load_rounds`: in-order
+  issue, each register ready in the round its last synchronous load returns).
 - `ttir_loops(ttir, ints, grid, pid)`: the trip counts of the kernel's `scf.for` loops, evaluated from
   the Triton IR's loop bounds with the launch's own integer arguments and one program (`pid`; default
   the program in the middle of the grid) (None where a bound depends on memory, e.g. routing counts
@@ -157,6 +159,111 @@ def body_facts(items: list[tuple[str, str]], isa: str = "sass") -> dict:
     return {"instrs": n, "global_bytes_per_warp": gb, "mma": mma, "async_loads": asy, "tma_loads": tma}
 
 
+_SASS_REG = re.compile(r"\b(U?R\d+|U?P\d)(\.64|\.128)?\b")
+_SASS_STORES = ("ST", "STS", "STG", "STL", "STSM", "RED", "REDG", "BAR", "BRA", "EXIT", "DEPBAR", "LDGDEPBAR", "WARPSYNC",
+                "BSYNC", "BSSY", "CALL", "RET", "NOP", "MEMBAR", "FENCE", "ERRBAR", "CCTL", "SYNCS", "ARRIVES")
+_AMD_VREG = re.compile(r"\b([vsa])(?:(\d+)|\[(\d+):(\d+)\])")
+
+
+def _sass_regs(operand: str, wide: int) -> list[str]:
+    """The registers an SASS operand names: R12.64 (or a .64/.128 instruction's R12) as R12, R13, ...; RZ/PT none."""
+    out = []
+    for m in _SASS_REG.finditer(operand):
+        name, suffix = m.group(1), m.group(2)
+        n = {".64": 2, ".128": 4}.get(suffix or "", 1)
+        if name[0] == "R" or name.startswith("UR"):
+            n = max(n, wide)
+            base = "UR" if name.startswith("UR") else "R"
+            k = int(name[len(base):])
+            out += [f"{base}{k + i}" for i in range(n)]
+        else:
+            out.append(name)
+    return out
+
+
+def load_rounds(items: list[tuple[str, str]], isa: str = "sass") -> int:
+    """How many global-load latencies `items` (a loop body, or a straight-line span) wait one after another: the
+    longest chain of synchronous global loads each of which cannot issue before the one before it returns.
+    A load waits on an earlier one when its address or predicate comes from it (the slot ids, then the rows
+    they gather) or when it follows a barrier that waits on a store of the earlier load's data to shared
+    memory (tiles staged one by one through one shared buffer: load, store, barrier, the next load). Each
+    register carries the round its value is ready in (a synchronous load's destination one round after its
+    operands), and so does a barrier (the latest round of the data stored to shared memory before it); the
+    answer is the latest round anything waits for. A warp that stalls behind an ordinary store or an ALU
+    instruction is not counted (that is the one latency a trip the model always charges). Asynchronous
+    copies (cp.async, TMA, loads into LDS) return into shared memory, not a register, and their waits are the
+    pipeline's: not counted. The registers are the operands' (SASS: a .64 / .128 access names 2 / 4; AMDGCN:
+    v7, s[4:7], a[0:3], vcc; a scalar load's destination is a load's too, s_barrier is the barrier, ds_write the
+    store to shared memory)."""
+    top = 0
+    if isa == "sass":
+        ready: dict[str, int] = {}
+        bar = stored = 0
+        for kind, text in items:
+            if kind != "insn":
+                continue
+            pred, body = "", text
+            if body.startswith("@"):
+                pred, _, body = body.partition(" ")
+            op = body.split()[0] if body.split() else ""
+            rest = body[len(op):].strip()
+            operands = [o.strip() for o in rest.split(",")] if rest else []
+            wide = 4 if ".128" in op else 2 if ".64" in op else 1
+            base = op.split(".")[0]
+            if base == "BAR":               # every instruction after it waits for the data stored before it
+                bar = max(bar, stored)
+                continue
+            is_store = base in _SASS_STORES or base.startswith(("ST", "RED"))
+            dests = [] if is_store or not operands else _sass_regs(operands[0], wide if base.startswith("LD") else 1)
+            srcs = _sass_regs(pred, 1) + [r for o in (operands if is_store else operands[1:])
+                                          for r in _sass_regs(o, wide if is_store else 1)]
+            at = max([bar] + [ready.get(r, 0) for r in srcs])
+            if base in ("STS", "STSM"):
+                stored = max(stored, at)
+            is_load = base in ("LDG", "LD") and _sass_global_bytes(text) > 0 or base == "LD"
+            for r in dests:
+                ready[r] = at + 1 if is_load else at
+            top = max(top, at)
+        return top
+    ready = {}
+    bar = stored = 0
+    for kind, text in items:
+        if kind != "insn":
+            continue
+        op = text.split()[0]
+        operands = [o.strip() for o in text[len(op):].split(",")] if text[len(op):].strip() else []
+        if op == "s_barrier":
+            bar = max(bar, stored)
+            continue
+        no_dest = op.startswith(_AMD_NO_DEST)
+        dests = [] if no_dest or not operands else _amd_regs(operands[0])
+        srcs = [r for o in (operands if no_dest else operands[1:]) for r in _amd_regs(o)]
+        at = max([bar] + [ready.get(r, 0) for r in srcs])
+        if op.startswith(("ds_write", "ds_store")):
+            stored = max(stored, at)
+        is_load = (_amd_global_bytes(text) > 0 and not _is_async(text, isa)) or re.match(r"^s_(?:buffer_)?load_", op)
+        for r in dests:
+            ready[r] = at + 1 if is_load else at
+        top = max(top, at)
+    return top
+
+
+_AMD_NO_DEST = ("global_store", "buffer_store", "flat_store", "ds_write", "ds_store", "s_store", "s_cmp", "s_bitcmp",
+                "s_cbranch", "s_branch", "s_waitcnt", "s_barrier", "s_endpgm", "s_nop", "s_setprio", "s_sleep",
+                "global_atomic", "buffer_atomic", "s_sendmsg", "s_set", "v_cmpx", "s_dcache", "buffer_wbl2",
+                "buffer_inv", "s_trap")
+
+
+def _amd_regs(operand: str) -> list[str]:
+    """The registers an AMDGCN operand names: v7, s[4:7] (s4 .. s7), a[0:3], vcc, exec."""
+    out = []
+    for m in _AMD_VREG.finditer(operand):
+        kind, one, lo, hi = m.groups()
+        out += [f"{kind}{one}"] if one is not None else [f"{kind}{k}" for k in range(int(lo), int(hi) + 1)]
+    out += [w for w in ("vcc", "exec") if re.search(rf"\b{w}\b", operand)]
+    return out
+
+
 def executable(items: list[tuple[str, str]], isa: str = "sass") -> list[tuple[str, str]]:
     """`items` less the padding after the kernel's last instruction, which never executes: nvdisasm lists a
     `BRA` to its own label after the final EXIT (a trap for a fall-through) and then the NOPs that align the
@@ -175,7 +282,9 @@ def executable(items: list[tuple[str, str]], isa: str = "sass") -> list[tuple[st
 
 def main_loop(items: list[tuple[str, str]], isa: str = "sass") -> dict:
     """The kernel's main loop, found as the module docstring says: {'instrs', 'global_bytes_per_warp',
-    'mma', 'async', 'tma_loads', 'kernel_instrs', 'loops'} ('instrs' 0 when the kernel has no loop)."""
+    'mma', 'async', 'tma_loads', 'kernel_instrs', 'loops', 'load_rounds', 'outside_load_rounds'} ('instrs' 0
+    when the kernel has no loop): `load_rounds` of the loop's body (one trip), and of the code before and
+    after it (the prologue's and the epilogue's, added; the whole kernel where there is no loop)."""
     items = executable(items, isa)       # the trap after EXIT and the alignment NOPs are neither loop nor work
     spans = loops(items, isa)
     spans = [(a, b) for a, b in spans if sum(k == "insn" for k, _ in items[a:b + 1]) > 1]   # not a one-instruction spin
@@ -186,13 +295,16 @@ def main_loop(items: list[tuple[str, str]], isa: str = "sass") -> dict:
         f = body_facts(items[a:b + 1], isa)
         key = (f["global_bytes_per_warp"] + 1e6 * f["tma_loads"], f["mma"], f["instrs"])
         if best_key is None or key > best_key:
-            best, best_key = f, key
+            best, best_key, best_span = f, key, (a, b)
     if best is None:
         return {"instrs": 0, "global_bytes_per_warp": 0, "mma": 0, "async": False, "tma_loads": 0,
-                "kernel_instrs": whole["instrs"], "loops": 0}
+                "kernel_instrs": whole["instrs"], "loops": 0, "load_rounds": 0,
+                "outside_load_rounds": load_rounds(items, isa)}
+    a, b = best_span
     return {"instrs": best["instrs"], "global_bytes_per_warp": best["global_bytes_per_warp"], "mma": best["mma"],
             "async": best["async_loads"] > 0 or best["tma_loads"] > 0, "tma_loads": best["tma_loads"],
-            "kernel_instrs": whole["instrs"], "loops": len(spans)}
+            "kernel_instrs": whole["instrs"], "loops": len(spans), "load_rounds": load_rounds(items[a:b + 1], isa),
+            "outside_load_rounds": load_rounds(items[:a], isa) + load_rounds(items[b + 1:], isa)}
 
 
 # ---------------------------------------------------------------------------------------------------
