@@ -12,7 +12,8 @@ The launches are built by the chapter's own `gpu_launches`, so a launcher that d
 the tile derives it from the swept tile too (`device.overriding_config`; the config functions return
 their value through `device.swept` under the names in `CONFIGS`). Each config prints its predicted time
 summed over the matched launches (predicted, not measured), how many of them it makes faster or slower
-than the chosen config (by more than 1 %), the most any of them spills, and what binds them; `--each` adds
+than the chosen config (by more than 1 %), the most any of them spills, the most loads one trip of theirs waits
+in turn (`machine.load_rounds`, which the prediction does not charge), and what binds them; `--each` adds
 a line per launch. The card is the target's (`compiled.TARGET_CARD`) unless `--card` names another of its vendor;
 its copy ceiling is the measured one where a committed `ceilings` record has it, else the datasheet's.
 The launches are every one the chapter makes, as often as it makes it (`compiled.every_launch`), where
@@ -185,7 +186,8 @@ def run_config(a: dict, values: dict | None) -> dict:
         rows.append(dict(index=i, name=launch.name, ok=p is not None, error=(r.get("error") or "")[:300],
                          seconds=p["seconds"] if p else None, bound=p["bound"] if p else None,
                          ceiling=p.get("ceiling") if p else None, spill=int(r.get("spill_bytes") or 0),
-                         regs=r.get("regs"), num_warps=r.get("num_warps"), grid=r.get("grid")))
+                         regs=r.get("regs"), num_warps=r.get("num_warps"), grid=r.get("grid"),
+                         rounds=(r.get("sass") or r.get("isa_loop") or {}).get("load_rounds")))
     return {"values": values, "rows": rows}
 
 
@@ -207,8 +209,10 @@ def summary(res: dict, chosen: dict | None) -> str:
         faster = sum(1 for r in rows if r["seconds"] < base[r["index"]] * (1 - SAME))
         slower = sum(1 for r in rows if r["seconds"] > base[r["index"]] * (1 + SAME))
         vs = f", faster on {faster}, slower on {slower}"
+    rounds = max((r.get("rounds") or 0 for r in rows), default=0)
     return (f"{head}: {_time(total)} predicted over {len(rows)} launches{vs}, spill up to "
-            f"{max(r['spill'] for r in rows)} B; bound " + ", ".join(f"{b} {n}" for b, n in sorted(bounds.items())))
+            f"{max(r['spill'] for r in rows)} B, loads in turn a trip up to {rounds} (not charged); bound "
+            + ", ".join(f"{b} {n}" for b, n in sorted(bounds.items())))
 
 
 def _time(s: float) -> str:
@@ -217,7 +221,8 @@ def _time(s: float) -> str:
 
 def each(res: dict) -> list[str]:
     return [f"    [{r['index']}] {r['name'][:90]}: " + (f"{_time(r['seconds'])} {r['bound']}-bound, {r['num_warps']} warps, "
-                                                      f"{r['regs']} registers, grid {r['grid']}, spill {r['spill']} B"
+                                                      f"{r['regs']} registers, grid {r['grid']}, spill {r['spill']} B, "
+                                                      f"loads in turn a trip {r.get('rounds')}"
                                                       if r["ok"] else f"did not compile: {r['error'][:120]}")
             for r in res["rows"]]
 

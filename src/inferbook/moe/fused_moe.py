@@ -923,7 +923,7 @@ def decode_weight_bytes(n: int, k: int, fmt: str) -> int:
 DECODE_TAIL_BLOCK_M = 16   # the decode tail's row blocks: one m16 MMA tile of one expert's slots
 DECODE_TAIL_SWAP_BLOCK_M = SWAP_MAX_M   # swap-AB's (B200's W4A16 tail): the slots are the MMA's n8 operand
 # the W4A16 decode tail's NVIDIA tiles (`decode_tail_config` says why): sm_100 swaps the operands
-DECODE_TAIL_NVIDIA = {"nvidia": dict(BLOCK_M=DECODE_TAIL_BLOCK_M, BLOCK_N=64, num_warps=2, num_stages=1),
+DECODE_TAIL_NVIDIA = {"nvidia": dict(BLOCK_M=DECODE_TAIL_BLOCK_M, BLOCK_N=64, num_warps=2, num_stages=2),
                       "sm_100": dict(BLOCK_M=DECODE_TAIL_SWAP_BLOCK_M, BLOCK_N=64, num_warps=1, num_stages=1,
                                      SWAP_AB=True)}
 
@@ -933,14 +933,19 @@ def decode_tail_config(interpreted: bool, device=None, *, programs: int | None =
     """Tiles of the decode tail (`moe_decode_tail_kernel`), given its grid's `programs` where known. Its K is
     one expert's FFN slice (Kimi K3: 256 a rank), so a CTA runs one or two runs of 256: there is nothing for
     a pipeline to overlap, and one stage frees the registers the stages held.
-    NVIDIA (`DECODE_TAIL_NVIDIA`): 64 columns on 2 warps, 1 stage. Predicted at K3's tail (k 16, 896 experts,
-    H 3584, I 256), T 8: H200 14.0 us, issue-bound at 0.99 of the copy ceiling's 13.8 us (the fused_moe
-    decode-down tile, 128 columns on 4 warps, 3 stages: 16.8 us, waves); A100 32.6 us, memory-bound. Before
-    OUT_DIV was a constexpr: H200 14.8 (counting nvdisasm's padding, since dropped). Over the chapter's four T
-    on H200: 178 us (188 when swept, with the padding), the least of the 18 configs swept that spill nothing
-    (`inferbook sweep kimi-topk-tail-fusion sm_90 moe.decode_tail --kernel moe_decode_tail_kernel --launch
-    "decode w4a16 fused" --set BLOCK_N=32,64,128 --set num_warps=1,2,4 --set num_stages=1,3`). At T 1 (8 MB)
-    every config without a spill is 2.4 us there: two rounds of one-run CTAs.
+    NVIDIA (`DECODE_TAIL_NVIDIA`): 64 columns on 2 warps, 2 stages. At one stage each trip waits 10 loads one
+    after another (`machine.load_rounds`: the 8 groups' activation tiles staged one by one through one shared
+    buffer, each load issued after the barrier that waits on the last one's store), which the cost model
+    records but does not charge; at 2 stages the pipeliner issues them all as cp.async before the loop and a
+    trip waits one (its scales). Predicted at K3's tail (k 16, 896 experts, H 3584, I 256), T 8: H200 14.1 us
+    at 2 stages, issue-bound at 0.98 of the copy ceiling's 13.8 us (1 stage: 13.9, 0.99; the fused_moe
+    decode-down tile, 128 columns on 4 warps, 3 stages: 16.8 us, waves); A100 32.6 us either way, memory-bound.
+    Over the chapter's four T on H200: 180 us at 2 stages, 177 at 1, 190 at 3 (`inferbook sweep
+    kimi-topk-tail-fusion sm_90 moe.decode_tail --kernel moe_decode_tail_kernel --launch "decode w4a16 fused"
+    --set num_stages=1,2,3`); A100 414 at each. 1 stage was the least of the 18 configs swept that spill
+    nothing (--set BLOCK_N=32,64,128 --set num_warps=1,2,4 --set num_stages=1,3); 2 is kept for the nine
+    loads a trip no longer waits in turn, at 2 % more predicted time. At T 1 (8 MB) every config without a
+    spill is 2.4 us there: two rounds of one-run CTAs.
     sm_100 swaps the operands (SWAP_AB, `w4a16.decode_run_swapped`'s loop; B200 brings 1.5x H200's bytes a cycle
     to an SM, so the 2-warp tile was issue-bound at 0.72 of memory's 8.3 us and latency-bound, 5 CTAs an SM at
     190 registers, 12.0 us at T 8): 8-slot row blocks, one warp of 64 columns (255 registers, 8 CTAs an SM; 24 B
@@ -948,6 +953,9 @@ def decode_tail_config(interpreted: bool, device=None, *, programs: int | None =
     load each a warp). Predicted on B200: T 8 8.3 us, memory-bound, issue/memory 1.01 (latency 7.3); over the
     four T 110 us, was 149 (`inferbook sweep kimi-topk-tail-fusion sm_100 moe.decode_tail ... --set
     BLOCK_N=32,64,128 --set num_warps=1,2,4`: the least of the nine; 128 columns on 2 warps 111, spilling 32 B).
+    Its trip waits 9 loads in turn (the activation tiles, as above); 2 or 3 stages leave 4 (each group's scales,
+    loaded and moved into the accumulator's layout one group at a time) and cost 7 % / 13 % (118, 124 us; 2
+    stages spill 144 B), so it keeps one.
     Swapped on sm_90 it is predicted 184 us over the four T, not 178: T 128's worst case of 8-slot blocks reads
     7 % more weights (`routing.max_blocks`) and H200's 2-warp tile is not issue-bound there; A100 alike.
     CDNA: `moe_decode_config`'s down tile and loop (128 columns, one stage), on 1 wave for a grid of at least
