@@ -905,8 +905,10 @@ def format_row(r: dict, prediction: dict | None = None) -> str:
         from ..measure import significant
 
         pred = f"{significant(prediction['seconds'] * 1e6)} µs {prediction['bound']}"
+    loop = r.get("sass") or r.get("isa_loop") or {}
+    rounds = "-" if loop.get("load_rounds") is None else str(loop["load_rounds"])
     return (f"{name:60s} {r['target']:6s} {pred:>20s}  {r['shared_kb']:6.1f}/{r['smem_limit_kb']:<3d} "
-            f"{regs or 0:4d} {r['spill_bytes']:6d}  {r['mma']:30s} {r['loads_summary']}{flag}")
+            f"{regs or 0:4d} {r['spill_bytes']:6d} {rounds:>6s}  {r['mma']:30s} {r['loads_summary']}{flag}")
 
 
 def format_table(rows: list[dict]) -> str:
@@ -917,11 +919,12 @@ def format_table(rows: list[dict]) -> str:
         tr = [r for r in rows if r["target"] == t and r.get("ok") and ("sass" in r or "isa_loop" in r)]
         for r, p in zip(tr, predict_rows(tr, TARGET_CARD[t])):
             preds[id(r)] = p
-    head = (f"{'launch':60s} {'target':6s} {'predicted, bound':>20s}  {'smem KB':>10s} {'regs':>4s} {'spill':>6s}  "
-            f"{'MMA':30s} global loads (PTX instructions by width)")
+    head = (f"{'launch':60s} {'target':6s} {'predicted, bound':>20s}  {'smem KB':>10s} {'regs':>4s} {'spill':>6s} "
+            f"{'rounds':>6s}  {'MMA':30s} global loads (PTX instructions by width)")
     cards = ", ".join(f"{t} on {TARGET_CARD[t]}" for t in sorted({r["target"] for r in rows}))
     foot = (f"predicted (not measured) by the cost model of inferbook.compiled.cost ({cards}); the ideal roofline "
-            f"is only the floor")
+            f"is only the floor; rounds: the loads one trip of the main loop waits one after another "
+            f"(machine.load_rounds), which the prediction does not charge")
     return "\n".join([head] + [format_row(r, preds.get(id(r))) for r in rows] + [foot])
 
 
