@@ -343,11 +343,12 @@ def test_moe_decode_cdna_loop():
 
 
 @pytest.mark.parametrize("target, chord, gate_up, down", [
-    ("gfx942", (128, 2, 14), (128, 2, 24), (64, 2, 6)),
+    ("gfx942", (64, 1, 14), (64, 1, 24), (32, 1, 6)),
     ("gfx950", (64, 1, 14), (64, 1, 24), (64, 1, 6))])
 def test_decode_cdna_configs(target, chord, gate_up, down):
-    # CDNA: the CDNA loop unpipelined, about 2 runs a CTA (one where the runs are few); MI300X narrows a grid of
-    # fewer CTAs than CUs (MiniMax-M3's down: 48 x 6 = 288 < 304) to 64 columns. The MoE decode takes its own tiles
+    # CDNA: the CDNA loop unpipelined on one-wave CTAs, about 2 runs a CTA (one where the runs are few); MI300X
+    # narrows a grid of fewer than 2 CTAs a CU (MiniMax-M3's down: 96 x 6 = 576 < 608) to 32 columns. The MoE
+    # decode takes its own tiles
     # (chord's EP8 rank: 48 experts, I 2048)
     from inferbook import device
     from inferbook.moe import fused_moe as FM

@@ -8,7 +8,8 @@ reruns them, so a reader (or the next rule) can see every alternative's bounds, 
         --stages 3,4 --splits 2,3 --swap 0,1
 
 prints one line per config: the predicted time (predicted, not measured), its binding bound, issue time
-over memory time (issue 21's bar is <= 1/0.9), the spill bytes and every bound's time. `--swap 1` sweeps
+over memory time (issue 21's bar is <= 1/0.9), the spill bytes, the loads a trip waits one after another
+(`compiled.machine.load_rounds`, which the prediction does not charge) and every bound's time. `--swap 1` sweeps
 the swap-AB kernel (`w4a16_decode_swapped_kernel`, BLOCK_M 8, M <= 8) beside or instead of the plain one. The default card
 is the target's (`compiled.TARGET_CARD`); its copy ceiling is the measured one where a committed
 `ceilings` record has it, else the datasheet's (`compiled.predict_rows`). Nothing here runs a kernel.
@@ -128,8 +129,9 @@ def line(m: int, cfg: dict, row: dict, p: dict | None) -> str:
     if p is None:
         return f"{head}: did not compile: {row.get('error', '?')[:200]}"
     b = p["bounds"]
+    rounds = (row.get("sass") or row.get("isa_loop") or {}).get("load_rounds")
     return (f"{head}: {p['seconds'] * 1e6:.2f} µs predicted, {p['bound']}-bound, issue/memory "
-            f"{b['issue'] / b['memory']:.2f}, spill {row.get('spill_bytes', 0)} B | "
+            f"{b['issue'] / b['memory']:.2f}, spill {row.get('spill_bytes', 0)} B, loads in turn a trip {rounds} | "
             + " ".join(f"{name} {t * 1e6:.2f}" for name, t in b.items()))
 
 

@@ -1269,15 +1269,21 @@ DECODE_TARGETS = {
     # (a CTA's chain is then 3 DRAM latencies). The cost model (`python -m inferbook.moe.decode_sweep gfx942 4096
     # 7168 --m 1,16 --block-n 64,128 --warps 1,2,4 --stages 1,2,3 --splits 7,14,28`) at chord's N 4096, K 7168,
     # M 1, datasheet ceiling: MI300X (304 CUs), 128 columns of 2 waves, 14 splits: 3.36 us, waves-bound, issue/
-    # memory 0.78 (the NVIDIA tiles at 3 stages and 7 splits: 7.58 us, issue-bound, 2.41); MI355X (256 CUs at 2.4 GHz,
+    # memory 0.78 (its loads, though, one after another: see below; the NVIDIA tiles at 3 stages and 7 splits: 7.58 us, issue-bound, 2.41); MI355X (256 CUs at 2.4 GHz,
     # 8 TB/s: 1.5x MI300X's bandwidth, 0.96x its issue rate), 64 columns of one wave (2 waves: issue/memory 1.05), 14 splits: 2.40 us,
     # latency-bound, 0.99. MiniMax-M3's gate/up (N 3072, K 6144): MI355X 24 splits of one run, 1.68 us (12:
     # 2.40); MI300X 24 splits, 2.06 us, memory-bound. Its down (N 6144, K 1536, 6 runs) is held by the latency
-    # floor (one run a CTA: 2 latencies, 1.60 us, against 1.03 / 0.68 us of memory). Where even one run a CTA
-    # leaves fewer CTAs than CUs (`few_ctas`: that down on MI300X, 288 CTAs of 2 waves), the CTAs are narrowed
-    # to 64 columns, so that the CUs' four SIMDs have waves: 1.92 us, issue-bound, 1.86 -> 1.60 us at the floor.
+    # floor (one run a CTA: 2 latencies, 1.60 us, against 1.03 / 0.68 us of memory).
+    # MI300X takes MI355X's one-wave CTAs of 64 columns too: at two waves the waves share each group's
+    # activation tile through LDS, a barrier a tile, so a trip waited 9 loads one after another
+    # (`compiled.machine.load_rounds`, not charged by the model); at one, one. Predicted alike at chord's N 4096,
+    # K 7168 (3.36 -> 3.38 us at M 1, issue-bound at 1.07 of memory; M 16 3.85, memory-bound) and MiniMax-M3's
+    # gate/up (2.06 us at C 1). Where 1-wave CTAs are fewer than 2 a CU (`few_ctas`: MiniMax-M3's down, 96 x 6),
+    # they are narrowed to 32 columns: 1.60 us at the floor, as its 2-wave 64-column CTAs were (64 columns of
+    # one wave: 1.94, waves; `python -m inferbook.moe.decode_sweep gfx942 6144 1536 --m 1,8 --block-n 32,64
+    # --warps 1,2 --stages 1 --splits 3,6`).
     "hip": _CDNA,
-    "gfx942": dict(_CDNA, sms=304, block_n=128, num_warps=2, ctas_per_sm=2.0, few_ctas=dict(block_n=64)),
+    "gfx942": dict(_CDNA, sms=304, block_n=64, num_warps=1, ctas_per_sm=4.5, few_ctas=dict(block_n=32, below=2.0)),
     "gfx950": dict(_CDNA, sms=256, block_n=64, num_warps=1, ctas_per_sm=4.5),
 }
 
@@ -1294,7 +1300,7 @@ def decode_config(m: int, n: int, k: int, *, sms: int | None = None, interpreted
     SM and a deeper pipeline, on the other NVIDIA targets 64-column CTAs of 2 warps, about 2.9 an SM. On
     sm_100 at M <= 8 the swap-AB kernel instead (`SWAP_AB`, BLOCK_M 8: `swap_ab`), one-warp CTAs of 64
     columns, about 4 an SM, splits differing by one run. On CDNA (gfx942, gfx950) the CDNA loop (`CDNA_LOOP`),
-    one stage, the card's own tiles, and narrower CTAs where the grid has fewer CTAs than CUs (`few_ctas`).
+    one stage, the card's one-wave tiles, and narrower CTAs where the grid has few CTAs for the CUs (`few_ctas`).
     `device`: whose target picks the entry (`device.pick_config`; default a CUDA device, i.e. the
     `building_for` target or the GPU's). The interpreter: one wide program per split (its cost is per program)."""
     if m > DECODE_MAX_M:
@@ -1332,7 +1338,7 @@ def decode_config(m: int, n: int, k: int, *, sms: int | None = None, interpreted
             bn, warps, stages = short["block_n"], short["num_warps"], short["num_stages"]
             split = splits_for(bn, short["ctas_per_sm"])
     few = t.get("few_ctas")
-    if few and n_blocks * split < sms:                            # fewer CTAs than SMs (CUs): narrower ones
+    if few and n_blocks * split < few.get("below", 1.0) * sms:    # few CTAs for the SMs (CUs): narrower ones
         bn = few["block_n"]
         split = splits_for(bn, t["ctas_per_sm"])
     cfg = dict(BLOCK_M=16, BLOCK_N=bn, SPLIT_K=split, num_warps=warps, num_stages=stages)
