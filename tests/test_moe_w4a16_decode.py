@@ -332,11 +332,13 @@ def test_decode_cdna_loop_nan_never_passes_and_can_fail():
     assert not within_tolerance(W.decode_linear(x, halves, block=CDNA), ref, pt)[2]
 
 
-def test_moe_decode_cdna_loop():
+@pytest.mark.parametrize("block_n, waves", [(64, 2), (32, 1), (64, 1)])
+def test_moe_decode_cdna_loop(block_n, waves):
+    # the CDNA loop at the old 2-wave tile and at MI300X's 1-wave tiles (gate/up 32 columns, down 64)
     from inferbook.moe import fused_moe as FM
     w13, w2, x, tw, ids = _moe(4, 256, 64, 3, 2)
     out = FM.fused_moe_decode(x, W.pack_decode(w13), W.pack_decode(w2), tw, ids,
-                              block=dict(BLOCK_M=16, BLOCK_N=64, num_warps=2, num_stages=1, CDNA_LOOP=True))
+                              block=dict(BLOCK_M=16, BLOCK_N=block_n, num_warps=waves, num_stages=1, CDNA_LOOP=True))
     err, tol, ok = FM.within_tolerance(out, FM.fused_moe_reference(x, w13, w2, tw, ids),
                                        FM.fused_moe_torch(x, w13, w2, tw, ids))
     assert ok, (err, tol)

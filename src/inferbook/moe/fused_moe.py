@@ -625,6 +625,11 @@ def moe_decode_config(interpreted: bool, gated: bool = False, *, n: int | None =
 # MI300X gate/up 64 columns of 2 waves, down 128 of 2, both predicted memory-bound (issue/memory 0.85, 0.74);
 # MI355X gate/up 64 of 1 wave (2 waves: 1.17, issue-bound), down 128 of 2 (0.80, 0.95). The NVIDIA tiles above
 # with 3 stages were predicted at 71-73 % (MI300X) and 46-58 % (MI355X) of the copy ceiling, issue-bound.
+# Each 2-wave tile is now two 1-wave tiles of half its columns (MI300X gate/up 32 of 1, down 64 of 1; MI355X
+# down 64 of 1): the same waves over the same columns, predicted alike (chord's EP8 rank unchanged; MiniMax-M3's
+# launches 1410 -> 1412 us in all on MI300X, 958 -> 952 on MI355X), but no wave waits for another's share of an
+# activation tile through LDS: a 2-wave tile's trip waited 9 to 11 loads one after another, a 1-wave one's one
+# (`compiled.machine.load_rounds`, which the cost model does not charge).
 # A gate/up grid of few experts (an EP rank) with fewer than `waves_per_cu` waves a CU splits K in 2, then 4
 # (whole runs, equal where the runs divide: 24 at H 6144, 28 at H 7168), keeping its tiles: narrower tiles
 # issue more a byte, and an unsplit CTA's runs are one latency each in a row. MiniMax-M3's ranks (I 1536,
@@ -636,8 +641,8 @@ def moe_decode_config(interpreted: bool, gated: bool = False, *, n: int | None =
 # fused slot's config: `test_decode_check_paths_share_one_config`). Every figure predicted, not measured:
 # `python -m inferbook.moe.decode_sweep gfx950 1536 6144 --moe 9 --m 12 --block-n 32,64 --warps 1,2 --stages 1
 # --splits 1,2,3,4` (and gfx942, --moe 17) prints each alternative's bounds.
-MOE_DECODE_CDNA = {"nvidia": None, "hip": dict(gated=(64, 2), down=(128, 2), waves_per_cu=4),
-                   "gfx950": dict(gated=(64, 1), down=(128, 2), waves_per_cu=2)}
+MOE_DECODE_CDNA = {"nvidia": None, "hip": dict(gated=(32, 1), down=(64, 1), waves_per_cu=4),
+                   "gfx950": dict(gated=(64, 1), down=(64, 1), waves_per_cu=2)}
 
 
 def _decode_gemm_launch(name, a, qw, qs, c, counts, dest, roww, N, K, max_m, q_es, s_es, *, gated: bool, scatter: bool,
@@ -958,15 +963,18 @@ def decode_tail_config(interpreted: bool, device=None, *, programs: int | None =
     stages spill 144 B), so it keeps one.
     Swapped on sm_90 it is predicted 184 us over the four T, not 178: T 128's worst case of 8-slot blocks reads
     7 % more weights (`routing.max_blocks`) and H200's 2-warp tile is not issue-bound there; A100 alike.
-    CDNA: `moe_decode_config`'s down tile and loop (128 columns, one stage), on 1 wave for a grid of at least
-    2048 programs, else 2; at one wave W4A16's scales by scalar FMAs (`FMA_AMD`, `w4a16._fma_amd`: LLVM's paired
+    CDNA: the CDNA loop, one stage, one-wave CTAs: 128 columns for a grid of at least 2048 programs (at
+    CDNA's 128-column tile, `_decode_tail_programs`), else 64; at 128 columns W4A16's scales by scalar FMAs (`FMA_AMD`, `w4a16._fma_amd`: LLVM's paired
     FMAs copied each column scale into register pairs, 288 moves a wave on gfx950). Over the four T: MI300X
     213 -> 179 us (T 8: 16.7 -> 14.1, memory 12.5; since OUT_DIV is a constexpr 12.8, and with FMA_AMD
     memory-bound at 12.5), MI355X 199 -> 160 us (T 8 since: 11.3, then 10.6, and with EVEN_N's row mask on
     the atomics 10.4, against memory's 8.3), issue-bound;
     128 columns on 1 wave was the best of the 9 swept at gfx942 and gfx950 (--set BLOCK_N=32,64,128 --set
-    num_warps=1,2,4). At T 1 (448 programs) one wave leaves the CUs half empty (MI300X 2.8 -> 4.8 us), so small
-    grids keep 2. The interpreter: BLOCK_N 64.
+    num_warps=1,2,4). At T 1 (448 programs) 128 columns on one wave leave the CUs half empty (MI300X 2.8 -> 4.8
+    us), so small grids took 2 waves of 128; they now take the same waves as one-wave CTAs of 64 columns, so no
+    wave waits for another's share of an activation tile through LDS (a trip waited 9 loads in turn, now one,
+    `compiled.machine.load_rounds`): T 1 predicted MI300X 2.42 -> 2.40 us, MI355X 1.88 -> 1.84. The interpreter:
+    BLOCK_N 64.
     fp4 (MXFP4 weights) with fold False (`DecodeMXFP4.fold` False, the exact-scale loop): W4A16's tile (on one warp
     its per-group fp32 scales spill 1.8 KB on sm_90, on two none) without FMA_AMD (compiled at K3's tail, T 8, one
     wave: gfx942 7412 -> 7492 instructions a wave with it, gfx950 4502 -> 4581). fp4 and fold (the folded
@@ -987,12 +995,11 @@ def decode_tail_config(interpreted: bool, device=None, *, programs: int | None =
             cfg = dict(BLOCK_M=DECODE_TAIL_BLOCK_M, BLOCK_N=64, num_warps=1 if fold else 2, num_stages=1)
         else:
             cfg = dict(pick_config(DECODE_TAIL_NVIDIA, dev))
-    else:
-        cfg = dict(moe_decode_config(False, False, device=dev))
-        if programs is not None and programs >= DECODE_TAIL_ONE_WAVE_PROGRAMS:
-            cfg["num_warps"] = 1
-            if not fp4:   # W4A16 at 128 columns a wave: the scales by scalar FMAs (`w4a16._fma_amd`)
-                cfg["FMA_AMD"] = True
+    else:   # one-wave CTAs: 128 columns for a big grid, else 64 (the waves of 2-wave 128-column CTAs, no LDS)
+        big = programs is not None and programs >= DECODE_TAIL_ONE_WAVE_PROGRAMS
+        cfg = dict(BLOCK_M=DECODE_TAIL_BLOCK_M, BLOCK_N=128 if big else 64, num_warps=1, num_stages=1, CDNA_LOOP=True)
+        if big and not fp4:   # W4A16 at 128 columns a wave: the scales by scalar FMAs (`w4a16._fma_amd`)
+            cfg["FMA_AMD"] = True
     return dict(_device.swept("moe.decode_tail_fp4" if fp4 and fold else "moe.decode_tail", cfg))
 
 
