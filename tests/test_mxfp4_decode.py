@@ -188,7 +188,9 @@ def test_decode_tail_fp4_config_per_target():
     for t in ("sm_80", "sm_90", "sm_100"):
         with building_for(t):
             cfg = FM.decode_tail_config(False, programs=10 ** 6, fp4=True)
-        assert (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_warps"], cfg["num_stages"]) == (16, 64, 1, 1), t
+        # 2 stages (the tiles' loads issued before the loop, none waiting on another), 1 on sm_100
+        stages = 1 if t == "sm_100" else 2
+        assert (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_warps"], cfg["num_stages"]) == (16, 64, 1, stages), t
     with building_for("gfx942"):
         # CDNA: W4A16's tile and rule, less W4A16's scalar scale FMAs (FMA_AMD; the folded MXFP4 loop has no scale FMA)
         w4 = FM.decode_tail_config(False, programs=3584)
@@ -198,7 +200,7 @@ def test_decode_tail_fp4_config_per_target():
     for t in ("sm_80", "sm_90", "sm_100"):
         with building_for(t):   # the exact loop on two warps (one spilled its per-group scales), not swapped as W4A16 is
             assert FM.decode_tail_config(False, programs=10 ** 6, fp4=True, fold=False) == \
-                dict(BLOCK_M=16, BLOCK_N=64, num_warps=2, num_stages=1), t
+                dict(BLOCK_M=16, BLOCK_N=64, num_warps=2, num_stages=1 if t == "sm_100" else 2), t
     las = FM.moe_tail_launches(1, 16, 896, 3584, 256, "mxfp4", fused=True, kernel="decode")
     assert las[0].kernel is FM.moe_decode_tail_kernel and las[0].kwargs["FP4"] and las[0].kwargs["FOLD"]
     assert las[0].dram_bytes > 16 * D.decode_weight_bytes(3584, 256)

@@ -928,6 +928,8 @@ def decode_weight_bytes(n: int, k: int, fmt: str) -> int:
 DECODE_TAIL_BLOCK_M = 16   # the decode tail's row blocks: one m16 MMA tile of one expert's slots
 DECODE_TAIL_SWAP_BLOCK_M = SWAP_MAX_M   # swap-AB's (B200's W4A16 tail): the slots are the MMA's n8 operand
 # the W4A16 decode tail's NVIDIA tiles (`decode_tail_config` says why): sm_100 swaps the operands
+# MXFP4's stages on NVIDIA (`decode_tail_config`): 2 (its tiles' loads issued before the loop), 1 on sm_100
+DECODE_TAIL_FP4_STAGES = {"nvidia": 2, "sm_100": 1}
 DECODE_TAIL_NVIDIA = {"nvidia": dict(BLOCK_M=DECODE_TAIL_BLOCK_M, BLOCK_N=64, num_warps=2, num_stages=2),
                       "sm_100": dict(BLOCK_M=DECODE_TAIL_SWAP_BLOCK_M, BLOCK_N=64, num_warps=1, num_stages=1,
                                      SWAP_AB=True)}
@@ -981,9 +983,12 @@ def decode_tail_config(interpreted: bool, device=None, *, programs: int | None =
     loop): on NVIDIA 64 columns on one warp, no spill
     (`inferbook sweep kimi-topk-tail-fusion sm_90 moe.decode_tail_fp4 --kernel moe_decode_tail_kernel --launch "decode mxfp4
     fused" --set BLOCK_N=32,64,128 --set num_warps=1,2,4`: 198 us over the gpu preset's five launches, within
-    1 % of the best of the nine, 128 columns on 2 warps; 2 warps at 64 columns: 222). H200 T 8: 13.1 us,
-    memory-bound; the least summed time of the nine at T 1-8 on sm_80 and sm_100
-    (B200 11.6 us at T 8, issue-bound at 0.68). CDNA: the rule above (gfx942 T 8 19.0 us at 128 columns on
+    1 % of the best of the nine, 128 columns on 2 warps; 2 warps at 64 columns: 222). H200 T 8: 13.1 us at one stage,
+    memory-bound (13.2 at two, issue at 0.99 of memory); the least summed time of the nine at T 1-8 on sm_80 and sm_100
+    (B200 11.6 us at T 8, issue-bound at 0.68). On NVIDIA both fp4 loops take 2 stages (`DECODE_TAIL_FP4_STAGES`):
+    at one a trip waited 9 loads in turn (17 the exact loop's), at two none (8), predicted alike on A100 and H200
+    (H200's 5358 us over the chapter's MXFP4 decode launches, 5359 at 2); B200, issue-bound, keeps one (2 stages:
+    178 us over the gpu preset's six folded launches, 172 at 1). CDNA: the rule above (gfx942 T 8 19.0 us at 128 columns on
     1 wave, issue-bound at 0.62: the AMDGCN form multiplies in fp32)."""
     from .. import device as _device
 
@@ -992,7 +997,8 @@ def decode_tail_config(interpreted: bool, device=None, *, programs: int | None =
     dev = torch.device("cuda") if device is None else device
     if pick_config(MOE_DECODE_CDNA, dev) is None:
         if fp4:
-            cfg = dict(BLOCK_M=DECODE_TAIL_BLOCK_M, BLOCK_N=64, num_warps=1 if fold else 2, num_stages=1)
+            cfg = dict(BLOCK_M=DECODE_TAIL_BLOCK_M, BLOCK_N=64, num_warps=1 if fold else 2,
+                       num_stages=pick_config(DECODE_TAIL_FP4_STAGES, dev))
         else:
             cfg = dict(pick_config(DECODE_TAIL_NVIDIA, dev))
     else:   # one-wave CTAs: 128 columns for a big grid, else 64 (the waves of 2-wave 128-column CTAs, no LDS)
