@@ -55,9 +55,9 @@ The model, and every assumption it makes (the pages' "How the prediction is made
      the floor, never as the prediction.
 Not modelled: L2 and shared-memory bandwidth, bank conflicts, local memory (a spill's traffic: a spilling
 launch's prediction is a floor), launch overhead, clocks below boost, contention on atomics, waiting for
-other CTAs beyond the synchronising atomics' round trips; L2 hits (every load round is charged a DRAM
-latency) and the work a warp issues between a load and its first use; and the load latencies a trip waits one
-after another. Those are counted from the machine code (`machine.load_rounds`: a load whose address or
+other CTAs beyond the synchronising atomics' round trips; L2 hits (every latency charged is a DRAM one) and
+the work a warp issues between a load and its first use; and the load latencies a trip waits one after another
+beyond the first. Those are counted from the machine code (`machine.load_rounds`: a load whose address or
 predicate comes from an earlier load — the slot ids, then the rows they gather — or that follows a barrier
 waiting on an earlier load's tile staged through shared memory) and recorded in every row
 (`load_rounds`, `outside_load_rounds`); a prediction whose trip waits more than one names them

@@ -11,8 +11,8 @@ Pure functions on text, unit-tested on fixed listings (tests/test_compiled.py):
   returns that body's instruction count, global bytes per warp (wave) per iteration, matrix
   instructions, whether its loads are asynchronous copies (cp.async / TMA / direct-to-LDS, which let
   `num_stages` iterations be in flight), the whole kernel's instruction count, and the global-load
-  latencies a warp waits one after another in one trip and outside the loop (`load_rounds`: in-order
-  issue, each register ready in the round its last synchronous load returns).
+  latencies one trip waits one after another, and the code outside the loop (`load_rounds`: each
+  register, and each barrier, ready in the round of the last synchronous load it depends on).
 - `ttir_loops(ttir, ints, grid, pid)`: the trip counts of the kernel's `scf.for` loops, evaluated from
   the Triton IR's loop bounds with the launch's own integer arguments and one program (`pid`; default
   the program in the middle of the grid) (None where a bound depends on memory, e.g. routing counts
@@ -160,7 +160,7 @@ def body_facts(items: list[tuple[str, str]], isa: str = "sass") -> dict:
 
 
 _SASS_REG = re.compile(r"\b(U?R\d+|U?P\d)(\.64|\.128)?\b")
-_SASS_STORES = ("ST", "STS", "STG", "STL", "STSM", "RED", "REDG", "BAR", "BRA", "EXIT", "DEPBAR", "LDGDEPBAR", "WARPSYNC",
+_SASS_NO_DEST = ("ST", "STS", "STG", "STL", "STSM", "RED", "REDG", "BAR", "BRA", "EXIT", "DEPBAR", "LDGDEPBAR", "WARPSYNC",
                 "BSYNC", "BSSY", "CALL", "RET", "NOP", "MEMBAR", "FENCE", "ERRBAR", "CCTL", "SYNCS", "ARRIVES")
 _AMD_VREG = re.compile(r"\b([vsa])(?:(\d+)|\[(\d+):(\d+)\])")
 
@@ -192,7 +192,8 @@ def load_rounds(items: list[tuple[str, str]], isa: str = "sass") -> int:
     answer is the latest round anything waits for. A warp that stalls behind an ordinary store or an ALU
     instruction is not counted (that is the one latency a trip the model always charges). Asynchronous
     copies (cp.async, TMA, loads into LDS) return into shared memory, not a register, and their waits are the
-    pipeline's: not counted. The registers are the operands' (SASS: a .64 / .128 access names 2 / 4; AMDGCN:
+    pipeline's: not counted; nor are atomics that return a value (their round trips are the cost model's
+    synchronising atomics). The registers are the operands' (SASS: a .64 / .128 access names 2 / 4; AMDGCN:
     v7, s[4:7], a[0:3], vcc; a scalar load's destination is a load's too, s_barrier is the barrier, ds_write the
     store to shared memory)."""
     top = 0
@@ -213,14 +214,14 @@ def load_rounds(items: list[tuple[str, str]], isa: str = "sass") -> int:
             if base == "BAR":               # every instruction after it waits for the data stored before it
                 bar = max(bar, stored)
                 continue
-            is_store = base in _SASS_STORES or base.startswith(("ST", "RED"))
+            is_store = base in _SASS_NO_DEST or base.startswith(("ST", "RED"))
             dests = [] if is_store or not operands else _sass_regs(operands[0], wide if base.startswith("LD") else 1)
             srcs = _sass_regs(pred, 1) + [r for o in (operands if is_store else operands[1:])
                                           for r in _sass_regs(o, wide if is_store else 1)]
             at = max([bar] + [ready.get(r, 0) for r in srcs])
             if base in ("STS", "STSM"):
                 stored = max(stored, at)
-            is_load = base in ("LDG", "LD") and _sass_global_bytes(text) > 0 or base == "LD"
+            is_load = base in ("LDG", "LD")     # global (and generic) loads; LDS, LDSM and LDL are on-chip
             for r in dests:
                 ready[r] = at + 1 if is_load else at
             top = max(top, at)
