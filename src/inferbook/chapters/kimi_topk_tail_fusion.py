@@ -159,8 +159,8 @@ def traffic(T: int, k: int, H: int, I: int, fmt: str, counts: list[int], block_m
     - separate: the [T*k, H] BF16 rows written, then read by the combine.
     - fused: the fp32 [T, H] accumulator zero-filled, written back by the atomics (at least once),
       and read by the cast to BF16.
-    - decode (W4A16, MXFP4): the fused tail at row blocks of `decode_block_m` (`decode_block_m(fmt, device)`:
-      16, or 8 on NVIDIA's swap-AB W4A16 loop), weights in
+    - decode (W4A16, MXFP4): the fused tail at row blocks of `decode_block_m` (`FM.decode_tail_block_m`:
+      16, or 8 on B200's swap-AB W4A16 loop), weights in
       `pack_decode`'s layout (K padded to 256, `FM.decode_weight_bytes`; 0 for BF16, which it does not read).
     """
     wb = weight_bytes(H, I, fmt)
@@ -181,13 +181,6 @@ def traffic(T: int, k: int, H: int, I: int, fmt: str, counts: list[int], block_m
             "fused": blocks * wb + common + sort + 3 * acc,
             "token-major": T * k * wb + common,
             "decode": decode_blocks * dwb + common + Pd * 4 + (Pd // dbm) * 4 + 3 * acc}
-
-
-def decode_block_m(fmt: str, device=None) -> int:
-    """The decode tail's row block for `fmt` on `device` (`FM.decode_tail_config`; None: the build target's):
-    8 where NVIDIA's W4A16 loop swaps the operands, else 16."""
-    dev = device if device is not None else torch.device("cuda")
-    return FM.decode_tail_config(dev.type != "cuda", dev, fp4=fmt == "mxfp4")["BLOCK_M"]
 
 
 def buffers_expected(T: int, k: int, H: int, variant: str, inter_bytes_per: int = 2) -> dict:
@@ -233,7 +226,7 @@ def measure(ctx, *, hidden, inter, experts, top_k, tokens, formats, reps, ranks,
             torch_out = FM.moe_tail_torch(act, w2, tw, ids)
             counts = torch.bincount(ids.flatten().long(), minlength=experts).tolist()
             block_m = FM.moe_config(T * top_k / experts, interp)["BLOCK_M"]
-            tr = traffic(T, top_k, hidden, inter, fmt, counts, block_m, decode_block_m(fmt, ctx.device))
+            tr = traffic(T, top_k, hidden, inter, fmt, counts, block_m, FM.decode_tail_block_m(fmt, ctx.device))
             outs, recs = {}, {}
             d2 = FM.pack_for_decode(w2) if fmt in DECODE_FORMATS else None   # load time, once: not in the timed tail
             for variant, (kernel, fused) in variants(fmt).items():
@@ -312,9 +305,9 @@ def latent_gemm2(fmt: str) -> str:
 
 
 def latent_block_m(fmt: str, T: int, k: int, E: int, interpreted: bool, device=None) -> int:
-    """GEMM2's row block: the decode tail's on the decode loop (`decode_block_m`), else `moe_config`'s."""
+    """GEMM2's row block: the decode tail's on the decode loop (`FM.decode_tail_block_m`), else `moe_config`'s."""
     if latent_gemm2(fmt) == "decode":
-        return decode_block_m(fmt, device if device is not None or not interpreted else torch.device("cpu"))
+        return FM.decode_tail_block_m(fmt, device if device is not None or not interpreted else torch.device("cpu"))
     return FM.moe_config(T * k / E, interpreted)["BLOCK_M"]
 
 LATENT_BACKEND = {

@@ -196,57 +196,62 @@ def load_rounds(items: list[tuple[str, str]], isa: str = "sass") -> int:
     synchronising atomics). The registers are the operands' (SASS: a .64 / .128 access names 2 / 4; AMDGCN:
     v7, s[4:7], a[0:3], vcc; a scalar load's destination is a load's too, s_barrier is the barrier, ds_write the
     store to shared memory)."""
-    top = 0
-    if isa == "sass":
-        ready: dict[str, int] = {}
-        bar = stored = 0
-        for kind, text in items:
-            if kind != "insn":
-                continue
-            pred, body = "", text
-            if body.startswith("@"):
-                pred, _, body = body.partition(" ")
-            op = body.split()[0] if body.split() else ""
-            rest = body[len(op):].strip()
-            operands = [o.strip() for o in rest.split(",")] if rest else []
-            wide = 4 if ".128" in op else 2 if ".64" in op else 1
-            base = op.split(".")[0]
-            if base == "BAR":               # every instruction after it waits for the data stored before it
-                bar = max(bar, stored)
-                continue
-            is_store = base in _SASS_NO_DEST or base.startswith(("ST", "RED"))
-            dests = [] if is_store or not operands else _sass_regs(operands[0], wide if base.startswith("LD") else 1)
-            srcs = _sass_regs(pred, 1) + [r for o in (operands if is_store else operands[1:])
-                                          for r in _sass_regs(o, wide if is_store else 1)]
-            at = max([bar] + [ready.get(r, 0) for r in srcs])
-            if base in ("STS", "STSM"):
-                stored = max(stored, at)
-            is_load = base in ("LDG", "LD")     # global (and generic) loads; LDS, LDSM and LDL are on-chip
-            for r in dests:
-                ready[r] = at + 1 if is_load else at
-            top = max(top, at)
-        return top
-    ready = {}
-    bar = stored = 0
+    ready: dict[str, int] = {}
+    top = bar = stored = 0
     for kind, text in items:
         if kind != "insn":
             continue
-        op = text.split()[0]
-        operands = [o.strip() for o in text[len(op):].split(",")] if text[len(op):].strip() else []
-        if op == "s_barrier":
+        role, dests, srcs = _sass_role(text) if isa == "sass" else _amd_role(text, isa)
+        if role == "barrier":           # every instruction after it waits for the data stored before it
             bar = max(bar, stored)
             continue
-        no_dest = op.startswith(_AMD_NO_DEST)
-        dests = [] if no_dest or not operands else _amd_regs(operands[0])
-        srcs = [r for o in (operands if no_dest else operands[1:]) for r in _amd_regs(o)]
         at = max([bar] + [ready.get(r, 0) for r in srcs])
-        if op.startswith(("ds_write", "ds_store")):
+        if role == "shared store":
             stored = max(stored, at)
-        is_load = (_amd_global_bytes(text) > 0 and not _is_async(text, isa)) or re.match(r"^s_(?:buffer_)?load_", op)
         for r in dests:
-            ready[r] = at + 1 if is_load else at
+            ready[r] = at + 1 if role == "load" else at
         top = max(top, at)
     return top
+
+
+def _sass_role(text: str) -> tuple[str, list[str], list[str]]:
+    """(role, destination registers, source registers) of one SASS instruction for `load_rounds`: role 'barrier'
+    (BAR), 'shared store' (STS, STSM), 'load' (a synchronous global or generic load; LDS, LDSM and LDL are
+    on-chip) or 'other'. The predicate is a source."""
+    pred, body = "", text
+    if body.startswith("@"):
+        pred, _, body = body.partition(" ")
+    op = body.split()[0] if body.split() else ""
+    rest = body[len(op):].strip()
+    operands = [o.strip() for o in rest.split(",")] if rest else []
+    wide = 4 if ".128" in op else 2 if ".64" in op else 1
+    base = op.split(".")[0]
+    if base == "BAR":
+        return "barrier", [], []
+    is_store = base in _SASS_NO_DEST or base.startswith(("ST", "RED"))
+    dests = [] if is_store or not operands else _sass_regs(operands[0], wide if base.startswith("LD") else 1)
+    srcs = _sass_regs(pred, 1) + [r for o in (operands if is_store else operands[1:])
+                                  for r in _sass_regs(o, wide if is_store else 1)]
+    role = "shared store" if base in ("STS", "STSM") else "load" if base in ("LDG", "LD") else "other"
+    return role, dests, srcs
+
+
+def _amd_role(text: str, isa: str = "amdgcn") -> tuple[str, list[str], list[str]]:
+    """`_sass_role` for one AMDGCN instruction: 'barrier' (s_barrier), 'shared store' (ds_write / ds_store),
+    'load' (a synchronous global or buffer load, or a scalar load) or 'other'."""
+    op = text.split()[0]
+    rest = text[len(op):].strip()
+    operands = [o.strip() for o in rest.split(",")] if rest else []
+    if op == "s_barrier":
+        return "barrier", [], []
+    no_dest = op.startswith(_AMD_NO_DEST)
+    dests = [] if no_dest or not operands else _amd_regs(operands[0])
+    srcs = [r for o in (operands if no_dest else operands[1:]) for r in _amd_regs(o)]
+    if op.startswith(("ds_write", "ds_store")):
+        return "shared store", dests, srcs
+    if (_amd_global_bytes(text) > 0 and not _is_async(text, isa)) or re.match(r"^s_(?:buffer_)?load_", op):
+        return "load", dests, srcs
+    return "other", dests, srcs
 
 
 _AMD_NO_DEST = ("global_store", "buffer_store", "flat_store", "ds_write", "ds_store", "s_store", "s_cmp", "s_bitcmp",

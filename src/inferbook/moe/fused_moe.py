@@ -38,7 +38,7 @@ if triton is not None:
 
     from .mxfp4 import mxfp4_tile
     from .mxfp4_decode import decode_run_fp4
-    from .w4a16 import decode_neg, decode_run, decode_run_swapped, round_bf16, w4_tile
+    from .w4a16 import decode_neg, decode_run, decode_run_swapped, round_bf16, swapped_operands, w4_tile
 
     @triton.jit
     def moe_gemm_kernel(a_ptr, qw_ptr, s_ptr, c_ptr, rows_ptr, block_expert_ptr, counts_ptr, dest_ptr, roww_ptr,
@@ -335,8 +335,7 @@ if triton is not None:
             sc = s_ptr + e.to(tl.int64) * s_expert_stride
             if SWAP_AB:   # the weights as the MMA's A operand: sums [BLOCK_N, BLOCK_M]
                 tl.static_assert(not FP4, "SWAP_AB runs the W4A16 loop only")
-                s_col = (offs_n // 2) * (2 * (256 // GROUP)) + offs_n % 2   # a column's scale in its pair's groups
-                neg_t = tl.full((BLOCK_N, 32), -136.0, tl.float32 if DOT_FP32 else tl.bfloat16)
+                neg_t, s_col = swapped_operands(offs_n, GROUP, DOT_FP32)
                 acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
                 for r in range(0, (K + 255) // 256):
                     acc_t = decode_run_swapped(acc_t, a_ptr, stride_am, slot, m_ok, qw, sc, N, offs_n, n_ok, K, r, neg_t,
@@ -927,9 +926,9 @@ def decode_weight_bytes(n: int, k: int, fmt: str) -> int:
     return MXD.decode_weight_bytes(n, k) if fmt == "mxfp4" else w4_decode_weight_bytes(n, k)
 DECODE_TAIL_BLOCK_M = 16   # the decode tail's row blocks: one m16 MMA tile of one expert's slots
 DECODE_TAIL_SWAP_BLOCK_M = SWAP_MAX_M   # swap-AB's (B200's W4A16 tail): the slots are the MMA's n8 operand
-# the W4A16 decode tail's NVIDIA tiles (`decode_tail_config` says why): sm_100 swaps the operands
 # MXFP4's stages on NVIDIA (`decode_tail_config`): 2 (its tiles' loads issued before the loop), 1 on sm_100
 DECODE_TAIL_FP4_STAGES = {"nvidia": 2, "sm_100": 1}
+# the W4A16 decode tail's NVIDIA tiles (`decode_tail_config` says why): sm_100 swaps the operands
 DECODE_TAIL_NVIDIA = {"nvidia": dict(BLOCK_M=DECODE_TAIL_BLOCK_M, BLOCK_N=64, num_warps=2, num_stages=2),
                       "sm_100": dict(BLOCK_M=DECODE_TAIL_SWAP_BLOCK_M, BLOCK_N=64, num_warps=1, num_stages=1,
                                      SWAP_AB=True)}
@@ -939,7 +938,9 @@ def decode_tail_config(interpreted: bool, device=None, *, programs: int | None =
                        fold: bool = True) -> dict:
     """Tiles of the decode tail (`moe_decode_tail_kernel`), given its grid's `programs` where known. Its K is
     one expert's FFN slice (Kimi K3: 256 a rank), so a CTA runs one or two runs of 256: there is nothing for
-    a pipeline to overlap, and one stage frees the registers the stages held.
+    a pipeline to overlap across runs. A second stage still matters where it makes the pipeliner issue every
+    group's activation tile before the loop (NVIDIA's unswapped tiles, below); elsewhere one stage frees the
+    registers the stages held.
     NVIDIA (`DECODE_TAIL_NVIDIA`): 64 columns on 2 warps, 2 stages. At one stage each trip waits 10 loads one
     after another (`machine.load_rounds`: the 8 groups' activation tiles staged one by one through one shared
     buffer, each load issued after the barrier that waits on the last one's store), which the cost model
@@ -964,7 +965,7 @@ def decode_tail_config(interpreted: bool, device=None, *, programs: int | None =
     loaded and moved into the accumulator's layout one group at a time) and cost 7 % / 13 % (118, 124 us; 2
     stages spill 144 B), so it keeps one.
     Swapped on sm_90 it is predicted 184 us over the four T, not 178: T 128's worst case of 8-slot blocks reads
-    7 % more weights (`routing.max_blocks`) and H200's 2-warp tile is not issue-bound there; A100 alike.
+    7 % more weights (`routing.max_blocks`) and H200's 2-warp tile already meets issue 21's bar; A100 alike.
     CDNA: the CDNA loop, one stage, one-wave CTAs: 128 columns for a grid of at least 2048 programs (at
     CDNA's 128-column tile, `_decode_tail_programs`), else 64; at 128 columns W4A16's scales by scalar FMAs (`FMA_AMD`, `w4a16._fma_amd`: LLVM's paired
     FMAs copied each column scale into register pairs, 288 moves a wave on gfx950). Over the four T: MI300X
@@ -1009,7 +1010,15 @@ def decode_tail_config(interpreted: bool, device=None, *, programs: int | None =
     return dict(_device.swept("moe.decode_tail_fp4" if fp4 and fold else "moe.decode_tail", cfg))
 
 
-DECODE_TAIL_ONE_WAVE_PROGRAMS = 2048   # CDNA: from this grid on, one wave a program (`decode_tail_config`)
+DECODE_TAIL_ONE_WAVE_PROGRAMS = 2048   # CDNA: from this grid on, 128 columns a one-wave program (`decode_tail_config`)
+
+
+def decode_tail_block_m(fmt: str, device=None) -> int:
+    """The decode tail's row block (`decode_tail_config`'s BLOCK_M) for `fmt` ('w4a16' or 'mxfp4') on `device`
+    (None: a CUDA device, i.e. the `building_for` target; a CPU device: the interpreter's): 8 where B200 swaps
+    W4A16's operands, else 16."""
+    dev = torch.device("cuda") if device is None else device
+    return decode_tail_config(dev.type != "cuda", dev, fp4=fmt == "mxfp4")["BLOCK_M"]
 
 
 def moe_tail(act: torch.Tensor, w2, topk_weights, topk_ids, *, fused: bool, inter_dtype=torch.bfloat16,

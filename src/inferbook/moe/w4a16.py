@@ -1166,6 +1166,14 @@ if triton is not None:
         return acc
 
     @triton.jit
+    def swapped_operands(offs_n, GROUP: tl.constexpr, DOT_FP32: tl.constexpr):
+        """`decode_run_swapped`'s loop-invariant operands for the columns offs_n [BLOCK_N]: the constant A tile of
+        -136 [BLOCK_N, 32] (bf16, or fp32 in the interpreter) and s_col, int32 [BLOCK_N], each column's scale
+        offset within its pair's groups of a run (computed once a CTA)."""
+        neg = tl.full((offs_n.shape[0], 32), -136.0, tl.float32 if DOT_FP32 else tl.bfloat16)
+        return neg, (offs_n // 2) * (2 * (256 // GROUP)) + offs_n % 2
+
+    @triton.jit
     def w4a16_decode_swapped_kernel(x_ptr, qw_ptr, s_ptr, out_ptr, M, N, K, stride_xm, SPLITS,
                                     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                                     ASM: tl.constexpr, DOT_FP32: tl.constexpr, ATOMIC: tl.constexpr,
@@ -1175,11 +1183,7 @@ if triton is not None:
         pointers into the same fp32 [SPLIT, M, N] (or, ATOMIC, [M, N]) buffer."""
         pid_n, pid_k, offs_m, offs_n, m_ok, n_ok, r0, r1 = decode_program(M, N, K, SPLITS, BLOCK_M, BLOCK_N)
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        if DOT_FP32:
-            neg = tl.full((BLOCK_N, 32), -136.0, tl.float32)
-        else:
-            neg = tl.full((BLOCK_N, 32), -136.0, tl.bfloat16)
-        s_col = (offs_n // 2) * (2 * (256 // GROUP)) + offs_n % 2    # a column's scale in its pair's groups
+        neg, s_col = swapped_operands(offs_n, GROUP, DOT_FP32)
         for r in range(r0, r1):
             acc = decode_run_swapped(acc, x_ptr, stride_xm, offs_m, m_ok, qw_ptr, s_ptr, N, offs_n, n_ok, K, r, neg, s_col,
                                      GROUP, ASM, DOT_FP32, EVEN_N, EVEN_K)
